@@ -1,0 +1,31 @@
+# Two commands for a new user: `make run` and `make test`. Both bootstrap .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test test-all lint clean venv
+
+venv: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m experiments.fragmentation
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m "slow or not slow" tests
+
+lint: $(STAMP)
+	$(PY) -m ruff check paged pallas_kernels experiments tests
+	$(PY) -m ruff format --check paged pallas_kernels experiments tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
