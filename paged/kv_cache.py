@@ -5,16 +5,96 @@ Layout (the one of JAX's own Pallas paged-attention kernels, layers stacked in f
     k_pages, v_pages: [num_layers, num_kv_heads, num_pages, page_size, head_dim]
 
 Page ``NULL_PAGE`` (0) is the null page: page-table padding points at it and padded tokens write
-into it. It is never handed to a sequence, so its content is garbage by design and nothing may read it
-for a real position.
+into it. It is never handed to a sequence, so its content is garbage by design (debug mode even fills
+it with NaN) and no kernel may read it for a real position.
+
+Every operation that changes the cache takes it as its first argument and DONATES it: XLA updates
+the pages in place and the caller must use the returned cache, never the argument again. Index
+arrays (pages, slots) may be padded with ``NULL_PAGE`` entries; the helpers ``pad_pages`` and
+``pad_slots`` round their lengths up to powers of two so a long run compiles a handful of shapes.
 """
 
 from __future__ import annotations
 
+import functools
+
+import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NULL_PAGE = 0
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Stacked per-layer K/V pages.
+
+    Attributes:
+      k_pages: ``[num_layers, num_kv_heads, num_pages, page_size, head_dim]``.
+      v_pages: same shape and dtype as ``k_pages``.
+    """
+
+    k_pages: jax.Array  # [L, Hkv, P, page, D]
+    v_pages: jax.Array  # [L, Hkv, P, page, D]
+
+    @classmethod
+    def create(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        num_pages: int,
+        page_size: int,
+        head_dim: int,
+        dtype=jnp.float32,
+        *,
+        sharding: jax.sharding.Sharding | None = None,
+    ) -> KVCache:
+        """Allocates a zeroed cache; ``num_pages`` includes the null page.
+
+        Raises:
+          ValueError: a dimension is not a positive integer, or ``num_pages < 2``.
+        """
+        dims = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, num_pages=num_pages,
+                    page_size=page_size, head_dim=head_dim)
+        for name, value in dims.items():
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if num_pages < 2:
+            raise ValueError(f"num_pages={num_pages} must be >= 2 (page 0 is the null page)")
+        shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+        zeros = functools.partial(jnp.zeros, shape, dtype)
+        if sharding is not None:
+            zeros = jax.jit(zeros, out_shardings=sharding)
+        return cls(k_pages=zeros(), v_pages=zeros())
+
+    @property
+    def num_layers(self) -> int:
+        return self.k_pages.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_pages.shape[1]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[2]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[3]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_pages.shape[4]
+
+    @property
+    def dtype(self):
+        return self.k_pages.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k_pages.nbytes + self.v_pages.nbytes)
 
 
 def write_layer(
@@ -36,3 +116,174 @@ def write_layer(
     flat_k = flat_k.at[:, slot_mapping].set(kt, mode="drop")
     flat_v = flat_v.at[:, slot_mapping].set(vt, mode="drop")
     return flat_k.reshape(k_pages.shape), flat_v.reshape(v_pages.shape)
+
+
+def _check_tokens(cache: KVCache, k, v, slot_mapping) -> None:
+    expect = (cache.num_layers, None, cache.num_kv_heads, cache.head_dim)
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != 4 or any(e is not None and s != e for s, e in zip(x.shape, expect)):
+            raise ValueError(
+                f"{name}.shape={tuple(x.shape)} must be [num_layers={cache.num_layers}, num_tokens, "
+                f"num_kv_heads={cache.num_kv_heads}, head_dim={cache.head_dim}]")
+    if k.shape != v.shape:
+        raise ValueError(f"k.shape={tuple(k.shape)} != v.shape={tuple(v.shape)}")
+    if slot_mapping.ndim != 1 or slot_mapping.shape[0] != k.shape[1]:
+        raise ValueError(f"slot_mapping.shape={tuple(slot_mapping.shape)} must be [num_tokens={k.shape[1]}]")
+    if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+        raise TypeError(f"slot_mapping.dtype={slot_mapping.dtype} must be an integer type")
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write(cache, k, v, slot_mapping):
+    def one(kp, vp, kl, vl):
+        return write_layer(kp, vp, kl, vl, slot_mapping)
+
+    k_pages, v_pages = jax.vmap(one)(cache.k_pages, cache.v_pages, k, v)
+    return cache.replace(k_pages=k_pages, v_pages=v_pages)
+
+
+def write(
+    cache: KVCache,
+    k: jax.Array,  # [num_layers, num_tokens, num_kv_heads, head_dim]
+    v: jax.Array,  # [num_layers, num_tokens, num_kv_heads, head_dim]
+    slot_mapping: jax.Array,  # i32[num_tokens]
+) -> KVCache:
+    """Writes every layer's K/V of new tokens at ``slot_mapping``. DONATES ``cache``.
+
+    Raises:
+      ValueError / TypeError: shapes or dtypes that do not match the cache.
+    """
+    _check_tokens(cache, k, v, jnp.asarray(slot_mapping))
+    return _write(cache, k, v, jnp.asarray(slot_mapping, jnp.int32))
+
+
+def _check_pages(cache: KVCache, name: str, pages) -> np.ndarray:
+    arr = np.asarray(pages)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() >= cache.num_pages):
+        raise ValueError(f"{name} has page ids outside [0, {cache.num_pages}): {arr.tolist()}")
+    return arr.astype(np.int32)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _copy_pages(cache, src, dst):
+    k = cache.k_pages.at[:, :, dst].set(cache.k_pages[:, :, src])
+    v = cache.v_pages.at[:, :, dst].set(cache.v_pages[:, :, src])
+    return cache.replace(k_pages=k, v_pages=v)
+
+
+def copy_pages(cache: KVCache, src, dst) -> KVCache:
+    """Copy-on-write: page ``dst[i]`` becomes a copy of page ``src[i]`` in every layer. DONATES ``cache``.
+
+    Args:
+      cache: the cache (donated).
+      src: i32[n] source pages. Padding entries are ``NULL_PAGE -> NULL_PAGE``.
+      dst: i32[n] destination pages, distinct (except padding) and disjoint from ``src``.
+    """
+    src = _check_pages(cache, "src", src)
+    dst = _check_pages(cache, "dst", dst)
+    if src.shape != dst.shape:
+        raise ValueError(f"src has {src.size} pages but dst has {dst.size}")
+    real = dst != NULL_PAGE
+    if len(set(dst[real].tolist())) != int(real.sum()) or set(dst[real].tolist()) & set(src.tolist()):
+        raise ValueError(f"dst pages must be distinct and disjoint from src: src={src.tolist()} dst={dst.tolist()}")
+    src, dst = pad_pages(src), pad_pages(dst)
+    return _copy_pages(cache, jnp.asarray(src), jnp.asarray(dst))
+
+
+@jax.jit
+def _read_pages(cache, pages):
+    return cache.k_pages[:, :, pages], cache.v_pages[:, :, pages]
+
+
+def swap_out(cache: KVCache, pages) -> tuple[np.ndarray, np.ndarray]:
+    """Copies pages to host memory (the cache is not changed and not donated).
+
+    Returns:
+      ``(k, v)`` numpy arrays of shape ``[num_layers, num_kv_heads, n, page_size, head_dim]``.
+    """
+    pages = _check_pages(cache, "pages", pages)
+    n = pages.size
+    k, v = _read_pages(cache, jnp.asarray(pad_pages(pages)))
+    return np.asarray(k)[:, :, :n], np.asarray(v)[:, :, :n]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_pages(cache, pages, k, v):
+    return cache.replace(k_pages=cache.k_pages.at[:, :, pages].set(k),
+                         v_pages=cache.v_pages.at[:, :, pages].set(v))
+
+
+def swap_in(cache: KVCache, pages, k: np.ndarray, v: np.ndarray) -> KVCache:
+    """Writes host copies back into (possibly different) pages. DONATES ``cache``.
+
+    Args:
+      cache: the cache (donated).
+      pages: i32[n] destination pages.
+      k, v: ``[num_layers, num_kv_heads, n, page_size, head_dim]`` from ``swap_out``.
+    """
+    pages = _check_pages(cache, "pages", pages)
+    n = pages.size
+    expect = (cache.num_layers, cache.num_kv_heads, n, cache.page_size, cache.head_dim)
+    for name, x in (("k", k), ("v", v)):
+        if tuple(x.shape) != expect:
+            raise ValueError(f"{name}.shape={tuple(x.shape)} must be {expect}")
+    padded = pad_pages(pages)
+    extra = padded.size - n
+    if extra:
+        # Padding rewrites the null page with zeros: harmless, nothing reads it.
+        widths = [(0, 0), (0, 0), (0, extra), (0, 0), (0, 0)]
+        k, v = np.pad(k, widths), np.pad(v, widths)
+    return _write_pages(cache, jnp.asarray(padded), jnp.asarray(k, cache.dtype), jnp.asarray(v, cache.dtype))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _poison(cache, pages):
+    nan = jnp.array(jnp.nan, cache.dtype)
+    return cache.replace(k_pages=cache.k_pages.at[:, :, pages].set(nan),
+                         v_pages=cache.v_pages.at[:, :, pages].set(nan))
+
+
+def poison(cache: KVCache, pages) -> KVCache:
+    """Fills pages with NaN (debug mode: a stray read of a freed page spoils the output). DONATES ``cache``."""
+    pages = _check_pages(cache, "pages", pages)
+    return _poison(cache, jnp.asarray(pad_pages(pages)))
+
+
+def gather(cache: KVCache, page_indices, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """One sequence's KV as contiguous host arrays (for tests and debugging).
+
+    Args:
+      cache: the cache (not donated).
+      page_indices: the sequence's pages in logical order.
+      length: number of valid tokens; needs ``ceil(length / page_size)`` pages.
+
+    Returns:
+      ``(k, v)`` of shape ``[num_layers, length, num_kv_heads, head_dim]``.
+    """
+    pages = _check_pages(cache, "page_indices", page_indices)
+    if length < 0 or -(-length // cache.page_size) > pages.size:
+        raise ValueError(f"length={length} needs more than the {pages.size} pages given "
+                         f"(page_size={cache.page_size})")
+    k, v = swap_out(cache, pages)  # [L, Hkv, n, page, D]
+
+    def flat(x):
+        x = np.moveaxis(x, 1, 3)  # [L, n, page, Hkv, D]
+        return x.reshape(x.shape[0], -1, x.shape[3], x.shape[4])[:, :length]
+
+    return flat(k), flat(v)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def pad_pages(pages: np.ndarray) -> np.ndarray:
+    """Pads a page list with ``NULL_PAGE`` to the next power of two (bounded recompilation)."""
+    pages = np.asarray(pages, np.int32)
+    out = np.full(next_pow2(pages.size), NULL_PAGE, np.int32)
+    out[: pages.size] = pages
+    return out
+
