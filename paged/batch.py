@@ -1,0 +1,111 @@
+"""Builds one step's device batch on the host (numpy), padded to power-of-two buckets.
+
+Bucketing keeps the number of distinct shapes (and so XLA compilations) small: tokens, sequences
+and sample slots are each rounded up to a power of two. Padding tokens write into the null page;
+padding sequences have ``kv_len = 0`` and an empty query range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import flax
+import jax
+import numpy as np
+
+from paged.kv_cache import NULL_PAGE, next_pow2
+from paged.models.attention import AttentionMetadata
+from paged.sequence import Sequence
+
+MIN_TOKENS = 8  # smallest token bucket: tiny batches share one compilation
+
+
+@flax.struct.dataclass
+class DeviceBatch:
+    """Everything the jitted step reads; shapes are bucketed."""
+
+    tokens: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]
+    md: AttentionMetadata  # slot_mapping i32[T], page_indices i32[S, pages_per_seq], ...
+    sample_rows: jax.Array  # i32[N]: token row whose logits each sample slot reads
+    temperature: jax.Array  # f32[N]
+    top_k: jax.Array  # i32[N]
+    top_p: jax.Array  # f32[N]
+    seed: jax.Array  # i32[N]
+    sample_index: jax.Array  # i32[N]
+    sample_pos: jax.Array  # i32[N]: position of the token being sampled
+
+
+@dataclasses.dataclass
+class StepBatch:
+    device: DeviceBatch
+    samples: list[tuple[Sequence, int, int]]  # (sequence, first sample slot, number of slots)
+    num_tokens: int
+    num_seqs: int
+
+
+class BatchBuilder:
+    """Turns the scheduler's choice into a ``DeviceBatch``."""
+
+    def __init__(self, block_manager, page_size: int, pages_per_seq: int):
+        self.bm = block_manager
+        self.page_size = page_size
+        self.pages_per_seq = pages_per_seq
+
+    def build(self, scheduled) -> StepBatch:
+        s = len(scheduled)
+        seqs = [item.seq for item in scheduled]
+        q_lens = np.fromiter((item.num_new_tokens for item in scheduled), np.int32, s)
+        starts = np.fromiter((q.num_computed_tokens for q in seqs), np.int32, s)
+        t = int(q_lens.sum())
+        t_pad, s_pad = next_pow2(max(t, MIN_TOKENS)), next_pow2(s)
+
+        tokens = np.zeros(t_pad, np.int32)
+        tokens[:t] = np.fromiter(
+            itertools.chain.from_iterable(q.token_ids[c:c + n] for q, c, n in zip(seqs, starts, q_lens)),
+            np.int32, t)
+        cu = np.full(s_pad + 1, t, np.int32)
+        cu[0] = 0
+        np.cumsum(q_lens, out=cu[1:s + 1])
+        owner = np.repeat(np.arange(s), q_lens)
+        positions = np.zeros(t_pad, np.int32)
+        positions[:t] = np.arange(t) - cu[owner] + starts[owner]
+        page_indices = np.full((s_pad, self.pages_per_seq), NULL_PAGE, np.int32)
+        for i, q in enumerate(seqs):
+            table = self.bm.block_table(q.seq_id)
+            page_indices[i, :len(table)] = table
+        slots = np.full(t_pad, NULL_PAGE * self.page_size, np.int32)
+        slots[:t] = page_indices[owner, positions[:t] // self.page_size] * self.page_size \
+            + positions[:t] % self.page_size
+        kv_lens = np.zeros(s_pad, np.int32)
+        kv_lens[:s] = starts + q_lens
+
+        # Sample slots: one per sequence that reaches its end this step; n for an unforked prompt.
+        samples, rows = [], []
+        for i, q in enumerate(seqs):
+            if starts[i] + q_lens[i] != q.num_tokens:
+                continue  # a prefill chunk that does not finish the prompt
+            count = q.params.n if q.sample_index == 0 and q.num_output_tokens == 0 else 1
+            samples.append((q, len(rows), count))
+            rows.extend([(int(cu[i + 1]) - 1, q, j) for j in range(count)])
+        n_pad = max(s_pad, next_pow2(len(rows)))
+        sample_rows = np.zeros(n_pad, np.int32)
+        temperature = np.zeros(n_pad, np.float32)
+        top_k = np.zeros(n_pad, np.int32)
+        top_p = np.ones(n_pad, np.float32)
+        seed = np.zeros(n_pad, np.int32)
+        sample_index = np.zeros(n_pad, np.int32)
+        for k, (row, q, j) in enumerate(rows):
+            p = q.params
+            sample_rows[k], temperature[k], top_k[k], top_p[k] = row, p.temperature, p.top_k, p.top_p
+            seed[k], sample_index[k] = q.seed, q.sample_index + j
+        sample_pos = np.zeros(n_pad, np.int32)
+        sample_pos[:len(rows)] = positions[sample_rows[:len(rows)]] + 1
+
+        md = AttentionMetadata(slot_mapping=slots, page_indices=page_indices, kv_lens=kv_lens,
+                               cu_q_lens=cu, num_seqs=np.array([s], np.int32))
+        device = DeviceBatch(tokens=tokens, positions=positions, md=md, sample_rows=sample_rows,
+                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                             sample_index=sample_index, sample_pos=sample_pos)
+        return StepBatch(device=device, samples=samples, num_tokens=t, num_seqs=s)

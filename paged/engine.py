@@ -1,0 +1,471 @@
+"""Engine: requests in, tokens out.
+
+Owns the params, the KV cache (device), the block manager and the scheduler (host). One
+``step()``:
+
+    schedule (host) -> swap-out / poison / swap-in / copy-on-write (device, rare)
+    -> build the batch (numpy, bucketed shapes) -> one jitted device call (model forward with KV
+    writes, sampling; the cache donated) -> append tokens, stop, free (host).
+
+The host never reads KV back to decide anything: it sends indices and receives sampled tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence as SequenceT
+
+import jax
+import numpy as np
+
+from paged import accounting
+from paged import kv_cache as kc
+from paged.batch import BatchBuilder, StepBatch
+from paged.block_manager import BlockManager
+from paged.config import EngineConfig
+from paged.device_step import make_step_fn
+from paged.models.config import LlamaConfig
+from paged.models.tokenizer import ByteTokenizer
+from paged.sampling import SamplingParams
+from paged.scheduler import Scheduler, SchedulerOutput
+from paged.sequence import Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One sample of a request."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # "stop" | "length" | "abort" | "timeout" | None while running
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A request's state after a step (cumulative tokens).
+
+    ``token_ids`` / ``text`` / ``finish_reason`` are those of sample 0; all samples are in
+    ``outputs``. Times are ``time.perf_counter()`` seconds.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
+    token_times: list[float]  # sample 0: time each output token arrived
+    num_cached_tokens: int
+    num_preemptions: int
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+@dataclasses.dataclass
+class StepTiming:
+    """Seconds spent in each phase of the last step (host phases vs the device call)."""
+
+    schedule: float = 0.0
+    prepare: float = 0.0  # swap / poison / CoW calls + batch build
+    device: float = 0.0  # the jitted step, until its tokens are on the host
+    postprocess: float = 0.0
+    num_seqs: int = 0
+    num_tokens: int = 0
+
+    @property
+    def host(self) -> float:
+        return self.schedule + self.prepare + self.postprocess
+
+
+class Engine:
+    """Serves requests from a paged (or contiguous) KV cache with continuous batching.
+
+    Args:
+      config: engine settings.
+      model_config, params: a model to serve instead of the bundled ``config.model`` (tests use
+        random weights this way). Both or neither.
+      mesh: optional device mesh with a ``"model"`` axis: KV pages are sharded on the KV-head axis
+        (tensor parallel); one block manager serves all shards.
+
+    Raises:
+      ValueError: a pool too small for one ``max_model_len`` request, or inconsistent arguments.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, model_config: LlamaConfig | None = None,
+                 params=None, mesh: jax.sharding.Mesh | None = None):
+        config = config or EngineConfig()
+        if (model_config is None) != (params is None):
+            raise ValueError("pass both model_config and params, or neither")
+        if model_config is None:
+            from paged.models.registry import load_model
+
+            model_config, params = load_model(config.model)
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = ByteTokenizer()
+        if model_config.vocab_size < self.tokenizer.vocab_size:
+            raise ValueError(f"model vocab_size={model_config.vocab_size} < tokenizer's "
+                             f"{self.tokenizer.vocab_size}")
+        if config.kv_layout == "paged":
+            page_size, num_pages = config.block_size, config.pool_blocks()
+            if (num_pages - 1) * page_size < config.max_model_len:
+                raise ValueError(
+                    f"num_blocks={num_pages} (block_size={page_size}) cannot hold one request of "
+                    f"max_model_len={config.max_model_len}: need at least "
+                    f"{config.max_blocks_per_seq + 1} blocks including the null page")
+        else:  # contiguous: one page of max_model_len positions per request slot
+            slots = config.contiguous_slots()
+            if slots < 1:
+                raise ValueError(
+                    f"the pool ({config.pool_blocks()} blocks of {config.block_size}) cannot reserve "
+                    f"one contiguous buffer of max_model_len={config.max_model_len}")
+            page_size, num_pages = config.max_model_len, slots + 1
+        self.page_size = page_size
+        self.pages_per_seq = -(-config.max_model_len // page_size)
+        host_blocks = 0
+        if config.preemption_mode == "swap":
+            host_blocks = num_pages if config.num_host_blocks is None else config.num_host_blocks
+        self._freed_pages: list[int] = []
+        self.block_manager = BlockManager(
+            num_pages, page_size,
+            enable_prefix_caching=config.enable_prefix_caching and config.kv_layout == "paged",
+            cache_salt=f"{config.model}|{model_config.to_dict()}|{config.dtype}",
+            quarantine_steps=config.quarantine_steps,
+            num_host_blocks=host_blocks,
+            debug=config.debug_checks,
+            on_free=self._freed_pages.extend if config.debug_checks else None,
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+        sharding = None
+        if mesh is not None:
+            spec = jax.sharding.PartitionSpec(None, "model")
+            sharding = jax.sharding.NamedSharding(mesh, spec)
+        self.cache = kc.KVCache.create(
+            model_config.num_layers, model_config.num_kv_heads, num_pages, page_size,
+            model_config.head_dim, config.dtype, sharding=sharding)
+        self._host_k = self._host_v = None
+        if host_blocks:
+            shape = (model_config.num_layers, model_config.num_kv_heads, host_blocks, page_size,
+                     model_config.head_dim)
+            self._host_k = np.zeros(shape, np.dtype(self.cache.dtype))
+            self._host_v = np.zeros(shape, np.dtype(self.cache.dtype))
+        self.params = jax.device_put(params)
+        self._step_fn, self._trace_count = make_step_fn(model_config, config.attention_impl)
+        self._traces_at_start = self._trace_count()
+        self._builder = BatchBuilder(self.block_manager, page_size, self.pages_per_seq)
+        self._requests: dict[str, list[Sequence]] = {}
+        self._next_seq_id = 0
+        self._num_requests = 0
+        self._steps_without_progress = 0
+        self.num_steps = 0
+        self.last_timing = StepTiming()
+
+    # --- requests -----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | SequenceT[int],
+                    params: SamplingParams | None = None, *, arrival_time: float | None = None,
+                    timeout_s: float | None = None) -> None:
+        """Queues a request. Every check runs before any state changes.
+
+        Args:
+          request_id: unique among unfinished and finished-but-unreported requests.
+          prompt: text (encoded with BOS) or token ids.
+          params: sampling parameters (default ``SamplingParams()``).
+          arrival_time: ``time.perf_counter()`` of arrival (default now), for latency metrics.
+          timeout_s: abort the request this long after arrival (default
+            ``config.request_timeout_s``).
+
+        Raises:
+          ValueError / TypeError: empty or too long prompt, bad token ids, duplicate id, bad params.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id={request_id!r} must be a non-empty str")
+        if request_id in self._requests:
+            raise ValueError(f"duplicate request_id={request_id!r}")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        token_ids = self._encode(prompt)
+        if len(token_ids) > self.config.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens > max_model_len="
+                             f"{self.config.max_model_len}")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} > max_num_seqs={self.config.max_num_seqs}")
+        timeout_s = self.config.request_timeout_s if timeout_s is None else timeout_s
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
+        now = time.perf_counter() if arrival_time is None else arrival_time
+        seed = params.seed
+        if seed is None:
+            seed = int(np.random.SeedSequence([self.config.seed, self._num_requests]).generate_state(1)[0]
+                       % 2**31)
+        seq = Sequence(self._new_seq_id(), request_id, token_ids, len(token_ids), params, seed, now,
+                       deadline=None if timeout_s is None else now + timeout_s)
+        self._num_requests += 1
+        self._requests[request_id] = [seq]
+        self.scheduler.add(seq)
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, SequenceT | np.ndarray):
+            raise TypeError(f"prompt must be str or a sequence of token ids, got {type(prompt).__name__}")
+        ids = [int(t) for t in np.asarray(prompt).reshape(-1)] if len(prompt) else []
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} outside [0, {vocab})")
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Finishes a request now and releases its blocks (quarantined if a step may read them).
+
+        Returns:
+          True if the request was unfinished; False (with a log message) for unknown or finished.
+        """
+        seqs = self._requests.get(request_id)
+        if not seqs or all(s.finished for s in seqs):
+            log.warning("abort(%r): no unfinished request with this id", request_id)
+            return False
+        self._finish_request(request_id, "abort", time.perf_counter())
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+    def _finish_request(self, request_id: str, reason: str, now: float) -> None:
+        for seq in self._requests[request_id]:
+            if not seq.finished:
+                self.scheduler.finish(seq, reason, now)
+
+    # --- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step; returns the requests that got tokens or finished in it."""
+        timing = StepTiming()
+        t0 = time.perf_counter()
+        touched = self._expire(t0)
+        sched = self.scheduler.schedule(t0)
+        t1 = time.perf_counter()
+        timing.schedule = t1 - t0
+        # The step's copies (swap, CoW) belong to it: pages they touch stay held until it completes.
+        step_id = self.block_manager.begin_step()
+        self._prepare_device(sched)
+        if sched.is_empty:
+            self.block_manager.step_completed(step_id)
+            self._guard_progress(sched)
+            self.last_timing = timing
+            return self._outputs(touched)
+        self._steps_without_progress = 0
+        batch = self._builder.build(sched.scheduled)
+        t2 = time.perf_counter()
+        timing.prepare = t2 - t1
+        self.cache, tokens = self._step_fn(self.params, self.cache, batch.device)
+        tokens = np.asarray(tokens)  # waits for the device
+        self.block_manager.step_completed(step_id)
+        t3 = time.perf_counter()
+        timing.device = t3 - t2
+        touched |= self._postprocess(sched, batch, tokens, t3)
+        if self.config.debug_checks:
+            self.block_manager.check_invariants()
+        self.num_steps += 1
+        t4 = time.perf_counter()
+        timing.postprocess = t4 - t3
+        timing.num_seqs, timing.num_tokens = len(sched.scheduled), sched.num_batched_tokens
+        self.last_timing = timing
+        return self._outputs(touched)
+
+    def _expire(self, now: float) -> set[str]:
+        expired = set()
+        for request_id, seqs in self._requests.items():
+            if any(s.deadline is not None and now >= s.deadline and not s.finished for s in seqs):
+                expired.add(request_id)
+        for request_id in expired:
+            self._finish_request(request_id, "timeout", now)
+        return expired
+
+    def _guard_progress(self, sched: SchedulerOutput) -> None:
+        if not self.scheduler.has_unfinished():
+            return
+        self._steps_without_progress += 1
+        if self._steps_without_progress > self.config.max_steps_without_progress:
+            raise RuntimeError(
+                f"no sequence could be scheduled for {self._steps_without_progress} steps "
+                f"(waiting={len(self.scheduler.waiting)}, swapped={len(self.scheduler.swapped)}, "
+                f"free blocks={self.block_manager.num_allocatable_blocks}); the pool is too small")
+
+    def _prepare_device(self, sched: SchedulerOutput) -> None:
+        """Device-side effects of scheduling, in an order that never loses live KV."""
+        if sched.swap_out:  # read before anything can overwrite the freed pages
+            pages, slots = map(list, zip(*sched.swap_out))
+            k, v = kc.swap_out(self.cache, pages)
+            self._host_k[:, :, slots], self._host_v[:, :, slots] = k, v
+        if self._freed_pages:  # debug: poison every page whose content was dropped
+            self.cache = kc.poison(self.cache, sorted(set(self._freed_pages)))
+            self._freed_pages.clear()
+        if sched.swap_in:
+            slots, pages = map(list, zip(*sched.swap_in))
+            self.cache = kc.swap_in(self.cache, pages, self._host_k[:, :, slots], self._host_v[:, :, slots])
+        if sched.copies:
+            src, dst = map(list, zip(*sched.copies))
+            self.cache = kc.copy_pages(self.cache, src, dst)
+
+    def _postprocess(self, sched: SchedulerOutput, batch: StepBatch, tokens: np.ndarray,
+                     now: float) -> set[str]:
+        touched = set()
+        bm = self.block_manager
+        for item in sched.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            bm.mark_computed(seq.seq_id, seq.num_computed_tokens)
+        for seq, first_slot, count in batch.samples:
+            if seq.finished:
+                continue
+            touched.add(seq.request_id)
+            for j in range(1, count):  # parallel sampling: fork the finished prompt
+                child = dataclasses.replace(
+                    seq, seq_id=self._new_seq_id(), token_ids=list(seq.token_ids), sample_index=j,
+                    token_times=[], status=SeqStatus.WAITING)
+                bm.fork(seq.seq_id, child.seq_id)
+                self._requests[seq.request_id].append(child)
+                self.scheduler.add_running(child)
+                self._append_token(child, int(tokens[first_slot + j]), now)
+            self._append_token(seq, int(tokens[first_slot]), now)
+        return touched
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+        seq.token_ids.append(token)
+        seq.token_times.append(now)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        p = seq.params
+        reason = None
+        if token in p.stop_token_ids or (token == self.tokenizer.eos_id and not p.ignore_eos):
+            reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            reason = "length"
+        if reason:
+            self.scheduler.finish(seq, reason, now)
+
+    # --- outputs ------------------------------------------------------------------------
+    def _outputs(self, request_ids: set[str]) -> list[RequestOutput]:
+        outs = [self._request_output(r) for r in sorted(request_ids)]
+        for out in outs:  # finished requests are reported once, then forgotten
+            if out.finished:
+                del self._requests[out.request_id]
+        return outs
+
+    def _request_output(self, request_id: str) -> RequestOutput:
+        seqs = sorted(self._requests[request_id], key=lambda s: s.sample_index)
+        head = seqs[0]
+        n = head.params.n
+        # Samples not forked yet (prompt unfinished) are reported empty.
+        outputs = [CompletionOutput(s.sample_index, s.output_token_ids,
+                                    self.tokenizer.decode(s.output_token_ids), s.finish_reason)
+                   for s in seqs]
+        finished = all(s.finished for s in seqs) and (len(seqs) == n or head.finish_reason in (
+            "abort", "timeout") or head.num_output_tokens == 0)
+        times = [s.finish_time for s in seqs if s.finish_time is not None]
+        return RequestOutput(
+            request_id=request_id, prompt_token_ids=head.token_ids[:head.num_prompt_tokens],
+            outputs=outputs, finished=finished, arrival_time=head.arrival_time,
+            first_scheduled_time=head.first_scheduled_time, first_token_time=head.first_token_time,
+            finish_time=max(times) if finished and times else None, token_times=list(head.token_times),
+            num_cached_tokens=head.num_cached_tokens,
+            num_preemptions=sum(s.num_preemptions for s in seqs))
+
+    def generate(self, prompts: SequenceT[str | SequenceT[int]] | str,
+                 params: SamplingParams | SequenceT[SamplingParams] | None = None,
+                 *, progress: bool = False) -> list[RequestOutput]:
+        """Runs prompts to completion; returns their outputs in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
+        base = f"gen{self._num_requests}-"
+        ids = [f"{base}{i}" for i in range(len(prompts))]
+        added = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params_list):
+                self.add_request(rid, prompt, p)
+                added.append(rid)
+        except (ValueError, TypeError):
+            for rid in added:  # all or nothing
+                self.abort(rid)
+                self._requests.pop(rid, None)
+            raise
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+            if progress:
+                print(f"\r{len(done)}/{len(ids)} done", end="", flush=True)
+        if progress:
+            print()
+        return [done[r] for r in ids]
+
+    # --- introspection ------------------------------------------------------------------
+    @property
+    def num_compilations(self) -> int:
+        """Distinct step shapes traced (each is one XLA compilation)."""
+        return self._trace_count() - self._traces_at_start
+
+    def kv_stats(self) -> dict:
+        """Pool occupancy, prefix-cache and preemption counters, and the memory ledger (bytes)."""
+        bm = self.block_manager
+        stats = bm.stats()
+        spec = accounting.ModelSpec.from_model_config(self.model_config, dtype=self.config.dtype)
+        ledger = accounting.MemoryLedger.from_blocks(
+            spec, self.page_size, self.cache.num_pages, used=bm.block_usage(),
+            cached_free=bm.num_cached_blocks, free=bm.num_free_blocks,
+            reserved=bm.num_quarantined_blocks,
+            block_table_bytes=accounting.block_table_bytes(self.config.max_num_seqs, self.pages_per_seq),
+            workspace_bytes=self._workspace_bytes())
+        return {
+            "kv_layout": self.config.kv_layout,
+            "block_size": self.page_size,
+            "num_blocks": self.cache.num_pages,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_cached_blocks": bm.num_cached_blocks,
+            "num_quarantined_blocks": bm.num_quarantined_blocks,
+            "num_used_blocks": bm.num_used_blocks,
+            "prefix_cache_hit_tokens": stats.get("hit_tokens", 0),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_swap_outs": self.scheduler.num_swap_outs,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_swapped": len(self.scheduler.swapped),
+            "block_manager": stats,
+            "ledger": ledger.as_dict(),
+        }
+
+    def _workspace_bytes(self) -> int:
+        """Estimate of the step's largest activations (f32): residual + MLP + logits rows."""
+        c, t = self.model_config, self.config.max_num_batched_tokens
+        return 4 * t * (3 * c.d_model + 2 * c.ffn_dim + c.num_heads * c.head_dim) + \
+            4 * self.config.max_num_seqs * c.vocab_size

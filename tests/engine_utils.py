@@ -1,0 +1,59 @@
+"""Shared helpers for engine tests: a small random-weight model and a no-cache reference."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged.models.config import LlamaConfig
+from paged.models.llama import Llama
+from paged.models.registry import init_params
+
+SMALL = LlamaConfig(vocab_size=258, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=16, ffn_dim=128, max_seq_len=256)
+
+
+@functools.lru_cache(maxsize=None)
+def small_model(seed: int = 0):
+    """Random weights made peaky (embedding x20) so greedy argmax has clear winners."""
+    params = init_params(SMALL, seed)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 20.0 if "embedding" in jax.tree_util.keystr(path) else x, params)
+    return SMALL, params
+
+
+def prompts(num: int, *, seed: int = 0, min_len: int = 3, max_len: int = 40) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[256] + rng.integers(0, 256, rng.integers(min_len, max_len)).tolist() for _ in range(num)]
+
+
+@functools.lru_cache(maxsize=None)
+def _dense_fn(config: LlamaConfig):
+    model = Llama(config)
+    return jax.jit(lambda p, t: model.apply(p, t, method="dense"))
+
+
+def greedy_reference(config: LlamaConfig, params, prompt: list[int], max_tokens: int,
+                     eos_id: int = 257) -> list[int]:
+    """No-cache generation: the full sequence is recomputed densely for every token.
+
+    Tokens are right-padded to one length (causal attention ignores what comes after), so the
+    whole generation compiles once.
+    """
+    dense = _dense_fn(config)
+    tokens = list(prompt)
+    width = len(prompt) + max_tokens
+    out = []
+    for _ in range(max_tokens):
+        padded = np.zeros((1, width), np.int32)
+        padded[0, :len(tokens)] = tokens
+        logits = dense(params, jnp.asarray(padded))[0, len(tokens) - 1]
+        nxt = int(jnp.argmax(logits))
+        out.append(nxt)
+        tokens.append(nxt)
+        if nxt == eos_id:
+            break
+    return out
