@@ -1,0 +1,291 @@
+"""Attention over paged KV: `AttentionMetadata`, the `PagedAttention` layer, a dense causal reference.
+
+`PagedAttention` is a drop-in Linen layer: it owns the q/k/v/o projections, applies RoPE at the given
+positions, scatters the new tokens' K/V into its layer's pages (`kv_cache.write_layer`) and attends with
+`pallas_kernels.ragged_paged_attention`. Its `dense` method runs the same parameters over contiguous
+`[B, T]` batches (training, and the no-cache reference the paged path is tested against).
+
+Dimension letters: B batch, T tokens (query rows), S keys, D d_model, N query heads, K kv heads,
+G queries per kv head, H head_dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged import kv_cache
+from paged.models.layers import _fan_in_init, apply_rope
+
+
+@flax.struct.dataclass
+class AttentionMetadata:
+    """Where the step's tokens go and what each sequence attends to (same for every layer).
+
+    ``num_tokens`` and ``max_num_seqs`` are the bucketed (padded) sizes. Padding tokens write into
+    ``kv_cache.NULL_PAGE``; padding sequences have ``kv_lens == 0`` and an empty q range.
+    """
+
+    slot_mapping: jax.Array  # i32[num_tokens]: page * page_size + offset of each new token
+    page_indices: jax.Array  # i32[max_num_seqs, pages_per_seq]
+    kv_lens: jax.Array  # i32[max_num_seqs]: tokens in the cache after this step's writes
+    cu_q_lens: jax.Array  # i32[max_num_seqs + 1]: sequence i owns q rows cu[i]:cu[i+1]
+    num_seqs: jax.Array  # i32[1]: real sequences (the rest are padding)
+
+
+def build_metadata(
+    kv_lens: Sequence[int],
+    q_lens: Sequence[int],
+    page_tables: Sequence[Sequence[int]],
+    *,
+    page_size: int,
+    num_tokens: int | None = None,
+    max_num_seqs: int | None = None,
+    pages_per_seq: int | None = None,
+) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
+    """Builds padded metadata on the host (numpy) for one ragged step.
+
+    Sequence ``i`` has ``kv_lens[i]`` tokens after this step, the last ``q_lens[i]`` of which are new
+    (so their positions are ``kv_lens[i] - q_lens[i] ... kv_lens[i] - 1``), stored in the pages
+    ``page_tables[i]`` in order. The new tokens are laid out sequence after sequence.
+
+    Args:
+      kv_lens: tokens per sequence, including the new ones.
+      q_lens: new tokens per sequence, ``1 <= q_lens[i] <= kv_lens[i]``.
+      page_tables: physical pages of each sequence, at least ``ceil(kv_lens[i] / page_size)``.
+      page_size: tokens per page.
+      num_tokens: padded token count (default: exactly ``sum(q_lens)``).
+      max_num_seqs: padded sequence count (default: ``len(kv_lens)``).
+      pages_per_seq: page-table width (default: the longest table).
+
+    Returns:
+      ``(metadata, positions i32[num_tokens], logits_indices i32[max_num_seqs])``: numpy arrays;
+      ``logits_indices`` is the row of each sequence's last new token (0 for padding sequences).
+
+    Raises:
+      ValueError: inconsistent lengths, too few pages, a page equal to ``NULL_PAGE``, or padded
+        sizes smaller than the content.
+    """
+    n = len(kv_lens)
+    if len(q_lens) != n or len(page_tables) != n:
+        raise ValueError(f"{len(kv_lens)=}, {len(q_lens)=}, {len(page_tables)=} must be equal")
+    total = int(sum(q_lens))
+    num_tokens = total if num_tokens is None else num_tokens
+    max_num_seqs = n if max_num_seqs is None else max_num_seqs
+    widest = max((len(t) for t in page_tables), default=1)
+    pages_per_seq = max(widest, 1) if pages_per_seq is None else pages_per_seq
+    if num_tokens < total or max_num_seqs < n or pages_per_seq < widest:
+        raise ValueError(
+            f"padded sizes {num_tokens=}, {max_num_seqs=}, {pages_per_seq=} are smaller than the "
+            f"content ({total} tokens, {n} sequences, {widest} pages)"
+        )
+    slot_mapping = np.full((num_tokens,), kv_cache.NULL_PAGE * page_size, np.int32)
+    positions = np.zeros((num_tokens,), np.int32)
+    page_indices = np.full((max_num_seqs, pages_per_seq), kv_cache.NULL_PAGE, np.int32)
+    kv = np.zeros((max_num_seqs,), np.int32)
+    cu = np.full((max_num_seqs + 1,), total, np.int32)
+    logits_indices = np.zeros((max_num_seqs,), np.int32)
+    row = 0
+    for i, (kv_len, q_len, table) in enumerate(zip(kv_lens, q_lens, page_tables, strict=True)):
+        if not 1 <= q_len <= kv_len:
+            raise ValueError(f"sequence {i}: q_len={q_len} must be in [1, kv_len={kv_len}]")
+        if len(table) * page_size < kv_len:
+            raise ValueError(f"sequence {i}: {len(table)} pages of {page_size} < kv_len={kv_len}")
+        if kv_cache.NULL_PAGE in list(table)[: -(-kv_len // page_size)]:
+            raise ValueError(f"sequence {i}: page table {list(table)} uses NULL_PAGE")
+        pos = np.arange(kv_len - q_len, kv_len)
+        table = np.asarray(table, np.int32)
+        slot_mapping[row : row + q_len] = table[pos // page_size] * page_size + pos % page_size
+        positions[row : row + q_len] = pos
+        page_indices[i, : len(table)] = table
+        kv[i] = kv_len
+        cu[i] = row
+        row += q_len
+        logits_indices[i] = row - 1
+    md = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        page_indices=page_indices,
+        kv_lens=kv,
+        cu_q_lens=cu,
+        num_seqs=np.array([n], np.int32),
+    )
+    return md, positions, logits_indices
+
+
+def write_stacked_layer(
+    k_pages: jax.Array,  # [L, K, num_pages, page_size, H]
+    v_pages: jax.Array,  # [L, K, num_pages, page_size, H]
+    layer: int,
+    k: jax.Array,  # [T, K, H]
+    v: jax.Array,  # [T, K, H]
+    slot_mapping: jax.Array,  # i32[T]: page * page_size + offset
+) -> tuple[jax.Array, jax.Array]:
+    """`kv_cache.write_layer` into layer ``layer`` of the stacked cache, without slicing it out.
+
+    One scatter on the stacked array, which XLA performs in place on a donated cache.
+    """
+    num_layers, kh, num_pages, page_size, h = k_pages.shape
+    flat = (num_layers, kh, num_pages * page_size, h)
+    # Index [layer, :, slots]: the advanced indices are split by a slice, so updates are [T, K, H].
+    k_pages = (
+        k_pages.reshape(flat).at[layer, :, slot_mapping].set(k.astype(k_pages.dtype), mode="drop")
+    )
+    v_pages = (
+        v_pages.reshape(flat).at[layer, :, slot_mapping].set(v.astype(v_pages.dtype), mode="drop")
+    )
+    shape = (num_layers, kh, num_pages, page_size, h)
+    return k_pages.reshape(shape), v_pages.reshape(shape)
+
+
+def causal_attention(
+    q: jax.Array,  # [B, T, N, H]
+    k: jax.Array,  # [B, S, K, H]
+    v: jax.Array,  # [B, S, K, H]
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [B, T, N, H]
+    """Dense causal GQA attention in float32; the T queries are the last T of the S keys."""
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    qg = q.astype(jnp.float32).reshape(b, t, kh, n // kh, h)
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32)) * sm_scale
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    mask = jnp.arange(s)[None, :] <= (jnp.arange(t) + (s - t))[:, None]  # [T, S]
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v.astype(jnp.float32))
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+class PagedAttention(nn.Module):
+    """Multi-head GQA attention with RoPE that reads and writes one layer's KV pages.
+
+    Attributes:
+      num_heads: query heads N.
+      num_kv_heads: key/value heads K (``N % K == 0``).
+      head_dim: H.
+      rope_theta: RoPE base.
+      soft_cap: optional logit soft cap passed to the kernel.
+      dtype: compute dtype.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    soft_cap: float | None = None
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def _weights(self, d_model: int) -> tuple[jax.Array, ...]:
+        # The one compact method: both paths call it, so they share the same four weights.
+        n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
+        if n % k:
+            raise ValueError(f"num_heads={n} must be a multiple of num_kv_heads={k}")
+        wq = self.param("q_proj", _fan_in_init(0, (1, 2)), (d_model, n, h), jnp.float32)
+        wk = self.param("k_proj", _fan_in_init(0, (1, 2)), (d_model, k, h), jnp.float32)
+        wv = self.param("v_proj", _fan_in_init(0, (1, 2)), (d_model, k, h), jnp.float32)
+        wo = self.param("o_proj", _fan_in_init((0, 1), 2), (n, h, d_model), jnp.float32)
+        return tuple(w.astype(self.dtype) for w in (wq, wk, wv, wo))
+
+    def __call__(
+        self,
+        x: jax.Array,  # [T, D] normalized hidden states of the step's tokens
+        positions: jax.Array,  # i32[T]
+        k_pages: jax.Array,  # [K, num_pages, page_size, H], or [L, K, ...] with `layer`
+        v_pages: jax.Array,  # same shape as k_pages
+        md: AttentionMetadata,
+        *,
+        layer: int | None = None,
+        attention_impl: str = "xla",
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Paged path: writes the new K/V, attends over each sequence's pages.
+
+        Args:
+          x: inputs of the q/k/v projections, one row per new token (ragged batch, see
+            `AttentionMetadata`).
+          positions: position of each token in its sequence (RoPE).
+          k_pages: this layer's key pages (``layer=None``), or the whole stacked cache with
+            ``layer`` naming this layer's slot. The returned array replaces it (donate it in a
+            jitted step).
+          v_pages: the value pages, likewise.
+          md: the step's metadata.
+          layer: index into a stacked cache. Prefer it to slicing ``k_pages[i]`` out and setting it
+            back: the slice-write-set pattern makes XLA copy the pages every step, while writing
+            into the stacked array keeps the donated cache updated in place.
+          attention_impl: ``impl`` of `pallas_kernels.ragged_paged_attention`.
+
+        Returns:
+          ``(out [T, D], new_k_pages, new_v_pages)``, pages with the same shape as given. Padding
+          rows of ``out`` are not meaningful.
+        """
+        import pallas_kernels as pk  # the dense (training) path does not need the kernels
+
+        wq, wk, wv, wo = self._weights(x.shape[-1])
+        x = x.astype(self.dtype)
+        q = jnp.einsum("TD,DNH->TNH", x, wq)
+        k = jnp.einsum("TD,DKH->TKH", x, wk)
+        v = jnp.einsum("TD,DKH->TKH", x, wv)
+        q = apply_rope(q, positions, theta=self.rope_theta)
+        k = apply_rope(k, positions, theta=self.rope_theta)
+        if layer is None:
+            k_pages, v_pages = kv_cache.write_layer(k_pages, v_pages, k, v, md.slot_mapping)
+            k_layer, v_layer = k_pages, v_pages
+        else:
+            k_pages, v_pages = write_stacked_layer(k_pages, v_pages, layer, k, v, md.slot_mapping)
+            k_layer, v_layer = k_pages[layer], v_pages[layer]
+        out = pk.ragged_paged_attention(
+            q.astype(k_pages.dtype),
+            k_layer,
+            v_layer,
+            md.kv_lens,
+            md.page_indices,
+            md.cu_q_lens,
+            md.num_seqs,
+            sm_scale=self.head_dim**-0.5,
+            soft_cap=self.soft_cap,
+            impl=attention_impl,
+        )
+        out = jnp.einsum("TNH,NHD->TD", out.astype(self.dtype), wo)
+        return out, k_pages, v_pages
+
+    def dense(
+        self,
+        x: jax.Array,  # [B, T, D]
+        positions: jax.Array,  # i32[B, T]
+        *,
+        attention_impl: str = "jnp",
+    ) -> jax.Array:  # [B, T, D]
+        """Dense causal path over contiguous sequences (training; the no-cache reference).
+
+        Args:
+          x: inputs of the q/k/v projections.
+          positions: position of each token (RoPE); causality is by row order, not by position.
+          attention_impl: "jnp" (`causal_attention`, float32) or an ``impl`` of
+            `pallas_kernels.flash_attention` ("xla", "pallas", ...).
+
+        Returns:
+          Attention output projected back to ``D``.
+        """
+        wq, wk, wv, wo = self._weights(x.shape[-1])
+        x = x.astype(self.dtype)
+        q = apply_rope(jnp.einsum("BTD,DNH->BTNH", x, wq), positions, theta=self.rope_theta)
+        k = apply_rope(jnp.einsum("BTD,DKH->BTKH", x, wk), positions, theta=self.rope_theta)
+        v = jnp.einsum("BTD,DKH->BTKH", x, wv)
+        sm_scale = self.head_dim**-0.5
+        if attention_impl == "jnp":
+            out = causal_attention(q, k, v, sm_scale=sm_scale, soft_cap=self.soft_cap)
+        else:
+            import pallas_kernels as pk
+
+            out = pk.flash_attention(
+                q, k, v, causal=True, sm_scale=sm_scale, soft_cap=self.soft_cap, impl=attention_impl
+            )
+        return jnp.einsum("BTNH,NHD->BTD", out.astype(self.dtype), wo)

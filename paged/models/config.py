@@ -1,0 +1,94 @@
+"""`LlamaConfig`: the one typed definition of a decoder's shape."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of a Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU).
+
+    Attributes:
+      vocab_size: number of token ids.
+      d_model: width of the residual stream.
+      num_layers: number of decoder blocks.
+      num_heads: query heads.
+      num_kv_heads: key/value heads; ``num_heads % num_kv_heads == 0`` (GQA; 1 is MQA).
+      head_dim: width of one head (64 or 128 to stay inside the Pallas kernels' sizes).
+      ffn_dim: hidden width of the SwiGLU MLP.
+      rope_theta: RoPE base.
+      max_seq_len: longest position the model is meant for (positions are not clipped; this is
+        what the engine may use as ``max_model_len``).
+      norm_eps: RMSNorm epsilon.
+      dtype: compute dtype name ("float32", "bfloat16", "float16"); params stay float32 and logits
+        are always float32.
+      tie_embeddings: the LM head reuses the token embedding (transposed).
+    """
+
+    vocab_size: int = 258
+    d_model: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    ffn_dim: int = 704
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    norm_eps: float = 1e-5
+    dtype: str = "float32"
+    tie_embeddings: bool = True
+
+    def __post_init__(self):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "ffn_dim",
+            "max_seq_len",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if not self.rope_theta > 1.0:
+            raise ValueError(f"rope_theta={self.rope_theta!r} must be > 1")
+        if not self.norm_eps > 0.0:
+            raise ValueError(f"norm_eps={self.norm_eps!r} must be > 0")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {_DTYPES}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings={self.tie_embeddings!r} must be a bool")
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict; ``LlamaConfig(**d)`` rebuilds it."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LlamaConfig:
+        """Builds a config from ``to_dict`` output; unknown keys -> ValueError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown LlamaConfig keys {unknown}; known: {sorted(names)}")
+        return cls(**d)

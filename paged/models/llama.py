@@ -1,0 +1,161 @@
+"""`Llama`: a Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU) that serves from paged KV.
+
+Written in Flax Linen because its params are a plain nested dict of arrays that jit, donation and
+``np.savez`` handle directly, so the engine's step stays a pure function
+``(params, cache, batch) -> (cache, outputs)``.
+
+Two entry points share one set of params:
+
+* ``model.apply(params, tokens, positions, k_pages, v_pages, md, logits_indices)`` -- serving: a
+  ragged batch of new tokens (prefill chunks, decode steps, verification tokens), KV written into the
+  stacked paged cache ``[L, K, num_pages, page_size, H]``, which is returned updated.
+* ``model.apply(params, tokens, method="dense")`` -- training and the full-recompute reference.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from paged.models.attention import AttentionMetadata, PagedAttention
+from paged.models.config import LlamaConfig
+from paged.models.layers import RMSNorm, SwiGLU
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    config: LlamaConfig
+
+    def setup(self):
+        c = self.config
+        self.attn_norm = RMSNorm(eps=c.norm_eps, dtype=c.compute_dtype)
+        self.attn = PagedAttention(
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            rope_theta=c.rope_theta,
+            dtype=c.compute_dtype,
+        )
+        self.mlp_norm = RMSNorm(eps=c.norm_eps, dtype=c.compute_dtype)
+        self.mlp = SwiGLU(ffn_dim=c.ffn_dim, dtype=c.compute_dtype)
+
+    def __call__(self, x, positions, k_pages, v_pages, md, *, layer=None, attention_impl="xla"):
+        h, k_pages, v_pages = self.attn(
+            self.attn_norm(x), positions, k_pages, v_pages, md, layer=layer,
+            attention_impl=attention_impl,
+        )  # fmt: skip
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), k_pages, v_pages
+
+    def dense(self, x, positions, *, attention_impl="jnp"):
+        x = x + self.attn.dense(self.attn_norm(x), positions, attention_impl=attention_impl)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    """Decoder-only LM. Params: ``embedding [V, D]``, ``layers_{i}``, ``final_norm``, and
+    ``lm_head [D, V]`` when embeddings are untied."""
+
+    config: LlamaConfig
+
+    def setup(self):
+        c = self.config
+        self.embedding = self.param(
+            "embedding", nn.initializers.normal(stddev=0.02), (c.vocab_size, c.d_model), jnp.float32
+        )
+        self.layers = [DecoderBlock(c) for _ in range(c.num_layers)]
+        self.final_norm = RMSNorm(eps=c.norm_eps, dtype=c.compute_dtype)
+        if not c.tie_embeddings:
+            self.lm_head = self.param(
+                "lm_head",
+                nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
+                (c.d_model, c.vocab_size),
+                jnp.float32,
+            )
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        return self.embedding[tokens].astype(self.config.compute_dtype)
+
+    def _logits(self, x: jax.Array) -> jax.Array:  # [..., D] -> f32[..., V]
+        x = self.final_norm(x)
+        c = self.config
+        if c.tie_embeddings:
+            w = self.embedding.astype(c.compute_dtype)
+            logits = jnp.einsum("...D,VD->...V", x, w, preferred_element_type=jnp.float32)
+        else:
+            w = self.lm_head.astype(c.compute_dtype)
+            logits = jnp.einsum("...D,DV->...V", x, w, preferred_element_type=jnp.float32)
+        return logits.astype(jnp.float32)
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # i32[T]
+        positions: jax.Array,  # i32[T]
+        k_pages: jax.Array,  # [L, K, num_pages, page_size, H]
+        v_pages: jax.Array,  # [L, K, num_pages, page_size, H]
+        md: AttentionMetadata,
+        logits_indices: jax.Array | None = None,  # i32[S]
+        *,
+        attention_impl: str = "xla",
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Paged forward of one ragged step.
+
+        Args:
+          tokens: the step's new tokens, sequence after sequence (see `AttentionMetadata`).
+          positions: each token's position in its sequence.
+          k_pages: the stacked key cache; the returned array replaces it (donate it when jitting).
+          v_pages: the stacked value cache; likewise.
+          md: the step's metadata, shared by all layers.
+          logits_indices: rows to compute logits for (e.g. each sequence's last token); all rows
+            when None.
+          attention_impl: ``impl`` of `pallas_kernels.ragged_paged_attention`
+            ("auto" | "xla" | "pallas" | "interpret").
+
+        Returns:
+          ``(logits f32[S or T, V], k_pages, v_pages)`` with this step's K/V written.
+
+        Raises:
+          ValueError: cache shape does not match the config.
+        """
+        c = self.config
+        want = (c.num_layers, c.num_kv_heads, c.head_dim)
+        got = (k_pages.shape[0], k_pages.shape[1], k_pages.shape[-1])
+        if k_pages.ndim != 5 or got != want or v_pages.shape != k_pages.shape:
+            raise ValueError(
+                f"k_pages {k_pages.shape} / v_pages {v_pages.shape} must be "
+                f"[num_layers={c.num_layers}, num_kv_heads={c.num_kv_heads}, num_pages, page_size, "
+                f"head_dim={c.head_dim}]"
+            )
+        x = self._embed(tokens)
+        for i, block in enumerate(self.layers):
+            # Stacked cache + layer index (not k_pages[i] ... .at[i].set) keeps the update in place.
+            x, k_pages, v_pages = block(
+                x, positions, k_pages, v_pages, md, layer=i, attention_impl=attention_impl
+            )
+        if logits_indices is not None:
+            x = x[logits_indices]
+        return self._logits(x), k_pages, v_pages
+
+    def dense(
+        self,
+        tokens: jax.Array,  # i32[B, T]
+        *,
+        attention_impl: str = "jnp",
+    ) -> jax.Array:  # f32[B, T, V]
+        """Full causal forward over contiguous sequences starting at position 0 (no cache).
+
+        Args:
+          tokens: token ids.
+          attention_impl: "jnp" (plain float32 reference) or an ``impl`` of
+            `pallas_kernels.flash_attention`.
+
+        Returns:
+          Next-token logits at every position.
+        """
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
+        x = self._embed(tokens)
+        for layer in self.layers:
+            x = layer.dense(x, positions, attention_impl=attention_impl)
+        return self._logits(x)
