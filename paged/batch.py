@@ -55,53 +55,64 @@ class BatchBuilder:
 
     def build(self, scheduled) -> StepBatch:
         s = len(scheduled)
-        seqs = [item.seq for item in scheduled]
-        q_lens = np.fromiter((item.num_new_tokens for item in scheduled), np.int32, s)
-        starts = np.fromiter((q.num_computed_tokens for q in seqs), np.int32, s)
+        page_size = self.page_size
+        block_table = self.bm.block_table
+        # One pass over the sequences in Python; everything else is vectorized numpy.
+        seqs, q_lens, starts, token_chunks, tables = [], [], [], [], []
+        samples, rows = [], []  # rows: (sequence index, sample index offset) per sample slot
+        for i, item in enumerate(scheduled):
+            q, n = item.seq, item.num_new_tokens
+            c = q.num_computed_tokens
+            seqs.append(q)
+            q_lens.append(n)
+            starts.append(c)
+            token_chunks.append(q.token_ids[c:c + n])
+            tables.append(block_table(q.seq_id))
+            if c + n == q.num_tokens:  # reaches its end: sample (n slots for an unforked prompt)
+                count = q.params.n if q.sample_index == 0 and q.num_output_tokens == 0 else 1
+                samples.append((q, len(rows), count))
+                rows.extend((i, j) for j in range(count))
+        q_lens = np.asarray(q_lens, np.int32)
+        starts = np.asarray(starts, np.int32)
         t = int(q_lens.sum())
         t_pad, s_pad = next_pow2(max(t, MIN_TOKENS)), next_pow2(s)
 
         tokens = np.zeros(t_pad, np.int32)
-        tokens[:t] = np.fromiter(
-            itertools.chain.from_iterable(q.token_ids[c:c + n] for q, c, n in zip(seqs, starts, q_lens)),
-            np.int32, t)
+        tokens[:t] = list(itertools.chain.from_iterable(token_chunks))
         cu = np.full(s_pad + 1, t, np.int32)
         cu[0] = 0
         np.cumsum(q_lens, out=cu[1:s + 1])
         owner = np.repeat(np.arange(s), q_lens)
         positions = np.zeros(t_pad, np.int32)
         positions[:t] = np.arange(t) - cu[owner] + starts[owner]
+        widths = np.fromiter(map(len, tables), np.int64, s)
         page_indices = np.full((s_pad, self.pages_per_seq), NULL_PAGE, np.int32)
-        for i, q in enumerate(seqs):
-            table = self.bm.block_table(q.seq_id)
-            page_indices[i, :len(table)] = table
-        slots = np.full(t_pad, NULL_PAGE * self.page_size, np.int32)
-        slots[:t] = page_indices[owner, positions[:t] // self.page_size] * self.page_size \
-            + positions[:t] % self.page_size
+        page_indices[:s][np.arange(self.pages_per_seq) < widths[:, None]] = list(
+            itertools.chain.from_iterable(tables))
+        slots = np.full(t_pad, NULL_PAGE * page_size, np.int32)
+        slots[:t] = page_indices[owner, positions[:t] // page_size] * page_size + positions[:t] % page_size
         kv_lens = np.zeros(s_pad, np.int32)
         kv_lens[:s] = starts + q_lens
 
-        # Sample slots: one per sequence that reaches its end this step; n for an unforked prompt.
-        samples, rows = [], []
-        for i, q in enumerate(seqs):
-            if starts[i] + q_lens[i] != q.num_tokens:
-                continue  # a prefill chunk that does not finish the prompt
-            count = q.params.n if q.sample_index == 0 and q.num_output_tokens == 0 else 1
-            samples.append((q, len(rows), count))
-            rows.extend([(int(cu[i + 1]) - 1, q, j) for j in range(count)])
-        n_pad = max(s_pad, next_pow2(len(rows)))
+        n_rows = len(rows)
+        n_pad = max(s_pad, next_pow2(n_rows))
         sample_rows = np.zeros(n_pad, np.int32)
         temperature = np.zeros(n_pad, np.float32)
         top_k = np.zeros(n_pad, np.int32)
         top_p = np.ones(n_pad, np.float32)
         seed = np.zeros(n_pad, np.int32)
         sample_index = np.zeros(n_pad, np.int32)
-        for k, (row, q, j) in enumerate(rows):
-            p = q.params
-            sample_rows[k], temperature[k], top_k[k], top_p[k] = row, p.temperature, p.top_k, p.top_p
-            seed[k], sample_index[k] = q.seed, q.sample_index + j
         sample_pos = np.zeros(n_pad, np.int32)
-        sample_pos[:len(rows)] = positions[sample_rows[:len(rows)]] + 1
+        if n_rows:
+            idx = np.fromiter((r[0] for r in rows), np.int64, n_rows)
+            sample_rows[:n_rows] = cu[idx + 1] - 1
+            sample_pos[:n_rows] = kv_lens[idx]
+            params = [seqs[i].params for i, _ in rows]
+            temperature[:n_rows] = [p.temperature for p in params]
+            top_k[:n_rows] = [p.top_k for p in params]
+            top_p[:n_rows] = [p.top_p for p in params]
+            seed[:n_rows] = [seqs[i].seed for i, _ in rows]
+            sample_index[:n_rows] = [seqs[i].sample_index + j for i, j in rows]
 
         md = AttentionMetadata(slot_mapping=slots, page_indices=page_indices, kv_lens=kv_lens,
                                cu_q_lens=cu, num_seqs=np.array([s], np.int32))

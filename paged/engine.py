@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceT
 
 import jax
@@ -35,14 +36,35 @@ from paged.sequence import Sequence, SeqStatus
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
 class CompletionOutput:
-    """One sample of a request."""
+    """One sample of a request, as of the step that produced it.
 
-    index: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None  # "stop" | "length" | "abort" | "timeout" | None while running
+    Built on every step for every active request, so it is cheap: it keeps a reference to the
+    sequence's token list (which only ever grows) and the slice that was current, and decodes
+    ``text`` only when asked.
+    """
+
+    __slots__ = ("index", "finish_reason", "_ids", "_start", "_end", "_decode", "_text")
+
+    def __init__(self, index: int, ids: list[int], start: int, end: int,
+                 finish_reason: str | None, decode: Callable[[list[int]], str]):
+        self.index = index
+        self.finish_reason = finish_reason  # "stop" | "length" | "abort" | "timeout" | None
+        self._ids, self._start, self._end, self._decode, self._text = ids, start, end, decode, None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._ids[self._start:self._end]
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            self._text = self._decode(self.token_ids)
+        return self._text
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index}, token_ids={self.token_ids}, "
+                f"finish_reason={self.finish_reason!r})")
 
 
 @dataclasses.dataclass
@@ -171,6 +193,7 @@ class Engine:
         self._traces_at_start = self._trace_count()
         self._builder = BatchBuilder(self.block_manager, page_size, self.pages_per_seq)
         self._requests: dict[str, list[Sequence]] = {}
+        self._num_deadlines = 0  # unfinished requests with a timeout (skip the scan when 0)
         self._next_seq_id = 0
         self._num_requests = 0
         self._steps_without_progress = 0
@@ -218,6 +241,7 @@ class Engine:
         seq = Sequence(self._new_seq_id(), request_id, token_ids, len(token_ids), params, seed, now,
                        deadline=None if timeout_s is None else now + timeout_s)
         self._num_requests += 1
+        self._num_deadlines += seq.deadline is not None
         self._requests[request_id] = [seq]
         self.scheduler.add(seq)
 
@@ -292,14 +316,16 @@ class Engine:
         if self.config.debug_checks:
             self.block_manager.check_invariants()
         self.num_steps += 1
-        t4 = time.perf_counter()
-        timing.postprocess = t4 - t3
+        outputs = self._outputs(touched)
+        timing.postprocess = time.perf_counter() - t3
         timing.num_seqs, timing.num_tokens = len(sched.scheduled), sched.num_batched_tokens
         self.last_timing = timing
-        return self._outputs(touched)
+        return outputs
 
     def _expire(self, now: float) -> set[str]:
         expired = set()
+        if not self._num_deadlines:
+            return expired
         for request_id, seqs in self._requests.items():
             if any(s.deadline is not None and now >= s.deadline and not s.finished for s in seqs):
                 expired.add(request_id)
@@ -375,26 +401,26 @@ class Engine:
         outs = [self._request_output(r) for r in sorted(request_ids)]
         for out in outs:  # finished requests are reported once, then forgotten
             if out.finished:
-                del self._requests[out.request_id]
+                seqs = self._requests.pop(out.request_id)
+                self._num_deadlines -= seqs[0].deadline is not None
         return outs
 
     def _request_output(self, request_id: str) -> RequestOutput:
-        seqs = sorted(self._requests[request_id], key=lambda s: s.sample_index)
+        seqs = self._requests[request_id]  # sample order: forks are appended in index order
         head = seqs[0]
-        n = head.params.n
-        # Samples not forked yet (prompt unfinished) are reported empty.
-        outputs = [CompletionOutput(s.sample_index, s.output_token_ids,
-                                    self.tokenizer.decode(s.output_token_ids), s.finish_reason)
-                   for s in seqs]
-        finished = all(s.finished for s in seqs) and (len(seqs) == n or head.finish_reason in (
-            "abort", "timeout") or head.num_output_tokens == 0)
-        times = [s.finish_time for s in seqs if s.finish_time is not None]
+        decode = self.tokenizer.decode
+        outputs = [CompletionOutput(s.sample_index, s.token_ids, s.num_prompt_tokens, len(s.token_ids),
+                                    s.finish_reason, decode) for s in seqs]
+        # Samples not forked yet (prompt unfinished) are simply absent.
+        finished = all(s.status is SeqStatus.FINISHED for s in seqs) and (
+            len(seqs) == head.params.n or head.finish_reason in ("abort", "timeout")
+            or head.num_output_tokens == 0)
+        finish = max(s.finish_time for s in seqs) if finished else None
         return RequestOutput(
             request_id=request_id, prompt_token_ids=head.token_ids[:head.num_prompt_tokens],
             outputs=outputs, finished=finished, arrival_time=head.arrival_time,
             first_scheduled_time=head.first_scheduled_time, first_token_time=head.first_token_time,
-            finish_time=max(times) if finished and times else None, token_times=list(head.token_times),
-            num_cached_tokens=head.num_cached_tokens,
+            finish_time=finish, token_times=head.token_times[:], num_cached_tokens=head.num_cached_tokens,
             num_preemptions=sum(s.num_preemptions for s in seqs))
 
     def generate(self, prompts: SequenceT[str | SequenceT[int]] | str,

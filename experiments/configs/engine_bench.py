@@ -1,0 +1,35 @@
+"""Config of `experiments/engine_bench.py`: decode steps/s and host overhead per engine step.
+
+Launch::
+
+    python -m experiments.engine_bench --config=experiments/configs/engine_bench.py
+    python -m experiments.engine_bench --config=experiments/configs/engine_bench.py:smoke
+
+Variants: ``default`` (64 and 256 running sequences, the bundled tiny model), ``smoke`` (a small
+random model, few steps; what the test runs).
+"""
+
+import ml_collections
+
+
+def get_config(arg: str = "default") -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.model = "tiny"  # bundled weights; "random-small" = a small random model (no files needed)
+    c.num_running = (64, 256)  # running sequences in the decode phase
+    c.prompt_len = 16
+    c.block_size = 16
+    c.max_model_len = 512
+    c.attention_impl = "xla"
+    c.warmup_steps = 3  # decode steps after all prompts are in, before timing
+    c.steps = 30  # timed decode steps per setting
+    c.output_json = ""  # default: results/engine_bench/<timestamp>/engine_bench.json
+    if arg == "smoke":
+        c.model = "random-small"
+        c.num_running = (4, 8)
+        c.max_model_len = 64
+        c.block_size = 8
+        c.warmup_steps = 1
+        c.steps = 3
+    elif arg != "default":
+        raise ValueError(f"unknown variant {arg!r}; known: default, smoke")
+    return c

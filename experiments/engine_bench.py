@@ -1,0 +1,99 @@
+"""Engine step anatomy: decode steps/s and host overhead (schedule + batch build + postprocess).
+
+Fills the engine with ``num_running`` sequences, runs until every one is decoding, then times
+decode steps. Host time is measured per phase by the engine itself (``Engine.last_timing``); the
+device phase is the jitted step until its sampled tokens are on the host. Reports medians.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from experiments import common
+from paged import Engine, EngineConfig, SamplingParams
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "experiments/configs/engine_bench.py", "Bench config.", lock_config=True)
+
+
+def _model(name: str):
+    if name == "random-small":
+        from paged.models.config import LlamaConfig
+        from paged.models.registry import init_params
+
+        cfg = LlamaConfig(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                          ffn_dim=128)
+        return cfg, init_params(cfg, 0)
+    from paged.models.registry import load_model
+
+    return load_model(name)
+
+
+def bench_one(model_config, params, num_running: int, c) -> dict:
+    """Times decode steps with ``num_running`` sequences in flight."""
+    engine = Engine(EngineConfig(
+        block_size=c.block_size, max_num_seqs=num_running, max_num_batched_tokens=max(num_running, 256),
+        max_model_len=c.max_model_len, attention_impl=c.attention_impl, enable_prefix_caching=False),
+        model_config=model_config, params=params)
+    rng = np.random.default_rng(0)
+    budget = c.max_model_len - c.prompt_len
+    params_ = SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True)
+    for i in range(num_running):
+        engine.add_request(f"r{i}", [256] + rng.integers(0, 256, c.prompt_len - 1).tolist(), params_)
+    while engine.scheduler.waiting or any(not s.is_decoding for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(c.warmup_steps):
+        engine.step()
+    timings = []
+    for _ in range(c.steps):
+        engine.step()
+        t = engine.last_timing
+        if t.num_seqs != num_running:
+            raise RuntimeError(f"expected {num_running} decoding sequences, stepped {t.num_seqs}")
+        timings.append(t)
+
+    def med(xs):
+        return float(np.median(xs))
+
+    host = [t.host for t in timings]
+    total = [t.host + t.device for t in timings]
+    return {
+        "num_running": num_running,
+        "steps": len(timings),
+        "decode_steps_per_s": 1.0 / med(total),
+        "output_tokens_per_s": num_running / med(total),
+        "median_step_ms": 1e3 * med(total),
+        "median_host_ms": 1e3 * med(host),
+        "median_schedule_ms": 1e3 * med([t.schedule for t in timings]),
+        "median_prepare_ms": 1e3 * med([t.prepare for t in timings]),
+        "median_postprocess_ms": 1e3 * med([t.postprocess for t in timings]),
+        "median_device_ms": 1e3 * med([t.device for t in timings]),
+        "host_share": med([h / s for h, s in zip(host, total)]),
+        "host_us_per_seq": 1e6 * med(host) / num_running,
+        "num_compilations": engine.num_compilations,
+    }
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    c = _CONFIG.value
+    model_config, params = _model(c.model)
+    rows = []
+    for n in c.num_running:
+        row = bench_one(model_config, params, n, c)
+        rows.append(row)
+        print(f"running={n:4d}  step {row['median_step_ms']:8.2f} ms  device {row['median_device_ms']:8.2f} ms"
+              f"  host {row['median_host_ms']:6.3f} ms ({100 * row['host_share']:.1f}%: schedule "
+              f"{row['median_schedule_ms']:.3f}, prepare {row['median_prepare_ms']:.3f}, post "
+              f"{row['median_postprocess_ms']:.3f})  {row['output_tokens_per_s']:.0f} tok/s", flush=True)
+    out = c.output_json or str(common.results_dir("engine_bench") / "engine_bench.json")
+    common.write_json(out, {"study": "engine_bench", "evidence": "constructed", "config": c.to_dict(),
+                            "results": rows, "provenance": common.provenance()})
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    app.run(main)
