@@ -8,6 +8,7 @@ padding sequences have ``kv_len = 0`` and an empty query range.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import flax
@@ -48,10 +49,29 @@ class StepBatch:
 class BatchBuilder:
     """Turns the scheduler's choice into a ``DeviceBatch``."""
 
-    def __init__(self, block_manager, page_size: int, pages_per_seq: int):
+    def __init__(self, block_manager, page_size: int, pages_per_seq: int, *,
+                 min_tokens: int = MIN_TOKENS, min_seqs: int = 1):
         self.bm = block_manager
         self.page_size = page_size
         self.pages_per_seq = pages_per_seq
+        self.min_tokens = min_tokens
+        self.min_seqs = min_seqs
+
+    def buckets(self, num_tokens: int, num_seqs: int, num_samples: int) -> tuple[int, int, int]:
+        """Padded (tokens, sequences, sample slots) of a step."""
+        t_pad = next_pow2(max(num_tokens, self.min_tokens))
+        s_pad = next_pow2(max(num_seqs, self.min_seqs))
+        return t_pad, s_pad, max(s_pad, next_pow2(num_samples))
+
+    def empty(self, t_pad: int, s_pad: int, n_pad: int) -> DeviceBatch:
+        """An all-padding batch of the given shape (compiles the step without touching real KV)."""
+        z = functools.partial(np.zeros, dtype=np.int32)
+        md = AttentionMetadata(slot_mapping=z(t_pad), page_indices=z((s_pad, self.pages_per_seq)),
+                               kv_lens=z(s_pad), cu_q_lens=z(s_pad + 1), num_seqs=z(1))
+        return DeviceBatch(tokens=z(t_pad), positions=z(t_pad), md=md, sample_rows=z(n_pad),
+                           temperature=np.zeros(n_pad, np.float32), top_k=z(n_pad),
+                           top_p=np.ones(n_pad, np.float32), seed=z(n_pad), sample_index=z(n_pad),
+                           sample_pos=z(n_pad))
 
     def build(self, scheduled) -> StepBatch:
         s = len(scheduled)
@@ -75,7 +95,7 @@ class BatchBuilder:
         q_lens = np.asarray(q_lens, np.int32)
         starts = np.asarray(starts, np.int32)
         t = int(q_lens.sum())
-        t_pad, s_pad = next_pow2(max(t, MIN_TOKENS)), next_pow2(s)
+        t_pad, s_pad, n_pad = self.buckets(t, s, len(rows))
 
         tokens = np.zeros(t_pad, np.int32)
         tokens[:t] = list(itertools.chain.from_iterable(token_chunks))
@@ -95,7 +115,6 @@ class BatchBuilder:
         kv_lens[:s] = starts + q_lens
 
         n_rows = len(rows)
-        n_pad = max(s_pad, next_pow2(n_rows))
         sample_rows = np.zeros(n_pad, np.int32)
         temperature = np.zeros(n_pad, np.float32)
         top_k = np.zeros(n_pad, np.int32)

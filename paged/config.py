@@ -53,6 +53,9 @@ class EngineConfig:
       seed: engine seed; requests without a seed derive theirs from it and their arrival order.
       request_timeout_s: default per-request timeout (seconds since arrival), ``None`` = none.
       max_steps_without_progress: guard that raises instead of spinning when nothing can run.
+      min_token_bucket: smallest padded token count of a step (tokens are padded to powers of two
+        from here up); raise it, and ``min_seq_bucket``, to compile fewer shapes.
+      min_seq_bucket: smallest padded sequence count (``max_num_seqs`` makes it one bucket).
     """
 
     model: str = "tiny"
@@ -74,10 +77,12 @@ class EngineConfig:
     seed: int = 0
     request_timeout_s: float | None = None
     max_steps_without_progress: int = 8
+    min_token_bucket: int = 8
+    min_seq_bucket: int = 1
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "max_steps_without_progress"):
+                     "max_steps_without_progress", "min_token_bucket", "min_seq_bucket"):
             _positive_int(name, getattr(self, name))
         _positive_int("num_blocks", self.num_blocks, allow_none=True)
         if self.num_host_blocks is not None and (

@@ -67,25 +67,40 @@ class CompletionOutput:
                 f"finish_reason={self.finish_reason!r})")
 
 
-@dataclasses.dataclass
 class RequestOutput:
-    """A request's state after a step (cumulative tokens).
+    """A request's state after a step (cumulative tokens), built cheaply on every step.
 
     ``token_ids`` / ``text`` / ``finish_reason`` are those of sample 0; all samples are in
-    ``outputs``. Times are ``time.perf_counter()`` seconds.
+    ``outputs``. Times are ``time.perf_counter()`` seconds. Lists are sliced from the sequence's
+    own (append-only) lists when read, so an output stays a faithful snapshot of its step.
     """
 
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    finish_time: float | None
-    token_times: list[float]  # sample 0: time each output token arrived
-    num_cached_tokens: int
-    num_preemptions: int
+    __slots__ = ("request_id", "outputs", "finished", "arrival_time", "first_scheduled_time",
+                 "first_token_time", "finish_time", "num_cached_tokens", "num_preemptions",
+                 "_head_ids", "_num_prompt", "_times", "_num_times")
+
+    def __init__(self, request_id: str, head: Sequence, outputs: list[CompletionOutput],
+                 finished: bool, finish_time: float | None, num_preemptions: int):
+        self.request_id = request_id
+        self.outputs = outputs
+        self.finished = finished
+        self.arrival_time = head.arrival_time
+        self.first_scheduled_time = head.first_scheduled_time
+        self.first_token_time = head.first_token_time
+        self.finish_time = finish_time
+        self.num_cached_tokens = head.num_cached_tokens
+        self.num_preemptions = num_preemptions
+        self._head_ids, self._num_prompt = head.token_ids, head.num_prompt_tokens
+        self._times, self._num_times = head.token_times, len(head.token_times)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._head_ids[:self._num_prompt]
+
+    @property
+    def token_times(self) -> list[float]:
+        """Sample 0: the time each output token arrived on the host."""
+        return self._times[:self._num_times]
 
     @property
     def token_ids(self) -> list[int]:
@@ -98,6 +113,10 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, finished={self.finished}, "
+                f"outputs={self.outputs})")
 
 
 @dataclasses.dataclass
@@ -191,9 +210,11 @@ class Engine:
         self.params = jax.device_put(params)
         self._step_fn, self._trace_count = make_step_fn(model_config, config.attention_impl)
         self._traces_at_start = self._trace_count()
-        self._builder = BatchBuilder(self.block_manager, page_size, self.pages_per_seq)
+        self._builder = BatchBuilder(self.block_manager, page_size, self.pages_per_seq,
+                                     min_tokens=config.min_token_bucket, min_seqs=config.min_seq_bucket)
         self._requests: dict[str, list[Sequence]] = {}
         self._num_deadlines = 0  # unfinished requests with a timeout (skip the scan when 0)
+        self._aborted: set[str] = set()  # aborted since the last step, to report
         self._next_seq_id = 0
         self._num_requests = 0
         self._steps_without_progress = 0
@@ -272,7 +293,12 @@ class Engine:
             log.warning("abort(%r): no unfinished request with this id", request_id)
             return False
         self._finish_request(request_id, "abort", time.perf_counter())
+        self._aborted.add(request_id)  # its final output comes with the next step
         return True
+
+    def unfinished_request_ids(self) -> list[str]:
+        """Requests added and not yet reported finished."""
+        return [r for r, seqs in self._requests.items() if r not in self._aborted]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -291,7 +317,8 @@ class Engine:
         """Runs one engine step; returns the requests that got tokens or finished in it."""
         timing = StepTiming()
         t0 = time.perf_counter()
-        touched = self._expire(t0)
+        touched = self._expire(t0) | self._aborted
+        self._aborted = set()
         sched = self.scheduler.schedule(t0)
         t1 = time.perf_counter()
         timing.schedule = t1 - t0
@@ -416,12 +443,8 @@ class Engine:
             len(seqs) == head.params.n or head.finish_reason in ("abort", "timeout")
             or head.num_output_tokens == 0)
         finish = max(s.finish_time for s in seqs) if finished else None
-        return RequestOutput(
-            request_id=request_id, prompt_token_ids=head.token_ids[:head.num_prompt_tokens],
-            outputs=outputs, finished=finished, arrival_time=head.arrival_time,
-            first_scheduled_time=head.first_scheduled_time, first_token_time=head.first_token_time,
-            finish_time=finish, token_times=head.token_times[:], num_cached_tokens=head.num_cached_tokens,
-            num_preemptions=sum(s.num_preemptions for s in seqs))
+        preemptions = head.num_preemptions if len(seqs) == 1 else sum(s.num_preemptions for s in seqs)
+        return RequestOutput(request_id, head, outputs, finished, finish, preemptions)
 
     def generate(self, prompts: SequenceT[str | SequenceT[int]] | str,
                  params: SamplingParams | SequenceT[SamplingParams] | None = None,
@@ -443,6 +466,7 @@ class Engine:
             for rid in added:  # all or nothing
                 self.abort(rid)
                 self._requests.pop(rid, None)
+                self._aborted.discard(rid)
             raise
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
@@ -454,6 +478,26 @@ class Engine:
         if progress:
             print()
         return [done[r] for r in ids]
+
+    def warmup(self) -> int:
+        """Compiles every step shape this engine can produce (all-padding batches, no KV touched).
+
+        Serving studies call it so no request pays for a compilation. Shapes: token buckets from
+        ``min_token_bucket`` to ``max_num_batched_tokens`` times sequence buckets from
+        ``min_seq_bucket`` to ``max_num_seqs`` (sample slots = sequence bucket; parallel sampling
+        may still add a shape). Returns the number of shapes compiled.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("warmup() must run before requests are added")
+        c, b = self.config, self._builder
+        pow2s = lambda n: [1 << i for i in range(kc.next_pow2(n).bit_length())]  # 1, 2, .., >= n
+        shapes = {b.buckets(t, s, s) for t in pow2s(c.max_num_batched_tokens)
+                  for s in pow2s(min(c.max_num_seqs, t))}
+        before = self._trace_count()
+        for shape in sorted(shapes):
+            self.cache, tokens = self._step_fn(self.params, self.cache, b.empty(*shape))
+        np.asarray(tokens)
+        return self._trace_count() - before
 
     # --- introspection ------------------------------------------------------------------
     @property

@@ -1,0 +1,73 @@
+"""Config of `experiments/serve.py` (the main job behind `make run`).
+
+Launch::
+
+    python -m experiments.serve                                   # default: the main job
+    python -m experiments.serve --config=experiments/configs/serve.py:smoke
+    python -m experiments.serve --config.workload.rate=4 --config.workload.num_requests=200
+
+The default serves one constructed ShareGPT-like workload (Poisson arrivals) twice, with the same
+model, sampling and KV pool bytes: paged KV + continuous batching, and contiguous KV (every request
+reserves max_model_len positions) + static request-level batching. Variants: ``default``,
+``smoke`` (a small random model, a handful of requests; what the test runs).
+"""
+
+import ml_collections
+
+
+def engine_defaults() -> ml_collections.ConfigDict:
+    """Engine settings shared by the arms (each arm overrides a few)."""
+    e = ml_collections.ConfigDict()
+    e.block_size = 16
+    e.num_blocks = 129  # 128 usable blocks of 16 = 2048 positions; contiguous: 8 buffers of 256
+    e.max_num_seqs = 32
+    e.max_num_batched_tokens = 256
+    e.max_model_len = 256
+    e.attention_impl = "xla"
+    e.enable_prefix_caching = True
+    e.preemption_mode = "recompute"
+    e.min_seq_bucket = 32  # one sequence bucket: few compilations, all done by warmup()
+    e.min_token_bucket = 32
+    return e
+
+
+def workload_defaults() -> ml_collections.ConfigDict:
+    w = ml_collections.ConfigDict()
+    w.kind = "sharegpt"  # constructed lognormal lengths scaled to max_model_len
+    w.num_requests = 80
+    w.rate = 2.0  # requests/s (Poisson when burstiness == 1)
+    w.burstiness = 1.0
+    w.seed = 0
+    w.trace = ""  # a JSONL trace instead of a constructed workload (evidence: real)
+    return w
+
+
+def get_config(arg: str = "default") -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.model = "tiny"  # bundled weights; "random-small" = small random model (tests)
+    c.engine = engine_defaults()
+    c.workload = workload_defaults()
+    c.arms = (
+        ("paged+continuous", dict(kv_layout="paged", scheduling="continuous")),
+        ("contiguous+static", dict(kv_layout="contiguous", scheduling="static")),
+    )
+    c.ttft_slo_ms = 2000.0
+    c.tpot_slo_ms = 200.0
+    c.max_wall_s = 120.0  # per arm; requests still in flight are aborted (and reported)
+    c.output_dir = ""  # default results/serve/<timestamp>/
+    c.plots = True
+    if arg == "smoke":
+        c.model = "random-small"
+        c.engine.num_blocks = 33
+        c.engine.max_num_seqs = 4
+        c.engine.max_num_batched_tokens = 32
+        c.engine.max_model_len = 64
+        c.engine.block_size = 8
+        c.engine.min_seq_bucket = 4
+        c.engine.min_token_bucket = 32
+        c.workload.num_requests = 6
+        c.workload.rate = 20.0
+        c.max_wall_s = 60.0
+    elif arg != "default":
+        raise ValueError(f"unknown variant {arg!r}; known: default, smoke")
+    return c

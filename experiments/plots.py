@@ -1,0 +1,61 @@
+"""PNG plots of serving results: latency CDFs and KV usage by ledger category over time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+LEDGER_ORDER = ("effective_kv", "shared", "tail_fragmentation", "cached_free", "reserved", "free")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def latency_cdfs(arms, path: Path) -> Path:
+    """One panel per metric (TTFT, TPOT, E2E), one line per arm, finished requests only."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, (label, attr) in zip(axes, (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("E2E latency", "e2el_s"))):
+        for arm in arms:
+            vals = np.sort([1e3 * getattr(r, attr) for r in arm.records
+                            if r.status == "finished" and getattr(r, attr) is not None])
+            if vals.size:
+                ax.step(vals, np.arange(1, vals.size + 1) / vals.size, where="post", label=arm.name)
+        ax.set_xlabel(f"{label} (ms)")
+        ax.set_ylabel("fraction of finished requests")
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def kv_usage(arms, path: Path) -> Path:
+    """Stacked KV-pool bytes by ledger category over time, one panel per arm."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(arms), figsize=(6.5 * len(arms), 3.8), squeeze=False)
+    for ax, arm in zip(axes[0], arms):
+        t = np.asarray(arm.trace.get("time_s", []))
+        ledger = arm.trace.get("ledger", {})
+        cats = [c for c in LEDGER_ORDER if c in ledger]
+        if t.size and cats:
+            ys = [np.asarray(ledger[c]) / 2**20 for c in cats]
+            ax.stackplot(t, ys, labels=cats, step="post")
+        ax.set_title(arm.name)
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel("KV pool (MiB)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

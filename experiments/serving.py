@@ -1,0 +1,148 @@
+"""Shared driver of the serving studies: one engine, one workload, in real time.
+
+Requests are admitted at their arrival times (wall clock since the start of the run); engine steps
+run in between; when nothing is in flight the driver sleeps until the next arrival. A request's
+arrival time is its scheduled arrival, so a request that arrives during a step waits for it, as it
+would in a server. Every request ends up in the results: finished, aborted (past the run's wall
+limit), timed out, or rejected (the engine refused it), and the summary says which population its
+percentiles cover.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+from paged import Engine, EngineConfig, SamplingParams, metrics
+from paged.workload import Workload
+
+STATUS = {"stop": "finished", "length": "finished", "abort": "aborted", "timeout": "timeout"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ArmResult:
+    name: str
+    summary: dict  # metrics.summarize(...) plus engine counters
+    records: list[metrics.RequestRecord]
+    trace: dict  # metrics.Trace.to_dict()
+    engine_config: dict
+    wall_s: float
+    num_compilations: int
+
+
+def build_engine(engine_config: EngineConfig, model=None) -> Engine:
+    """An engine on the bundled model (or ``model=(config, params)``), warmed up (all shapes)."""
+    if model is None:
+        engine = Engine(engine_config)
+    else:
+        engine = Engine(engine_config, model_config=model[0], params=model[1])
+    engine.warmup()
+    return engine
+
+
+def _record(out, spec_by_id) -> metrics.RequestRecord:
+    spec = spec_by_id[out.request_id]
+    status = STATUS[out.finish_reason] if out.finish_reason in STATUS else "aborted"
+    times = tuple(out.token_times)
+    finished = status == "finished"
+    return metrics.RequestRecord(
+        request_id=out.request_id, status=status, arrival_s=out.arrival_time,
+        first_scheduled_s=out.first_scheduled_time, first_token_s=out.first_token_time,
+        finish_s=out.finish_time if finished else (out.finish_time or time.perf_counter()),
+        token_times=times, prompt_len=spec.prompt_len, output_len=len(out.token_ids),
+        num_preemptions=out.num_preemptions, num_cached_tokens=out.num_cached_tokens)
+
+
+def run_arm(name: str, engine: Engine, workload: Workload, *, ttft_slo_ms=None, tpot_slo_ms=None,
+            max_wall_s: float = float("inf"), trace_every_s: float = 0.05,
+            progress: bool = True) -> ArmResult:
+    """Serves ``workload`` with ``engine`` in real time and summarizes it.
+
+    Args:
+      name: the arm's label.
+      engine: a fresh (warmed-up) engine.
+      workload: requests with arrival offsets in seconds.
+      ttft_slo_ms, tpot_slo_ms: SLO for goodput.
+      max_wall_s: after this long, requests still in flight are aborted and later arrivals are
+        rejected (both stay in the results as such).
+      trace_every_s: period of the KV-usage trace samples.
+      progress: print a progress line on stderr.
+    """
+    specs = sorted(workload.requests, key=lambda r: r.arrival_s)
+    spec_by_id = {r.request_id: r for r in specs}
+    records: dict[str, metrics.RequestRecord] = {}
+    trace = metrics.Trace()
+    t0 = time.perf_counter()
+    next_trace = 0.0
+    i = 0
+    while i < len(specs) or engine.has_unfinished_requests():
+        now = time.perf_counter()
+        if now - t0 > max_wall_s:
+            _stop(engine, specs[i:], records, spec_by_id, now)
+            break
+        while i < len(specs) and t0 + specs[i].arrival_s <= now:
+            r = specs[i]
+            params = SamplingParams(max_tokens=r.output_len, temperature=0.0, n=r.n, ignore_eos=True)
+            try:
+                engine.add_request(r.request_id, r.engine_prompt(), params, arrival_time=t0 + r.arrival_s)
+            except ValueError:
+                records[r.request_id] = _rejected(r, t0)
+            i += 1
+        if engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    records[out.request_id] = _record(out, spec_by_id)
+        elif i < len(specs):
+            time.sleep(max(0.0, t0 + specs[i].arrival_s - time.perf_counter()))
+        now = time.perf_counter()
+        if now - t0 >= next_trace:
+            _sample(trace, engine, now - t0)
+            next_trace = now - t0 + trace_every_s
+            if progress:
+                print(f"\r[{name}] {len(records)}/{len(specs)} done, t={now - t0:5.1f}s, running "
+                      f"{len(engine.scheduler.running):3d}, waiting {len(engine.scheduler.waiting):3d}",
+                      end="", file=sys.stderr, flush=True)
+    wall = time.perf_counter() - t0
+    if progress:
+        print(file=sys.stderr)
+    recs = [records[r.request_id] for r in specs]
+    end = max([r.finish_s for r in recs if r.finish_s is not None], default=t0 + wall)
+    summary = metrics.summarize(recs, duration_s=max(end - t0, 1e-9), ttft_slo_ms=ttft_slo_ms,
+                                tpot_slo_ms=tpot_slo_ms, evidence=workload.evidence)
+    stats = engine.kv_stats()
+    summary.update(
+        num_engine_steps=engine.num_steps, engine_preemptions=stats["num_preemptions"],
+        prefix_cache_hit_tokens=stats["prefix_cache_hit_tokens"],
+        peak_used_blocks=stats["block_manager"].get("peak_used_blocks"),
+        pool_bytes=stats["ledger"]["pool_bytes"], kv_block_size=stats["block_size"],
+        kv_num_blocks=stats["num_blocks"])
+    return ArmResult(name=name, summary=summary, records=recs, trace=trace.to_dict(),
+                     engine_config=dataclasses.asdict(engine.config), wall_s=wall,
+                     num_compilations=engine.num_compilations)
+
+
+def _sample(trace: metrics.Trace, engine: Engine, t: float) -> None:
+    stats = engine.kv_stats()
+    trace.record(t, num_running=stats["num_running"], num_waiting=stats["num_waiting"],
+                 num_swapped=stats["num_swapped"], batch_tokens=engine.last_timing.num_tokens,
+                 ledger=stats["ledger"]["categories"])
+
+
+def _rejected(spec, t0: float) -> metrics.RequestRecord:
+    return metrics.RequestRecord(
+        request_id=spec.request_id, status="rejected", arrival_s=t0 + spec.arrival_s,
+        first_scheduled_s=None, first_token_s=None, finish_s=None, token_times=(),
+        prompt_len=spec.prompt_len, output_len=0)
+
+
+def _stop(engine: Engine, unadmitted, records, spec_by_id, now: float) -> None:
+    """Wall limit reached: abort what is in flight, reject what has not arrived yet."""
+    in_flight = [rid for rid in engine.unfinished_request_ids() if rid not in records]
+    for rid in in_flight:
+        engine.abort(rid)
+    for out in engine.step():  # reports the aborted requests
+        if out.finished:
+            records[out.request_id] = _record(out, spec_by_id)
+    for spec in unadmitted:
+        records[spec.request_id] = _rejected(spec, now)
