@@ -59,3 +59,26 @@ def kv_usage(arms, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def capacity_curves(arms, ttft_slo_ms: float, tpot_slo_ms: float, path: Path) -> Path:
+    """p99 TTFT and p99 TPOT against the request rate, one line per arm, SLOs dashed."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for ax, key, slo, label in ((axes[0], "p99_ttft_ms", ttft_slo_ms, "p99 TTFT (ms)"),
+                                (axes[1], "p99_tpot_ms", tpot_slo_ms, "p99 TPOT (ms)")):
+        for arm in arms:
+            pts = [(p["rate"], p["summary"].get(key)) for p in arm["points"]
+                   if p["summary"].get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=arm["name"])
+        ax.axhline(slo, ls="--", color="gray", label="SLO")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

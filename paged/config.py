@@ -9,7 +9,8 @@ KV_LAYOUTS = ("paged", "contiguous")
 SCHEDULINGS = ("continuous", "static")
 POLICIES = ("decode-first", "prefill-first")
 PREEMPTION_MODES = ("recompute", "swap")
-ATTENTION_IMPLS = ("auto", "xla", "pallas", "interpret", "interpret_tpu", "interpret_gpu")
+ATTENTION_IMPLS = ("auto", "xla", "reference", "pallas", "pallas_tpu", "pallas_gpu", "interpret",
+                   "interpret_tpu", "interpret_gpu")
 DTYPES = ("float32", "bfloat16")
 
 

@@ -25,7 +25,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.output_json = ""  # default: results/engine_bench/<timestamp>/engine_bench.json
     if arg == "smoke":
         c.model = "random-small"
-        c.num_running = (4, 8)
+        c.num_running = (4,)
         c.max_model_len = 64
         c.block_size = 8
         c.warmup_steps = 1

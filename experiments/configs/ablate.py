@@ -1,0 +1,41 @@
+"""Config of `experiments/ablate.py`: a factorial ablation at one fixed arrival process.
+
+Launch::
+
+    python -m experiments.ablate
+    python -m experiments.ablate --config=experiments/configs/ablate.py:smoke
+    python -m experiments.ablate --config.workload.rate=6
+
+Factors (each a tuple of levels; every combination is one arm, all on the same workload):
+attention_impl (operator: "xla" = blocked online-softmax over pages, "reference" = gather every
+page then dense softmax), kv_layout (allocation: paged blocks vs contiguous max_model_len
+reservation), scheduling (continuous vs static request-level batching), enable_prefix_caching.
+"""
+
+import ml_collections
+
+from experiments.configs import serve
+
+
+def get_config(arg: str = "default") -> ml_collections.ConfigDict:
+    c = serve.get_config("smoke" if arg == "smoke" else "default")
+    c.factors = ml_collections.ConfigDict(dict(
+        attention_impl=("xla", "reference"),
+        kv_layout=("paged", "contiguous"),
+        scheduling=("continuous", "static"),
+        enable_prefix_caching=(True, False),
+    ))
+    c.workload.num_requests = 48
+    c.workload.rate = 4.0
+    c.max_wall_s = 60.0
+    c.plots = False
+    if arg == "smoke":
+        c.workload.num_requests = 4
+        c.workload.rate = 20.0
+        c.factors.attention_impl = ("xla",)
+        c.factors.enable_prefix_caching = (True,)
+        c.max_wall_s = 60.0
+    elif arg != "default":
+        raise ValueError(f"unknown variant {arg!r}; known: default, smoke")
+    del c.arms
+    return c
