@@ -16,6 +16,7 @@ $(STAMP): setup.cfg pyproject.toml
 
 run: $(STAMP)
 	$(PY) -m experiments.fragmentation
+	$(PY) -m experiments.serve
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
