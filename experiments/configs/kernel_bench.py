@@ -1,0 +1,110 @@
+"""Config of `experiments/kernel_bench.py`: paged decode and ragged attention, per implementation.
+
+Launch (from the repo root)::
+
+    .venv/bin/python -m experiments.kernel_bench --config=experiments/configs/kernel_bench.py:cpu
+    .venv/bin/python -m experiments.kernel_bench --config=experiments/configs/kernel_bench.py:smoke
+    python -m experiments.kernel_bench --config=experiments/configs/kernel_bench.py:h200 --peak_gbps=4800
+
+Variants:
+  ``cpu``   the CPU target shape (B=32, context 1024, Hq=32, Hkv=8, D=128, float32): "xla" paged vs
+            dense contiguous, interleaved; writes experiments/results/kernel_bench_cpu.json.
+  ``smoke`` tiny shapes, every implementation including the interpret-mode kernels and JAX's own
+            Pallas kernels; a test runs it end to end (timings meaningless).
+  ``h200``  one H200: bfloat16, longer contexts, compiled GPU-style Pallas vs "xla" vs JAX's GPU
+            kernel; correctness first; sized for < 5 minutes. UNVERIFIED: written without a GPU.
+
+Implementation names are those of `pallas_kernels.api` (a ``@unmasked`` suffix picks the GPU-style
+kernels' null-page gather fallback) plus ``jax_gpu`` / ``jax_tpu`` (JAX's own
+Pallas paged-attention kernels, run in interpret mode off their backend: ``jax_gpu_interpret``,
+``jax_tpu_interpret``). The dense baseline of each implementation is `pallas_kernels.flash_attention`
+with the same ``impl`` on a contiguous copy of the same data (JAX kernels use the "xla" baseline).
+Override any field, e.g. ``--config.decode.batch=8 --config.repeats=5``.
+"""
+
+import ml_collections
+
+
+def _heads(hq, hkv, d):
+    return ml_collections.ConfigDict(dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d))
+
+
+def _decode(batch, context):
+    return ml_collections.ConfigDict(dict(batch=batch, context=context))
+
+
+def _ragged(num_decodes, decode_context, num_prefills, prefill_chunk, prefill_context, verify):
+    """A mixed step: decodes, prefill chunks (the last ``prefill_chunk`` of ``prefill_context``
+    tokens) and ``verify`` sequences checking 4 draft tokens at ``decode_context``."""
+    return ml_collections.ConfigDict(
+        dict(
+            num_decodes=num_decodes, decode_context=decode_context, num_prefills=num_prefills,
+            prefill_chunk=prefill_chunk, prefill_context=prefill_context, num_verify=verify,
+        )
+    )  # fmt: skip
+
+
+def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.name = arg
+    c.seed = 0
+    c.dtype = "float32"
+    c.page_size = 16
+    c.extra_pages = 64  # spare pages in the pool (NaN-filled, never read)
+    c.repeats = 15  # interleaved timing rounds; medians reported
+    c.warmup = 2
+    c.peak_gbps = 20.0  # roughly one DDR channel pair; override per machine (--peak_gbps)
+    c.rtol = 2e-4  # correctness check (float32 accumulate; looser for bf16 below)
+    c.atol = 2e-4
+    c.out = f"experiments/results/kernel_bench_{arg}.json"
+    c.heads = _heads(32, 8, 128)
+    c.decode = _decode(32, 1024)
+    c.ragged = _ragged(32, 1024, 1, 64, 512, 2)
+    c.decode_impls = ["xla"]
+    c.ragged_impls = ["xla"]
+    c.xla_block_tokens = 128  # XlaConfig knobs (CPU-tuned defaults)
+    c.xla_items_per_group = 4
+    c.tpu_pages_per_compute_block = 8
+    c.gpu_pages_per_compute_block = 4
+    c.gpu_k_splits = 8
+    c.gpu_queries_per_block = 16
+    if arg == "cpu":
+        c.repeats = 31  # the machine is shared: more interleaved rounds for a stable median
+        c.note = "shared 2-core CPU (5 agents): absolute times are noisy, read the ratios"
+    elif arg == "smoke":
+        c.repeats = 1
+        c.warmup = 0  # the correctness call already compiled everything
+        c.extra_pages = 2
+        c.heads = _heads(4, 2, 64)
+        c.decode = _decode(3, 40)
+        c.ragged = _ragged(2, 40, 1, 8, 24, 1)
+        c.decode_impls = [
+            "xla", "reference", "interpret_tpu", "interpret_gpu", "jax_gpu_interpret",
+            "jax_tpu_interpret",
+        ]  # fmt: skip
+        c.ragged_impls = ["xla", "reference", "interpret_tpu", "interpret_gpu"]
+        c.page_size = 8
+        c.gpu_k_splits = 2
+        c.tpu_pages_per_compute_block = 2
+        c.gpu_pages_per_compute_block = 2
+        c.out = ""  # the test passes its own temporary path
+        c.note = "smoke: exercises every path on tiny shapes; timings are meaningless"
+    elif arg == "h200":
+        c.dtype = "bfloat16"
+        c.rtol = c.atol = 2e-2
+        c.peak_gbps = 4800.0  # H200 HBM3e
+        c.repeats = 20
+        c.heads = _heads(32, 8, 128)
+        c.decode = _decode(64, 4096)
+        c.ragged = _ragged(128, 2048, 2, 256, 2048, 8)
+        # "@unmasked": the null-page gather fallback, in case the masked gather does not lower.
+        c.decode_impls = ["pallas_gpu", "pallas_gpu@unmasked", "jax_gpu", "xla"]
+        c.ragged_impls = ["pallas_gpu", "pallas_gpu@unmasked", "xla"]
+        c.gpu_pages_per_compute_block = 8
+        c.gpu_k_splits = 16
+        c.xla_block_tokens = 512  # fewer, wider loop steps on a GPU
+        c.xla_items_per_group = 64
+        c.note = "UNVERIFIED: written on a CPU-only machine; first H200 run pending"
+    else:
+        raise ValueError(f"unknown variant {arg!r}; known: cpu, smoke, h200")
+    return c

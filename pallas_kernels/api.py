@@ -1,0 +1,232 @@
+"""Public attention ops and the one dispatcher that maps ``impl`` to an implementation.
+
+``impl`` names (the same for every op):
+
+==================  ==========================================================================
+``"auto"``          by backend: cpu -> ``"xla"``, gpu -> ``"pallas_gpu"``, tpu -> ``"pallas_tpu"``
+``"xla"``           blocked online-softmax in jnp (:mod:`pallas_kernels.xla`); fast on CPU
+``"reference"``     the plain float32 references (:mod:`pallas_kernels.reference`); tests only
+``"pallas"``        the Pallas kernel compiled for the current backend (gpu or tpu)
+``"pallas_tpu"``    TPU-style kernel (Mosaic; scalar prefetch + manual DMA), compiled
+``"pallas_gpu"``    GPU-style kernel (Triton lowering; split-K flash-decoding), compiled
+``"interpret"``     same as ``"interpret_tpu"``
+``"interpret_tpu"`` TPU-style kernel in TPU interpret mode (runs on CPU; checks DMA races/OOB)
+``"interpret_gpu"`` GPU-style kernel with ``interpret=True`` (runs on CPU)
+==================  ==========================================================================
+
+``config`` takes the chosen implementation's tuning dataclass: :class:`pallas_kernels.XlaConfig`,
+``pallas_kernels.tpu_common.TpuPagedConfig`` / ``gpu_common.GpuPagedConfig`` (paged and ragged),
+``flash_attention_tpu.TpuFlashConfig`` / ``flash_attention_gpu.GpuFlashConfig`` (flash); None
+means its defaults. Backend constraints (page size, head_dim, VMEM) are in those modules and raise
+ValueError naming the value.
+
+The GPU-style kernels use Pallas' Triton lowering, which newer JAX deprecates in favour of Mosaic
+GPU; nothing outside this module names them, so they can be swapped without touching callers.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+
+from pallas_kernels import reference, validation, xla
+
+IMPLS = (
+    "auto", "xla", "reference", "pallas", "pallas_tpu", "pallas_gpu",
+    "interpret", "interpret_tpu", "interpret_gpu",
+)  # fmt: skip
+
+# op name -> (module, function) per kernel style; imported lazily so the XLA path never pays for
+# Pallas imports (and a JAX without one of the lowerings still serves the others).
+_KERNELS = {
+    "paged_attention": {
+        "tpu": ("pallas_kernels.paged_attention_tpu", "paged_attention"),
+        "gpu": ("pallas_kernels.paged_attention_gpu", "paged_attention"),
+    },
+    "ragged_paged_attention": {
+        "tpu": ("pallas_kernels.ragged_attention_tpu", "ragged_paged_attention"),
+        "gpu": ("pallas_kernels.ragged_attention_gpu", "ragged_paged_attention"),
+    },
+    "flash_attention": {
+        "tpu": ("pallas_kernels.flash_attention_tpu", "flash_attention"),
+        "gpu": ("pallas_kernels.flash_attention_gpu", "flash_attention"),
+    },
+}
+
+
+def resolve_impl(impl: str, backend: str | None = None) -> tuple[str, str | None, bool]:
+    """Maps an ``impl`` name to ``(kind, style, interpret)``.
+
+    ``kind`` is ``"xla"``, ``"reference"`` or ``"pallas"``; ``style`` is ``"tpu"`` / ``"gpu"`` for
+    Pallas kernels (else None); ``interpret`` says whether the kernel runs in interpret mode.
+
+    Raises:
+      ValueError: unknown ``impl``, or ``"pallas"`` on a backend without a compiled kernel.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"{impl=} must be one of {IMPLS}")
+    backend = backend or jax.default_backend()
+    if impl == "auto":
+        impl = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(backend, "xla")
+    if impl in ("xla", "reference"):
+        return impl, None, False
+    if impl == "pallas":
+        if backend not in ("gpu", "tpu"):
+            raise ValueError(
+                f"{impl=} compiles a kernel for gpu or tpu, but the backend is {backend!r}; "
+                "use impl='interpret_tpu' or 'interpret_gpu' to run a kernel on CPU"
+            )
+        return "pallas", backend, False
+    if impl == "interpret":
+        impl = "interpret_tpu"
+    kind, style = impl.split("_")
+    return "pallas", style, kind == "interpret"
+
+
+def _kernel(op: str, style: str):
+    module, name = _KERNELS[op][style]
+    return getattr(importlib.import_module(module), name)
+
+
+def paged_attention(
+    q: jax.Array,  # [B, Hq, D]
+    k_pages: jax.Array,  # [Hkv, P, page, D]
+    v_pages: jax.Array,  # [Hkv, P, page, D]
+    lengths: jax.Array,  # i32[B]
+    page_indices: jax.Array,  # i32[B, pages_per_seq]
+    *,
+    sm_scale: float = 1.0,
+    soft_cap: float | None = None,
+    impl: str = "auto",
+    config=None,
+) -> jax.Array:  # [B, Hq, D]
+    """Decode attention: one query token per sequence over its paged KV cache.
+
+    Sequence ``b`` owns keys ``0 .. lengths[b]-1``, key ``j`` stored at page
+    ``page_indices[b, j // page]``, offset ``j % page``. Positions ``>= lengths[b]`` are never read
+    (their contents, NaN included, do not matter); ``lengths[b] == 0`` gives zeros. Jittable with
+    traced ``lengths`` and ``page_indices``.
+
+    Args:
+      q: queries, float32 / bfloat16 / float16; ``Hq`` a multiple of ``Hkv`` (GQA, MQA, MHA).
+      k_pages: key pages, same dtype as ``q``.
+      v_pages: value pages, same shape and dtype as ``k_pages``.
+      lengths: number of valid keys per sequence, in ``[0, pages_per_seq * page]``.
+      page_indices: physical page of each logical page; entries past a sequence's length are unused.
+      sm_scale: multiplies ``q . k`` before the soft cap and softmax.
+      soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
+      impl: implementation name, see :mod:`pallas_kernels.api`.
+      config: optional tuning dataclass of the chosen implementation (e.g. ``XlaConfig``).
+
+    Returns:
+      ``[B, Hq, D]`` in ``q.dtype``, accumulated in float32.
+
+    Raises:
+      ValueError / TypeError: bad shapes, dtypes, knobs or ``impl`` (message names the value).
+    """
+    validation.check_paged_attention(
+        q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale, soft_cap=soft_cap
+    )
+    kind, style, interpret = resolve_impl(impl)
+    args = (q, k_pages, v_pages, lengths, page_indices)
+    kw = {"sm_scale": sm_scale, "soft_cap": soft_cap}
+    if kind == "reference":
+        return reference.paged_attention(*args, **kw)
+    if kind == "xla":
+        return xla.paged_attention(*args, **kw, config=config)
+    return _kernel("paged_attention", style)(*args, **kw, config=config, interpret=interpret)
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [Hkv, P, page, D]
+    v_pages: jax.Array,  # [Hkv, P, page, D]
+    kv_lens: jax.Array,  # i32[max_num_seqs]
+    page_indices: jax.Array,  # i32[max_num_seqs, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
+    num_seqs,  # i32[1] | int
+    *,
+    sm_scale: float = 1.0,
+    soft_cap: float | None = None,
+    impl: str = "auto",
+    config=None,
+) -> jax.Array:  # [T, Hq, D]
+    """Causal attention for a mixed batch: prefill chunks, decodes and multi-token verification.
+
+    Sequence ``i < num_seqs`` owns query rows ``cu_q_lens[i]:cu_q_lens[i+1]``: the last
+    ``q_len_i`` of its ``kv_lens[i]`` tokens, whose KV is already in the pages. Row ``t`` of sequence
+    ``i`` sits at position ``kv_lens[i] - q_len_i + (t - cu_q_lens[i])`` and sees keys up to and
+    including that position. Rows at or past ``cu_q_lens[num_seqs]`` are padding and give zeros;
+    sequence slots ``>= num_seqs`` are ignored. ``cu_q_lens`` must be non-decreasing from 0 (not
+    checked: it is traced). Jittable with all integer inputs traced.
+
+    Args:
+      q: query rows of all sequences, back to back, then padding.
+      k_pages: key pages; v_pages: value pages (as in :func:`paged_attention`).
+      kv_lens: tokens in the cache per sequence slot (including this step's queries).
+      page_indices: page table per sequence slot.
+      cu_q_lens: cumulative query lengths, ``cu_q_lens[0] == 0``.
+      num_seqs: number of live sequence slots, an ``i32[1]`` array or a Python int.
+      sm_scale, soft_cap, impl, config: as in :func:`paged_attention`.
+
+    Returns:
+      ``[T, Hq, D]`` in ``q.dtype``.
+
+    Raises:
+      ValueError / TypeError: bad shapes, dtypes, knobs or ``impl``.
+    """
+    validation.check_ragged_paged_attention(
+        q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+        sm_scale=sm_scale, soft_cap=soft_cap,
+    )  # fmt: skip
+    kind, style, interpret = resolve_impl(impl)
+    args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    kw = {"sm_scale": sm_scale, "soft_cap": soft_cap}
+    if kind == "reference":
+        return reference.ragged_paged_attention(*args, **kw)
+    if kind == "xla":
+        return xla.ragged_paged_attention(*args, **kw, config=config)
+    return _kernel("ragged_paged_attention", style)(*args, **kw, config=config, interpret=interpret)
+
+
+def flash_attention(
+    q: jax.Array,  # [B, Tq, Hq, D]
+    k: jax.Array,  # [B, Tk, Hkv, D]
+    v: jax.Array,  # [B, Tk, Hkv, D]
+    *,
+    kv_lens: jax.Array | None = None,  # i32[B]
+    causal: bool = True,
+    sm_scale: float = 1.0,
+    soft_cap: float | None = None,
+    impl: str = "auto",
+    config=None,
+) -> jax.Array:  # [B, Tq, Hq, D]
+    """Contiguous-KV attention (prefill when ``Tq == Tk``, the dense decode baseline when ``Tq == 1``).
+
+    Batch ``b`` holds ``kv_lens[b]`` valid keys (default ``Tk``); query ``i`` sits at position
+    ``kv_lens[b] - Tq + i`` and, if ``causal``, sees keys up to that position, otherwise all valid
+    keys. Positions ``>= kv_lens[b]`` are never read; a query with no visible key gives zeros.
+
+    Args:
+      q, k, v: contiguous queries / keys / values, one dtype; ``Hq`` a multiple of ``Hkv``.
+      kv_lens: valid keys per batch entry, in ``[0, Tk]``.
+      causal: apply the causal mask.
+      sm_scale, soft_cap, impl, config: as in :func:`paged_attention`.
+
+    Returns:
+      ``[B, Tq, Hq, D]`` in ``q.dtype``.
+
+    Raises:
+      ValueError / TypeError: bad shapes, dtypes, knobs or ``impl``.
+    """
+    validation.check_flash_attention(
+        q, k, v, kv_lens, causal=causal, sm_scale=sm_scale, soft_cap=soft_cap
+    )
+    kind, style, interpret = resolve_impl(impl)
+    kw = {"kv_lens": kv_lens, "causal": causal, "sm_scale": sm_scale, "soft_cap": soft_cap}
+    if kind == "reference":
+        return reference.flash_attention(q, k, v, **kw)
+    if kind == "xla":
+        return xla.flash_attention(q, k, v, **kw, config=config)
+    return _kernel("flash_attention", style)(q, k, v, **kw, config=config, interpret=interpret)

@@ -1,0 +1,164 @@
+"""GPU-style Pallas ragged paged attention (Triton lowering; ``interpret=True`` on CPU).
+
+Same tiling as the TPU-style kernel (:mod:`pallas_kernels.ragged_common`): grid
+``(num_kv_heads, num_query_tiles)``, a tile = ``queries_per_block`` tokens times the query heads of
+one KV head (padded to a power of two), each overlapping sequence visited once per tile with masked
+page gathers, an online softmax in registers, causal masks per row. Padded rows come out zero.
+
+Constraints: those of :mod:`pallas_kernels.gpu_common`, plus ``queries_per_block * Gp`` a power of
+two >= 16 (``Gp`` = query heads per KV head rounded up to a power of two). The Triton lowering is
+deprecated from JAX 0.11 (Mosaic GPU replaces it); compiled behaviour is unverified here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import compat, validation
+from pallas_kernels.gpu_common import (
+    GpuPagedConfig,
+    check_gpu_constraints,
+    dot,
+    load_pages,
+    next_pow2,
+    online_update,
+)
+from pallas_kernels.ragged_common import lower_bound, num_seqs_array, tile_queries, untile_outputs
+
+
+def _kernel(
+    q_ref,  # [bq * Gp, D]
+    k_ref,  # [P, page, D] (this KV head)
+    v_ref,  # [P, page, D]
+    table_ref,  # i32[max_num_seqs, pages_per_seq (padded to ppb)]
+    kv_lens_ref,  # i32[max_num_seqs]
+    cu_ref,  # i32[max_num_seqs + 1]
+    num_seqs_ref,  # i32[1]
+    o_ref,  # [bq * Gp, D]
+    *,
+    ppb: int,
+    masked: bool,
+    group_padded: int,
+    max_keys: int,
+    sm_scale: float,
+    soft_cap: float | None,
+):
+    qb = pl.program_id(1)
+    page_size = k_ref.shape[1]
+    bk = ppb * page_size
+    q = q_ref[...]
+    rows, head_dim = q.shape
+    block_q = rows // group_padded
+    row0 = qb * block_q
+    token = row0 + jnp.arange(rows) // group_padded  # [rows]
+    hi = num_seqs_ref[0]
+    first = lower_bound(0, hi, lambda s: cu_ref[s + 1] <= row0)
+    last = lower_bound(first, hi, lambda s: cu_ref[s] < row0 + block_q)
+
+    def visit_seq(s, carry):
+        q_start, q_end, kv_len = cu_ref[s], cu_ref[s + 1], kv_lens_ref[s]
+        tile_end = jnp.minimum(q_end, row0 + block_q)
+        limit = jnp.clip(kv_len - q_end + tile_end, 0, max_keys)
+        limit = jnp.where(tile_end > jnp.maximum(q_start, row0), limit, 0)
+        row_ok = (token >= q_start) & (token < q_end)
+        row_limit = kv_len - q_end + token + 1
+
+        def body(i, c):
+            ids = table_ref[s, pl.ds(i * ppb, ppb)]
+            page_valid = (i * ppb + jnp.arange(ppb)) * page_size < limit
+            k = load_pages(k_ref, ids, page_valid, dtype=q.dtype, masked=masked)
+            v = load_pages(v_ref, ids, page_valid, dtype=q.dtype, masked=masked)
+            key = i * bk + jnp.arange(bk)
+            v = jnp.where((key < limit)[:, None], v, jnp.zeros_like(v))
+            sc = dot(q, k, trans_b=True) * sm_scale
+            if soft_cap is not None:
+                sc = soft_cap * jnp.tanh(sc / soft_cap)
+            valid = row_ok[:, None] & (key[None, :] < row_limit[:, None])
+            return online_update(c, sc, v, valid)
+
+        return lax.fori_loop(0, pl.cdiv(limit, bk), body, carry)
+
+    init = (
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, head_dim), jnp.float32),
+    )
+    _, lsum, acc = lax.fori_loop(first, last, visit_seq, init)
+    o_ref[...] = (acc / jnp.where(lsum == 0.0, 1.0, lsum)[:, None]).astype(o_ref.dtype)
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [Hkv, P, page, D]
+    v_pages: jax.Array,  # [Hkv, P, page, D]
+    kv_lens: jax.Array,  # i32[max_num_seqs]
+    page_indices: jax.Array,  # i32[max_num_seqs, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
+    num_seqs,  # i32[1] | int
+    *,
+    sm_scale: float = 1.0,
+    soft_cap: float | None = None,
+    config: GpuPagedConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:  # [T, Hq, D]
+    """GPU-style Pallas implementation of :func:`pallas_kernels.ragged_paged_attention`.
+
+    Args:
+      q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, soft_cap: as in
+        the public op.
+      config: tuning knobs (default :class:`GpuPagedConfig`; ``k_splits`` is unused here).
+      interpret: run with ``interpret=True`` on CPU.
+
+    Raises:
+      ValueError: shapes the kernel cannot tile.
+    """
+    compat.require_triton()
+    config = config or GpuPagedConfig()
+    shp = validation.check_ragged_paged_attention(
+        q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+        sm_scale=sm_scale, soft_cap=soft_cap,
+    )  # fmt: skip
+    ppb = check_gpu_constraints(shp, config)
+    group_padded = next_pow2(shp.group)
+    block_q = max(config.queries_per_block, config.min_block_h // group_padded)
+    rows = block_q * group_padded
+    num_tokens, hkv, d = q.shape[0], shp.num_kv_heads, shp.head_dim
+    q3 = tile_queries(jnp.asarray(q), hkv, group_padded, block_q)
+    table = jnp.asarray(page_indices, jnp.int32)
+    pps_pad = -(-shp.pages_per_seq // ppb) * ppb
+    table = jnp.pad(table, ((0, 0), (0, pps_pad - shp.pages_per_seq)))
+    kernel = functools.partial(
+        _kernel, ppb=ppb, masked=config.masked_gather, group_padded=group_padded,
+        max_keys=shp.pages_per_seq * shp.page_size, sm_scale=float(sm_scale), soft_cap=soft_cap,
+    )  # fmt: skip
+    full = lambda x: pl.BlockSpec(x.shape, lambda h, qb: (0,) * x.ndim)  # noqa: E731
+    kv_lens = jnp.asarray(kv_lens, jnp.int32)
+    cu = jnp.asarray(cu_q_lens, jnp.int32)
+    n = num_seqs_array(num_seqs)
+    tile = pl.BlockSpec((None, rows, d), lambda h, qb: (h, qb, 0))
+    out = pl.pallas_call(
+        kernel,
+        grid=(hkv, q3.shape[1] // rows),
+        in_specs=[
+            tile,
+            pl.BlockSpec((None, *k_pages.shape[1:]), lambda h, qb: (h, 0, 0, 0)),
+            pl.BlockSpec((None, *v_pages.shape[1:]), lambda h, qb: (h, 0, 0, 0)),
+            full(table),
+            full(kv_lens),
+            full(cu),
+            full(n),
+        ],  # fmt: skip
+        out_specs=tile,
+        out_shape=jax.ShapeDtypeStruct(q3.shape, q3.dtype),
+        compiler_params=compat.gpu_compiler_params(
+            num_warps=config.num_warps, num_stages=config.num_stages
+        ),
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+    )(q3, k_pages, v_pages, table, kv_lens, cu, n)
+    return untile_outputs(out, num_tokens, shp.group, group_padded)

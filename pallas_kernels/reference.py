@@ -1,0 +1,201 @@
+"""Pure-jnp references for every attention op, written for clarity, not speed.
+
+Each reference upcasts to float32, materialises the full score matrix and masks with ``jnp.where``
+(never by multiplying), so a NaN stored at a position a query must not see cannot leak into its
+output. They are the ground truth the kernels and the fast ``"xla"`` path are tested against (and
+they are themselves checked against float64 numpy and a hand-computed case).
+
+Conventions shared by all ops:
+  * scores are ``q . k * sm_scale``, then ``soft_cap * tanh(scores / soft_cap)`` when ``soft_cap`` is
+    set (Gemma-2 style), then masked, then softmax;
+  * a query that sees no key (length 0, padding) outputs zeros;
+  * the output has ``q.dtype``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import validation
+
+
+def masked_softmax_attend(
+    q: jax.Array,  # f32[..., G, D]
+    k: jax.Array,  # [..., S, D]
+    v: jax.Array,  # [..., S, D]
+    mask: jax.Array,  # bool[..., G or 1, S]
+    *,
+    sm_scale: float,
+    soft_cap: float | None,
+    kv_valid: jax.Array | None = None,  # bool[..., S]; default: seen by some query of the group
+) -> jax.Array:  # f32[..., G, D]
+    """Softmax attention over the last axis of ``k``/``v``, float32, masked positions never used.
+
+    ``kv_valid`` marks the value rows that hold data (may be NaN elsewhere); it only needs to cover
+    every position some query sees.
+    """
+    k = k.astype(jnp.float32)
+    v = v.astype(jnp.float32)
+    s = jnp.einsum("...gd,...sd->...gs", q.astype(jnp.float32), k) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    # p is 0 at hidden positions, but 0 * NaN = NaN: zero unused value rows before p @ v.
+    if kv_valid is None:
+        kv_valid = jnp.any(mask, axis=-2)
+    v = jnp.where(kv_valid[..., None], v, 0.0)
+    out = jnp.einsum("...gs,...sd->...gd", p, v)
+    return out / jnp.where(denom == 0.0, 1.0, denom)
+
+
+def paged_attention(
+    q: jax.Array,  # [B, Hq, D]
+    k_pages: jax.Array,  # [Hkv, P, page, D]
+    v_pages: jax.Array,  # [Hkv, P, page, D]
+    lengths: jax.Array,  # i32[B]
+    page_indices: jax.Array,  # i32[B, pages_per_seq]
+    *,
+    sm_scale: float = 1.0,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [B, Hq, D]
+    """Decode attention of one query token per sequence over its paged KV (reference)."""
+    shp = validation.check_paged_attention(
+        q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale, soft_cap=soft_cap
+    )
+    batch = q.shape[0]
+    seq_len = shp.pages_per_seq * shp.page_size
+
+    def gather(pages):  # -> [B, Hkv, S, D]
+        g = pages[:, page_indices]  # [Hkv, B, pages_per_seq, page, D]
+        g = g.reshape(shp.num_kv_heads, batch, seq_len, shp.head_dim)
+        return jnp.swapaxes(g, 0, 1)
+
+    qg = q.reshape(batch, shp.num_kv_heads, shp.group, shp.head_dim)
+    mask = jnp.arange(seq_len)[None, :] < lengths[:, None]  # [B, S]
+    out = masked_softmax_attend(
+        qg,
+        gather(k_pages),
+        gather(v_pages),
+        mask[:, None, None, :],
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+    )
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def ragged_token_layout(
+    num_tokens: int,
+    kv_lens: jax.Array,  # i32[max_num_seqs]
+    cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
+    num_seqs,  # i32[1] | int
+) -> tuple[jax.Array, jax.Array]:
+    """Maps each token row of a ragged batch to its sequence and causal key limit.
+
+    Returns:
+      ``(seq, limit)``, both i32[num_tokens]: ``seq[t]`` is the sequence that owns row ``t`` (clamped
+      into range for padding rows) and ``limit[t]`` the number of keys row ``t`` may see
+      (``position + 1``; 0 for padding rows and rows whose position would be negative).
+    """
+    max_num_seqs = kv_lens.shape[0]
+    cu_q_lens = cu_q_lens.astype(jnp.int32)
+    n = jnp.asarray(num_seqs, jnp.int32).reshape(-1)[0]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
+    seq = jnp.minimum(seq, max_num_seqs - 1)
+    valid = (t < cu_q_lens[n]) & (seq < n)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = kv_lens[seq].astype(jnp.int32) - q_len + (t - cu_q_lens[seq])
+    limit = jnp.where(valid, jnp.maximum(pos + 1, 0), 0)
+    return seq, limit
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [Hkv, P, page, D]
+    v_pages: jax.Array,  # [Hkv, P, page, D]
+    kv_lens: jax.Array,  # i32[max_num_seqs]
+    page_indices: jax.Array,  # i32[max_num_seqs, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
+    num_seqs,  # i32[1] | int
+    *,
+    sm_scale: float = 1.0,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [T, Hq, D]
+    """Causal attention for a mixed batch of prefill chunks, decodes and verifications (reference).
+
+    Gathers each token's whole page list; fine for tests, too big for production shapes.
+    """
+    shp = validation.check_ragged_paged_attention(
+        q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+        sm_scale=sm_scale, soft_cap=soft_cap,
+    )  # fmt: skip
+    num_tokens = q.shape[0]
+    seq, limit = ragged_token_layout(num_tokens, kv_lens, cu_q_lens, num_seqs)
+    seq_len = shp.pages_per_seq * shp.page_size
+
+    def gather(pages):  # -> [T, Hkv, S, D]
+        g = pages[:, page_indices[seq]]  # [Hkv, T, pages_per_seq, page, D]
+        g = g.reshape(shp.num_kv_heads, num_tokens, seq_len, shp.head_dim)
+        return jnp.swapaxes(g, 0, 1)
+
+    qg = q.reshape(num_tokens, shp.num_kv_heads, shp.group, shp.head_dim)
+    mask = jnp.arange(seq_len)[None, :] < limit[:, None]  # [T, S]
+    out = masked_softmax_attend(
+        qg,
+        gather(k_pages),
+        gather(v_pages),
+        mask[:, None, None, :],
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+    )
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def flash_attention(
+    q: jax.Array,  # [B, Tq, Hq, D]
+    k: jax.Array,  # [B, Tk, Hkv, D]
+    v: jax.Array,  # [B, Tk, Hkv, D]
+    *,
+    kv_lens: jax.Array | None = None,  # i32[B]
+    causal: bool = True,
+    sm_scale: float = 1.0,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [B, Tq, Hq, D]
+    """Contiguous (GQA) attention; queries are the last ``Tq`` of ``kv_lens[b]`` tokens (reference)."""
+    batch, q_len, kv_len, hq, hkv, d = validation.check_flash_attention(
+        q, k, v, kv_lens, causal=causal, sm_scale=sm_scale, soft_cap=soft_cap
+    )
+    if kv_lens is None:
+        kv_lens = jnp.full((batch,), kv_len, jnp.int32)
+    mask = flash_mask(kv_lens, q_len, kv_len, causal=causal)  # [B, Tq, Tk]
+    qg = q.reshape(batch, q_len, hkv, hq // hkv, d).transpose(0, 2, 1, 3, 4)  # [B, Hkv, Tq, G, D]
+    kt = jnp.swapaxes(k, 1, 2)[:, :, None]  # [B, Hkv, 1, Tk, D]
+    vt = jnp.swapaxes(v, 1, 2)[:, :, None]
+    kv_valid = (jnp.arange(kv_len)[None, :] < kv_lens[:, None])[:, None, None, :]  # [B, 1, 1, Tk]
+    out = masked_softmax_attend(
+        qg, kt, vt, mask[:, None, :, None, :], sm_scale=sm_scale, soft_cap=soft_cap,
+        kv_valid=kv_valid,
+    )  # [B, Hkv, Tq, G, D]  # fmt: skip
+    return out.transpose(0, 2, 1, 3, 4).reshape(q.shape).astype(q.dtype)
+
+
+def flash_mask(
+    kv_lens: jax.Array,  # i32[B]
+    q_len: int,
+    kv_len: int,
+    *,
+    causal: bool,
+) -> jax.Array:  # bool[B, Tq, Tk]
+    """Which key each query may see: ``j < kv_lens[b]`` and, if causal, ``j <= kv_lens[b] - Tq + i``."""
+    j = jnp.arange(kv_len)[None, None, :]
+    lens = kv_lens.astype(jnp.int32)[:, None, None]
+    mask = j < lens
+    if causal:
+        pos = lens - q_len + jnp.arange(q_len)[None, :, None]
+        mask = mask & (j <= pos)
+    return mask

@@ -1,0 +1,362 @@
+"""The ``impl="xla"`` path: blocked online-softmax attention in plain jnp, the fast path on CPU.
+
+Unlike the references, nothing here materialises a whole sequence's KV or its full score row: a
+``lax.fori_loop`` walks the keys in blocks of ``block_tokens`` (gathering only that block's pages per
+row), keeps a running max / sum / accumulator in float32, and stops after the last block any row can
+see (the trip count is traced, so short batches in a long page table cost only what they use).
+Positions at or past a row's limit are masked with ``jnp.where`` in scores *and* values, so NaN
+garbage there never reaches the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import reference, validation
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaConfig:
+    """Tuning knobs of the XLA path.
+
+    Attributes:
+      block_tokens: keys processed per loop iteration (rounded down to whole pages, at least one).
+      max_score_elements: cap on the float32 score tile of ``flash_attention`` (shrinks its key block).
+      ragged_chunk: query rows of one sequence that share a KV gather in ``ragged_paged_attention``
+        (decode rows waste ``ragged_chunk - 1`` slots of cheap compute; prefill rows save
+        ``ragged_chunk`` x the gathers).
+      items_per_group: rows (decode sequences, ragged work items) processed together; small
+        groups keep the gathered KV block in cache, and the loop stops after the last live row.
+    """
+
+    block_tokens: int = 128
+    max_score_elements: int = 1 << 23
+    ragged_chunk: int = 8
+    items_per_group: int = 4
+
+    def __post_init__(self):
+        if not isinstance(self.block_tokens, int) or self.block_tokens < 1:
+            raise ValueError(f"block_tokens={self.block_tokens!r} must be a positive int")
+        for name in ("ragged_chunk", "items_per_group"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if not isinstance(self.max_score_elements, int) or self.max_score_elements < 1:
+            raise ValueError(
+                f"max_score_elements={self.max_score_elements!r} must be a positive int"
+            )
+
+
+def _online_step(carry, s, v, valid, v_valid, *, sm_scale, soft_cap, pv="...gk,...kd->...gd"):
+    """One online-softmax update.
+
+    ``s`` f32[..., G, K] raw scores, ``valid`` (broadcastable to ``s``) the keys each query sees,
+    ``v`` f32[..., K, D] and ``v_valid`` (broadcastable to ``v``) the value rows that hold data;
+    ``pv`` is the einsum from probabilities and values to the accumulator's shape.
+    """
+    m, lsum, acc = carry  # [..., G], [..., G], [..., G, D]
+    s = s * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(valid, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(s - m_safe[..., None])
+    lsum = alpha * lsum + jnp.sum(p, axis=-1)
+    v = jnp.where(v_valid, v, 0.0)
+    acc = alpha[..., None] * acc + jnp.einsum(pv, p, v)
+    return m_new, lsum, acc
+
+
+def _finish(lsum, acc):
+    return acc / jnp.where(lsum == 0.0, 1.0, lsum)[..., None]
+
+
+def paged_rows_attention(
+    q: jax.Array,  # [R, Hkv, M, D]
+    k_pages: jax.Array,  # [Hkv, P, page, D]
+    v_pages: jax.Array,  # [Hkv, P, page, D]
+    row_pages: jax.Array,  # i32[R, pages_per_seq]
+    row_limit: jax.Array,  # i32[R, M] or i32[R, 1]
+    *,
+    sm_scale: float,
+    soft_cap: float | None,
+    config: XlaConfig,
+) -> jax.Array:  # f32[R, Hkv, M, D]
+    """Query ``m`` of row ``r`` attends to keys ``[0, row_limit[r, m])`` of the pages ``row_pages[r]``.
+
+    A row is one gather of KV (per block) shared by its ``M`` queries: a decode sequence's query
+    heads, or a chunk of consecutive tokens of one sequence times their heads.
+    """
+    rows, num_kv_heads, num_queries, head_dim = q.shape
+    page_size = k_pages.shape[2]
+    pages_per_seq = row_pages.shape[1]
+    pages_per_block = max(1, min(config.block_tokens // page_size, pages_per_seq))
+    num_blocks = -(-pages_per_seq // pages_per_block)
+    pad = num_blocks * pages_per_block - pages_per_seq
+    if pad:  # padded entries are masked (beyond every limit); page 0 keeps the gather in bounds
+        row_pages = jnp.pad(row_pages, ((0, 0), (0, pad)))
+    block = pages_per_block * page_size
+    row_limit = jnp.minimum(row_limit.astype(jnp.int32), pages_per_seq * page_size)
+    row_max = jnp.max(row_limit, axis=1)  # [R] keys any query of the row sees
+    trips = jnp.minimum((jnp.max(row_max) + block - 1) // block, num_blocks)
+    # Work in [Hkv, R, ...]: the gather's natural layout, so no per-block transpose of K/V.
+    qf = jnp.swapaxes(q, 0, 1).astype(jnp.float32)  # [Hkv, R, M, D]
+    limit = row_limit[None, :, :, None]  # [1, R, M or 1, 1]
+
+    def body(i, carry):
+        ids = lax.dynamic_slice_in_dim(row_pages, i * pages_per_block, pages_per_block, axis=1)
+
+        def gather(pages):  # -> f32[Hkv, R, block, D]
+            g = pages[:, ids].reshape(num_kv_heads, rows, block, head_dim)
+            return g.astype(jnp.float32)
+
+        pos = i * block + jnp.arange(block, dtype=jnp.int32)
+        valid = pos < limit  # [1, R, M, block]
+        v_valid = (pos[None, :] < row_max[:, None])[None, :, :, None]  # [1, R, block, 1]
+        s = jnp.einsum("hrmd,hrkd->hrmk", qf, gather(k_pages))
+        return _online_step(
+            carry, s, gather(v_pages), valid, v_valid, sm_scale=sm_scale, soft_cap=soft_cap
+        )
+
+    init = (
+        jnp.full((num_kv_heads, rows, num_queries), -jnp.inf, jnp.float32),
+        jnp.zeros((num_kv_heads, rows, num_queries), jnp.float32),
+        jnp.zeros((num_kv_heads, rows, num_queries, head_dim), jnp.float32),
+    )
+    _, lsum, acc = lax.fori_loop(0, trips, body, init)
+    return jnp.swapaxes(_finish(lsum, acc), 0, 1)
+
+
+def grouped_rows_attention(
+    q: jax.Array,  # [R, Hkv, M, D]
+    k_pages: jax.Array,  # [Hkv, P, page, D]
+    v_pages: jax.Array,  # [Hkv, P, page, D]
+    row_pages: jax.Array,  # i32[R, pages_per_seq]
+    row_limit: jax.Array,  # i32[R, M] or i32[R, 1]
+    count: jax.Array,  # i32[] rows that are live (a prefix); the rest are skipped
+    *,
+    sm_scale: float,
+    soft_cap: float | None,
+    config: XlaConfig,
+) -> jax.Array:  # f32[R, Hkv, M, D] (rows >= count: zeros)
+    """:func:`paged_rows_attention` over groups of ``config.items_per_group`` rows.
+
+    Small groups keep one group's gathered KV block in cache (several times faster on CPU than
+    one batch-wide gather), and the loop stops after the last live row.
+    """
+    rows = q.shape[0]
+    per_group = min(config.items_per_group, rows)
+    num_groups = -(-rows // per_group)
+    pad = num_groups * per_group - rows
+    if pad:
+        q = jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0)))
+        row_pages = jnp.pad(row_pages, ((0, pad), (0, 0)))
+        row_limit = jnp.pad(row_limit, ((0, pad), (0, 0)))
+
+    def body(g, out):
+        sl = lambda x: lax.dynamic_slice_in_dim(x, g * per_group, per_group, axis=0)  # noqa: E731
+        o = paged_rows_attention(
+            sl(q), k_pages, v_pages, sl(row_pages), sl(row_limit),
+            sm_scale=sm_scale, soft_cap=soft_cap, config=config,
+        )  # fmt: skip
+        return lax.dynamic_update_slice_in_dim(out, o, g * per_group, axis=0)
+
+    out = jnp.zeros(q.shape, jnp.float32)
+    out = lax.fori_loop(0, (count + per_group - 1) // per_group, body, out)
+    return out[:rows]
+
+
+def ragged_items(
+    num_tokens: int,
+    kv_lens: jax.Array,  # i32[S]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs,  # i32[1] | int
+    chunk: int,
+    select: jax.Array,  # bool[S]
+    max_items: int,
+) -> dict:
+    """Cuts the query rows of each live, selected sequence into work items of <= ``chunk`` rows.
+
+    ``max_items`` is the static bound on items (the live count is traced).
+
+    Returns:
+      dict of ``seq`` i32[W], ``rows`` i32[W, chunk] (token row of each slot, clamped),
+      ``limit`` i32[W, chunk] (keys each slot sees; 0 for empty slots), ``count`` (live items),
+      and per token ``item`` / ``slot`` i32[T] locating its output (``valid`` bool[T]).
+    """
+    max_num_seqs = kv_lens.shape[0]
+    n = jnp.asarray(num_seqs, jnp.int32).reshape(-1)[0]
+    cu = cu_q_lens.astype(jnp.int32)
+    live = (jnp.arange(max_num_seqs) < n) & select
+    q_lens = jnp.where(live, cu[1:] - cu[:-1], 0)
+    chunks = (q_lens + chunk - 1) // chunk
+    ends = jnp.cumsum(chunks)
+    starts = ends - chunks
+    width = max_items
+    w = jnp.arange(width, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), max_num_seqs - 1).astype(jnp.int32)
+    first = cu[seq] + (w - starts[seq]) * chunk
+    offs = jnp.arange(chunk, dtype=jnp.int32)
+    rows = first[:, None] + offs[None, :]
+    ok = (w < ends[-1])[:, None] & (rows < cu[seq + 1][:, None])
+    pos = kv_lens[seq][:, None].astype(jnp.int32) - cu[seq + 1][:, None] + rows  # causal position
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    t_seq, t_limit = reference.ragged_token_layout(num_tokens, kv_lens, cu_q_lens, num_seqs)
+    t_item = starts[t_seq] + (t - cu[t_seq]) // chunk
+    return {
+        "seq": seq,
+        "rows": jnp.clip(rows, 0, num_tokens - 1),
+        "limit": jnp.where(ok, jnp.maximum(pos + 1, 0), 0),
+        "count": ends[-1],
+        "item": jnp.clip(t_item, 0, width - 1),
+        "slot": (t - cu[t_seq]) % chunk,
+        "valid": (t_limit > 0) & select[t_seq],
+    }
+
+
+def paged_attention(
+    q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0, soft_cap=None, config=None
+):
+    """``impl="xla"`` of :func:`pallas_kernels.paged_attention` (same arguments)."""
+    shp = validation.check_paged_attention(
+        q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale, soft_cap=soft_cap
+    )
+    q, k_pages, v_pages, lengths, page_indices = map(
+        jnp.asarray, (q, k_pages, v_pages, lengths, page_indices)
+    )
+    qg = q.reshape(q.shape[0], shp.num_kv_heads, shp.group, shp.head_dim)
+    out = grouped_rows_attention(
+        qg, k_pages, v_pages, page_indices.astype(jnp.int32), lengths[:, None],
+        jnp.int32(q.shape[0]), sm_scale=sm_scale, soft_cap=soft_cap, config=config or XlaConfig(),
+    )  # fmt: skip
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def ragged_paged_attention(
+    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+    sm_scale=1.0, soft_cap=None, config=None,
+):  # fmt: skip
+    """``impl="xla"`` of :func:`pallas_kernels.ragged_paged_attention` (same arguments).
+
+    Each sequence's query rows are cut into items of ``config.ragged_chunk`` consecutive tokens
+    (one item per decode); an item gathers its sequence's pages once per KV block for all its
+    tokens and heads, with a causal limit per query. A loop over groups of items stops after the
+    last live one, so prefill chunks, decodes and verification share one code path without
+    per-token copies of a prefill's KV.
+    """
+    shp = validation.check_ragged_paged_attention(
+        q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+        sm_scale=sm_scale, soft_cap=soft_cap,
+    )  # fmt: skip
+    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens = map(
+        jnp.asarray, (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
+    )
+    config = config or XlaConfig()
+    num_tokens, max_num_seqs = q.shape[0], kv_lens.shape[0]
+    cu = cu_q_lens.astype(jnp.int32)
+    single = (cu[1:] - cu[:-1]) == 1
+    # Two passes of work items: decodes one row per item (no wasted query slots), everything else
+    # (prefill chunks, verification) in chunks of ragged_chunk rows sharing each KV gather.
+    chunk = min(config.ragged_chunk, num_tokens)
+    passes = (
+        (single, 1, min(num_tokens, max_num_seqs)),
+        (~single, chunk, min(-(-num_tokens // 2), max_num_seqs) + -(-num_tokens // chunk)),
+    )
+    out = jnp.zeros((num_tokens, shp.num_kv_heads, shp.group, shp.head_dim), jnp.float32)
+    for select, size, max_items in passes:
+        items = ragged_items(num_tokens, kv_lens, cu_q_lens, num_seqs, size, select, max_items)
+        part = _ragged_pass(
+            q, k_pages, v_pages, page_indices, items, shp, chunk=size, sm_scale=sm_scale,
+            soft_cap=soft_cap, config=config,
+        )  # fmt: skip
+        out = jnp.where(items["valid"][:, None, None, None], part, out)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def _ragged_pass(q, k_pages, v_pages, page_indices, items, shp, *, chunk, sm_scale, soft_cap,
+                 config):  # fmt: skip
+    """Runs one pass of work items; returns f32[T, Hkv, G, D] (rows of other passes: garbage)."""
+    num_tokens, _, d = q.shape
+    hkv, group = shp.num_kv_heads, shp.group
+    width = items["seq"].shape[0]
+    q_items = q.reshape(num_tokens, hkv, group, d)[items["rows"]]  # [W, chunk, Hkv, G, D]
+    q_items = q_items.transpose(0, 2, 1, 3, 4).reshape(width, hkv, chunk * group, d)
+    out = grouped_rows_attention(
+        q_items, k_pages, v_pages, page_indices.astype(jnp.int32)[items["seq"]],
+        jnp.repeat(items["limit"], group, axis=1), items["count"],
+        sm_scale=sm_scale, soft_cap=soft_cap, config=config,
+    )  # fmt: skip
+    return out.reshape(width, hkv, chunk, group, d)[items["item"], :, items["slot"]]
+
+
+def flash_attention(
+    q, k, v, *, kv_lens=None, causal=True, sm_scale=1.0, soft_cap=None, config=None
+):
+    """``impl="xla"`` of :func:`pallas_kernels.flash_attention` (same arguments)."""
+    config = config or XlaConfig()
+    batch, q_len, kv_len, hq, hkv, d = validation.check_flash_attention(
+        q, k, v, kv_lens, causal=causal, sm_scale=sm_scale, soft_cap=soft_cap
+    )
+    group = hq // hkv
+    q, k, v = map(jnp.asarray, (q, k, v))
+    if kv_lens is None:
+        kv_lens = jnp.full((batch,), kv_len, jnp.int32)
+    kv_lens = jnp.minimum(jnp.asarray(kv_lens).astype(jnp.int32), kv_len)
+    # Batch groups of items_per_group keep one group's key block in cache; the last group (and
+    # the last key block) slide back to stay in bounds: rows / keys computed twice are identical
+    # (rows) or masked (keys, pos < lo).
+    bg = min(config.items_per_group, batch)
+    block = min(kv_len, config.block_tokens)
+    block = max(1, min(block, config.max_score_elements // max(1, bg * hq * q_len)))
+    num_blocks = -(-kv_len // block)
+    if causal:
+        limit = kv_lens[:, None] - q_len + 1 + jnp.arange(q_len, dtype=jnp.int32)[None, :]
+        limit = jnp.clip(limit, 0, kv_lens[:, None])  # [B, Tq]
+    else:
+        limit = jnp.broadcast_to(kv_lens[:, None], (batch, q_len))
+    qf = q.reshape(batch, q_len, hkv, group, d).astype(jnp.float32).transpose(0, 2, 1, 3, 4)
+    qf = qf.reshape(batch, hkv, q_len * group, d)
+
+    def group_body(g, out):
+        b0 = jnp.minimum(g * bg, batch - bg)
+        lens = lax.dynamic_slice_in_dim(kv_lens, b0, bg)
+        lim = lax.dynamic_slice_in_dim(limit, b0, bg)  # [bg, Tq]
+        lim = jnp.repeat(lim, group, axis=1)[:, None, :, None]  # [bg, 1, Tq * G, 1]
+        qg = lax.dynamic_slice_in_dim(qf, b0, bg)  # [bg, Hkv, Tq * G, D]
+
+        def body(i, carry):
+            lo = i * block
+            start = jnp.minimum(lo, kv_len - block)
+
+            def load(x):  # -> f32[bg, Hkv, block, D], the layout the dots want
+                x = lax.dynamic_slice(x, (b0, start, 0, 0), (bg, block, hkv, d))
+                return jnp.swapaxes(x, 1, 2).astype(jnp.float32)
+
+            pos = start + jnp.arange(block, dtype=jnp.int32)  # [block]
+            valid = (pos >= lo) & (pos < lim)  # [bg, 1, Tq * G, block]
+            s = jnp.einsum("bhmd,bhkd->bhmk", qg, load(k))
+            v_valid = (pos >= lo)[None, :] & (pos[None, :] < lens[:, None])  # [bg, block]
+            return _online_step(
+                carry, s, load(v), valid, v_valid[:, None, :, None], sm_scale=sm_scale,
+                soft_cap=soft_cap,
+            )  # fmt: skip
+
+        init = (
+            jnp.full((bg, hkv, q_len * group), -jnp.inf, jnp.float32),
+            jnp.zeros((bg, hkv, q_len * group), jnp.float32),
+            jnp.zeros((bg, hkv, q_len * group, d), jnp.float32),
+        )
+        trips = jnp.minimum((jnp.max(lens) + block - 1) // block, num_blocks)
+        _, lsum, acc = lax.fori_loop(0, trips, body, init)
+        return lax.dynamic_update_slice_in_dim(out, _finish(lsum, acc), b0, axis=0)
+
+    out = jnp.zeros((batch, hkv, q_len * group, d), jnp.float32)
+    out = lax.fori_loop(0, -(-batch // bg), group_body, out)
+    out = out.reshape(batch, hkv, q_len, group, d)  # [B, Hkv, Tq, G, D]
+    return out.transpose(0, 2, 1, 3, 4).reshape(q.shape).astype(q.dtype)
