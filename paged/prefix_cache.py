@@ -1,0 +1,199 @@
+"""Prefix-cache keys and the index from key digest to physical block (host side, plain Python).
+
+A full block of ``block_size`` tokens is identified by its *key*: the key of the block before it
+(``None`` for the first block), the block's own token ids and the cache salt. The salt names
+everything besides the tokens that changes the KV content: model, weights version, dtype, adapter,
+any run condition. Two blocks may share a physical page only when their keys are equal, which
+makes the whole token prefix part of the key, not just the block's tokens.
+
+The index is addressed by the *digest* of a key, from a ``hash_fn`` (SHA-256 from hashlib by
+default; never Python's ``hash()``, which is salted per process and weak). The index never trusts
+the digest alone: a lookup compares the full key (tokens, salt and the whole parent chain), so even
+a hash function that collides on purpose can never return a block with the wrong content. The
+tests inject such a function.
+
+Each physical block also carries a content version (kept by the block manager) that changes when
+the block is handed out again or its keyed content is rewritten; an index entry remembers the
+version it was made at, and a lookup never returns an entry whose version is stale.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable, Hashable, Sequence
+
+HashFn = Callable[[Hashable | None, tuple[int, ...], bytes], Hashable]
+
+ROOT_DIGEST = _ROOT = bytes(32)  # stands in for the parent digest of a first block
+_sha256 = hashlib.sha256
+_PACKERS: dict[int, Callable[..., bytes]] = {}  # block length -> int64 little-endian packer
+
+
+def sha256_block_hash(parent: bytes | None, token_ids: tuple[int, ...], salt: bytes) -> bytes:
+    """The default ``hash_fn``: SHA-256 over (parent digest, int64 token ids, salt).
+
+    The parent digest and the token bytes have fixed lengths, so the concatenation is unambiguous.
+
+    Args:
+      parent: digest of the previous block's key, or ``None`` for the first block.
+      token_ids: the block's token ids (non-negative ints below 2**63).
+      salt: the cache salt.
+
+    Returns:
+      A 32-byte digest.
+    """
+    pack = _PACKERS.get(len(token_ids))
+    if pack is None:
+        pack = _PACKERS[len(token_ids)] = struct.Struct(f"<{len(token_ids)}q").pack
+    return _sha256((_ROOT if parent is None else parent) + pack(*token_ids) + salt).digest()
+
+
+class BlockKey:
+    """The full key of one full block: (parent key, token ids, salt), plus its digest.
+
+    Keys are immutable and shared: a sequence that hits a cached block adopts the cached key object,
+    so parent chains usually compare by identity. Equality is structural (the whole chain).
+    """
+
+    __slots__ = ("parent", "token_ids", "salt", "digest")
+
+    def __init__(self, parent: BlockKey | None, token_ids: tuple[int, ...], salt: bytes,
+                 digest: Hashable):
+        self.parent = parent
+        self.token_ids = token_ids
+        self.salt = salt
+        self.digest = digest
+
+    def matches(self, parent: BlockKey | None, token_ids: tuple[int, ...], salt: bytes) -> bool:
+        """Whether this key equals the key (parent, token_ids, salt), comparing the whole chain."""
+        return self.token_ids == token_ids and self.salt == salt and keys_equal(self.parent, parent)
+
+    def prefix_token_ids(self) -> tuple[int, ...]:
+        """All token ids from the first block up to and including this one (for tests and debug)."""
+        parts = []
+        key: BlockKey | None = self
+        while key is not None:
+            parts.append(key.token_ids)
+            key = key.parent
+        return tuple(t for part in reversed(parts) for t in part)
+
+    def __repr__(self) -> str:
+        return f"BlockKey(depth={len(self.prefix_token_ids())}, token_ids={self.token_ids})"
+
+
+def keys_equal(a: BlockKey | None, b: BlockKey | None) -> bool:
+    """Structural equality of two key chains, iterative (chains can be thousands of blocks deep)."""
+    while a is not b:
+        if a is None or b is None:
+            return False
+        if a.digest != b.digest or a.token_ids != b.token_ids or a.salt != b.salt:
+            return False
+        a, b = a.parent, b.parent
+    return True
+
+
+class PrefixCacheIndex:
+    """Digest -> physical blocks, with the key and content version each block was cached at.
+
+    Holds no refcounts and no LRU: those belong to the block manager. At most one block is indexed
+    per distinct key (a second block computed with an equal key stays unindexed).
+
+    Args:
+      num_blocks: size of the physical pool (block ids are ``0 .. num_blocks - 1``).
+    """
+
+    def __init__(self, num_blocks: int):
+        self.buckets: dict[Hashable, list[int]] = {}  # digest -> blocks (one unless collisions)
+        self.key: list[BlockKey | None] = [None] * num_blocks  # key of each indexed block
+        self.version: list[int] = [0] * num_blocks  # content version it was indexed at
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def find(self, digest: Hashable, parent: BlockKey | None, token_ids: tuple[int, ...],
+             salt: bytes, versions: Sequence[int]) -> int | None:
+        """The block indexed under the full key (parent, token_ids, salt), or ``None``.
+
+        Every candidate with a matching digest is verified against the full key and the block's
+        current content version ``versions[block]``; colliding or stale entries are skipped.
+        """
+        bucket = self.buckets.get(digest)
+        if bucket is None:
+            return None
+        for block in bucket:
+            key = self.key[block]
+            if key.matches(parent, token_ids, salt) and self.version[block] == versions[block]:
+                return block
+        return None
+
+    def intern(self, block: int, parent: BlockKey | None, token_ids: tuple[int, ...], salt: bytes,
+               digest: Hashable, versions: Sequence[int]) -> BlockKey:
+        """The indexed key equal to (parent, token_ids, salt), indexing ``block`` under a new key
+        at content version ``versions[block]`` if there is none.
+
+        Raises:
+          RuntimeError: if ``block`` is already indexed under a different key.
+        """
+        bucket = self.buckets.get(digest)
+        if bucket is not None:
+            for b in bucket:
+                key = self.key[b]
+                if key.matches(parent, token_ids, salt) and self.version[b] == versions[b]:
+                    return key
+        key = BlockKey(parent, token_ids, salt, digest)
+        self.add(block, key, versions[block])
+        return key
+
+    def add(self, block: int, key: BlockKey, version: int) -> None:
+        """Indexes ``block`` under ``key`` at content ``version`` (no equal key may be indexed).
+
+        Raises:
+          RuntimeError: if ``block`` is already indexed.
+        """
+        if self.key[block] is not None:
+            raise RuntimeError(
+                f"block {block} is indexed under {self.key[block]!r}, not under {key!r}")
+        self.key[block] = key
+        self.version[block] = version
+        bucket = self.buckets.get(key.digest)
+        if bucket is None:
+            self.buckets[key.digest] = [block]
+        else:
+            bucket.append(block)
+        self._size += 1
+
+    def remove(self, block: int) -> None:
+        """Drops ``block`` from the index (it must be indexed)."""
+        key = self.key[block]
+        bucket = self.buckets[key.digest]
+        bucket.remove(block)  # buckets hold one block unless digests collide
+        if not bucket:
+            del self.buckets[key.digest]
+        self.key[block] = None
+        self._size -= 1
+
+    def blocks(self) -> list[int]:
+        """All indexed blocks (O(index size); for checks and debugging)."""
+        return [b for bucket in self.buckets.values() for b in bucket]
+
+    def check(self, versions: Sequence[int]) -> None:
+        """Raises AssertionError if the index is inconsistent or holds a stale entry."""
+        count = 0
+        for digest, bucket in self.buckets.items():
+            if not bucket:
+                raise AssertionError(f"empty bucket for digest {digest!r}")
+            for block in bucket:
+                key = self.key[block]
+                if key is None or key.digest != digest:
+                    raise AssertionError(f"block {block} in bucket {digest!r} has key {key!r}")
+                if self.version[block] != versions[block]:
+                    raise AssertionError(
+                        f"stale cache entry: block {block} cached at version "
+                        f"{self.version[block]}, "
+                        f"now at version {versions[block]}")
+                count += 1
+        indexed = sum(k is not None for k in self.key)
+        if count != self._size or indexed != self._size:
+            raise AssertionError(f"index size {self._size} != entries {count} != keyed {indexed}")
