@@ -196,6 +196,11 @@ class Engine:
         self.scheduler = Scheduler(config, self.block_manager)
         sharding = None
         if mesh is not None:
+            if "model" not in mesh.axis_names:
+                raise ValueError(f"mesh axes {mesh.axis_names} must include 'model' (KV heads)")
+            if model_config.num_kv_heads % mesh.shape["model"]:
+                raise ValueError(f"num_kv_heads={model_config.num_kv_heads} must be divisible by "
+                                 f"the mesh's model axis ({mesh.shape['model']})")
             spec = jax.sharding.PartitionSpec(None, "model")
             sharding = jax.sharding.NamedSharding(mesh, spec)
         self.cache = kc.KVCache.create(
@@ -207,7 +212,9 @@ class Engine:
                      model_config.head_dim)
             self._host_k = np.zeros(shape, np.dtype(self.cache.dtype))
             self._host_v = np.zeros(shape, np.dtype(self.cache.dtype))
-        self.params = jax.device_put(params)
+        replicated = None if mesh is None else jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec())
+        self.params = jax.device_put(params, replicated)
         self._step_fn, self._trace_count = make_step_fn(model_config, config.attention_impl)
         self._traces_at_start = self._trace_count()
         self._builder = BatchBuilder(self.block_manager, page_size, self.pages_per_seq,

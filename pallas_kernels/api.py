@@ -100,6 +100,7 @@ def paged_attention(
     soft_cap: float | None = None,
     impl: str = "auto",
     config=None,
+    layer=None,
 ) -> jax.Array:  # [B, Hq, D]
     """Decode attention: one query token per sequence over its paged KV cache.
 
@@ -118,6 +119,11 @@ def paged_attention(
       soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
       impl: implementation name, see :mod:`pallas_kernels.api`.
       config: optional tuning dataclass of the chosen implementation (e.g. ``XlaConfig``).
+      layer: if given, ``k_pages``/``v_pages`` are the stacked cache ``[L, Hkv, P, page, D]`` and
+        layer ``layer`` is read. The "xla" impl gathers straight from the stacked array: slicing a
+        layer out of a donated stacked cache inside a jitted step makes XLA copy the whole layer
+        on every call (measured: the step time then grows with the pool size). Pallas impls take
+        the slice.
 
     Returns:
       ``[B, Hq, D]`` in ``q.dtype``, accumulated in float32.
@@ -126,15 +132,19 @@ def paged_attention(
       ValueError / TypeError: bad shapes, dtypes, knobs or ``impl`` (message names the value).
     """
     validation.check_paged_attention(
-        q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale, soft_cap=soft_cap
-    )
+        q, *validation.layer_view(k_pages, v_pages, layer), lengths, page_indices,
+        sm_scale=sm_scale, soft_cap=soft_cap,
+    )  # fmt: skip
     kind, style, interpret = resolve_impl(impl)
-    args = (q, k_pages, v_pages, lengths, page_indices)
     kw = {"sm_scale": sm_scale, "soft_cap": soft_cap}
+    if kind == "xla":
+        return xla.paged_attention(q, k_pages, v_pages, lengths, page_indices, **kw, config=config,
+                                   layer=layer)
+    if layer is not None:
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
+    args = (q, k_pages, v_pages, lengths, page_indices)
     if kind == "reference":
         return reference.paged_attention(*args, **kw)
-    if kind == "xla":
-        return xla.paged_attention(*args, **kw, config=config)
     return _kernel("paged_attention", style)(*args, **kw, config=config, interpret=interpret)
 
 
@@ -151,6 +161,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     impl: str = "auto",
     config=None,
+    layer=None,
 ) -> jax.Array:  # [T, Hq, D]
     """Causal attention for a mixed batch: prefill chunks, decodes and multi-token verification.
 
@@ -168,7 +179,7 @@ def ragged_paged_attention(
       page_indices: page table per sequence slot.
       cu_q_lens: cumulative query lengths, ``cu_q_lens[0] == 0``.
       num_seqs: number of live sequence slots, an ``i32[1]`` array or a Python int.
-      sm_scale, soft_cap, impl, config: as in :func:`paged_attention`.
+      sm_scale, soft_cap, impl, config, layer: as in :func:`paged_attention`.
 
     Returns:
       ``[T, Hq, D]`` in ``q.dtype``.
@@ -177,16 +188,21 @@ def ragged_paged_attention(
       ValueError / TypeError: bad shapes, dtypes, knobs or ``impl``.
     """
     validation.check_ragged_paged_attention(
-        q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-        sm_scale=sm_scale, soft_cap=soft_cap,
+        q, *validation.layer_view(k_pages, v_pages, layer), kv_lens, page_indices, cu_q_lens,
+        num_seqs, sm_scale=sm_scale, soft_cap=soft_cap,
     )  # fmt: skip
     kind, style, interpret = resolve_impl(impl)
-    args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     kw = {"sm_scale": sm_scale, "soft_cap": soft_cap}
+    if kind == "xla":
+        return xla.ragged_paged_attention(
+            q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kw, config=config,
+            layer=layer,
+        )  # fmt: skip
+    if layer is not None:
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
+    args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     if kind == "reference":
         return reference.ragged_paged_attention(*args, **kw)
-    if kind == "xla":
-        return xla.ragged_paged_attention(*args, **kw, config=config)
     return _kernel("ragged_paged_attention", style)(*args, **kw, config=config, interpret=interpret)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -193,3 +194,26 @@ def check_flash_attention(q, k, v, kv_lens, *, causal, sm_scale, soft_cap):
         raise TypeError(f"{causal=} must be a bool")
     check_knobs(sm_scale=sm_scale, soft_cap=soft_cap)
     return batch, q_len, kv_len, num_q_heads, num_kv_heads, head_dim
+
+
+def layer_view(k_pages, v_pages, layer):
+    """Stand-ins of one layer's pages for the checks above when the pages are the stacked cache.
+
+    With ``layer=None`` the pages are returned unchanged. Otherwise both must be
+    ``[L, Hkv, P, page, D]`` and the result is ``jax.ShapeDtypeStruct``s of ``[Hkv, P, page, D]``.
+
+    Raises:
+      ValueError: not 5-D, or a static ``layer`` outside ``[0, L)``.
+    """
+    if layer is None:
+        return k_pages, v_pages
+    out = []
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        shape = _shape(x)
+        if len(shape) != 5:
+            raise ValueError(f"with layer={layer!r}, {name} must be the stacked cache "
+                             f"[L, Hkv, P, page, D], got shape {shape}")
+        if isinstance(layer, (int, np.integer)) and not 0 <= layer < shape[0]:
+            raise ValueError(f"layer={layer} must be in [0, {shape[0]})")
+        out.append(jax.ShapeDtypeStruct(shape[1:], x.dtype))
+    return tuple(out)

@@ -87,14 +87,17 @@ def paged_rows_attention(
     sm_scale: float,
     soft_cap: float | None,
     config: XlaConfig,
+    layer=None,
 ) -> jax.Array:  # f32[R, Hkv, M, D]
     """Query ``m`` of row ``r`` attends to keys ``[0, row_limit[r, m])`` of the pages ``row_pages[r]``.
 
     A row is one gather of KV (per block) shared by its ``M`` queries: a decode sequence's query
-    heads, or a chunk of consecutive tokens of one sequence times their heads.
+    heads, or a chunk of consecutive tokens of one sequence times their heads. With ``layer``,
+    ``k_pages``/``v_pages`` are the stacked cache ``[L, Hkv, P, page, D]`` and blocks are gathered
+    straight from layer ``layer`` (no copy of the layer).
     """
     rows, num_kv_heads, num_queries, head_dim = q.shape
-    page_size = k_pages.shape[2]
+    page_size = k_pages.shape[-2]
     pages_per_seq = row_pages.shape[1]
     pages_per_block = max(1, min(config.block_tokens // page_size, pages_per_seq))
     num_blocks = -(-pages_per_seq // pages_per_block)
@@ -113,8 +116,8 @@ def paged_rows_attention(
         ids = lax.dynamic_slice_in_dim(row_pages, i * pages_per_block, pages_per_block, axis=1)
 
         def gather(pages):  # -> f32[Hkv, R, block, D]
-            g = pages[:, ids].reshape(num_kv_heads, rows, block, head_dim)
-            return g.astype(jnp.float32)
+            g = pages[:, ids] if layer is None else jnp.moveaxis(pages[layer, :, ids], 2, 0)
+            return g.reshape(num_kv_heads, rows, block, head_dim).astype(jnp.float32)
 
         pos = i * block + jnp.arange(block, dtype=jnp.int32)
         valid = pos < limit  # [1, R, M, block]
@@ -144,6 +147,7 @@ def grouped_rows_attention(
     sm_scale: float,
     soft_cap: float | None,
     config: XlaConfig,
+    layer=None,
 ) -> jax.Array:  # f32[R, Hkv, M, D] (rows >= count: zeros)
     """:func:`paged_rows_attention` over groups of ``config.items_per_group`` rows.
 
@@ -163,7 +167,7 @@ def grouped_rows_attention(
         sl = lambda x: lax.dynamic_slice_in_dim(x, g * per_group, per_group, axis=0)  # noqa: E731
         o = paged_rows_attention(
             sl(q), k_pages, v_pages, sl(row_pages), sl(row_limit),
-            sm_scale=sm_scale, soft_cap=soft_cap, config=config,
+            sm_scale=sm_scale, soft_cap=soft_cap, config=config, layer=layer,
         )  # fmt: skip
         return lax.dynamic_update_slice_in_dim(out, o, g * per_group, axis=0)
 
@@ -221,12 +225,14 @@ def ragged_items(
 
 
 def paged_attention(
-    q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0, soft_cap=None, config=None
-):
+    q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0, soft_cap=None, config=None,
+    layer=None,
+):  # fmt: skip
     """``impl="xla"`` of :func:`pallas_kernels.paged_attention` (same arguments)."""
     shp = validation.check_paged_attention(
-        q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale, soft_cap=soft_cap
-    )
+        q, *validation.layer_view(k_pages, v_pages, layer), lengths, page_indices,
+        sm_scale=sm_scale, soft_cap=soft_cap,
+    )  # fmt: skip
     q, k_pages, v_pages, lengths, page_indices = map(
         jnp.asarray, (q, k_pages, v_pages, lengths, page_indices)
     )
@@ -234,13 +240,14 @@ def paged_attention(
     out = grouped_rows_attention(
         qg, k_pages, v_pages, page_indices.astype(jnp.int32), lengths[:, None],
         jnp.int32(q.shape[0]), sm_scale=sm_scale, soft_cap=soft_cap, config=config or XlaConfig(),
+        layer=layer,
     )  # fmt: skip
     return out.reshape(q.shape).astype(q.dtype)
 
 
 def ragged_paged_attention(
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-    sm_scale=1.0, soft_cap=None, config=None,
+    sm_scale=1.0, soft_cap=None, config=None, layer=None,
 ):  # fmt: skip
     """``impl="xla"`` of :func:`pallas_kernels.ragged_paged_attention` (same arguments).
 
@@ -251,8 +258,8 @@ def ragged_paged_attention(
     per-token copies of a prefill's KV.
     """
     shp = validation.check_ragged_paged_attention(
-        q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-        sm_scale=sm_scale, soft_cap=soft_cap,
+        q, *validation.layer_view(k_pages, v_pages, layer), kv_lens, page_indices, cu_q_lens,
+        num_seqs, sm_scale=sm_scale, soft_cap=soft_cap,
     )  # fmt: skip
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens = map(
         jnp.asarray, (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
@@ -273,14 +280,14 @@ def ragged_paged_attention(
         items = ragged_items(num_tokens, kv_lens, cu_q_lens, num_seqs, size, select, max_items)
         part = _ragged_pass(
             q, k_pages, v_pages, page_indices, items, shp, chunk=size, sm_scale=sm_scale,
-            soft_cap=soft_cap, config=config,
+            soft_cap=soft_cap, config=config, layer=layer,
         )  # fmt: skip
         out = jnp.where(items["valid"][:, None, None, None], part, out)
     return out.reshape(q.shape).astype(q.dtype)
 
 
 def _ragged_pass(q, k_pages, v_pages, page_indices, items, shp, *, chunk, sm_scale, soft_cap,
-                 config):  # fmt: skip
+                 config, layer=None):  # fmt: skip
     """Runs one pass of work items; returns f32[T, Hkv, G, D] (rows of other passes: garbage)."""
     num_tokens, _, d = q.shape
     hkv, group = shp.num_kv_heads, shp.group
@@ -290,7 +297,7 @@ def _ragged_pass(q, k_pages, v_pages, page_indices, items, shp, *, chunk, sm_sca
     out = grouped_rows_attention(
         q_items, k_pages, v_pages, page_indices.astype(jnp.int32)[items["seq"]],
         jnp.repeat(items["limit"], group, axis=1), items["count"],
-        sm_scale=sm_scale, soft_cap=soft_cap, config=config,
+        sm_scale=sm_scale, soft_cap=soft_cap, config=config, layer=layer,
     )  # fmt: skip
     return out.reshape(width, hkv, chunk, group, d)[items["item"], :, items["slot"]]
 

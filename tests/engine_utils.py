@@ -57,3 +57,16 @@ def greedy_reference(config: LlamaConfig, params, prompt: list[int], max_tokens:
         if nxt == eos_id:
             break
     return out
+
+
+PALLAS = LlamaConfig(vocab_size=258, d_model=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                     head_dim=64, ffn_dim=64, max_seq_len=64)  # head_dim 64: TPU-style kernels
+
+
+@functools.lru_cache(maxsize=None)
+def pallas_model(seed: int = 0):
+    """A one-layer random model whose shapes every Pallas kernel style accepts."""
+    params = init_params(PALLAS, seed)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 20.0 if "embedding" in jax.tree_util.keystr(path) else x, params)
+    return PALLAS, params

@@ -210,3 +210,20 @@ def test_kv_stats_ledger_sums_to_pool():
         assert sum(cats[k] for k in ("effective_kv", "shared", "tail_fragmentation", "cached_free",
                                      "free", "null_page", "reserved")) == ledger["pool_bytes"]
     assert np.isfinite(np.asarray(engine.cache.k_pages[:, :, 1:2])).any()
+
+
+@pytest.mark.parametrize("impl", ["interpret_tpu", "interpret_gpu"])
+def test_pallas_interpret_matches_xla(impl):
+    """A short run through the Pallas kernels (interpret mode) gives the XLA path's tokens."""
+    from engine_utils import pallas_model
+
+    cfg, params = pallas_model()
+    batch = prompts(2, seed=14, max_len=12)
+    params_ = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for attention_impl in ("xla", impl):
+        engine = Engine(EngineConfig(block_size=8, max_num_seqs=2, max_num_batched_tokens=32,
+                                     max_model_len=32, attention_impl=attention_impl,
+                                     debug_checks=True), model_config=cfg, params=params)
+        runs[attention_impl] = _tokens(engine, batch, params_)
+    assert runs[impl] == runs["xla"]

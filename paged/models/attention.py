@@ -237,14 +237,14 @@ class PagedAttention(nn.Module):
         k = apply_rope(k, positions, theta=self.rope_theta)
         if layer is None:
             k_pages, v_pages = kv_cache.write_layer(k_pages, v_pages, k, v, md.slot_mapping)
-            k_layer, v_layer = k_pages, v_pages
         else:
             k_pages, v_pages = write_stacked_layer(k_pages, v_pages, layer, k, v, md.slot_mapping)
-            k_layer, v_layer = k_pages[layer], v_pages[layer]
+        # With `layer`, the kernel reads the stacked cache directly: slicing k_pages[layer] here
+        # would copy the whole layer every step.
         out = pk.ragged_paged_attention(
             q.astype(k_pages.dtype),
-            k_layer,
-            v_layer,
+            k_pages,
+            v_pages,
             md.kv_lens,
             md.page_indices,
             md.cu_q_lens,
@@ -252,6 +252,7 @@ class PagedAttention(nn.Module):
             sm_scale=self.head_dim**-0.5,
             soft_cap=self.soft_cap,
             impl=attention_impl,
+            layer=layer,
         )
         out = jnp.einsum("TNH,NHD->TD", out.astype(self.dtype), wo)
         return out, k_pages, v_pages

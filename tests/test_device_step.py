@@ -1,0 +1,53 @@
+"""The jitted engine step updates the donated cache in place and never copies a layer of it."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from engine_utils import small_model
+
+import pallas_kernels as pk
+from paged import kv_cache as kc
+from paged.batch import BatchBuilder
+from paged.device_step import make_step_fn
+
+NUM_PAGES = 777  # a size no other array in the step has
+
+
+def test_step_never_materializes_a_layer_of_the_pool():
+    cfg, params = small_model()
+    step, _ = make_step_fn(cfg, "xla")
+    cache = kc.KVCache.create(cfg.num_layers, cfg.num_kv_heads, NUM_PAGES, 8, cfg.head_dim)
+    batch = BatchBuilder(None, 8, 4).empty(16, 4, 4)
+    hlo = step.lower(jax.device_put(params), cache, batch).compile().as_text()
+    layer_shape = f"[{cfg.num_kv_heads},{NUM_PAGES},8,{cfg.head_dim}]"
+    offenders = [line.strip()[:120] for line in hlo.splitlines() if layer_shape in line]
+    assert not offenders, f"a per-layer copy of the pool appears in the step:\n{offenders[:3]}"
+
+
+@pytest.mark.parametrize("op", ["paged", "ragged"])
+def test_stacked_layer_read_equals_slice(op):
+    rng = np.random.default_rng(0)
+    L, hkv, p, page, d = 3, 2, 9, 8, 16
+    k = rng.standard_normal((L, hkv, p, page, d)).astype(np.float32)
+    v = rng.standard_normal((L, hkv, p, page, d)).astype(np.float32)
+    table = np.array([[1, 4, 0], [2, 3, 5]], np.int32)
+    lens = np.array([11, 20], np.int32)
+    if op == "paged":
+        q = rng.standard_normal((2, 4, d)).astype(np.float32)
+        call = lambda kp, vp, **kw: pk.paged_attention(q, kp, vp, lens, table, impl="xla", **kw)
+    else:
+        q = rng.standard_normal((5, 4, d)).astype(np.float32)
+        cu = np.array([0, 3, 5], np.int32)
+        call = lambda kp, vp, **kw: pk.ragged_paged_attention(q, kp, vp, lens, table, cu, 2,
+                                                              impl="xla", **kw)
+    for layer in range(L):
+        np.testing.assert_array_equal(np.asarray(call(k, v, layer=layer)),
+                                      np.asarray(call(k[layer], v[layer])))
+    with pytest.raises(ValueError, match="layer=3"):
+        call(k, v, layer=3)
+    with pytest.raises(ValueError, match="stacked cache"):
+        call(k[0], v[0], layer=0)
