@@ -52,7 +52,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     c = _CONFIG.value
     out_dir = Path(c.output_dir) if c.output_dir else common.results_dir("ablate")
-    model = serving.load_model(c.model)
+    model = common.load_model(c.model)
     workload = serving.build_workload(c.workload, c.engine.max_model_len)
     rows = []
     grid = arms(c.factors)

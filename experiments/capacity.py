@@ -65,7 +65,7 @@ def main(argv):
     if len(c.arms) < 2:
         raise app.UsageError("capacity needs at least two arms (the ratio is first over second)")
     out_dir = Path(c.output_dir) if c.output_dir else common.results_dir("capacity")
-    model = serving.load_model(c.model)
+    model = common.load_model(c.model)
     arms = []
     for name, overrides in c.arms:
         points = sweep_arm(c, name, dict(overrides), model)

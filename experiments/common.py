@@ -76,3 +76,16 @@ def _jsonable(x):
     if hasattr(x, "to_dict"):
         return x.to_dict()
     return str(x)
+
+
+def load_model(name: str):
+    """``(config, params)`` of a bundled model, or of "random-small" (random weights, for smoke runs)."""
+    from paged.models.config import LlamaConfig
+    from paged.models.registry import init_params
+    from paged.models.registry import load_model as load_bundled
+
+    if name == "random-small":
+        cfg = LlamaConfig(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                          ffn_dim=128)
+        return cfg, init_params(cfg, 0)
+    return load_bundled(name)

@@ -18,19 +18,6 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", "experiments/configs/engine_bench.py", "Bench config.", lock_config=True)
 
 
-def _model(name: str):
-    if name == "random-small":
-        from paged.models.config import LlamaConfig
-        from paged.models.registry import init_params
-
-        cfg = LlamaConfig(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                          ffn_dim=128)
-        return cfg, init_params(cfg, 0)
-    from paged.models.registry import load_model
-
-    return load_model(name)
-
-
 def bench_one(model_config, params, num_running: int, c) -> dict:
     """Times decode steps with ``num_running`` sequences in flight."""
     engine = Engine(EngineConfig(
@@ -80,7 +67,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     c = _CONFIG.value
-    model_config, params = _model(c.model)
+    model_config, params = common.load_model(c.model)
     rows = []
     for n in c.num_running:
         row = bench_one(model_config, params, n, c)

@@ -21,7 +21,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 
 
 def run(c, out_dir: Path) -> dict:
-    model = serving.load_model(c.model)
+    model = common.load_model(c.model)
     workload = serving.build_workload(c.workload, c.engine.max_model_len)
     print(f"workload: {len(workload)} requests, evidence={workload.evidence}, "
           f"{json.dumps(workload.summary(), default=str)[:300]}")

@@ -31,12 +31,9 @@ class ArmResult:
     num_compilations: int
 
 
-def build_engine(engine_config: EngineConfig, model=None) -> Engine:
-    """An engine on the bundled model (or ``model=(config, params)``), warmed up (all shapes)."""
-    if model is None:
-        engine = Engine(engine_config)
-    else:
-        engine = Engine(engine_config, model_config=model[0], params=model[1])
+def build_engine(engine_config: EngineConfig, model) -> Engine:
+    """An engine on ``model=(config, params)`` (see `experiments.common.load_model`), warmed up."""
+    engine = Engine(engine_config, model_config=model[0], params=model[1])
     engine.warmup()
     return engine
 
@@ -146,17 +143,6 @@ def _stop(engine: Engine, unadmitted, records, spec_by_id, now: float) -> None:
             records[out.request_id] = _record(out, spec_by_id)
     for spec in unadmitted:
         records[spec.request_id] = _rejected(spec, now)
-
-
-def load_model(name: str):
-    """``None`` (the engine loads a bundled model) or ``(config, params)`` for "random-small"."""
-    if name != "random-small":
-        return None
-    from paged.models.config import LlamaConfig
-    from paged.models.registry import init_params
-
-    cfg = LlamaConfig(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=128)
-    return cfg, init_params(cfg, 0)
 
 
 def build_workload(w, max_model_len: int) -> Workload:

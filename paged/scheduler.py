@@ -157,6 +157,11 @@ class Scheduler:
         while self.waiting and (
                 len(self.running) < self.config.max_num_seqs if static else budget.seqs and budget.tokens):
             seq = self.waiting[0]
+            # A request with n samples will hold n sequences once its prompt is done: count them
+            # now, so resident sequences never exceed max_num_seqs.
+            samples = seq.params.n if seq.sample_index == 0 and seq.num_output_tokens == 0 else 1
+            if len(self.running) + samples > self.config.max_num_seqs:
+                break
             if not self.bm.can_allocate(seq.token_ids):
                 break
             num_cached = self.bm.allocate(seq.seq_id, seq.token_ids)
