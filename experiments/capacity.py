@@ -41,10 +41,12 @@ def sweep_arm(c, name: str, overrides: dict, model) -> list[dict]:
     for rate in c.rates:
         with c.unlocked():
             c.workload.rate = float(rate)
+            c.workload.num_requests = max(2, round(rate * c.duration_s))
         workload = serving.build_workload(c.workload, c.engine.max_model_len)
         engine = serving.build_engine(serving.engine_config(c, c.model, overrides), model)
         res = serving.run_arm(f"{name}@{rate:g}", engine, workload, ttft_slo_ms=c.ttft_slo_ms,
-                              tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s)
+                              tpot_slo_ms=c.tpot_slo_ms,
+                              max_wall_s=workload.duration_s + c.max_drain_s)
         ok = meets_slo(res.summary, c.ttft_slo_ms, c.tpot_slo_ms)
         points.append({"rate": float(rate), "meets_slo": ok, "summary": res.summary,
                        "evidence": workload.evidence, "wall_s": res.wall_s})

@@ -34,8 +34,8 @@ def engine_defaults() -> ml_collections.ConfigDict:
 def workload_defaults() -> ml_collections.ConfigDict:
     w = ml_collections.ConfigDict()
     w.kind = "sharegpt"  # constructed lognormal lengths scaled to max_model_len
-    w.num_requests = 80
-    w.rate = 2.0  # requests/s (Poisson when burstiness == 1)
+    w.num_requests = 120
+    w.rate = 6.0  # requests/s (Poisson when burstiness == 1); 20 s of arrivals
     w.burstiness = 1.0
     w.seed = 0
     w.trace = ""  # a JSONL trace instead of a constructed workload (evidence: real)
