@@ -28,7 +28,7 @@ test-all: $(STAMP)
 # so the settings live here.
 RUFF_OPTS := --line-length 100 --target-version py310
 lint: $(STAMP)
-	$(PY) -m ruff check $(RUFF_OPTS) --select E,F,W,I,B,UP --ignore E501,E731 paged pallas_kernels experiments tests
+	$(PY) -m ruff check $(RUFF_OPTS) --select E,F,W,I,B,UP --ignore E501,E731,B905 paged pallas_kernels experiments tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -8,7 +8,7 @@ device phase is the jitted step until its sampled tokens are on the host. Report
 from __future__ import annotations
 
 import numpy as np
-from absl import app, flags
+from absl import app
 from ml_collections import config_flags
 
 from experiments import common

@@ -31,7 +31,7 @@ from paged.models.config import LlamaConfig
 from paged.models.tokenizer import ByteTokenizer
 from paged.sampling import SamplingParams
 from paged.scheduler import Scheduler, SchedulerOutput
-from paged.sequence import Sequence, SeqStatus
+from paged.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
 

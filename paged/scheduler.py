@@ -20,7 +20,7 @@ import dataclasses
 
 from paged.block_manager import BlockManager
 from paged.config import EngineConfig
-from paged.sequence import Sequence, SeqStatus
+from paged.sequence import SeqStatus, Sequence
 
 
 @dataclasses.dataclass

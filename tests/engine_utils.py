@@ -16,7 +16,7 @@ SMALL = LlamaConfig(vocab_size=258, d_model=64, num_layers=2, num_heads=4, num_k
                     head_dim=16, ffn_dim=128, max_seq_len=256)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def small_model(seed: int = 0):
     """Random weights made peaky (embedding x20) so greedy argmax has clear winners."""
     params = init_params(SMALL, seed)
@@ -30,7 +30,7 @@ def prompts(num: int, *, seed: int = 0, min_len: int = 3, max_len: int = 40) -> 
     return [[256] + rng.integers(0, 256, rng.integers(min_len, max_len)).tolist() for _ in range(num)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dense_fn(config: LlamaConfig):
     model = Llama(config)
     return jax.jit(lambda p, t: model.apply(p, t, method="dense"))
@@ -63,7 +63,7 @@ PALLAS = LlamaConfig(vocab_size=258, d_model=64, num_layers=1, num_heads=2, num_
                      head_dim=64, ffn_dim=64, max_seq_len=64)  # head_dim 64: TPU-style kernels
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def pallas_model(seed: int = 0):
     """A one-layer random model whose shapes every Pallas kernel style accepts."""
     params = init_params(PALLAS, seed)
