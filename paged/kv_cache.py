@@ -98,24 +98,35 @@ class KVCache:
 
 
 def write_layer(
-    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim], or [L, ...] with `layer`
+    v_pages: jax.Array,  # same shape as k_pages
     k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
     v: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
     slot_mapping: jax.Array,  # i32[num_tokens]: page * page_size + offset
+    *,
+    layer: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Scatters one layer's new K/V into its pages (traceable; use inside a jitted step).
 
-    Padded tokens must carry a slot inside ``NULL_PAGE`` (0 .. page_size-1).
+    With ``layer``, the pages are the stacked cache ``[L, Hkv, P, page, D]`` and the write goes
+    into layer ``layer`` with one scatter on the stacked array: slicing the layer out, writing and
+    setting it back would make XLA copy the layer every step instead of updating the donated cache
+    in place. Padded tokens must carry a slot inside ``NULL_PAGE`` (0 .. page_size-1).
     """
-    hkv, num_pages, page_size, d = k_pages.shape
-    flat_k = k_pages.reshape(hkv, num_pages * page_size, d)
-    flat_v = v_pages.reshape(hkv, num_pages * page_size, d)
-    kt = jnp.swapaxes(k, 0, 1).astype(k_pages.dtype)  # [Hkv, T, D]
-    vt = jnp.swapaxes(v, 0, 1).astype(v_pages.dtype)
-    flat_k = flat_k.at[:, slot_mapping].set(kt, mode="drop")
-    flat_v = flat_v.at[:, slot_mapping].set(vt, mode="drop")
-    return flat_k.reshape(k_pages.shape), flat_v.reshape(v_pages.shape)
+    shape = k_pages.shape
+    *lead, num_pages, page_size, d = shape
+    flat = (*lead[:-1], lead[-1], num_pages * page_size, d)  # [(L,) Hkv, P * page, D]
+    k, v = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
+    if layer is None:
+        # [Hkv, slots] indexing: updates are [Hkv, T, D].
+        index = (slice(None), slot_mapping)
+        k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)
+    else:
+        # [layer, :, slots]: the advanced indices are split by a slice, so updates are [T, Hkv, D].
+        index = (layer, slice(None), slot_mapping)
+    k_pages = k_pages.reshape(flat).at[index].set(k, mode="drop")
+    v_pages = v_pages.reshape(flat).at[index].set(v, mode="drop")
+    return k_pages.reshape(shape), v_pages.reshape(shape)
 
 
 def _check_tokens(cache: KVCache, k, v, slot_mapping) -> None:

@@ -117,31 +117,6 @@ def build_metadata(
     return md, positions, logits_indices
 
 
-def write_stacked_layer(
-    k_pages: jax.Array,  # [L, K, num_pages, page_size, H]
-    v_pages: jax.Array,  # [L, K, num_pages, page_size, H]
-    layer: int,
-    k: jax.Array,  # [T, K, H]
-    v: jax.Array,  # [T, K, H]
-    slot_mapping: jax.Array,  # i32[T]: page * page_size + offset
-) -> tuple[jax.Array, jax.Array]:
-    """`kv_cache.write_layer` into layer ``layer`` of the stacked cache, without slicing it out.
-
-    One scatter on the stacked array, which XLA performs in place on a donated cache.
-    """
-    num_layers, kh, num_pages, page_size, h = k_pages.shape
-    flat = (num_layers, kh, num_pages * page_size, h)
-    # Index [layer, :, slots]: the advanced indices are split by a slice, so updates are [T, K, H].
-    k_pages = (
-        k_pages.reshape(flat).at[layer, :, slot_mapping].set(k.astype(k_pages.dtype), mode="drop")
-    )
-    v_pages = (
-        v_pages.reshape(flat).at[layer, :, slot_mapping].set(v.astype(v_pages.dtype), mode="drop")
-    )
-    shape = (num_layers, kh, num_pages, page_size, h)
-    return k_pages.reshape(shape), v_pages.reshape(shape)
-
-
 def causal_attention(
     q: jax.Array,  # [B, T, N, H]
     k: jax.Array,  # [B, S, K, H]
@@ -235,10 +210,8 @@ class PagedAttention(nn.Module):
         v = jnp.einsum("TD,DKH->TKH", x, wv)
         q = apply_rope(q, positions, theta=self.rope_theta)
         k = apply_rope(k, positions, theta=self.rope_theta)
-        if layer is None:
-            k_pages, v_pages = kv_cache.write_layer(k_pages, v_pages, k, v, md.slot_mapping)
-        else:
-            k_pages, v_pages = write_stacked_layer(k_pages, v_pages, layer, k, v, md.slot_mapping)
+        k_pages, v_pages = kv_cache.write_layer(k_pages, v_pages, k, v, md.slot_mapping,
+                                                layer=layer)
         # With `layer`, the kernel reads the stacked cache directly: slicing k_pages[layer] here
         # would copy the whole layer every step.
         out = pk.ragged_paged_attention(
