@@ -6,7 +6,9 @@ For each op and implementation: correctness against the reference on the same ar
 interleaved timing rounds (the order rotates each round) with medians; bytes that must move (valid
 KV + q + out), achieved GB/s and the fraction of ``--peak_gbps``; and the ratio to dense contiguous
 attention (`pallas_kernels.flash_attention`, same implementation family) on a contiguous copy of the
-same data: the cost of paging. Writes JSON with the JAX version, devices, git revision and config.
+same data: the cost of paging. With ``dense_head_major`` the "xla" family also gets a second dense
+baseline on ``[B, Hkv, T, D]`` K/V (no per-block transpose). Writes JSON with the JAX version,
+devices, git revision and config.
 """
 
 from __future__ import annotations
@@ -98,7 +100,9 @@ def _print_op(op: str, rec: dict) -> None:
             f"median={r['median_ms']:9.3f} ms  {r['achieved_gbps']:8.2f} GB/s "
             f"({100 * r['fraction_of_peak']:5.1f}% peak)"
             + (f"  paged/dense={ratio:.3f}" if ratio is not None else "")
-        )
+            + (f"  paged/dense[{lib.HEAD_MAJOR}]={r['ratio_to_dense_head_major']:.3f}"
+               if "ratio_to_dense_head_major" in r else "")
+        )  # fmt: skip
     for name, r in rec["dense"].items():
         if "median_ms" in r:
             label = f"dense[{name}]"

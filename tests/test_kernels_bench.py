@@ -28,6 +28,8 @@ def test_smoke_config_end_to_end(tmp_path):
             assert r["correct"], (op, name, r)
             assert r["median_ms"] > 0
             assert r["achieved_gbps"] > 0 and r["ratio_to_dense"] > 0
+        assert record[op]["dense"]["xla_head_major"]["correct"]
+        assert impls["xla"]["ratio_to_dense_head_major"] > 0
         assert record[op]["bytes"] > 0
 
 
@@ -39,3 +41,29 @@ def test_configs_load_and_reject_unknown_variants():
         assert cfg.name == name and cfg.decode_impls
     with pytest.raises(ValueError, match="unknown variant 'x'"):
         kernel_bench.get_config("x")
+
+
+@pytest.mark.parametrize("dtype,q_len,causal", [("float32", 1, True), ("bfloat16", 5, True),
+                                                ("float32", 5, False)])  # fmt: skip
+def test_head_major_dense_baseline_matches_the_standard_layout(dtype, q_len, causal):
+    """The bench's second dense baseline: [B, Hkv, T, D] K/V give the same output, NaN tails
+    past each length included."""
+    import jax
+    import numpy as np
+
+    from pallas_kernels import testing, xla
+
+    rng = np.random.default_rng(0)
+    caster = testing._caster(dtype)
+    k, v = (caster(rng.standard_normal((3, 40, 2, 64))) for _ in range(2))
+    lens = np.asarray([40, 17, q_len], np.int32)
+    for b, n in enumerate(lens):
+        k[b, n:], v[b, n:] = np.nan, np.nan
+    q = testing.random_q(rng, (3, q_len, 4, 64), dtype)
+    kw = dict(kv_lens=lens, causal=causal, sm_scale=0.125, config=xla.XlaConfig(block_tokens=16))
+    want = xla.flash_attention(q, k, v, **kw)
+    got = jax.jit(lambda q, k, v: xla.flash_attention(q, k, v, **kw, kv_head_major=True))(
+        q, k.swapaxes(1, 2), v.swapaxes(1, 2)
+    )
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

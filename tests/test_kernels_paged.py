@@ -8,6 +8,7 @@ probabilities into the values, so NaN past a length leaks into their output (che
 """
 
 import itertools
+import re
 
 import jax
 import numpy as np
@@ -196,9 +197,63 @@ SWEEP = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("impl", ["interpret_tpu", "interpret_gpu"])
+@pytest.mark.parametrize("impl", ["interpret_tpu", "interpret_gpu", "xla"])
 @pytest.mark.parametrize("dtype,hq,hkv,page,d", SWEEP)
 def test_sweep(impl, dtype, hq, hkv, page, d):
     if impl == "interpret_tpu" and dtype == "bfloat16" and page % 16:
         pytest.skip("TPU-style kernel needs page_size % 16 == 0 for 16-bit dtypes")
-    _check(impl, dtype=dtype, hq=hq, hkv=hkv, page=page, d=d, soft_cap=None)
+    # "xla": two pages a block, so the (slot, page) order and a partial last block are exercised.
+    cfg = pk.XlaConfig(block_tokens=2 * page) if impl == "xla" else None
+    _check(impl, dtype=dtype, hq=hq, hkv=hkv, page=page, d=d, soft_cap=None, config=cfg,
+           jit=impl == "xla")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "dtype,page,block,hq,hkv",
+    [
+        ("float32", 1, 8, 4, 2),  # one-token pages: a block interleaves 8 pages
+        ("float32", 16, 48, 8, 2),  # 3 pages a block, partial last block
+        ("bfloat16", 32, 128, 4, 1),  # MQA
+        ("float32", 8, 1000, 4, 4),  # one block covers the table
+    ],
+)
+def test_xla_blocks_in_slot_page_order_and_stacked_layer(dtype, page, block, hq, hkv):
+    """The "xla" path reads a block's keys in (slot, page) order: any page size and block size,
+    NaN past each length, the stacked-cache ``layer=`` path agrees with the plain one."""
+    pps = 5
+    q, case = _case(page + block, dtype=dtype, hq=hq, hkv=hkv, page=page, d=64, pps=pps)
+    kw = dict(sm_scale=0.125, soft_cap=30.0, impl="xla", config=pk.XlaConfig(block_tokens=block))
+    args = (q, case.k_pages, case.v_pages, case.lengths, case.page_indices)
+    out = jax.jit(lambda *a: pk.paged_attention(*a, **kw))(*args)
+    want = testing.paged_attention_np(*args, sm_scale=0.125, soft_cap=30.0)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, **tol(dtype))
+    k_all, v_all = (np.stack([np.full_like(x, np.nan), x]) for x in (case.k_pages, case.v_pages))
+    stacked = jax.jit(lambda q, k, v, n, t: pk.paged_attention(q, k, v, n, t, **kw, layer=1))(
+        q, k_all, v_all, case.lengths, case.page_indices
+    )
+    np.testing.assert_array_equal(np.asarray(stacked), np.asarray(out))
+
+
+def _materialised_f32(hlo: str, shape) -> bool:
+    """Whether a top-level op of ``hlo`` writes a float32 array of ``shape`` (a convert fused into
+    a gather's fusion computes only the gathered elements and does not count)."""
+    dims = ",".join(map(str, shape))
+    return re.search(rf"= f32\[{dims}\]\{{[^}}]*\}} fusion\(", hlo) is not None
+
+
+def test_xla_bf16_never_converts_the_whole_cache():
+    """XLA:CPU widens a bf16 gather/slice operand to f32; hoisted out of the block loop that
+    converts the whole cache on every call (measured 4x slower). Only tiles may be converted."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import xla
+
+    q, case = _case(3, dtype="bfloat16", hq=4, hkv=2, page=8, d=64, pps=4)
+    k_all, v_all = (jnp.stack([x, x]) for x in (case.k_pages, case.v_pages))
+    paged = jax.jit(lambda q, k, v, n, t: pk.paged_attention(q, k, v, n, t, impl="xla", layer=1))
+    hlo = paged.lower(q, k_all, v_all, case.lengths, case.page_indices).compile().as_text()
+    assert not _materialised_f32(hlo, k_all.shape) and not _materialised_f32(hlo, k_all.shape[1:])
+    k_dense = jnp.asarray(case.k_dense)
+    dense = jax.jit(lambda q, k, v: xla.flash_attention(q, k, v))
+    hlo = dense.lower(q[:, None], k_dense, k_dense).compile().as_text()
+    assert not _materialised_f32(hlo, k_dense.shape)

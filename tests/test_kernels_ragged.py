@@ -68,7 +68,7 @@ def test_tpu_style_splits_sequence_slots_over_calls():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("impl", ["interpret_tpu", "interpret_gpu"])
+@pytest.mark.parametrize("impl", ["interpret_tpu", "interpret_gpu", "xla"])
 @pytest.mark.parametrize(
     "dtype,hq,hkv,page,d",
     [
@@ -79,4 +79,6 @@ def test_tpu_style_splits_sequence_slots_over_calls():
     ],
 )
 def test_sweep(impl, dtype, hq, hkv, page, d):
-    _check(impl, dtype=dtype, hq=hq, hkv=hkv, page=page, d=d)
+    # "xla": two pages a block, so the (slot, page) order and a partial last block are exercised.
+    cfg = pk.XlaConfig(block_tokens=2 * page) if impl == "xla" else None
+    _check(impl, dtype=dtype, hq=hq, hkv=hkv, page=page, d=d, config=cfg, jit=impl == "xla")

@@ -62,6 +62,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.ragged = _ragged(32, 1024, 1, 64, 512, 2)
     c.decode_impls = ["xla"]
     c.ragged_impls = ["xla"]
+    c.dense_head_major = True  # "xla" family: also time dense on [B, Hkv, T, D] K/V
     c.xla_block_tokens = 128  # XlaConfig knobs (CPU-tuned defaults)
     c.xla_items_per_group = 4
     c.tpu_pages_per_compute_block = 8
