@@ -71,36 +71,67 @@ class RequestOutput:
     """A request's state after a step (cumulative tokens), built cheaply on every step.
 
     ``token_ids`` / ``text`` / ``finish_reason`` are those of sample 0; all samples are in
-    ``outputs``. Times are ``time.perf_counter()`` seconds. Lists are sliced from the sequence's
-    own (append-only) lists when read, so an output stays a faithful snapshot of its step.
+    ``outputs``. Times are ``time.perf_counter()`` seconds. What can still change later (token
+    counts, finish reasons, preemption and cache counters) is recorded when the output is made;
+    lists are sliced from the sequences' own append-only lists when read, so an output stays a
+    faithful snapshot of its step.
     """
 
-    __slots__ = ("request_id", "outputs", "finished", "arrival_time", "first_scheduled_time",
-                 "first_token_time", "finish_time", "num_cached_tokens", "num_preemptions",
-                 "_head_ids", "_num_prompt", "_times", "_num_times")
+    __slots__ = ("request_id", "finished", "finish_time", "num_preemptions", "num_cached_tokens",
+                 "_seqs", "_ends", "_reasons", "_decode", "_outputs")
 
-    def __init__(self, request_id: str, head: Sequence, outputs: list[CompletionOutput],
-                 finished: bool, finish_time: float | None, num_preemptions: int):
+    def __init__(self, request_id: str, seqs: Sequence | list[Sequence], end: int, finished: bool,
+                 finish_time: float | None, num_preemptions: int,
+                 decode: Callable[[list[int]], str]):
+        """``seqs``: the request's one sequence, or the list of its samples; ``end``: the token
+        count of the (first) sequence now."""
         self.request_id = request_id
-        self.outputs = outputs
         self.finished = finished
-        self.arrival_time = head.arrival_time
-        self.first_scheduled_time = head.first_scheduled_time
-        self.first_token_time = head.first_token_time
         self.finish_time = finish_time
-        self.num_cached_tokens = head.num_cached_tokens
         self.num_preemptions = num_preemptions
-        self._head_ids, self._num_prompt = head.token_ids, head.num_prompt_tokens
-        self._times, self._num_times = head.token_times, len(head.token_times)
+        if type(seqs) is list:
+            self._seqs = tuple(seqs)
+            self._ends = tuple(len(s.token_ids) for s in seqs)
+            self._reasons = tuple(s.finish_reason for s in seqs)
+            self.num_cached_tokens = seqs[0].num_cached_tokens
+        else:  # the common case: one sample, no per-sample tuples
+            self._seqs, self._ends, self._reasons = seqs, end, seqs.finish_reason
+            self.num_cached_tokens = seqs.num_cached_tokens
+        self._decode = decode
+        self._outputs = None
+
+    @property
+    def _head(self) -> Sequence:
+        return self._seqs if type(self._seqs) is not tuple else self._seqs[0]
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """One ``CompletionOutput`` per sample so far (samples not forked yet are absent)."""
+        if self._outputs is None:
+            if type(self._seqs) is tuple:
+                triples = zip(self._seqs, self._ends, self._reasons)
+            else:
+                triples = [(self._seqs, self._ends, self._reasons)]
+            self._outputs = [CompletionOutput(s.sample_index, s.token_ids, s.num_prompt_tokens, end,
+                                              reason, self._decode) for s, end, reason in triples]
+        return self._outputs
+
+    # Set once, before any output of the request exists (or never), so read through.
+    arrival_time = property(lambda self: self._head.arrival_time)
+    first_scheduled_time = property(lambda self: self._head.first_scheduled_time)
+    first_token_time = property(lambda self: self._head.first_token_time)
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self._head_ids[:self._num_prompt]
+        head = self._head
+        return head.token_ids[:head.num_prompt_tokens]
 
     @property
     def token_times(self) -> list[float]:
         """Sample 0: the time each output token arrived on the host."""
-        return self._times[:self._num_times]
+        head = self._head
+        end = self._ends if type(self._ends) is int else self._ends[0]
+        return head.token_times[:end - head.num_prompt_tokens]
 
     @property
     def token_ids(self) -> list[int]:
@@ -112,11 +143,17 @@ class RequestOutput:
 
     @property
     def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
+        return self._reasons if type(self._seqs) is not tuple else self._reasons[0]
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, finished={self.finished}, "
                 f"outputs={self.outputs})")
+
+
+def _output_fields(out: RequestOutput) -> tuple:
+    return (out.request_id, out.finished, out.finish_time, out.num_preemptions, out.num_cached_tokens,
+            out.arrival_time, out.first_scheduled_time, out.first_token_time, out.prompt_token_ids,
+            out.token_times, [(o.index, o.token_ids, o.finish_reason) for o in out.outputs])
 
 
 @dataclasses.dataclass
@@ -193,7 +230,11 @@ class Engine:
             debug=config.debug_checks,
             on_free=self._freed_pages.extend if config.debug_checks else None,
         )
-        self.scheduler = Scheduler(config, self.block_manager)
+        self._builder = BatchBuilder(self.block_manager, page_size, self.pages_per_seq,
+                                     min_tokens=config.min_token_bucket, min_seqs=config.min_seq_bucket,
+                                     max_model_len=config.max_model_len,
+                                     eos_id=self.tokenizer.eos_id, debug=config.debug_checks)
+        self.scheduler = Scheduler(config, self.block_manager, on_release=self._builder.release)
         sharding = None
         if mesh is not None:
             if "model" not in mesh.axis_names:
@@ -217,8 +258,6 @@ class Engine:
         self.params = jax.device_put(params, replicated)
         self._step_fn, self._trace_count = make_step_fn(model_config, config.attention_impl)
         self._traces_at_start = self._trace_count()
-        self._builder = BatchBuilder(self.block_manager, page_size, self.pages_per_seq,
-                                     min_tokens=config.min_token_bucket, min_seqs=config.min_seq_bucket)
         self._requests: dict[str, list[Sequence]] = {}
         self._num_deadlines = 0  # unfinished requests with a timeout (skip the scan when 0)
         self._aborted: set[str] = set()  # aborted since the last step, to report
@@ -321,10 +360,14 @@ class Engine:
 
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one engine step; returns the requests that got tokens or finished in it."""
+        """Runs one engine step; returns the requests that got tokens or finished in it.
+
+        Order: requests that timed out or were aborted since the last step (by id), then the
+        others in batch order (decodes in admission order, then prefills).
+        """
         timing = StepTiming()
         t0 = time.perf_counter()
-        touched = self._expire(t0) | self._aborted
+        touched = dict.fromkeys(sorted(self._expire(t0) | self._aborted))  # ordered set
         self._aborted = set()
         sched = self.scheduler.schedule(t0)
         t1 = time.perf_counter()
@@ -338,7 +381,8 @@ class Engine:
             self.last_timing = timing
             return self._outputs(touched)
         self._steps_without_progress = 0
-        batch = self._builder.build(sched.scheduled)
+        batch = self._builder.build(sched.scheduled, sched.decode, sched.decode_tokens,
+                                    bool(sched.copies))
         t2 = time.perf_counter()
         timing.prepare = t2 - t1
         self.cache, tokens = self._step_fn(self.params, self.cache, batch.device)
@@ -346,13 +390,13 @@ class Engine:
         self.block_manager.step_completed(step_id)
         t3 = time.perf_counter()
         timing.device = t3 - t2
-        touched |= self._postprocess(sched, batch, tokens, t3)
+        self._postprocess(sched, batch, tokens, t3, touched)
         if self.config.debug_checks:
-            self.block_manager.check_invariants()
+            self._check_invariants()
         self.num_steps += 1
         outputs = self._outputs(touched)
         timing.postprocess = time.perf_counter() - t3
-        timing.num_seqs, timing.num_tokens = len(sched.scheduled), sched.num_batched_tokens
+        timing.num_seqs, timing.num_tokens = batch.num_seqs, batch.num_tokens
         self.last_timing = timing
         return outputs
 
@@ -394,9 +438,41 @@ class Engine:
             self.cache = kc.copy_pages(self.cache, src, dst)
 
     def _postprocess(self, sched: SchedulerOutput, batch: StepBatch, tokens: np.ndarray,
-                     now: float) -> set[str]:
-        touched = set()
+                     now: float, touched: dict[str, RequestOutput | None]) -> None:
+        """Records the computed tokens, appends the sampled ones, stops and forks; adds the
+        requests that progressed to ``touched`` (with their output when it is already made)."""
         bm = self.block_manager
+        decode = sched.decode
+        if decode:  # the batched path: one token computed and one sampled per sequence
+            nd = len(decode)
+            new = tokens[:nd].tolist()
+            counts = []
+            text = self.tokenizer.decode
+            for seq, t in zip(decode, new):  # one pass: each sequence is touched once
+                c = seq.num_computed_tokens + 1
+                seq.num_computed_tokens = c
+                counts.append(c)
+                seq.token_ids.append(t)
+                seq.token_times.append(now)
+                rid = seq.request_id
+                # Its output, unless it has several samples (made per request below).
+                touched[rid] = None if seq.params.n > 1 else RequestOutput(
+                    rid, seq, c + 1, False, None, seq.num_preemptions, text)
+            bm.mark_computed_many(sched.decode_ids, counts)
+            ids = sched.decode_ids
+            stopped = False
+            for i in self._builder.stop_candidates(batch, new):
+                seq = decode[i]
+                self._check_stop(seq, new[i], now)
+                if seq.finished:
+                    stopped = True
+                    touched[seq.request_id] = None  # made again, finished
+            if not sched.scheduled:  # the same decoders (less the finished) go on next step
+                if stopped:
+                    keep = [i for i, seq in enumerate(decode) if not seq.finished]
+                    decode = [decode[i] for i in keep]
+                    new, ids = [new[i] for i in keep], [ids[i] for i in keep]
+                self.scheduler.offer_steady(decode, new, ids)
         for item in sched.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
@@ -404,23 +480,26 @@ class Engine:
         for seq, first_slot, count in batch.samples:
             if seq.finished:
                 continue
-            touched.add(seq.request_id)
+            touched[seq.request_id] = None  # an output is made below
             for j in range(1, count):  # parallel sampling: fork the finished prompt
                 child = dataclasses.replace(
                     seq, seq_id=self._new_seq_id(), token_ids=list(seq.token_ids), sample_index=j,
-                    token_times=[], status=SeqStatus.WAITING)
+                    token_times=[], status=SeqStatus.WAITING, row=-1)
                 bm.fork(seq.seq_id, child.seq_id)
                 self._requests[seq.request_id].append(child)
                 self.scheduler.add_running(child)
                 self._append_token(child, int(tokens[first_slot + j]), now)
             self._append_token(seq, int(tokens[first_slot]), now)
-        return touched
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
         seq.token_ids.append(token)
         seq.token_times.append(now)
         if seq.first_token_time is None:
             seq.first_token_time = now
+        self._check_stop(seq, token, now)
+
+    def _check_stop(self, seq: Sequence, token: int, now: float) -> None:
+        """Finishes ``seq`` if its newest token (already appended) ends it."""
         p = seq.params
         reason = None
         if token in p.stop_token_ids or (token == self.tokenizer.eos_id and not p.ignore_eos):
@@ -430,28 +509,47 @@ class Engine:
         if reason:
             self.scheduler.finish(seq, reason, now)
 
+    def _check_invariants(self) -> None:
+        """Debug: the block manager's invariants, and the scheduler's mirror of its slot counts."""
+        bm = self.block_manager
+        bm.check_invariants()
+        for seq in self.scheduler.running:
+            if seq.num_slots != bm.num_tokens(seq.seq_id):
+                raise AssertionError(f"sequence {seq.seq_id}: num_slots={seq.num_slots} but the "
+                                     f"block manager holds {bm.num_tokens(seq.seq_id)}")
+
     # --- outputs ------------------------------------------------------------------------
-    def _outputs(self, request_ids: set[str]) -> list[RequestOutput]:
-        outs = [self._request_output(r) for r in sorted(request_ids)]
-        for out in outs:  # finished requests are reported once, then forgotten
-            if out.finished:
-                seqs = self._requests.pop(out.request_id)
-                self._num_deadlines -= seqs[0].deadline is not None
+    def _outputs(self, touched: dict[str, RequestOutput | None]) -> list[RequestOutput]:
+        """The outputs of the touched requests, in order (made now where still ``None``);
+        finished requests are then forgotten."""
+        outs = list(touched.values())
+        if self.config.debug_checks:  # outputs made on the batched path equal the general ones
+            for request_id, out in touched.items():
+                if out is not None:
+                    want = self._request_output(request_id)
+                    assert _output_fields(out) == _output_fields(want), (out, want)
+        if None in outs:
+            requests = self._requests
+            for i, request_id in enumerate(touched):
+                if outs[i] is None:
+                    out = outs[i] = self._request_output(request_id)
+                    if out.finished:
+                        seqs = requests.pop(request_id)
+                        self._num_deadlines -= seqs[0].deadline is not None
         return outs
 
     def _request_output(self, request_id: str) -> RequestOutput:
         seqs = self._requests[request_id]  # sample order: forks are appended in index order
         head = seqs[0]
-        decode = self.tokenizer.decode
-        outputs = [CompletionOutput(s.sample_index, s.token_ids, s.num_prompt_tokens, len(s.token_ids),
-                                    s.finish_reason, decode) for s in seqs]
         # Samples not forked yet (prompt unfinished) are simply absent.
         finished = all(s.status is SeqStatus.FINISHED for s in seqs) and (
             len(seqs) == head.params.n or head.finish_reason in ("abort", "timeout")
             or head.num_output_tokens == 0)
         finish = max(s.finish_time for s in seqs) if finished else None
-        preemptions = head.num_preemptions if len(seqs) == 1 else sum(s.num_preemptions for s in seqs)
-        return RequestOutput(request_id, head, outputs, finished, finish, preemptions)
+        preemptions = sum(s.num_preemptions for s in seqs)
+        head = seqs[0] if len(seqs) == 1 else seqs
+        return RequestOutput(request_id, head, len(seqs[0].token_ids), finished, finish, preemptions,
+                             self.tokenizer.decode)
 
     def generate(self, prompts: SequenceT[str | SequenceT[int]] | str,
                  params: SamplingParams | SequenceT[SamplingParams] | None = None,

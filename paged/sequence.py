@@ -33,6 +33,7 @@ class Sequence:
     sample_index: int = 0
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
+    num_slots: int = 0  # slots the block manager holds for it (mirrors ``bm.num_tokens``)
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the last admission
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -41,6 +42,7 @@ class Sequence:
     token_times: list[float] = dataclasses.field(default_factory=list)
     num_preemptions: int = 0
     deadline: float | None = None
+    row: int = -1  # its row in the batch builder's persistent tables while it runs; -1 = none
 
     @property
     def num_tokens(self) -> int:

@@ -71,6 +71,16 @@ def test_greedy_outputs_invariant(batch, baseline, overrides):
         assert engine.kv_stats()["num_preemptions"] > 0, "the tiny pool must force preemption"
 
 
+def test_steady_decodes_take_the_batched_path(batch, baseline):
+    """The invariance tests above cover both paths: prefill-first serves decodes one by one,
+    decode-first batches them once every running sequence decodes."""
+    engine = _engine(enable_prefix_caching=False)
+    assert _tokens(engine, batch) == baseline
+    assert engine.scheduler.num_fast_decode_steps >= GREEDY.max_tokens - 2
+    slow = _engine(policy="prefill-first")
+    assert _tokens(slow, batch) == baseline and slow.scheduler.num_fast_decode_steps == 0
+
+
 def test_prefix_cache_hits_shared_system_prompt():
     system = prompts(1, seed=7, min_len=30, max_len=31)[0]
     batch = [system + p[1:] for p in prompts(4, seed=8, max_len=10)]
