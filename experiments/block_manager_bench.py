@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -280,6 +281,14 @@ def _git_revision() -> dict:
             "dirty_files": len(git("status", "--porcelain").splitlines())}
 
 
+def _load_average() -> list[float] | None:
+    """The machine's load (other processes share the CPU and skew timings)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def run(c: ml_collections.ConfigDict, *, command: str = "") -> dict:
     """Builds the trace, replays it, runs the microbenchmarks; writes and returns the record."""
     t0 = time.time()
@@ -288,9 +297,11 @@ def run(c: ml_collections.ConfigDict, *, command: str = "") -> dict:
     gc.freeze()  # the trace is the harness's data: keep it out of the collector's full passes
     in_lens = np.array([len(p) for p, _ in trace])
     out_lens = np.array([o for _, o in trace])
+    load_before = _load_average()
     replayed = {api: replay(c, trace, api) for api in ("per_seq", "batch")}
     if c.enable_prefix_caching:  # what keying full blocks (and evicting cached ones) costs
-        replayed["per_seq_without_prefix_caching"] = replay(c, trace, "per_seq", caching=False)
+        for api in ("per_seq", "batch"):
+            replayed[f"{api}_without_prefix_caching"] = replay(c, trace, api, caching=False)
     runs = [micro(c) for _ in range(c.micro_runs)]
     record = {
         "evidence": "constructed",
@@ -300,6 +311,7 @@ def run(c: ml_collections.ConfigDict, *, command: str = "") -> dict:
         "python": sys.version,
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "load_average_1_5_15_min": {"before": load_before, "after": _load_average()},
         "config": c.to_dict(),
         "trace": {"num_requests": len(trace), "input_len_mean": float(in_lens.mean()),
                   "input_len_p50": float(np.median(in_lens)),

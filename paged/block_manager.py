@@ -58,8 +58,9 @@ _STATE_NAMES = ("free", "cached", "used", "quarantined", "null")
 
 
 class _Seq:
-    __slots__ = ("table", "tokens", "num_computed", "keys", "salt", "host_table", "dirty_tail",
-                 "swap_in_step", "swap_out_step", "room", "key_at", "unknown")  # noqa: RUF023
+    # The decode step reads the first four: declared first, they share the object's cache lines.
+    __slots__ = ("room", "tokens", "num_computed", "key_at", "table", "keys", "salt",  # noqa: RUF023
+                 "host_table", "dirty_tail", "swap_in_step", "swap_out_step", "unknown")
 
     def __init__(self, table, tokens, num_computed, keys, salt):
         self.table: list[int] = table  # physical blocks; empty while swapped out
@@ -169,9 +170,11 @@ class BlockManager:
         self._state[NULL_PAGE] = NULL
         self._version = [0] * num_blocks  # bumped when handed out fresh or keyed content rewritten
         self._busy_until = [-1] * num_blocks  # step that performs a pending copy of this block
+        self._copy_step = -1  # latest step given a copy to perform (any block)
         self._release_at = [-1] * num_blocks  # for quarantined blocks
         self._free: deque[int] = deque(b for b in range(num_blocks) if b != NULL_PAGE)
-        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recent first
+        # Cached blocks, least recent first, with their key digests (eviction needs no key load).
+        self._lru: OrderedDict[int, Hashable] = OrderedDict()
         self._held: dict[int, list[int]] = {}  # release step -> quarantined blocks (lazy deletes)
         self._num_held = 0
         self._num_used = 0
@@ -190,8 +193,9 @@ class BlockManager:
 
         self._stats = dict(
             hits=0, misses=0, hit_tokens=0, query_tokens=0, allocations=0, failed_allocations=0,
-            evictions=0, cow_copies=0, quarantined=0, revived=0, peak_used_blocks=0,
-            swapped_out_blocks=0, swapped_in_blocks=0)
+            cow_copies=0, quarantined=0, revived=0, swapped_out_blocks=0, swapped_in_blocks=0)
+        self._evictions = 0  # these two are attributes: the decode path bumps them
+        self._peak_used = 0
 
     # --- steps and quarantine --------------------------------------------------------------
     def begin_step(self) -> int:
@@ -210,22 +214,26 @@ class BlockManager:
         Raises:
           ValueError: if ``step_id`` was never begun.
         """
-        step_id = _count(step_id, "step_id")
+        if type(step_id) is not int or step_id < 0:
+            step_id = _count(step_id, "step_id")
         if step_id > self._last_begun:
             raise ValueError(f"{step_id=} was not begun (last begun: {self._last_begun})")
         if step_id <= self._last_completed:
             return
         self._last_completed = step_id
-        for r in sorted(r for r in self._held if r <= step_id):
-            for b in self._held.pop(r):
-                if self._state[b] == QUARANTINED and self._release_at[b] == r:
-                    self._num_held -= 1
-                    self._make_reusable(b)
-        for r in sorted(r for r in self._host_held if r <= step_id):
-            slots = self._host_held.pop(r)
-            self._num_host_held -= len(slots)
-            self._host_free.extend(slots)
-        self._end_call()
+        if self._held:
+            for r in sorted(r for r in self._held if r <= step_id):
+                for b in self._held.pop(r):
+                    if self._state[b] == QUARANTINED and self._release_at[b] == r:
+                        self._num_held -= 1
+                        self._make_reusable(b)
+        if self._host_held:
+            for r in sorted(r for r in self._host_held if r <= step_id):
+                slots = self._host_held.pop(r)
+                self._num_host_held -= len(slots)
+                self._host_free.extend(slots)
+        if self._died or self.debug:
+            self._end_call()
 
     @property
     def last_begun_step(self) -> int:
@@ -316,7 +324,8 @@ class BlockManager:
     def stats(self) -> dict:
         """Counters since construction plus the current pool split (all ints)."""
         return dict(
-            self._stats, num_blocks=self.num_blocks, block_size=self.block_size,
+            self._stats, evictions=self._evictions, peak_used_blocks=self._peak_used,
+            num_blocks=self.num_blocks, block_size=self.block_size,
             num_free_blocks=self.num_free_blocks, num_cached_blocks=self.num_cached_blocks,
             num_used_blocks=self._num_used, num_quarantined_blocks=self._num_held,
             num_indexed_blocks=len(self._cache), num_seqs=len(self._seqs),
@@ -414,21 +423,23 @@ class BlockManager:
         except (KeyError, TypeError):
             seq = self._seq(seq_id)  # raises
         room = seq.room
-        if room is not None and len(new_token_ids) == 1:  # the decode fast path: one token
+        if room and len(new_token_ids) == 1:  # decode, in place: the tail block has room
             t = new_token_ids[0]
             if type(t) is int and 0 <= t < _TOKEN_LIMIT:
-                if room:  # in place
-                    seq.room = room - 1
-                    seq.tokens.append(t)
-                    return []
-                if self._free or self._lru:  # the tail is full: one fresh block
-                    seq.table.append(self._take_one())
-                    seq.tokens.append(t)
-                    seq.room = self.block_size - 1
-                    if self._died:
-                        self._end_call()
-                    return []
-                return None
+                seq.room = room - 1
+                seq.tokens.append(t)
+                return []
+        elif room == 0 and len(new_token_ids) == 1:  # decode, the tail is full: one fresh block
+            t = new_token_ids[0]
+            if type(t) is int and 0 <= t < _TOKEN_LIMIT:
+                if not (self._free or self._lru):
+                    return None
+                seq.table.append(self._take_one())
+                seq.tokens.append(t)
+                seq.room = self.block_size - 1
+                if self._died:
+                    self._end_call()
+                return []
         if seq.host_table is not None:
             self._resident(seq_id)  # raises
         return self._grow(seq, _token_list(new_token_ids, "new_token_ids"))
@@ -448,6 +459,48 @@ class BlockManager:
             that differ (before any state change).
         """
         batch = self._batch(seq_ids, token_ids)
+        limit = _TOKEN_LIMIT
+        starting = []  # full tails: these sequences start a fresh block
+        # One pass in the common case (every tail exclusive, unkeyed and clean: ``room`` known),
+        # undone if a sequence needs the general path or the pool runs short.
+        for seq, t in zip(batch, token_ids):
+            room = seq.room
+            if type(t) is int and 0 <= t < limit:
+                if room:
+                    seq.room = room - 1
+                    seq.tokens.append(t)
+                    continue
+                if room == 0:
+                    starting.append(seq)
+                    seq.tokens.append(t)
+                    continue
+            self._undo_decode(batch, seq, starting)  # room None (not known) or a bad token
+            return self._append_decode_general(seq_ids, batch, token_ids)
+        if starting:
+            if len(starting) > len(self._free) + len(self._lru):
+                self._undo_decode(batch, None, starting)
+                return None
+            B1 = self.block_size - 1
+            for seq, b in zip(starting, self._take_fresh(len(starting))):
+                seq.table.append(b)
+                seq.room = B1
+            if self._died:
+                self._end_call()
+        return []
+
+    @staticmethod
+    def _undo_decode(batch: list[_Seq], stop: _Seq | None, starting: list[_Seq]) -> None:
+        """Reverts ``append_decode_slots``'s one pass over ``batch`` up to ``stop`` (exclusive)."""
+        starting = set(starting)
+        for seq in batch:
+            if seq is stop:
+                break
+            seq.tokens.pop()
+            if seq not in starting:
+                seq.room += 1
+
+    def _append_decode_general(self, seq_ids, batch: list[_Seq], token_ids: Sequence[int]
+                               ) -> list[tuple[int, int]] | None:
         need = 0
         bad = False
         copied: dict[int, int] = {}  # shared tail -> sharers in this batch that copy it first
@@ -498,29 +551,36 @@ class BlockManager:
         """
         batch = self._batch(seq_ids, num_computed_tokens)
         counts = num_computed_tokens
-        for seq, c in zip(batch, counts, strict=True):  # validate everything first
-            if (type(c) is not int or not seq.num_computed <= c <= len(seq.tokens)
-                    or seq.host_table is not None):
-                counts = [self._check_computed(s, q, n)
-                          for s, q, n in zip(seq_ids, batch, counts, strict=True)]
+        keying = []  # sequences whose count reaches a block that may get its key
+        for seq, c in zip(batch, counts):  # validate everything first
+            if type(c) is not int or not seq.num_computed <= c <= len(seq.tokens):
                 break
-        for sid, seq, c in zip(seq_ids, batch, counts, strict=True):
-            if c < seq.key_at:
+            if c >= seq.key_at:
+                if seq.host_table is not None:
+                    break
+                keying.append(seq)
+        else:
+            for seq, c in zip(batch, counts):
                 seq.num_computed = c
-            else:
-                self.mark_computed(sid, c)
+            if keying:
+                self._key_computed(keying)
+            return
+        counts = [self._check_computed(s, q, n)  # raises, or converts int-like counts
+                  for s, q, n in zip(seq_ids, batch, counts, strict=True)]
+        for seq, c in zip(batch, counts, strict=True):
+            seq.num_computed = c
+        self._key_computed([seq for seq, c in zip(batch, counts) if c >= seq.key_at])
 
     def _batch(self, seq_ids: Sequence, values: Sequence) -> list[_Seq]:
-        seqs = self._seqs
         try:
-            batch = [seqs[s] for s in seq_ids]
+            batch = list(map(self._seqs.__getitem__, seq_ids))
         except (KeyError, TypeError):
             for s in seq_ids:
                 self._seq(s)  # raises for the first unknown id
             raise
         if len(batch) != len(values):
             raise ValueError(f"{len(batch)} sequence ids but {len(values)} values")
-        if len({id(seq) for seq in batch}) != len(batch):
+        if len(set(batch)) != len(batch):  # a _Seq hashes by identity
             raise ValueError(f"repeated sequence ids in {seq_ids!r}")
         return batch
 
@@ -595,12 +655,7 @@ class BlockManager:
                 seq.num_computed <= c <= len(seq.tokens)):
             c = self._check_computed(seq_id, seq, c)
         seq.num_computed = c
-        if self.enable_prefix_caching and c // self.block_size > len(seq.keys):
-            self._key_blocks(seq, c // self.block_size)
-            if self.debug:
-                self.check_invariants()
-            else:
-                seq.key_at = (len(seq.keys) + 1) * self.block_size
+        self._key_computed((seq,))
 
     def _check_computed(self, seq_id, seq: _Seq, c) -> int:
         if seq.host_table is not None:
@@ -655,12 +710,12 @@ class BlockManager:
         n = len(self._lru) if num_blocks is None else min(_count(num_blocks, "num_blocks"),
                                                            len(self._lru))
         for _ in range(n):
-            b, _ = self._lru.popitem(last=False)
-            self._cache.remove(b)
+            b, digest = self._lru.popitem(last=False)
+            self._cache.remove(b, digest)
             self._state[b] = FREE
             self._free.append(b)
             self._died.append(b)
-        self._stats["evictions"] += n
+        self._evictions += n
         self._end_call()
         return n
 
@@ -690,7 +745,7 @@ class BlockManager:
             # unchanged until the step's writes), so the copies may run in any order.
             pairs.append((self._cow_src.get(b, b), h))
         seq.host_table = [h for _, h in pairs]
-        seq.swap_out_step = nxt
+        seq.swap_out_step = self._copy_step = nxt
         self._release(reversed(seq.table))
         seq.table = []
         seq.dirty_tail = False
@@ -728,6 +783,7 @@ class BlockManager:
         pairs = list(zip(seq.host_table, fresh, strict=True))
         for h, b in pairs:
             self._host_busy_until[h] = self._busy_until[b] = nxt
+        self._copy_step = nxt
         self._release_host(seq.host_table)
         seq.host_table = None
         seq.table = fresh
@@ -762,15 +818,20 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         B = self.block_size
+        cache, versions, pack = self._cache, self._version, self._pack
         hits = []
         parent = None
         for i in range((len(tokens) - 1) // B):
             ids = tuple(tokens[i * B:(i + 1) * B])
-            digest = self._hash_fn(None if parent is None else parent.digest, ids, salt)
-            b = self._cache.find(digest, parent, ids, salt, self._version)
+            if pack is not None:  # == sha256_block_hash(parent digest, ids, salt)
+                digest = _sha256((ROOT_DIGEST if parent is None else parent.digest) + pack(*ids)
+                                 + salt).digest()
+            else:
+                digest = self._hash_fn(None if parent is None else parent.digest, ids, salt)
+            b = cache.find(digest, parent, ids, salt, versions)
             if b is None:
                 break
-            parent = self._cache.key[b]
+            parent = cache.key[b]
             hits.append((b, parent))
         return hits
 
@@ -796,40 +857,48 @@ class BlockManager:
 
     def _take_fresh(self, n: int) -> list[int]:
         """``n`` blocks with new content (caller checked capacity): free ones first, then LRU."""
-        out = []
-        for _ in range(n):
-            if self._free:
-                b = self._free.popleft()
-            else:
-                b, _ = self._lru.popitem(last=False)
-                self._cache.remove(b)
-                self._stats["evictions"] += 1
-                self._died.append(b)
-            self._version[b] += 1
-            self._rc[b] = 1
-            self._state[b] = USED
-            out.append(b)
+        free = self._free
+        if len(free) >= n:
+            out = [free.popleft() for _ in range(n)]
+        else:
+            out = list(free)
+            free.clear()
+            lru, remove = self._lru, self._cache.remove
+            evicted = []
+            for _ in range(n - len(out)):
+                b, digest = lru.popitem(last=False)
+                remove(b, digest)
+                evicted.append(b)
+            self._evictions += len(evicted)
+            if self._on_free is not None:
+                self._died += evicted
+            out += evicted
+        versions, rc, state = self._version, self._rc, self._state
+        for b in out:
+            versions[b] += 1
+            rc[b] = 1
+            state[b] = USED
         self._num_used += n
-        if self._num_used > self._stats["peak_used_blocks"]:
-            self._stats["peak_used_blocks"] = self._num_used
+        if self._num_used > self._peak_used:
+            self._peak_used = self._num_used
         return out
 
     def _take_one(self) -> int:
-        """``_take_fresh(1)[0]`` for the decode path."""
+        """``_take_fresh(1)[0]`` for the per-sequence decode path."""
         if self._free:
             b = self._free.popleft()
         else:
-            b, _ = self._lru.popitem(last=False)
-            self._cache.remove(b)
-            self._stats["evictions"] += 1
-            if self._on_free is not None:
+            b, digest = self._lru.popitem(last=False)
+            self._cache.remove(b, digest)
+            self._evictions += 1
+            if self._on_free is not None:  # else nobody reads it: spare the flush
                 self._died.append(b)
         self._version[b] += 1
         self._rc[b] = 1
         self._state[b] = USED
         self._num_used += 1
-        if self._num_used > self._stats["peak_used_blocks"]:
-            self._stats["peak_used_blocks"] = self._num_used
+        if self._num_used > self._peak_used:
+            self._peak_used = self._num_used
         return b
 
     def _fast_state(self, seq: _Seq) -> None:
@@ -866,9 +935,10 @@ class BlockManager:
                 self._make_reusable(b)
 
     def _make_reusable(self, b: int) -> None:
-        if self._cache.key[b] is not None:
+        key = self._cache.key[b]
+        if key is not None:
             self._state[b] = CACHED
-            self._lru[b] = None
+            self._lru[b] = key.digest
         else:
             self._state[b] = FREE
             self._free.append(b)
@@ -907,6 +977,7 @@ class BlockManager:
                 self._rc[last] -= 1
                 nxt = self._last_begun + 1
                 self._busy_until[last] = self._busy_until[dst] = nxt
+                self._copy_step = nxt
                 seq.table[-1] = dst
                 self._cow_src[dst] = last
                 pairs.append((last, dst))
@@ -914,7 +985,7 @@ class BlockManager:
             elif self._cache.key[last] is not None or seq.dirty_tail:
                 # Rewriting slots in place: the keyed content (if any) dies with it.
                 if self._cache.key[last] is not None:
-                    self._cache.remove(last)
+                    self._cache.remove(last, self._cache.key[last].digest)
                 self._version[last] += 1
         seq.dirty_tail = False
         seq.table.extend(fresh)
@@ -923,33 +994,53 @@ class BlockManager:
         self._end_call()
         return pairs
 
-    def _key_blocks(self, seq: _Seq, upto: int) -> None:
-        """Keys full blocks up to ``upto``, indexing each unless an equal key is indexed already
-        (then the sequence adopts that key, so chains keep comparing by identity)."""
+    def _key_computed(self, seqs) -> None:
+        """Keys the full computed blocks of each of ``seqs`` that have no key yet, indexing each
+        unless an equal key is indexed already (then the sequence adopts that key, so chains keep
+        comparing by identity).
+
+        Stops at a block whose copy has not run yet or that holds a slot of unknown token id.
+        """
+        if not self.enable_prefix_caching:
+            return
         B = self.block_size
-        keys, tokens, table, salt = seq.keys, seq.tokens, seq.table, seq.salt
-        busy, done = self._busy_until, self._last_completed
-        cache, hash_fn, versions = self._cache, self._hash_fn, self._version
+        busy, done, versions = self._busy_until, self._last_completed, self._version
+        copying = self._copy_step > done  # some block may have a copy pending
+        cache = self._cache
+        cache_key, buckets, cache_version = cache.key, cache.buckets, cache.version
         pack = self._pack  # set when hash_fn is the default: hash inline (the decode hot path)
-        parent = keys[-1] if keys else None
-        for i in range(len(keys), upto):
-            b = table[i]
-            if busy[b] > done:  # its copy has not run yet
-                return
-            ids = tuple(tokens[i * B:(i + 1) * B])
-            if seq.unknown and None in ids:  # a lookahead slot of unknown token: no key from here
-                return
-            if pack is not None:  # == sha256_block_hash(parent digest, ids, salt)
-                digest = _sha256((ROOT_DIGEST if parent is None else parent.digest) + pack(*ids)
-                                 + salt).digest()
+        for seq in seqs:
+            keys = seq.keys
+            i = len(keys)
+            upto = seq.num_computed // B
+            if upto <= i:
+                continue
+            tokens, table, salt = seq.tokens, seq.table, seq.salt
+            parent = keys[-1] if i else None
+            while i < upto:
+                b = table[i]
+                if copying and busy[b] > done:  # its copy has not run yet
+                    break
+                ids = tuple(tokens[i * B:(i + 1) * B])
+                if seq.unknown and None in ids:  # a lookahead slot of unknown token: stop here
+                    break
+                if pack is not None:  # == sha256_block_hash(parent digest, ids, salt)
+                    digest = _sha256((ROOT_DIGEST if parent is None else parent.digest)
+                                     + pack(*ids) + salt).digest()
+                else:
+                    digest = self._hash_fn(None if parent is None else parent.digest, ids, salt)
+                if cache_key[b] is None and buckets.setdefault(digest, b) is b:
+                    # New content (cache.intern's common case, inlined): index b under a new key.
+                    parent = cache_key[b] = BlockKey(parent, ids, salt, digest)
+                    cache_version[b] = versions[b]
+                else:
+                    parent = cache.intern(b, parent, ids, salt, digest, versions)
+                keys.append(parent)
+                i += 1
+            if self.debug:
+                self.check_invariants()
             else:
-                digest = hash_fn(None if parent is None else parent.digest, ids, salt)
-            if digest not in cache.buckets and cache.key[b] is None:  # new content: index it
-                parent = BlockKey(parent, ids, salt, digest)
-                cache.add(b, parent, versions[b])
-            else:
-                parent = cache.intern(b, parent, ids, salt, digest, versions)
-            keys.append(parent)
+                seq.key_at = (i + 1) * B
 
     def _end_call(self) -> None:
         if self._died:
@@ -1033,6 +1124,12 @@ class BlockManager:
                 fail(f"block {b} in state {self.block_state(b)} has key={keyed}")
             if st in (FREE, CACHED) and self._busy_until[b] > self._last_completed:
                 fail(f"reusable block {b} has a copy pending in step {self._busy_until[b]}")
+            if self._busy_until[b] > self._copy_step:
+                fail(f"block {b} has a copy in step {self._busy_until[b]} after the latest "
+                     f"copy step {self._copy_step}")
+            if st == CACHED and self._lru[b] != self._cache.key[b].digest:
+                fail(f"cached block {b} waits in the LRU under digest {self._lru[b]!r}, "
+                     f"not its key's")
         if (counts[FREE], counts[CACHED], counts[USED], counts[QUARANTINED]) != (
                 len(self._free), len(self._lru), self._num_used, self._num_held):
             fail(f"state counts {counts} vs free={len(self._free)} lru={len(self._lru)} "

@@ -97,20 +97,22 @@ class PrefixCacheIndex:
     """Digest -> physical blocks, with the key and content version each block was cached at.
 
     Holds no refcounts and no LRU: those belong to the block manager. At most one block is indexed
-    per distinct key (a second block computed with an equal key stays unindexed).
+    per distinct key (a second block computed with an equal key stays unindexed). A bucket is the
+    block itself, or a list of blocks once two keys share a digest (a weak or colliding
+    ``hash_fn``): the common case then costs one dict entry and no list.
 
     Args:
       num_blocks: size of the physical pool (block ids are ``0 .. num_blocks - 1``).
     """
 
     def __init__(self, num_blocks: int):
-        self.buckets: dict[Hashable, list[int]] = {}  # digest -> blocks (one unless collisions)
+        self.buckets: dict[Hashable, int | list[int]] = {}  # digest -> block, or blocks if collided
         self.key: list[BlockKey | None] = [None] * num_blocks  # key of each indexed block
         self.version: list[int] = [0] * num_blocks  # content version it was indexed at
-        self._size = 0
+        self._collided = 0  # indexed blocks beyond the first of each bucket
 
     def __len__(self) -> int:
-        return self._size
+        return len(self.buckets) + self._collided
 
     def find(self, digest: Hashable, parent: BlockKey | None, token_ids: tuple[int, ...],
              salt: bytes, versions: Sequence[int]) -> int | None:
@@ -122,7 +124,7 @@ class PrefixCacheIndex:
         bucket = self.buckets.get(digest)
         if bucket is None:
             return None
-        for block in bucket:
+        for block in (bucket,) if type(bucket) is int else bucket:
             key = self.key[block]
             if key.matches(parent, token_ids, salt) and self.version[block] == versions[block]:
                 return block
@@ -133,12 +135,23 @@ class PrefixCacheIndex:
         """The indexed key equal to (parent, token_ids, salt), indexing ``block`` under a new key
         at content version ``versions[block]`` if there is none.
 
+        The common case, a digest not indexed yet and an unindexed ``block``, is one dict probe
+        and insert (`paged.block_manager` inlines it on the decode path).
+
         Raises:
           RuntimeError: if ``block`` is already indexed under a different key.
         """
-        bucket = self.buckets.get(digest)
+        buckets = self.buckets
+        if self.key[block] is None:
+            bucket = buckets.setdefault(digest, block)
+            if bucket is block:  # a new digest: ``block`` is its bucket now
+                key = self.key[block] = BlockKey(parent, token_ids, salt, digest)
+                self.version[block] = versions[block]
+                return key
+        else:
+            bucket = buckets.get(digest)
         if bucket is not None:
-            for b in bucket:
+            for b in (bucket,) if type(bucket) is int else bucket:
                 key = self.key[b]
                 if key.matches(parent, token_ids, salt) and self.version[b] == versions[b]:
                     return key
@@ -157,33 +170,54 @@ class PrefixCacheIndex:
                 f"block {block} is indexed under {self.key[block]!r}, not under {key!r}")
         self.key[block] = key
         self.version[block] = version
-        bucket = self.buckets.get(key.digest)
-        if bucket is None:
-            self.buckets[key.digest] = [block]
-        else:
-            bucket.append(block)
-        self._size += 1
+        buckets = self.buckets
+        bucket = buckets.setdefault(key.digest, block)
+        if bucket is not block:  # a digest collision: the bucket becomes (or is) a list
+            if type(bucket) is int:
+                buckets[key.digest] = [bucket, block]
+            else:
+                bucket.append(block)
+            self._collided += 1
 
-    def remove(self, block: int) -> None:
-        """Drops ``block`` from the index (it must be indexed)."""
-        key = self.key[block]
-        bucket = self.buckets[key.digest]
-        bucket.remove(block)  # buckets hold one block unless digests collide
-        if not bucket:
-            del self.buckets[key.digest]
-        self.key[block] = None
-        self._size -= 1
+    def remove(self, block: int, digest: Hashable) -> None:
+        """Drops ``block`` from the index.
+
+        Args:
+          block: an indexed block.
+          digest: the digest of its key (the caller has it at hand, so eviction need not load
+            the key).
+
+        Raises:
+          RuntimeError: if ``block`` is not indexed under ``digest`` (nothing changed).
+        """
+        buckets = self.buckets
+        bucket = buckets.pop(digest, None)
+        if bucket is block or type(bucket) is int and bucket == block:
+            self.key[block] = None
+            return
+        if type(bucket) is list and block in bucket:  # collided digests: put the others back
+            bucket.remove(block)
+            buckets[digest] = bucket[0] if len(bucket) == 1 else bucket
+            self._collided -= 1
+            self.key[block] = None
+            return
+        if bucket is not None:
+            buckets[digest] = bucket
+        raise RuntimeError(f"block {block} is not indexed under digest {digest!r}")
 
     def blocks(self) -> list[int]:
         """All indexed blocks (O(index size); for checks and debugging)."""
-        return [b for bucket in self.buckets.values() for b in bucket]
+        return [b for bucket in self.buckets.values()
+                for b in ((bucket,) if type(bucket) is int else bucket)]
 
     def check(self, versions: Sequence[int]) -> None:
         """Raises AssertionError if the index is inconsistent or holds a stale entry."""
         count = 0
         for digest, bucket in self.buckets.items():
-            if not bucket:
-                raise AssertionError(f"empty bucket for digest {digest!r}")
+            if type(bucket) is int:
+                bucket = [bucket]
+            elif len(bucket) < 2:
+                raise AssertionError(f"list bucket of {len(bucket)} blocks for digest {digest!r}")
             for block in bucket:
                 key = self.key[block]
                 if key is None or key.digest != digest:
@@ -195,5 +229,5 @@ class PrefixCacheIndex:
                         f"now at version {versions[block]}")
                 count += 1
         indexed = sum(k is not None for k in self.key)
-        if count != self._size or indexed != self._size:
-            raise AssertionError(f"index size {self._size} != entries {count} != keyed {indexed}")
+        if count != len(self) or indexed != len(self):
+            raise AssertionError(f"index size {len(self)} != entries {count} != keyed {indexed}")

@@ -570,6 +570,17 @@ def test_invariant_checker_catches_corruption():
     bm._free.append(bm.block_table("a")[2])
     with pytest.raises(AssertionError):
         bm.check_invariants()
+    bm = make(debug=False)
+    prefill(bm, "a", list(range(9)))
+    bm.free("a")
+    bm._lru[bm.evictable_blocks()[0]] = b"not its digest"
+    with pytest.raises(AssertionError, match="digest"):
+        bm.check_invariants()
+    bm = make(debug=False)
+    prefill(bm, "a", list(range(9)))
+    bm._busy_until[bm.block_table("a")[0]] = bm.last_begun_step + 1  # a copy nobody recorded
+    with pytest.raises(AssertionError, match="latest copy step"):
+        bm.check_invariants()
 
 
 # --- batched decode calls -------------------------------------------------------------------------
@@ -591,8 +602,9 @@ def test_append_decode_slots_matches_per_sequence_calls(debug):
     assert bm.block_key(bm.block_table("q")[1]) is not None
 
 
-def test_batched_calls_are_all_or_nothing():
-    bm = make(num_blocks=5)  # 4 usable
+@pytest.mark.parametrize("debug", [True, False])  # debug=False takes the one-pass fast path
+def test_batched_calls_are_all_or_nothing(debug):
+    bm = make(num_blocks=5, debug=debug)  # 4 usable
     prefill(bm, "a", list(range(4)))
     prefill(bm, "b", list(range(10, 14)))
     bm.allocate("c", [1])
@@ -618,3 +630,98 @@ def test_append_decode_slots_counts_one_copy_per_extra_sharer():
     assert bm.num_allocatable_blocks == 1
     pairs = bm.append_decode_slots(["p", "c"], [6, 7])  # the second writer keeps the tail
     assert len(pairs) == 1 and bm.num_allocatable_blocks == 0
+
+
+def _decode_state(bm, sids):
+    return ([(bm.block_table(s), bm.num_tokens(s)) for s in sids], bm.num_allocatable_blocks,
+            bm.stats()["cow_copies"])
+
+
+def test_append_decode_slots_fast_pass_is_undone_for_the_general_path():
+    """In-place and block-starting sequences ahead of one that needs the general path (a shared
+    tail) or of a bad token: the one-pass fast path must leave no trace."""
+    twins = [make(debug=False) for _ in range(2)]
+    for bm in twins:
+        prefill(bm, "a", list(range(5)))  # room 3
+        prefill(bm, "b", list(range(20, 28)))  # 2 full blocks: starts a third
+        prefill(bm, "p", list(range(40, 46)))
+        bm.fork("p", "f")  # shared partial tail: room not known
+    batched, per_seq = twins
+    sids = ["a", "b", "f", "p"]
+    before = snapshot(batched)
+    with pytest.raises(ValueError):
+        batched.append_decode_slots(sids, [1, 2, 3, 2**63])
+    assert snapshot(batched) == before
+    pairs = batched.append_decode_slots(sids, [1, 2, 3, 4])
+    expected = [pair for s, t in zip(sids, [1, 2, 3, 4]) for pair in per_seq.append_slots(s, [t])]
+    assert pairs == expected and len(pairs) == 1
+    assert _decode_state(batched, sids) == _decode_state(per_seq, sids)
+    batched.check_invariants()
+    for bm in twins:
+        bm.step_completed(bm.begin_step())
+    batched.mark_computed_many(sids, [6, 9, 7, 7])
+    for s, n in zip(sids, [6, 9, 7, 7]):
+        per_seq.mark_computed(s, n)
+    assert [batched.block_key(b) is not None for b in batched.block_table("b")] == [
+        True, True, False]
+    assert [batched.num_computed_tokens(s) for s in sids] == [6, 9, 7, 7]
+    assert batched.stats() == per_seq.stats()
+
+
+def test_append_decode_slots_fast_pass_is_undone_when_the_pool_runs_short():
+    bm = make(num_blocks=5, debug=False)  # 4 usable
+    prefill(bm, "a", list(range(4)))  # full tails: each starts a block
+    prefill(bm, "b", list(range(10, 14)))
+    bm.allocate("c", [1])  # room 3, ahead of nothing: written in place first
+    before = snapshot(bm)
+    assert bm.append_decode_slots(["c", "a", "b"], [7, 8, 9]) is None  # needs 2, 1 left
+    assert snapshot(bm) == before
+    bm.check_invariants()
+    assert bm.append_decode_slots(["c", "a"], [7, 8]) == []
+    assert bm.num_tokens("c") == 2 and bm.num_tokens("a") == 5 and bm.num_allocatable_blocks == 0
+
+
+def test_mark_computed_many_keys_full_blocks_and_rejects_a_late_bad_count():
+    bm = make(debug=False)
+    prefill(bm, "a", list(range(3)))
+    prefill(bm, "b", list(range(10, 13)))
+    bm.append_decode_slots(["a", "b"], [3, 13])  # both tails now full, not computed
+    bm.step_completed(bm.begin_step())
+    before = snapshot(bm)
+    with pytest.raises(ValueError):
+        bm.mark_computed_many(["a", "b"], [4, 5])  # b has 4 slots
+    assert snapshot(bm) == before
+    bm.mark_computed_many(["a", "b"], [4, 4])
+    assert [bm.block_key(bm.block_table(s)[0]).token_ids for s in "ab"] == [
+        (0, 1, 2, 3), (10, 11, 12, 13)]
+    bm.check_invariants()
+
+
+def test_prefix_index_buckets_collapse_and_a_wrong_digest_is_refused():
+    from paged.prefix_cache import PrefixCacheIndex
+
+    index = PrefixCacheIndex(8)
+    versions = [0] * 8
+    keys = [index.intern(b, None, (b,), b"", 0, versions) for b in (1, 2, 3)]  # one digest
+    assert index.buckets == {0: [1, 2, 3]} and len(index) == 3
+    assert index.find(0, None, (2,), b"", versions) == 2
+    index.remove(2, 0)
+    index.remove(1, 0)
+    assert index.buckets == {0: 3} and len(index) == 1  # back to a plain block
+    with pytest.raises(RuntimeError):
+        index.remove(3, 1)
+    with pytest.raises(RuntimeError):
+        index.remove(4, 0)
+    assert index.buckets == {0: 3} and index.key[3] is keys[2]
+    index.check(versions)
+
+
+def test_default_keys_use_the_documented_sha256_digest():
+    from paged.prefix_cache import sha256_block_hash
+
+    bm = make(cache_salt=b"m")
+    prefill(bm, "a", list(range(9)))
+    k0, k1 = (bm.block_key(b) for b in bm.block_table("a")[:2])
+    assert k0.digest == sha256_block_hash(None, (0, 1, 2, 3), b"m")
+    assert k1.digest == sha256_block_hash(k0.digest, (4, 5, 6, 7), b"m")
+    assert bm.allocate("b", list(range(9))) == 8  # lookups hash the same way
