@@ -66,6 +66,7 @@ class StepBatch:
     # on EOS (nonzero). Known before the step, so that little is left to do after it.
     stop_any: list[int] = dataclasses.field(default_factory=list)
     stop_eos: np.ndarray | None = None
+    limits: np.ndarray | None = None  # per decode: a stop candidate once it holds this many tokens
 
 
 class BatchBuilder:
@@ -90,6 +91,7 @@ class BatchBuilder:
         self.min_seqs = min_seqs
         self.debug = debug
         self._free_rows: list[int] = []
+        self._prev: tuple[list[Sequence], StepBatch] | None = None  # the last decode-only batch
         self._grow_rows(16)
 
     def _grow_rows(self, capacity: int) -> None:
@@ -157,7 +159,51 @@ class BatchBuilder:
               copies: bool = False) -> StepBatch:
         """The step's batch: ``decode`` sequences first (one token each, ``decode_tokens``), then
         the ``scheduled`` items. ``copies``: the step copies pages on write, so rows are refreshed.
+
+        When the step repeats the last one's decodes (the same list: every sequence one token
+        further), the last batch's arrays are advanced in place instead of rebuilt; the caller
+        must be done with the last batch (its device call has returned).
         """
+        prev, self._prev = self._prev, None
+        if prev is not None and decode is prev[0] and not scheduled and not copies:
+            batch = self._advance(prev[1], decode, decode_tokens)
+            if self.debug:  # equal to a batch built from scratch
+                want = self._build(scheduled, decode, decode_tokens, copies)
+                for a, b in zip(jax.tree_util.tree_leaves(batch.device),
+                                jax.tree_util.tree_leaves(want.device), strict=True):
+                    np.testing.assert_array_equal(a, b, err_msg="advanced batch differs")
+                assert (batch.stop_any, batch.starts.tolist()) == (want.stop_any, want.starts.tolist())
+        else:
+            batch = self._build(scheduled, decode, decode_tokens, copies)
+        if not scheduled and decode:
+            self._prev = (decode, batch)
+        return batch
+
+    def _advance(self, prev: StepBatch, decode: list[Sequence], decode_tokens: list[int]) -> StepBatch:
+        """``prev``'s decodes one token further: positions, lengths and slots move by one; only
+        sequences that start a block (or whose table changed) are looked up again."""
+        nd, page_size = len(decode), self.page_size
+        rows = prev.rows
+        starts = prev.starts + 1
+        stale = np.flatnonzero(np.take(self._nblocks, rows) != starts // page_size + 1).tolist()
+        for i in stale:
+            self._refresh(decode[i])
+        device = prev.device
+        tok, seq, pages, smp = device.tok, device.seq, device.page_indices, device.smp
+        tok[0, :nd] = decode_tokens
+        tok[1, :nd] = starts
+        tok[2, :nd] += 1  # the next slot of the same page...
+        seq[0, :nd] += 1  # kv_lens
+        smp[4, :nd] += 1  # sample_pos
+        table = self._table
+        for i in stale:  # ...except where a new page starts
+            row, c = rows[i], int(starts[i])
+            pages[i] = table[row]
+            tok[2, i] = table[row, c // page_size] * page_size + c % page_size
+        return dataclasses.replace(
+            prev, starts=starts, stop_any=np.flatnonzero(prev.limits <= starts + 2).tolist())
+
+    def _build(self, scheduled, decode, decode_tokens, copies) -> StepBatch:
         page_size = self.page_size
         nd = len(decode)
         rows = [q.row for q in decode]
@@ -241,13 +287,15 @@ class BatchBuilder:
         smp_f[:, :n_rows] = np.take(self._floats, slot_rows, axis=0).T  # temperature, top_p
 
         # Stop conditions of the decodes, known before the step.
-        stop_any = np.flatnonzero(ints[:nd, _LIMIT] <= starts_d + 2).tolist()  # after the new token
+        limits = ints[:nd, _LIMIT]
+        stop_any = np.flatnonzero(limits <= starts_d + 2).tolist()  # after the new token
         stop_eos = ints[:nd, _STOPS_ON_EOS]
         if self.debug:
             self._check(seqs, pages)
 
         return StepBatch(device=device, samples=samples, num_tokens=t, num_seqs=s, num_decode=nd,
-                         rows=all_rows, starts=starts, stop_any=stop_any, stop_eos=stop_eos)
+                         rows=all_rows, starts=starts, stop_any=stop_any, stop_eos=stop_eos,
+                         limits=limits)
 
     def stop_candidates(self, batch: StepBatch, new_tokens: list[int]) -> list[int]:
         """Indices among the batch's decodes whose sampled token may end them (EOS, a stop id, or

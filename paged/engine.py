@@ -367,7 +367,7 @@ class Engine:
         """
         timing = StepTiming()
         t0 = time.perf_counter()
-        touched = dict.fromkeys(sorted(self._expire(t0) | self._aborted))  # ordered set
+        ended = sorted(self._expire(t0) | self._aborted)  # reported first
         self._aborted = set()
         sched = self.scheduler.schedule(t0)
         t1 = time.perf_counter()
@@ -379,7 +379,7 @@ class Engine:
             self.block_manager.step_completed(step_id)
             self._guard_progress(sched)
             self.last_timing = timing
-            return self._outputs(touched)
+            return self._outputs(ended)
         self._steps_without_progress = 0
         batch = self._builder.build(sched.scheduled, sched.decode, sched.decode_tokens,
                                     bool(sched.copies))
@@ -390,11 +390,11 @@ class Engine:
         self.block_manager.step_completed(step_id)
         t3 = time.perf_counter()
         timing.device = t3 - t2
-        self._postprocess(sched, batch, tokens, t3, touched)
+        made, touched = self._postprocess(sched, batch, tokens, t3)
         if self.config.debug_checks:
             self._check_invariants()
         self.num_steps += 1
-        outputs = self._outputs(touched)
+        outputs = self._outputs(ended, sched.decode, made, touched)
         timing.postprocess = time.perf_counter() - t3
         timing.num_seqs, timing.num_tokens = batch.num_seqs, batch.num_tokens
         self.last_timing = timing
@@ -438,11 +438,16 @@ class Engine:
             self.cache = kc.copy_pages(self.cache, src, dst)
 
     def _postprocess(self, sched: SchedulerOutput, batch: StepBatch, tokens: np.ndarray,
-                     now: float, touched: dict[str, RequestOutput | None]) -> None:
-        """Records the computed tokens, appends the sampled ones, stops and forks; adds the
-        requests that progressed to ``touched`` (with their output when it is already made)."""
+                     now: float) -> tuple[list[RequestOutput | None], dict[str, None]]:
+        """Records the computed tokens, appends the sampled ones, stops and forks.
+
+        Returns:
+          per batched decode, its request's output if already made (else ``None``: made later);
+          the other requests that progressed, in batch order.
+        """
         bm = self.block_manager
         decode = sched.decode
+        made: list[RequestOutput | None] = []
         if decode:  # the batched path: one token computed and one sampled per sequence
             nd = len(decode)
             new = tokens[:nd].tolist()
@@ -454,10 +459,9 @@ class Engine:
                 counts.append(c)
                 seq.token_ids.append(t)
                 seq.token_times.append(now)
-                rid = seq.request_id
-                # Its output, unless it has several samples (made per request below).
-                touched[rid] = None if seq.params.n > 1 else RequestOutput(
-                    rid, seq, c + 1, False, None, seq.num_preemptions, text)
+                # Its output, unless it has several samples (made per request later).
+                made.append(None if seq.params.n > 1 else RequestOutput(
+                    seq.request_id, seq, c + 1, False, None, seq.num_preemptions, text))
             bm.mark_computed_many(sched.decode_ids, counts)
             ids = sched.decode_ids
             stopped = False
@@ -466,7 +470,7 @@ class Engine:
                 self._check_stop(seq, new[i], now)
                 if seq.finished:
                     stopped = True
-                    touched[seq.request_id] = None  # made again, finished
+                    made[i] = None  # made again, finished
             if not sched.scheduled:  # the same decoders (less the finished) go on next step
                 if stopped:
                     keep = [i for i, seq in enumerate(decode) if not seq.finished]
@@ -477,10 +481,11 @@ class Engine:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
             bm.mark_computed(seq.seq_id, seq.num_computed_tokens)
+        touched: dict[str, None] = {}
         for seq, first_slot, count in batch.samples:
             if seq.finished:
                 continue
-            touched[seq.request_id] = None  # an output is made below
+            touched[seq.request_id] = None
             for j in range(1, count):  # parallel sampling: fork the finished prompt
                 child = dataclasses.replace(
                     seq, seq_id=self._new_seq_id(), token_ids=list(seq.token_ids), sample_index=j,
@@ -490,6 +495,7 @@ class Engine:
                 self.scheduler.add_running(child)
                 self._append_token(child, int(tokens[first_slot + j]), now)
             self._append_token(seq, int(tokens[first_slot]), now)
+        return made, touched
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
         seq.token_ids.append(token)
@@ -519,24 +525,37 @@ class Engine:
                                      f"block manager holds {bm.num_tokens(seq.seq_id)}")
 
     # --- outputs ------------------------------------------------------------------------
-    def _outputs(self, touched: dict[str, RequestOutput | None]) -> list[RequestOutput]:
-        """The outputs of the touched requests, in order (made now where still ``None``);
-        finished requests are then forgotten."""
-        outs = list(touched.values())
+    def _outputs(self, ended: list[str], decode: list[Sequence] = (),
+                 made: list[RequestOutput | None] = (), touched=()) -> list[RequestOutput]:
+        """The step's outputs: ``ended`` requests, then the batched decodes' (``made`` or made
+        now), then the ``touched`` ones; each request once. Finished requests are forgotten."""
+        outs = [self._final_output(r) for r in ended]
+        done = set()  # requests whose output was made here
         if self.config.debug_checks:  # outputs made on the batched path equal the general ones
-            for request_id, out in touched.items():
+            for out in made:
                 if out is not None:
-                    want = self._request_output(request_id)
+                    want = self._request_output(out.request_id)
                     assert _output_fields(out) == _output_fields(want), (out, want)
-        if None in outs:
-            requests = self._requests
-            for i, request_id in enumerate(touched):
-                if outs[i] is None:
-                    out = outs[i] = self._request_output(request_id)
-                    if out.finished:
-                        seqs = requests.pop(request_id)
-                        self._num_deadlines -= seqs[0].deadline is not None
+        if None in made:
+            for seq, out in zip(decode, made):
+                if out is None:
+                    if seq.request_id in done:
+                        continue
+                    done.add(seq.request_id)
+                    out = self._final_output(seq.request_id)
+                outs.append(out)
+        else:
+            outs += made
+        outs += [self._final_output(r) for r in touched if r not in done]
         return outs
+
+    def _final_output(self, request_id: str) -> RequestOutput:
+        """The request's output now; a finished request is forgotten (reported once)."""
+        out = self._request_output(request_id)
+        if out.finished:
+            seqs = self._requests.pop(request_id)
+            self._num_deadlines -= seqs[0].deadline is not None
+        return out
 
     def _request_output(self, request_id: str) -> RequestOutput:
         seqs = self._requests[request_id]  # sample order: forks are appended in index order

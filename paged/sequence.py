@@ -15,7 +15,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Sequence:
     """One sample of a request. ``token_ids`` is prompt + generated tokens.
 
