@@ -451,18 +451,25 @@ class Engine:
         if decode:  # the batched path: one token computed and one sampled per sequence
             nd = len(decode)
             new = tokens[:nd].tolist()
-            counts = []
+            # The block manager needs computed counts for one thing: keying blocks that are full
+            # and computed. So it hears of a decode when its block fills (its count lags in
+            # between, which nothing else reads; the per-item path below sends exact counts).
+            full_ids, full_counts = [], []
+            page_size = self.page_size
             text = self.tokenizer.decode
             for seq, t in zip(decode, new):  # one pass: each sequence is touched once
                 c = seq.num_computed_tokens + 1
                 seq.num_computed_tokens = c
-                counts.append(c)
+                if not c % page_size:
+                    full_ids.append(seq.seq_id)
+                    full_counts.append(c)
                 seq.token_ids.append(t)
                 seq.token_times.append(now)
                 # Its output, unless it has several samples (made per request later).
                 made.append(None if seq.params.n > 1 else RequestOutput(
                     seq.request_id, seq, c + 1, False, None, seq.num_preemptions, text))
-            bm.mark_computed_many(sched.decode_ids, counts)
+            if full_ids:
+                bm.mark_computed_many(full_ids, full_counts)
             ids = sched.decode_ids
             stopped = False
             for i in self._builder.stop_candidates(batch, new):
