@@ -40,15 +40,25 @@ def bench_one(model_config, params, num_running: int, c) -> dict:
         engine.step()
     for _ in range(c.warmup_steps):
         engine.step()
-    fast_before = engine.scheduler.num_fast_decode_steps
-    timings = _timed_steps(engine, num_running, c.steps)
-    fast_steps = engine.scheduler.num_fast_decode_steps - fast_before
-
     def stub(params, cache, batch):  # no device work: tokens of the right shape, at once
         return cache, np.zeros(batch.sample_rows.shape, np.int32)
 
-    engine._step_fn = stub
-    isolated = _timed_steps(engine, num_running, c.steps)
+    # Rounds alternate in place and isolated blocks, so slow drifts of a shared machine show as
+    # spread between rounds rather than as a bias of one figure.
+    step_fn = engine._step_fn
+    fast_before = engine.scheduler.num_fast_decode_steps
+    timings, isolated, rounds = [], [], []
+    for _ in range(c.rounds):
+        engine._step_fn = step_fn
+        block = _timed_steps(engine, num_running, c.steps)
+        engine._step_fn = stub
+        iso = _timed_steps(engine, num_running, c.steps)
+        timings += block
+        isolated += iso
+        rounds.append({"median_host_ms": 1e3 * float(np.median([t.host for t in block])),
+                       "median_device_ms": 1e3 * float(np.median([t.device for t in block])),
+                       "isolated_median_host_ms": 1e3 * float(np.median([t.host for t in iso]))})
+    fast_steps = engine.scheduler.num_fast_decode_steps - fast_before
 
     def med(xs):
         return float(np.median(xs))
@@ -73,6 +83,7 @@ def bench_one(model_config, params, num_running: int, c) -> dict:
         "isolated_median_schedule_ms": 1e3 * med([t.schedule for t in isolated]),
         "isolated_median_prepare_ms": 1e3 * med([t.prepare for t in isolated]),
         "isolated_median_postprocess_ms": 1e3 * med([t.postprocess for t in isolated]),
+        "rounds": rounds,
         "batched_decode_steps": fast_steps,
         "num_compilations": engine.num_compilations,
     }

@@ -22,7 +22,8 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.attention_impl = "xla"
     c.enable_prefix_caching = True  # the engine's default: full blocks are keyed as they fill
     c.warmup_steps = 3  # decode steps after all prompts are in, before timing
-    c.steps = 60  # timed decode steps per setting (then as many with the device call stubbed)
+    c.steps = 40  # timed decode steps per round (then as many with the device call stubbed)
+    c.rounds = 3
     c.output_json = ""  # default: results/engine_bench/<timestamp>/engine_bench.json
     if arg == "smoke":
         c.model = "random-small"
@@ -31,6 +32,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.block_size = 8
         c.warmup_steps = 1
         c.steps = 3
+        c.rounds = 2
     elif arg != "default":
         raise ValueError(f"unknown variant {arg!r}; known: default, smoke")
     return c
