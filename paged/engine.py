@@ -78,7 +78,7 @@ class RequestOutput:
     """
 
     __slots__ = ("request_id", "finished", "finish_time", "num_preemptions", "num_cached_tokens",
-                 "_seqs", "_ends", "_reasons", "_decode", "_outputs")
+                 "_head", "_end", "finish_reason", "_others", "_decode", "_outputs")
 
     def __init__(self, request_id: str, seqs: Sequence | list[Sequence], end: int, finished: bool,
                  finish_time: float | None, num_preemptions: int,
@@ -89,31 +89,21 @@ class RequestOutput:
         self.finished = finished
         self.finish_time = finish_time
         self.num_preemptions = num_preemptions
+        others = ()  # (sequence, token count, finish reason) of samples 1, 2, ...
         if type(seqs) is list:
-            self._seqs = tuple(seqs)
-            self._ends = tuple(len(s.token_ids) for s in seqs)
-            self._reasons = tuple(s.finish_reason for s in seqs)
-            self.num_cached_tokens = seqs[0].num_cached_tokens
-        else:  # the common case: one sample, no per-sample tuples
-            self._seqs, self._ends, self._reasons = seqs, end, seqs.finish_reason
-            self.num_cached_tokens = seqs.num_cached_tokens
+            seqs, others = seqs[0], tuple((s, len(s.token_ids), s.finish_reason) for s in seqs[1:])
+        self._head, self._end, self.finish_reason, self._others = seqs, end, seqs.finish_reason, others
+        self.num_cached_tokens = seqs.num_cached_tokens
         self._decode = decode
         self._outputs = None
-
-    @property
-    def _head(self) -> Sequence:
-        return self._seqs if type(self._seqs) is not tuple else self._seqs[0]
 
     @property
     def outputs(self) -> list[CompletionOutput]:
         """One ``CompletionOutput`` per sample so far (samples not forked yet are absent)."""
         if self._outputs is None:
-            if type(self._seqs) is tuple:
-                triples = zip(self._seqs, self._ends, self._reasons)
-            else:
-                triples = [(self._seqs, self._ends, self._reasons)]
+            samples = ((self._head, self._end, self.finish_reason), *self._others)
             self._outputs = [CompletionOutput(s.sample_index, s.token_ids, s.num_prompt_tokens, end,
-                                              reason, self._decode) for s, end, reason in triples]
+                                              reason, self._decode) for s, end, reason in samples]
         return self._outputs
 
     # Set once, before any output of the request exists (or never), so read through.
@@ -130,8 +120,7 @@ class RequestOutput:
     def token_times(self) -> list[float]:
         """Sample 0: the time each output token arrived on the host."""
         head = self._head
-        end = self._ends if type(self._ends) is int else self._ends[0]
-        return head.token_times[:end - head.num_prompt_tokens]
+        return head.token_times[:self._end - head.num_prompt_tokens]
 
     @property
     def token_ids(self) -> list[int]:
@@ -140,10 +129,6 @@ class RequestOutput:
     @property
     def text(self) -> str:
         return self.outputs[0].text
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self._reasons if type(self._seqs) is not tuple else self._reasons[0]
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, finished={self.finished}, "

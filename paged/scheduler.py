@@ -55,10 +55,6 @@ class SchedulerOutput:
         return len(self.decode) + sum(s.num_new_tokens for s in self.scheduled)
 
     @property
-    def num_seqs(self) -> int:
-        return len(self.decode) + len(self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled and not self.decode
 
@@ -190,7 +186,7 @@ class Scheduler:
         steady, self._steady = self._steady, None
         if steady is not None and steady[0] == self._version and len(steady[1]) == len(self.running):
             decode, tokens, ids = steady[1:]  # exactly what the scan below would find
-            if self.bm.debug:
+            if self.config.debug_checks:
                 assert (decode, tokens) == self._steady_decoders(), "stale steady decode batch"
         else:
             decode, tokens = self._steady_decoders()
