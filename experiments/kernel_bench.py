@@ -2,13 +2,22 @@
 
     .venv/bin/python -m experiments.kernel_bench --config=experiments/configs/kernel_bench.py:cpu
 
-For each op and implementation: correctness against the reference on the same arrays first, then
-interleaved timing rounds (the order rotates each round) with medians; bytes that must move (valid
-KV + q + out), achieved GB/s and the fraction of ``--peak_gbps``; and the ratio to dense contiguous
-attention (`pallas_kernels.flash_attention`, same implementation family) on a contiguous copy of the
-same data: the cost of paging. With ``dense_head_major`` the "xla" family also gets a second dense
-baseline on ``[B, Hkv, T, D]`` K/V (no per-block transpose). Writes JSON with the JAX version,
-devices, git revision and config.
+For each op and implementation: correctness against an oracle on the same arrays first (the plain
+float32 reference at highest matmul precision, or the "xla" path above
+``config.reference_bytes_limit``; the oracle itself is spot-checked against float64 numpy on
+``oracle_check_seqs`` whole sequences), then interleaved timing rounds (the order rotates each round)
+with medians; bytes that must move (valid KV + q + out), achieved GB/s, the fraction of
+``--peak_gbps`` and of the measured copy bandwidth (a jitted read + write of the same K/V pool, timed
+in the same rounds); and the ratio to dense contiguous attention (`pallas_kernels.flash_attention`,
+same implementation family) on a contiguous copy of the same data: the cost of paging. With
+``dense_head_major`` the "xla" family also gets a second dense baseline on ``[B, Hkv, T, D]`` K/V
+(no per-block transpose). Writes JSON with the JAX version, devices, git revision and config.
+
+A failing implementation (lowering, compile, run, out of memory, wrong numbers) is recorded under
+its name (exception type, stage, the message's first 3000 characters and last 1500, the
+traceback's end) and the others go on. The JSON is rewritten after every step, with
+``complete: false`` until the end, so a run killed by a time limit keeps what it measured. Exits 1
+if any implementation errored or failed its check.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ _OUT = flags.DEFINE_string("out", None, "JSON output path (default: config.out).
 
 
 def git_revision() -> str:
+    """``git rev-parse HEAD``; off a checkout (a copied tree on a device) the ``GIT_REV`` env var."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
@@ -47,7 +57,8 @@ def git_revision() -> str:
         )  # fmt: skip
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        rev = os.environ.get("GIT_REV", "")
+        return f"{rev} (from GIT_REV)" if rev else "unknown"
 
 
 def git_dirty() -> bool | None:
@@ -62,10 +73,36 @@ def git_dirty() -> bool | None:
         return None
 
 
-def run(config: ml_collections.ConfigDict, *, peak_gbps: float | None = None) -> dict:
-    """Runs the benchmark ``config`` describes; returns the JSON-able record."""
+def write_record(out: str, record: dict) -> None:
+    """Writes ``record`` to ``out`` atomically (a kill mid-write leaves the previous version)."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1, default=float) + "\n")
+    os.replace(tmp, path)
+
+
+def _progress(t_start: float):
+    def say(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
+
+    return say
+
+
+def run(config: ml_collections.ConfigDict, *, peak_gbps: float | None = None,
+        out: str | None = None) -> dict:  # fmt: skip
+    """Runs the benchmark ``config`` describes; returns the JSON-able record.
+
+    With ``out``, the record is written there after every step (each implementation's check, each
+    op's timing), so a run killed by a time limit still leaves what it measured; ``complete``
+    says whether it got to the end.
+    """
+    unknown = set(config.ops) - {"decode", "ragged"}
+    if unknown:
+        raise ValueError(f"unknown ops {sorted(unknown)}; known: decode, ragged")
     peak = float(peak_gbps or config.peak_gbps)
     rng = np.random.default_rng(config.seed)
+    say = _progress(time.perf_counter())
     record = {
         "config": config.to_dict(),
         "jax_version": jax.__version__,
@@ -79,52 +116,107 @@ def run(config: ml_collections.ConfigDict, *, peak_gbps: float | None = None) ->
         "peak_gbps": peak,
         "note": config.note,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "complete": False,
     }
-    for op in ("decode", "ragged"):
-        data = lib.build_decode(config, rng) if op == "decode" else lib.build_ragged(config, rng)
+
+    def save():
+        if out:
+            write_record(out, record)
+
+    save()
+    for op in config.ops:
+        say(f"{op}: building data")
+        t0 = time.perf_counter()
+        try:
+            data = lib.build_decode(config, rng) if op == "decode" else lib.build_ragged(config, rng)
+        except Exception as e:  # noqa: BLE001 - the other op may still run
+            record[op] = {"impls": {}, "dense": {}, **lib.error_record(e, "build")}
+            say(f"{op}: build ERROR {record[op]['error'][:300]}")
+            save()
+            continue
+        build_s = time.perf_counter() - t0
+        say(f"{op}: built {data['shape']} in {build_s:.1f}s")
         impls = list(config.decode_impls if op == "decode" else config.ragged_impls)
-        record[op] = lib.bench_op(config, op, data, impls, peak_gbps=peak)
+
+        def update(rec, op=op, build_s=build_s):
+            rec["build_s"] = build_s
+            record[op] = rec
+            save()
+
+        try:
+            record[op] = lib.bench_op(config, op, data, impls, peak_gbps=peak, on_update=update,
+                                      progress=say)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - a bug outside the per-implementation guards
+            partial = record.get(op, {"impls": {}, "dense": {}})
+            record[op] = {**partial, **lib.error_record(e, "bench")}
+        record[op].update(build_s=build_s, op_s=time.perf_counter() - t0)
+        del data
         _print_op(op, record[op])
+        save()
+    record["complete"] = True
+    record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    save()
     return record
 
 
+def _fmt(x, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
 def _print_op(op: str, rec: dict) -> None:
-    print(f"== {op}: {rec['shape']}  (oracle: {rec['oracle']})", flush=True)
-    for name, r in rec["impls"].items():
+    print(f"== {op}: {rec.get('shape')}  (oracle: {rec.get('oracle')}, float64 spot check: "
+          f"{rec.get('oracle_check', {}).get('correct')})", flush=True)  # fmt: skip
+    if "error" in rec:
+        print(f"  {op} ERROR {rec['error'][:300]}")
+    copy = rec.get("copy", {})
+    if "gbps" in copy:
+        print(f"  {'copy (K+V pool)':<20} median={copy['median_ms']:9.3f} ms  {copy['gbps']:8.2f} GB/s"
+              f" read+write ({100 * copy['fraction_of_peak']:5.1f}% peak)")  # fmt: skip
+    for name, r in rec.get("impls", {}).items():
         if "error" in r:
-            print(f"  {name:<20} ERROR {r['error'][:160]}")
+            print(f"  {name:<20} ERROR [{r.get('error_stage')}] {r['error'][:300]}")
             continue
         ratio = r.get("ratio_to_dense")
         print(
-            f"  {name:<20} ok={r['correct']!s:<5} err={r['max_abs_err']:.2e} "
+            f"  {name:<20} ok={r['correct']!s:<5} err={_fmt(r['max_abs_err'], '.2e')} "
             f"median={r['median_ms']:9.3f} ms  {r['achieved_gbps']:8.2f} GB/s "
-            f"({100 * r['fraction_of_peak']:5.1f}% peak)"
+            f"({100 * r['fraction_of_peak']:5.1f}% peak"
+            + (f", {100 * r['fraction_of_copy']:5.1f}% copy" if "fraction_of_copy" in r else "")
+            + ")"
             + (f"  paged/dense={ratio:.3f}" if ratio is not None else "")
             + (f"  paged/dense[{lib.HEAD_MAJOR}]={r['ratio_to_dense_head_major']:.3f}"
                if "ratio_to_dense_head_major" in r else "")
         )  # fmt: skip
-    for name, r in rec["dense"].items():
-        if "median_ms" in r:
-            label = f"dense[{name}]"
-            print(f"  {label:<20} ok={r['correct']!s:<5} err={r['max_abs_err']:.2e} "
+    for name, r in rec.get("dense", {}).items():
+        label = f"dense[{name}]"
+        if "error" in r:
+            print(f"  {label:<20} ERROR [{r.get('error_stage')}] {r['error'][:300]}")
+        elif "median_ms" in r:
+            print(f"  {label:<20} ok={r['correct']!s:<5} err={_fmt(r['max_abs_err'], '.2e')} "
                   f"median={r['median_ms']:9.3f} ms")  # fmt: skip
+    sys.stdout.flush()
+
+
+def failures(record: dict) -> list[str]:
+    """``op:impl`` of every implementation that errored or failed its correctness check."""
+    failed = []
+    for op in record["config"]["ops"]:
+        rec = record.get(op, {})
+        if "error" in rec:
+            failed.append(f"{op}:*")
+        failed += [f"{op}:{name}" for name, r in rec.get("impls", {}).items()
+                   if "error" in r or not r.get("correct", False)]  # fmt: skip
+    return failed
 
 
 def main(argv) -> None:
     del argv
     config = _CONFIG.value
-    record = run(config, peak_gbps=_PEAK.value)
     out = _OUT.value or config.out
+    record = run(config, peak_gbps=_PEAK.value, out=out)
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(record, indent=1, default=float) + "\n")
         print(f"wrote {out}")
-    failed = [
-        f"{op}:{name}"
-        for op in ("decode", "ragged")
-        for name, r in record[op]["impls"].items()
-        if not r.get("correct", False)
-    ]
+    failed = failures(record)
     if failed:
         print(f"FAILED correctness or errored: {failed}")
         sys.exit(1)

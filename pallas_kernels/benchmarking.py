@@ -7,6 +7,7 @@ smoke config end to end).
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable
 
 import jax
@@ -18,7 +19,7 @@ from pallas_kernels import testing, xla
 from pallas_kernels.gpu_common import GpuPagedConfig, next_pow2
 from pallas_kernels.tpu_common import TpuPagedConfig
 
-REFERENCE_BYTES_LIMIT = 2 << 30  # above this the "xla" path (tested against it) is the oracle
+REFERENCE_BYTES_LIMIT = 2 << 30  # default: above this the "xla" path (tested against it) is the oracle
 
 
 def _itemsize(dtype) -> int:
@@ -202,21 +203,72 @@ def _block(x):
     return jax.block_until_ready(x)
 
 
-def interleaved_medians(runs: dict, *, repeats: int, warmup: int) -> dict:
-    """Times every ``name -> (fn, args)`` in rotating order each round; returns seconds lists."""
+def _timed(fn, args, calls: int = 1) -> float:
+    """Seconds per call of ``calls`` back-to-back calls, blocking on the last only: with an
+    asynchronous device, calls > 1 hides the per-call dispatch and sync latency (tens of
+    microseconds, a tenth of a sub-millisecond kernel) behind the device's own time."""
+    t0 = time.perf_counter()
+    for _ in range(calls - 1):
+        fn(*args)
+    _block(fn(*args))
+    return (time.perf_counter() - t0) / calls
+
+
+ERROR_HEAD_CHARS = 3000  # of an exception's message kept in the JSON (lowering errors are long)
+ERROR_TAIL_CHARS = 1500  # and of its end, when longer
+TRACEBACK_CHARS = 3000  # end of the formatted traceback (with the chained causes)
+
+
+def error_record(e: BaseException, stage: str) -> dict:
+    """What the JSON keeps of a failure: type, stage, the message's head (and tail), traceback end."""
+    msg = str(e)
+    rec = {
+        "error": f"{type(e).__name__}: {msg[:ERROR_HEAD_CHARS]}",
+        "error_type": type(e).__name__,
+        "error_stage": stage,
+        "error_chars": len(msg),
+    }
+    if len(msg) > ERROR_HEAD_CHARS:
+        rec["error_tail"] = msg[-ERROR_TAIL_CHARS:]
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    rec["traceback_tail"] = tb[-TRACEBACK_CHARS:]
+    return rec
+
+
+def interleaved_medians(
+    runs: dict, *, repeats: int, warmup: int, errors: dict | None = None, calls: int = 1
+) -> dict:
+    """Times every ``name -> (fn, args)`` in rotating order each round; returns seconds lists
+    (per call, each round timing ``calls`` back-to-back calls, see :func:`_timed`).
+
+    With ``errors`` (a dict), a run that raises is recorded there (:func:`error_record`, stage
+    ``"timing"``), dropped, and the others go on; without it the exception propagates.
+    """
     names = list(runs)
-    for name in names:
+
+    def call(name) -> float | None:
         fn, args = runs[name]
+        try:
+            return _timed(fn, args, calls)
+        except Exception as e:  # noqa: BLE001 - one failing run must not stop the others
+            if errors is None:
+                raise
+            errors[name] = error_record(e, "timing")
+            return None
+
+    for name in names:
         for _ in range(warmup):
-            _block(fn(*args))
+            if name in (errors or {}) or call(name) is None:
+                break
     times = {name: [] for name in names}
     for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            fn, args = runs[name]
-            t0 = time.perf_counter()
-            _block(fn(*args))
-            times[name].append(time.perf_counter() - t0)
-    return times
+            if name in (errors or {}):
+                continue
+            dt = call(name)
+            if dt is not None:
+                times[name].append(dt)
+    return {name: ts for name, ts in times.items() if name not in (errors or {})}
 
 
 # JAX's TPU paged kernel rounds K/V to bfloat16 internally (its dequantise step).
@@ -233,62 +285,230 @@ def _compare(out, oracle, rows, config, impl="") -> tuple[bool, float]:
     return ok, err
 
 
-def bench_op(config, op: str, data: dict, impls: list[str], *, peak_gbps: float) -> dict:
-    """Checks then times ``impls`` on ``data``; returns the op's JSON record."""
+def oracle_candidates(data: dict, config) -> list[str]:
+    """The oracle and its fallbacks: the plain reference while its gather fits
+    ``config.reference_bytes_limit``, then the "xla" path (itself tested against the reference)."""
+    limit = config.get("reference_bytes_limit", REFERENCE_BYTES_LIMIT)
+    return ["reference", "xla"] if data["reference_bytes"] <= limit else ["xla"]
+
+
+def spot_check_rows(num: int, count: int) -> list[int]:
+    """``count`` sequence indices spread over ``range(num)``, first and last included."""
+    if num <= 0 or count <= 0:
+        return []
+    return sorted({int(i) for i in np.linspace(0, num - 1, min(count, num)).round()})
+
+
+def float64_spot_check(op: str, data: dict, oracle: np.ndarray, config, sm_scale: float) -> dict:
+    """Checks the oracle on a few whole sequences against float64 numpy (valid keys only).
+
+    Only the chosen sequences' pages are converted, so it stays cheap on a multi-GB pool.
+    """
+    q, k_pages, v_pages, lengths, table = data["args"][:5]
+    hq, hkv = q.shape[-2], k_pages.shape[0]
+    group = hq // hkv
+    if op == "decode":
+        seqs = spot_check_rows(q.shape[0], config.oracle_check_seqs)
+        spans = [(b, b + 1, int(lengths[b])) for b in seqs]  # (first row, end row, kv_len)
+    else:
+        cu, num = data["args"][5], int(np.asarray(data["args"][6]).reshape(-1)[0])
+        seqs = spot_check_rows(num, config.oracle_check_seqs)
+        spans = [(int(cu[i]), int(cu[i + 1]), int(lengths[i])) for i in seqs]
+    err, ok = 0.0, True
+    for s, (lo, hi, kv_len) in zip(seqs, spans):
+        k = testing._seq_kv(k_pages, table[s], kv_len)  # [Hkv, kv_len, D] float64
+        v = testing._seq_kv(v_pages, table[s], kv_len)
+        rows = np.asarray(q[lo:hi], np.float64).reshape(hi - lo, hkv, group, -1)
+        # Row r of a sequence's hi - lo query rows sees keys [0, kv_len - (hi - lo) + r].
+        visible = kv_len - (hi - lo) + 1 + np.arange(hi - lo)
+        mask = np.arange(kv_len)[None, None, None, :] < visible[:, None, None, None]
+        scores = np.einsum("rhgd,hsd->rhgs", rows, k) * sm_scale
+        scores = np.where(mask, scores, -np.inf)
+        prob = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        want = np.einsum("rhgs,hsd->rhgd", prob / prob.sum(axis=-1, keepdims=True), v)
+        got = np.asarray(oracle[lo:hi], np.float64)
+        want = want.reshape(got.shape)
+        err = max(err, float(np.max(np.abs(got - want))))
+        ok = ok and bool(np.all(np.isfinite(got)))
+        ok = ok and np.allclose(got, want, rtol=config.rtol, atol=config.atol)
+    return {"seqs": seqs, "rows": sum(hi - lo for lo, hi, _ in spans), "max_abs_err": err,
+            "correct": ok}  # fmt: skip
+
+
+def quick_time(fn, args, repeats: int, calls: int = 1) -> dict:
+    """Median of ``repeats`` timings taken right after the first call: a figure that survives a
+    run cut short before the interleaved rounds (which give the reported medians)."""
+    if repeats <= 0:
+        return {}
+    ts = [_timed(fn, args, calls) for _ in range(repeats)]
+    return {"quick_median_ms": 1e3 * float(np.median(ts)), "quick_rounds": repeats}
+
+
+def copy_fn() -> Callable:
+    """Reads and writes the whole K/V pool once (``x + z`` with ``z`` a runtime zero, which XLA
+    cannot fold away): the device's copy bandwidth on the very buffers the kernels read."""
+    return jax.jit(lambda k, v, z: (k + z, v + z))
+
+
+def bench_op(
+    config,
+    op: str,
+    data: dict,
+    impls: list[str],
+    *,
+    peak_gbps: float,
+    on_update: Callable[[dict], None] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Checks then times ``impls`` on ``data``; returns the op's JSON record.
+
+    Every failure (lowering, compile, run, numerics) is recorded under the implementation it
+    belongs to and the others go on. ``on_update(rec)`` is called with the partial record after
+    each step (so a caller can write it out before a timeout); ``progress`` gets one-line notes.
+    """
+    say = progress or (lambda msg: None)
+    update = on_update or (lambda rec: None)
     sm_scale = config.heads.head_dim**-0.5
+    rec = {"shape": data["shape"], "bytes": data["bytes"], "impls": {}, "dense": {}}
+    t0 = time.perf_counter()
     args = tuple(jnp.asarray(a) for a in data["args"])
     dense_args = tuple(jnp.asarray(a) for a in data["dense_args"])
-    oracle_impl = "reference" if data["reference_bytes"] <= REFERENCE_BYTES_LIMIT else "xla"
-    oracle = np.asarray(paged_fn(op, oracle_impl, config, sm_scale)(*args), np.float64)
-    oracle = oracle[data["live_rows"]]
-    rec = {"shape": data["shape"], "oracle": oracle_impl, "bytes": data["bytes"], "impls": {}}
-    rec["dense"] = {}
+    jax.block_until_ready((args, dense_args))
+    rec["to_device_s"] = time.perf_counter() - t0
+    pool_bytes = int(args[1].nbytes + args[2].nbytes)
+    rec["copy"] = {"bytes": 2 * pool_bytes, "pool_bytes": pool_bytes}
     runs = {}
+    quick = config.get("quick_repeats", 0)
+    calls = config.get("calls_per_round", 1)
+    rec["calls_per_round"] = calls
+    t0 = time.perf_counter()
+    try:
+        copy = (copy_fn(), (args[1], args[2], jnp.zeros((), args[1].dtype)))
+        jax.block_until_ready(copy[0](*copy[1]))  # compiled here, like the others' first call
+        rec["copy"]["first_call_s"] = time.perf_counter() - t0
+        rec["copy"].update(quick_time(*copy, quick, calls))
+        if "quick_median_ms" in rec["copy"]:
+            rec["copy"]["quick_gbps"] = 2 * pool_bytes / rec["copy"]["quick_median_ms"] / 1e6
+        runs["copy"] = copy
+    except Exception as e:  # noqa: BLE001
+        rec["copy"].update(error_record(e, "correctness"))
+
+    oracle, rec["oracle"], rec["oracle_errors"] = None, None, {}
+    for name in oracle_candidates(data, config):
+        t0 = time.perf_counter()
+        try:
+            with jax.default_matmul_precision("highest"):  # no TF32 in the ground truth on GPUs
+                out = paged_fn(op, name, config, sm_scale)(*args)
+            oracle = np.asarray(out, np.float64)[data["live_rows"]]
+            rec["oracle"], rec["oracle_s"] = name, time.perf_counter() - t0
+            break
+        except Exception as e:  # noqa: BLE001 - e.g. the reference's gather out of memory
+            rec["oracle_errors"][name] = error_record(e, "oracle")
+            say(f"{op}: oracle {name} failed: {type(e).__name__}: {str(e)[:300]}")
+    if oracle is not None and config.get("oracle_check_seqs", 0):
+        try:
+            rec["oracle_check"] = float64_spot_check(op, data, oracle, config, sm_scale)
+        except Exception as e:  # noqa: BLE001
+            rec["oracle_check"] = error_record(e, "oracle_check")
+    say(f"{op}: oracle {rec['oracle']} check {rec.get('oracle_check', {}).get('correct')}")
+    update(rec)
+
+    def check(out, rows, impl=""):
+        if oracle is None:  # nothing to compare with: time it anyway, correctness unknown
+            return None, None
+        return _compare(out, oracle, rows, config, impl)
+
     for impl in impls:
+        say(f"{op}: {impl} ...")  # a crash (not an exception) then shows where it happened
+        t0 = time.perf_counter()
         try:
             fn = paged_fn(op, impl, config, sm_scale)
-            ok, err = _compare(fn(*args), oracle, data["live_rows"], config, impl)
-            rec["impls"][impl] = {"correct": ok, "max_abs_err": err, "dense_impl": dense_impl(impl)}
-            runs[impl] = (fn, args)
+            out = jax.block_until_ready(fn(*args))
+            first = time.perf_counter() - t0
+            ok, err = check(out, data["live_rows"], impl)
+            rec["impls"][impl] = {"correct": ok, "max_abs_err": err, "dense_impl": dense_impl(impl),
+                                  "first_call_s": first}  # fmt: skip
+            say(f"{op}: {impl} correct={ok} err={err} first call {first:.1f}s")
         except Exception as e:  # noqa: BLE001 - one broken backend must not hide the others
-            rec["impls"][impl] = {"error": f"{type(e).__name__}: {e}"}
+            rec["impls"][impl] = error_record(e, "correctness")
+            rec["impls"][impl]["first_call_s"] = time.perf_counter() - t0
+            say(f"{op}: {impl} ERROR {type(e).__name__}: {str(e)[:300]}")
+            update(rec)
             continue
+        entry = rec["impls"][impl]
+        try:
+            entry.update(quick_time(fn, args, quick, calls))
+            if "quick_median_ms" in entry:
+                entry["quick_gbps"] = data["bytes"] / entry["quick_median_ms"] / 1e6
+                say(f"{op}: {impl} quick {entry['quick_median_ms']:.4f} ms "
+                    f"{entry['quick_gbps']:.1f} GB/s")  # fmt: skip
+            runs[impl] = (fn, args)
+        except Exception as e:  # noqa: BLE001
+            entry.update(error_record(e, "timing"))
+        update(rec)
         d = dense_impl(impl)
         if d in rec["dense"]:
             continue
+        say(f"{op}: dense {d} ...")
+        t0 = time.perf_counter()
         try:
             fn = dense_fn(d, sm_scale)
             seq, slot = data["dense_rows"]
             out = np.asarray(fn(*dense_args), np.float64)[seq, slot]
-            ok, err = _compare(out, oracle, slice(None), config)
-            rec["dense"][d] = {"correct": ok, "max_abs_err": err}
+            ok, err = check(out, slice(None))
+            rec["dense"][d] = {"correct": ok, "max_abs_err": err,
+                               "first_call_s": time.perf_counter() - t0}  # fmt: skip
             runs[f"dense:{d}"] = (fn, dense_args)
         except Exception as e:  # noqa: BLE001
-            rec["dense"][d] = {"error": f"{type(e).__name__}: {e}"}
+            rec["dense"][d] = error_record(e, "correctness")
+            say(f"{op}: dense {d} ERROR {type(e).__name__}: {str(e)[:300]}")
+        update(rec)
     if config.dense_head_major and "correct" in rec["dense"].get("xla", {}):
         # The same contiguous data with each head's keys contiguous: what paging costs against a
         # dense cache laid out for the kernel, not only against the [B, T, Hkv, D] layout.
-        q_d, k_d, v_d, lens_d = dense_args
-        hm_args = (q_d, jnp.swapaxes(k_d, 1, 2), jnp.swapaxes(v_d, 1, 2), lens_d)
-        fn = dense_head_major_fn(sm_scale)
-        seq, slot = data["dense_rows"]
-        ok, err = _compare(np.asarray(fn(*hm_args), np.float64)[seq, slot], oracle, slice(None),
-                           config)  # fmt: skip
-        rec["dense"][HEAD_MAJOR] = {"correct": ok, "max_abs_err": err}
-        runs[f"dense:{HEAD_MAJOR}"] = (fn, hm_args)
-    times = interleaved_medians(runs, repeats=config.repeats, warmup=config.warmup)
+        try:
+            q_d, k_d, v_d, lens_d = dense_args
+            hm_args = (q_d, jnp.swapaxes(k_d, 1, 2), jnp.swapaxes(v_d, 1, 2), lens_d)
+            fn = dense_head_major_fn(sm_scale)
+            seq, slot = data["dense_rows"]
+            ok, err = check(np.asarray(fn(*hm_args), np.float64)[seq, slot], slice(None))
+            rec["dense"][HEAD_MAJOR] = {"correct": ok, "max_abs_err": err}
+            runs[f"dense:{HEAD_MAJOR}"] = (fn, hm_args)
+        except Exception as e:  # noqa: BLE001
+            rec["dense"][HEAD_MAJOR] = error_record(e, "correctness")
+        update(rec)
+    say(f"{op}: timing {len(runs)} runs x {config.repeats} rounds")
+    errors: dict = {}
+    times = interleaved_medians(runs, repeats=config.repeats, warmup=config.warmup, errors=errors,
+                                calls=calls)  # fmt: skip
+
+    def entry_of(name):
+        if name == "copy":
+            return rec["copy"]
+        return rec["dense"][name[6:]] if name.startswith("dense:") else rec["impls"][name]
+
+    for name, e in errors.items():
+        entry_of(name).update(e)
+        say(f"{op}: {name} timing ERROR {e['error'][:300]}")
     for name, ts in times.items():
         median = float(np.median(ts))
-        entry = rec["dense"][name[6:]] if name.startswith("dense:") else rec["impls"][name]
+        entry = entry_of(name)
         entry.update(median_ms=1e3 * median, min_ms=1e3 * float(np.min(ts)), rounds=len(ts))
-        if not name.startswith("dense:"):
+        if name == "copy":
+            entry["gbps"] = entry["bytes"] / median / 1e9  # read + write
+            entry["fraction_of_peak"] = entry["gbps"] / peak_gbps
+        elif not name.startswith("dense:"):
             entry["achieved_gbps"] = data["bytes"] / median / 1e9
             entry["fraction_of_peak"] = entry["achieved_gbps"] / peak_gbps
+    copy_gbps = rec["copy"].get("gbps")
     for entry in rec["impls"].values():
+        if copy_gbps and "achieved_gbps" in entry:
+            entry["fraction_of_copy"] = entry["achieved_gbps"] / copy_gbps
         dense = rec["dense"].get(entry.get("dense_impl"), {})
         if "median_ms" in entry and "median_ms" in dense:
             entry["ratio_to_dense"] = entry["median_ms"] / dense["median_ms"]
         head_major = rec["dense"].get(HEAD_MAJOR, {})
         if entry.get("dense_impl") == "xla" and "median_ms" in entry and "median_ms" in head_major:
             entry["ratio_to_dense_head_major"] = entry["median_ms"] / head_major["median_ms"]
+    update(rec)
     return rec

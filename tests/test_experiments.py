@@ -42,6 +42,25 @@ def test_engine_bench_smoke(tmp_path):
     assert all(r["median_host_ms"] > 0 and r["median_device_ms"] > 0 for r in rows)
 
 
+def test_engine_bench_configs():
+    import pytest
+
+    from experiments.configs import engine_bench
+
+    assert engine_bench.get_config("gpu").num_running == (256, 64)  # the target figure first
+    assert engine_bench.get_config("default").num_running == (64, 256)
+    with pytest.raises(ValueError, match="unknown variant"):
+        engine_bench.get_config("tpu")
+
+
+def test_device_check_script_parses():
+    """experiments/device_check.sh (the one-shot GPU run) is at least valid bash; its CPU dry run
+    is ``DEVICE_CHECK_SMOKE=1 OUT=/tmp/devout PYTHON=.venv/bin/python bash experiments/device_check.sh``."""
+    proc = subprocess.run(["bash", "-n", "experiments/device_check.sh"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_serve_bad_config_fails_cleanly(tmp_path):
     bad = "--config.workload.rate=-1"
     proc = subprocess.run([sys.executable, "-m", "experiments.serve",

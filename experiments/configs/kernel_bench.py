@@ -12,7 +12,22 @@ Variants:
   ``smoke`` tiny shapes, every implementation including the interpret-mode kernels and JAX's own
             Pallas kernels; a test runs it end to end (timings meaningless).
   ``h200``  one H200: bfloat16, longer contexts, compiled GPU-style Pallas vs "xla" vs JAX's GPU
-            kernel; correctness first; sized for < 5 minutes. UNVERIFIED: written without a GPU.
+            kernel; correctness first; sized for < 3 minutes including compiles (what
+            ``experiments/device_check.sh`` gives it). UNVERIFIED: written without a GPU.
+
+Correctness: every implementation is compared with an oracle computed on the device: the plain
+float32 reference (``impl="reference"``, under ``jax.default_matmul_precision("highest")`` so no
+TF32) while its materialised gather stays under ``reference_bytes_limit``, else (or if it fails,
+e.g. out of memory) the "xla" path. The oracle itself is checked against float64 numpy on
+``oracle_check_seqs`` whole sequences spread over the batch (first and last included; only their
+pages are converted), so the check costs seconds on the host even for the h200 shapes, where a
+float64 numpy pass over every sequence would convert GBs of pool. h200: the decode reference
+gathers 2 GiB (float32) and the ragged one 16 GiB, both under its 32 GiB limit on a 141 GB device.
+
+Copy baseline: each op also times ``k + z, v + z`` over the whole K/V pool (``z`` a runtime zero) in
+the same interleaved rounds; ``copy.gbps`` counts read + write, and each implementation's
+``fraction_of_copy`` is its achieved GB/s over that (the GPU target: >= 0.8). On CPU that copy is
+XLA's elementwise loop, not a memcpy, so fractions above 1 occur there.
 
 Implementation names are those of `pallas_kernels.api` (a ``@unmasked`` suffix picks the GPU-style
 kernels' null-page gather fallback) plus ``jax_gpu`` / ``jax_tpu`` (JAX's own
@@ -52,16 +67,22 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.page_size = 16
     c.extra_pages = 64  # spare pages in the pool (NaN-filled, never read)
     c.repeats = 15  # interleaved timing rounds; medians reported
+    c.quick_repeats = 5  # timings taken right after each check (kept if the run is cut short)
+    c.calls_per_round = 1  # back-to-back calls per timing, blocking on the last (see h200)
     c.warmup = 2
     c.peak_gbps = 20.0  # roughly one DDR channel pair; override per machine (--peak_gbps)
     c.rtol = 2e-4  # correctness check (float32 accumulate; looser for bf16 below)
     c.atol = 2e-4
     c.out = f"experiments/results/kernel_bench_{arg}.json"
+    c.ops = ("decode", "ragged")  # in this order; e.g. --config.ops="('ragged',)"
+    c.reference_bytes_limit = 2 << 30  # above: the "xla" path is the oracle (see docstring)
+    c.oracle_check_seqs = 4  # sequences whose oracle output float64 numpy checks (0: none)
     c.heads = _heads(32, 8, 128)
     c.decode = _decode(32, 1024)
     c.ragged = _ragged(32, 1024, 1, 64, 512, 2)
-    c.decode_impls = ["xla"]
-    c.ragged_impls = ["xla"]
+    # Tuples, not lists: config_flags overrides tuples, e.g. --config.decode_impls="('xla',)".
+    c.decode_impls = ("xla",)
+    c.ragged_impls = ("xla",)
     c.dense_head_major = True  # "xla" family: also time dense on [B, Hkv, T, D] K/V
     c.xla_block_tokens = 128  # XlaConfig knobs (CPU-tuned defaults)
     c.xla_items_per_group = 4
@@ -75,15 +96,16 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     elif arg == "smoke":
         c.repeats = 1
         c.warmup = 0  # the correctness call already compiled everything
+        c.quick_repeats = 1
         c.extra_pages = 2
         c.heads = _heads(4, 2, 64)
         c.decode = _decode(3, 40)
         c.ragged = _ragged(2, 40, 1, 8, 24, 1)
-        c.decode_impls = [
+        c.decode_impls = (
             "xla", "reference", "interpret_tpu", "interpret_gpu", "jax_gpu_interpret",
             "jax_tpu_interpret",
-        ]  # fmt: skip
-        c.ragged_impls = ["xla", "reference", "interpret_tpu", "interpret_gpu"]
+        )  # fmt: skip
+        c.ragged_impls = ("xla", "reference", "interpret_tpu", "interpret_gpu")
         c.page_size = 8
         c.gpu_k_splits = 2
         c.tpu_pages_per_compute_block = 2
@@ -93,14 +115,19 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     elif arg == "h200":
         c.dtype = "bfloat16"
         c.rtol = c.atol = 2e-2
-        c.peak_gbps = 4800.0  # H200 HBM3e
+        c.peak_gbps = 4800.0  # H200 HBM3e; the JSON also gives each kernel's fraction of copy
+        c.reference_bytes_limit = 32 << 30  # the reference oracle for both ops on the device
         c.repeats = 20
+        # A decode step reads ~1 GB: ~0.25 ms at 4.3 TB/s, where one call's dispatch + sync
+        # (~20-50 us) would be 10-20 %; 10 queued calls per timing leave the device's own time.
+        c.calls_per_round = 10
         c.heads = _heads(32, 8, 128)
         c.decode = _decode(64, 4096)
         c.ragged = _ragged(128, 2048, 2, 256, 2048, 8)
         # "@unmasked": the null-page gather fallback, in case the masked gather does not lower.
-        c.decode_impls = ["pallas_gpu", "pallas_gpu@unmasked", "jax_gpu", "xla"]
-        c.ragged_impls = ["pallas_gpu", "pallas_gpu@unmasked", "xla"]
+        # Checked (and quick-timed) in this order: the kernel, the one to beat, the fallback.
+        c.decode_impls = ("pallas_gpu", "jax_gpu", "pallas_gpu@unmasked", "xla")
+        c.ragged_impls = ("pallas_gpu", "pallas_gpu@unmasked", "xla")
         c.gpu_pages_per_compute_block = 8
         c.gpu_k_splits = 16
         c.xla_block_tokens = 512  # fewer, wider loop steps on a GPU

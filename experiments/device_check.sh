@@ -1,0 +1,316 @@
+#!/usr/bin/env bash
+# One short GPU loan, as much information as it can give. Stages, each under its own time limit and
+# each run even when an earlier one failed:
+#   install  the ml-collections wheels carried in .whl/ into a temp dir on PYTHONPATH (no network)
+#   env      $OUT/env.txt: date, nvidia-smi, python / jax versions, devices, revision, a trivial
+#            Triton-lowered Pallas kernel (does Pallas-on-Triton work here at all?), tree hash
+#   engine   experiments.engine_bench :gpu  -> $OUT/engine_bench_gpu.json (host ms per decode step
+#            at 256 then 64 running; the cheap, likely-to-succeed measurement goes first)
+#   decode   experiments.kernel_bench :h200, decode only -> $OUT/kernel_bench_h200_decode.json
+#   ragged   experiments.kernel_bench :h200, ragged only -> $OUT/kernel_bench_h200_ragged.json
+#            (two processes: a hung Triton compile in one op does not eat the other's time)
+#   summary  key numbers and every error's head to stdout and $OUT/summary.txt
+# Both benches write their JSON as they go, so a stage stopped by its limit still leaves results.
+# Outputs: at most 7 files directly under $OUT (env.txt, engine_bench.log, kernel_bench.log, three
+# JSONs, summary.txt); logs over 15 MiB are cut to their first and last 7 MiB.
+#
+# On the device (repo root, .whl carried; .git does not travel, so pass the revision):
+#   GIT_REV=<sha> bash experiments/device_check.sh
+# CPU dry run (smoke variants, JAX_PLATFORMS=cpu, about a minute here):
+#   DEVICE_CHECK_SMOKE=1 OUT=/tmp/devout PYTHON=.venv/bin/python bash experiments/device_check.sh
+# Knobs (env): OUT (default: a new temp dir), PYTHON (python3), GIT_REV, STAGES (default
+# "install env engine decode ragged"; summary always runs, install too while ml_collections is
+# missing), T_INSTALL T_ENV T_ENGINE T_DECODE
+# T_RAGGED (seconds), EB_FLAGS / KB_FLAGS (extra flags for the benches, word-split, e.g.
+# KB_FLAGS="--config.repeats=5"), DEVICE_CHECK_SMOKE=1.
+#
+# Worst case 20 + 30 + 90 + 110 + 80 + 15 = 345 s (+ up to 10 s kill grace per stage that ignores
+# SIGTERM); expected: install/env ~15 s, engine ~30-60 s, decode ~50-90 s, ragged ~40-70 s.
+set -u
+
+cd "$(dirname "$0")/.." || exit 1
+PYTHON=${PYTHON:-python3}
+if [ -z "${OUT:-}" ]; then
+  OUT=$(mktemp -d /tmp/device_check_out.XXXXXX)
+fi
+mkdir -p "$OUT"
+export OUT
+export PYTHONUNBUFFERED=1
+export JAX_TRACEBACK_FILTERING=${JAX_TRACEBACK_FILTERING:-off}  # lowering frames in tracebacks
+SMOKE=${DEVICE_CHECK_SMOKE:-0}
+if [ "$SMOKE" = 1 ]; then
+  export JAX_PLATFORMS=cpu
+  KB_VARIANT=smoke
+  EB_VARIANT=smoke
+else
+  KB_VARIANT=h200
+  EB_VARIANT=gpu
+fi
+T_INSTALL=${T_INSTALL:-20}
+T_ENV=${T_ENV:-30}
+T_ENGINE=${T_ENGINE:-90}
+T_DECODE=${T_DECODE:-110}
+T_RAGGED=${T_RAGGED:-80}
+STAGES=${STAGES:-install env engine decode ragged}
+EB_FLAGS=${EB_FLAGS:-}
+KB_FLAGS=${KB_FLAGS:-}
+SITE=$(mktemp -d /tmp/device_check_site.XXXXXX)
+export SITE SMOKE PYTHON
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+STATUS=""
+T_START=$SECONDS
+
+want() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+# run_stage NAME LIMIT LOG RESULT CMD...: appends the command's output to LOG, notes rc and
+# seconds; keeps the end of LOG for the summary when the stage timed out or failed without RESULT
+# (kernel_bench exits 1 when an implementation failed, which its JSON shows better).
+run_stage() {
+  local name=$1 limit=$2 log=$3 result=$4
+  shift 4
+  local t0=$SECONDS rc note=""
+  echo "=== [$(date -u +%T) +$((SECONDS - T_START))s] $name: start (limit ${limit}s)" | tee -a "$log"
+  if [ "$1" = bash ]; then echo "    (shell function of this script)" >>"$log"; else echo "    $*" >>"$log"; fi
+  timeout -k 10 "$limit" "$@" >>"$log" 2>&1
+  rc=$?
+  case $rc in 124 | 137) note=" TIMED OUT" ;; esac
+  if [ $rc != 0 ] && ! { [ $rc = 1 ] && [ -f "$result" ]; }; then
+    { echo "--- $name rc=$rc$note: last lines of $(basename "$log")"; tail -n 15 "$log" | cut -c1-300; } \
+      >>"$SITE/tails.txt"
+  fi
+  echo "=== [$(date -u +%T) +$((SECONDS - T_START))s] $name: rc=$rc after $((SECONDS - t0))s$note" \
+    | tee -a "$log"
+  STATUS="$STATUS $name:rc=$rc:$((SECONDS - t0))s$note"
+}
+
+install_wheels() {
+  local w found=0
+  for w in .whl/*.whl; do
+    [ -e "$w" ] || continue
+    found=1
+    case "$(basename "$w")" in
+      pyyaml-* | PyYAML-*)  # binary (cp312): only where the image lacks yaml
+        if "$PYTHON" -c "import yaml" 2>/dev/null; then echo "yaml present: skip $w"; continue; fi ;;
+    esac
+    echo "installing $w"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$SITE" "$w" || {
+      echo "pip failed for $w; unpacking the wheel (a zip) instead"
+      "$PYTHON" -m zipfile -e "$w" "$SITE"
+    }
+  done
+  [ $found = 1 ] || echo "no wheels under .whl/ (carry .whl); relying on the image"
+  "$PYTHON" -c "import ml_collections, yaml, absl; print('ml_collections', ml_collections.__file__)"
+}
+
+env_facts() {
+  echo "date: $(date -u +%FT%TZ)  host: $(hostname)  nproc: $(nproc)"
+  echo "revision: $(git rev-parse HEAD 2>/dev/null || echo "no git; GIT_REV=${GIT_REV:-unset}")"
+  echo "smoke=$SMOKE PYTHON=$PYTHON PYTHONPATH=$PYTHONPATH JAX_PLATFORMS=${JAX_PLATFORMS:-}"
+  echo "XLA_FLAGS=${XLA_FLAGS:-} XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-}"
+  free -g 2>/dev/null | head -2
+  echo "--- nvidia-smi"
+  timeout 20 nvidia-smi 2>&1 || echo "nvidia-smi unavailable"
+  echo "--- python"
+  "$PYTHON" -VV
+  "$PYTHON" -m pip list 2>/dev/null \
+    | grep -iE '^(jax|jaxlib|jax-cuda|flax|optax|numpy|ml.collections|ml.dtypes|pyyaml|absl|triton|nvidia-(cuda|cudnn|nccl)|six)' \
+    || true
+  echo "--- jax"
+  "$PYTHON" - <<'EOF'
+import importlib, time, traceback
+import jax, jax.numpy as jnp
+import jaxlib
+print("jax", jax.__version__, "jaxlib", jaxlib.__version__, "backend", jax.default_backend())
+print("devices", jax.devices())
+d = jax.devices()[0]
+print("device_kind", getattr(d, "device_kind", "?"))
+try:
+    stats = d.memory_stats() or {}
+    print("memory bytes_limit", stats.get("bytes_limit"), "in use", stats.get("bytes_in_use"))
+except Exception as e:  # noqa: BLE001
+    print("memory_stats:", type(e).__name__, e)
+print("jax_pallas_use_mosaic_gpu", getattr(jax.config, "jax_pallas_use_mosaic_gpu", "?"))
+for mod in ("jax.experimental.pallas.triton", "jax.experimental.pallas.mosaic_gpu",
+            "jax.experimental.pallas.ops.gpu.paged_attention", "ml_collections"):
+    try:
+        m = importlib.import_module(mod)
+        extra = ""
+        if mod.endswith("triton"):
+            extra = f" CompilerParams={hasattr(m, 'CompilerParams')} load={hasattr(m, 'load')}"
+        print("import ok:", mod + extra)
+    except Exception as e:  # noqa: BLE001
+        print("import FAILED:", mod, type(e).__name__, str(e)[:300])
+x = jnp.ones((4096, 4096), jnp.bfloat16)
+t = time.perf_counter(); (x @ x).block_until_ready(); print(f"first matmul {time.perf_counter() - t:.2f}s")
+try:  # the smallest Triton-lowered Pallas kernel: does the lowering work here at all?
+    from jax.experimental import pallas as pl
+    from pallas_kernels import compat
+    def add_one(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+    params = compat.gpu_compiler_params(num_warps=4, num_stages=2)
+    print("triton compiler params:", type(params).__name__)
+    y = pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32),
+                       compiler_params=params,
+                       interpret=jax.default_backend() == "cpu")(jnp.zeros((16, 128), jnp.float32))
+    print("trivial Triton pallas_call ok:", bool((y == 1).all()))
+except Exception:  # noqa: BLE001
+    print("trivial Triton pallas_call FAILED:\n" + traceback.format_exc()[-3000:])
+EOF
+  echo "--- source tree (sha256 of every .py / .sh / .npz / .json under the package dirs)"
+  find paged pallas_kernels experiments tests -type f \( -name '*.py' -o -name '*.sh' -o -name '*.npz' -o -name '*.json' \) \
+    -not -path '*/results/*' -not -path '*/__pycache__/*' -print0 2>/dev/null \
+    | LC_ALL=C sort -z | xargs -0 sha256sum >"$SITE/tree.sha256"
+  echo "tree sha256: $(sha256sum <"$SITE/tree.sha256" | cut -d' ' -f1) ($(wc -l <"$SITE/tree.sha256") files)"
+  cat "$SITE/tree.sha256"
+}
+
+ENV_TXT="$OUT/env.txt"
+EB_LOG="$OUT/engine_bench.log"
+KB_LOG="$OUT/kernel_bench.log"
+EB_JSON="$OUT/engine_bench_$EB_VARIANT.json"
+KB_DECODE="$OUT/kernel_bench_${KB_VARIANT}_decode.json"
+KB_RAGGED="$OUT/kernel_bench_${KB_VARIANT}_ragged.json"
+echo "device_check: OUT=$OUT smoke=$SMOKE stages=[$STAGES] GIT_REV=${GIT_REV:-unset}"
+
+if want install || ! "$PYTHON" -c "import ml_collections" 2>/dev/null; then  # the benches need it
+  run_stage install "$T_INSTALL" "$ENV_TXT" - bash -c "$(declare -f install_wheels); install_wheels"
+fi
+if want env; then
+  run_stage env "$T_ENV" "$ENV_TXT" - bash -c "$(declare -f env_facts); env_facts"
+fi
+if want engine; then
+  # shellcheck disable=SC2086  # EB_FLAGS is a word list on purpose
+  run_stage engine "$T_ENGINE" "$EB_LOG" - "$PYTHON" -m experiments.engine_bench \
+    "--config=experiments/configs/engine_bench.py:$EB_VARIANT" "--config.output_json=$EB_JSON" \
+    $EB_FLAGS
+fi
+if want decode; then
+  # shellcheck disable=SC2086
+  run_stage decode "$T_DECODE" "$KB_LOG" "$KB_DECODE" "$PYTHON" -m experiments.kernel_bench \
+    "--config=experiments/configs/kernel_bench.py:$KB_VARIANT" "--config.ops=('decode',)" \
+    "--out=$KB_DECODE" $KB_FLAGS
+fi
+if want ragged; then
+  # shellcheck disable=SC2086
+  run_stage ragged "$T_RAGGED" "$KB_LOG" "$KB_RAGGED" "$PYTHON" -m experiments.kernel_bench \
+    "--config=experiments/configs/kernel_bench.py:$KB_VARIANT" "--config.ops=('ragged',)" \
+    "--out=$KB_RAGGED" $KB_FLAGS
+fi
+
+# Logs: cap each at 15 MiB (first and last 7 MiB).
+for f in "$OUT"/*.log "$ENV_TXT"; do
+  [ -f "$f" ] || continue
+  if [ "$(stat -c %s "$f")" -gt $((15 << 20)) ]; then
+    { head -c $((7 << 20)) "$f"; printf '\n[... cut ...]\n'; tail -c $((7 << 20)) "$f"; } >"$f.cut"
+    mv "$f.cut" "$f"
+  fi
+done
+rm -f "$OUT"/*.tmp
+
+SUMMARY="$OUT/summary.txt"
+{
+  echo "===== device_check summary ($(date -u +%FT%TZ), $((SECONDS - T_START))s total)"
+  echo "stages:$STATUS"
+  timeout 15 "$PYTHON" - "$ENV_TXT" "$EB_JSON" "$KB_DECODE" "$KB_RAGGED" <<'EOF' || echo "(summary script failed: rc=$?)"
+import json, os, sys
+
+env_txt, eb, kd, kr = sys.argv[1:5]
+if os.path.exists(env_txt):
+    keys = ("revision", "jax ", "devices", "device_kind", "memory bytes_limit", "import ok",
+            "import FAILED", "ml_collections ", "jax_pallas_use_mosaic_gpu",
+            "triton compiler params", "trivial Triton", "first matmul", "tree sha256", "Python ")
+    for line in open(env_txt, errors="replace"):
+        if line.startswith(keys) or "NVIDIA H" in line or "Driver Version" in line:
+            print("env:", line.rstrip()[:300])
+
+
+def e(x):
+    return "n/a" if x is None else f"{x:.2e}"
+
+
+def load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except Exception as e:  # noqa: BLE001
+        print(f"{os.path.basename(path)}: not readable ({type(e).__name__})")
+        return None
+
+
+d = load(eb)
+if d:
+    rev = os.environ.get("GIT_REV")
+    prov = d.get("provenance", {})
+    if rev and prov.get("git_revision", "unknown") == "unknown":  # .git did not travel
+        prov["git_revision_env"] = rev
+        with open(eb, "w") as f:
+            json.dump(d, f, indent=2)
+            f.write("\n")
+    print(f"engine_bench ({prov.get('backend')}, {prov.get('devices')}):")
+    for r in d.get("results", []):
+        print(f"  running={r['num_running']:4d} step {r['median_step_ms']:.3f} ms device "
+              f"{r['median_device_ms']:.3f} host {r['median_host_ms']:.3f} (sched "
+              f"{r['median_schedule_ms']:.3f} prep {r['median_prepare_ms']:.3f} post "
+              f"{r['median_postprocess_ms']:.3f}) p90 host {r['p90_host_ms']:.3f} | isolated host "
+              f"{r['isolated_median_host_ms']:.3f} | {r['host_us_per_seq']:.2f} us/seq host | "
+              f"{r['output_tokens_per_s']:.0f} tok/s | compiles {r['num_compilations']}")
+
+for path in (kd, kr):
+    d = load(path)
+    if not d:
+        continue
+    print(f"{os.path.basename(path)}: complete={d.get('complete')} backend={d.get('backend')} "
+          f"rev={d.get('git_revision')}")
+    for op in d.get("config", {}).get("ops", []):
+        rec = d.get(op)
+        if rec is None:
+            print(f"  {op}: not reached")
+            continue
+        chk = rec.get("oracle_check", {})
+        print(f"  {op}: {rec.get('shape')} | oracle {rec.get('oracle')} (f64 spot check "
+              f"{chk.get('correct')}, err {e(chk.get('max_abs_err'))}) | data {rec.get('build_s', 0):.1f}s"
+              f" to device {rec.get('to_device_s', 0):.1f}s oracle {rec.get('oracle_s', 0):.1f}s total "
+              f"{rec.get('op_s', 0):.1f}s")
+        if "error" in rec:
+            print(f"    OP ERROR [{rec.get('error_stage')}] {rec['error'][:600]}")
+        for name, err in rec.get("oracle_errors", {}).items():
+            print(f"    oracle {name} ERROR {err['error'][:300]}")
+        c = rec.get("copy", {})
+        if "gbps" in c:
+            print(f"    copy: {c['median_ms']:.3f} ms {c['gbps']:.0f} GB/s r+w "
+                  f"({100 * c['fraction_of_peak']:.0f}% of peak)")
+        elif "quick_gbps" in c:
+            print(f"    copy (quick, not interleaved): {c['quick_median_ms']:.3f} ms "
+                  f"{c['quick_gbps']:.0f} GB/s r+w")
+        if "error" in c:
+            print(f"    copy ERROR {c['error'][:300]}")
+        groups = [("", rec.get("impls", {})), ("dense:", rec.get("dense", {}))]
+        for prefix, entries in groups:
+            for name, r in entries.items():
+                label = prefix + name
+                if "error" in r:
+                    print(f"    {label:<22} ERROR [{r.get('error_stage')}] {r['error'][:600]}")
+                    continue
+                if "median_ms" not in r:
+                    q, qc = r.get("quick_median_ms"), c.get("quick_gbps")
+                    timed = "(not timed)" if q is None else (
+                        f"quick {q:.4f} ms {r.get('quick_gbps', 0):.0f} GB/s"
+                        + (f" {100 * r.get('quick_gbps', 0) / qc:.1f}% quick copy" if qc else ""))
+                    print(f"    {label:<22} ok={r.get('correct')} err={e(r.get('max_abs_err'))} "
+                          f"first {r.get('first_call_s', 0):.1f}s {timed}")
+                    continue
+                line = (f"    {label:<22} ok={r.get('correct')} err={e(r.get('max_abs_err'))} "
+                        f"{r['median_ms']:.4f} ms first {r.get('first_call_s', 0):.1f}s")
+                if "achieved_gbps" in r:
+                    line += (f" {r['achieved_gbps']:.0f} GB/s {100 * r['fraction_of_peak']:.1f}% peak"
+                             f" {100 * r.get('fraction_of_copy', float('nan')):.1f}% copy")
+                if "ratio_to_dense" in r:
+                    line += f" paged/dense {r['ratio_to_dense']:.3f}"
+                print(line)
+EOF
+  # Stages that timed out or crashed: where their logs ended.
+  [ -f "$SITE/tails.txt" ] && cat "$SITE/tails.txt"
+  echo "--- files in $OUT"
+  ls -la "$OUT"
+} 2>&1 | tee "$SUMMARY"
