@@ -26,6 +26,7 @@ from paged import kv_cache as kc
 from paged.batch import BatchBuilder, StepBatch
 from paged.block_manager import BlockManager
 from paged.config import EngineConfig
+from paged.decode_run import DecodeRun
 from paged.device_step import make_step_fn
 from paged.models.config import LlamaConfig
 from paged.models.tokenizer import ByteTokenizer
@@ -75,35 +76,41 @@ class RequestOutput:
     counts, finish reasons, preemption and cache counters) is recorded when the output is made;
     lists are sliced from the sequences' own append-only lists when read, so an output stays a
     faithful snapshot of its step.
+
+    Three stored fields: the first sequence, its token count, and a tuple of the rest, which an
+    unfinished single-sample request shares between steps (``Engine._state``), so making the
+    output of a decode step costs one small object.
     """
 
-    __slots__ = ("request_id", "finished", "finish_time", "num_preemptions", "num_cached_tokens",
-                 "_head", "_end", "finish_reason", "_others", "_decode", "_outputs")
+    __slots__ = ("_head", "_end", "_state", "_outputs")
 
-    def __init__(self, request_id: str, seqs: Sequence | list[Sequence], end: int, finished: bool,
-                 finish_time: float | None, num_preemptions: int,
-                 decode: Callable[[list[int]], str]):
-        """``seqs``: the request's one sequence, or the list of its samples; ``end``: the token
-        count of the (first) sequence now."""
-        self.request_id = request_id
-        self.finished = finished
-        self.finish_time = finish_time
-        self.num_preemptions = num_preemptions
-        others = ()  # (sequence, token count, finish reason) of samples 1, 2, ...
-        if type(seqs) is list:
-            seqs, others = seqs[0], tuple((s, len(s.token_ids), s.finish_reason) for s in seqs[1:])
-        self._head, self._end, self.finish_reason, self._others = seqs, end, seqs.finish_reason, others
-        self.num_cached_tokens = seqs.num_cached_tokens
-        self._decode = decode
-        self._outputs = None
+    def __init__(self, head: Sequence, end: int, state: tuple):
+        """``head``: the request's first sequence; ``end``: its token count now; ``state``:
+        ``_state_of``'s tuple."""
+        self._head, self._end, self._state = head, end, state
+
+    # Recorded when the output was made (see ``_state_of``).
+    request_id = property(lambda self: self._state[0])
+    finished = property(lambda self: self._state[1])
+    finish_time = property(lambda self: self._state[2])
+    num_preemptions = property(lambda self: self._state[3])
+    num_cached_tokens = property(lambda self: self._state[4])
+    finish_reason = property(lambda self: self._state[5])
 
     @property
     def outputs(self) -> list[CompletionOutput]:
         """One ``CompletionOutput`` per sample so far (samples not forked yet are absent)."""
-        if self._outputs is None:
-            samples = ((self._head, self._end, self.finish_reason), *self._others)
-            self._outputs = [CompletionOutput(s.sample_index, s.token_ids, s.num_prompt_tokens, end,
-                                              reason, self._decode) for s, end, reason in samples]
+        try:
+            return self._outputs
+        except AttributeError:
+            pass
+        head, state = self._head, self._state
+        if head.run is not None:  # its newest tokens may still be in a decode run's arrays
+            head.run.sync(head)
+        samples = ((head, self._end, state[5]), *state[6])
+        decode = state[7]
+        self._outputs = [CompletionOutput(s.sample_index, s.token_ids, s.num_prompt_tokens, end,
+                                          reason, decode) for s, end, reason in samples]
         return self._outputs
 
     # Set once, before any output of the request exists (or never), so read through.
@@ -120,6 +127,8 @@ class RequestOutput:
     def token_times(self) -> list[float]:
         """Sample 0: the time each output token arrived on the host."""
         head = self._head
+        if head.run is not None:
+            head.run.sync(head)
         return head.token_times[:self._end - head.num_prompt_tokens]
 
     @property
@@ -133,6 +142,18 @@ class RequestOutput:
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, finished={self.finished}, "
                 f"outputs={self.outputs})")
+
+
+def _state_of(seqs: list[Sequence], finished: bool, finish_time: float | None,
+              decode: Callable[[list[int]], str]) -> tuple:
+    """A ``RequestOutput``'s recorded fields: request id, finished, finish time, preemptions
+    (all samples), cached prompt tokens, sample 0's finish reason, the other samples'
+    (sequence, token count, finish reason), and the tokenizer's decode."""
+    head = seqs[0]
+    others = tuple((s, len(s.token_ids), s.finish_reason) for s in seqs[1:])
+    preemptions = head.num_preemptions if not others else sum(s.num_preemptions for s in seqs)
+    return (head.request_id, finished, finish_time, preemptions, head.num_cached_tokens,
+            head.finish_reason, others, decode)
 
 
 def _output_fields(out: RequestOutput) -> tuple:
@@ -219,7 +240,10 @@ class Engine:
                                      min_tokens=config.min_token_bucket, min_seqs=config.min_seq_bucket,
                                      max_model_len=config.max_model_len,
                                      eos_id=self.tokenizer.eos_id, debug=config.debug_checks)
-        self.scheduler = Scheduler(config, self.block_manager, on_release=self._builder.release)
+        self.scheduler = Scheduler(config, self.block_manager, on_release=self._builder.release,
+                                   sync=self._end_run)
+        self._run: DecodeRun | None = None  # the steady decode batch's token state, if any
+        self._offered: list[Sequence] | None = None  # the decode batch offered for the next step
         sharding = None
         if mesh is not None:
             if "model" not in mesh.axis_names:
@@ -250,6 +274,7 @@ class Engine:
         self._num_requests = 0
         self._steps_without_progress = 0
         self.num_steps = 0
+        self.num_run_steps = 0  # steps whose decodes were recorded in a decode run
         self.last_timing = StepTiming()
 
     # --- requests -----------------------------------------------------------------------
@@ -323,6 +348,7 @@ class Engine:
         if not seqs or all(s.finished for s in seqs):
             log.warning("abort(%r): no unfinished request with this id", request_id)
             return False
+        self._end_run()
         self._finish_request(request_id, "abort", time.perf_counter())
         self._aborted.add(request_id)  # its final output comes with the next step
         return True
@@ -355,6 +381,9 @@ class Engine:
         ended = sorted(self._expire(t0) | self._aborted)  # reported first
         self._aborted = set()
         sched = self.scheduler.schedule(t0)
+        run = self._run
+        if run is not None and (sched.decode is not run.seqs or sched.scheduled or sched.copies):
+            self._end_run()  # anything but the run's next step reads the sequences' lists
         t1 = time.perf_counter()
         timing.schedule = t1 - t0
         # The step's copies (swap, CoW) belong to it: pages they touch stay held until it completes.
@@ -392,6 +421,8 @@ class Engine:
         for request_id, seqs in self._requests.items():
             if any(s.deadline is not None and now >= s.deadline and not s.finished for s in seqs):
                 expired.add(request_id)
+        if expired:
+            self._end_run()
         for request_id in expired:
             self._finish_request(request_id, "timeout", now)
         return expired
@@ -434,41 +465,7 @@ class Engine:
         decode = sched.decode
         made: list[RequestOutput | None] = []
         if decode:  # the batched path: one token computed and one sampled per sequence
-            nd = len(decode)
-            new = tokens[:nd].tolist()
-            # The block manager needs computed counts for one thing: keying blocks that are full
-            # and computed. So it hears of a decode when its block fills (its count lags in
-            # between, which nothing else reads; the per-item path below sends exact counts).
-            full_ids, full_counts = [], []
-            page_size = self.page_size
-            text = self.tokenizer.decode
-            for seq, t in zip(decode, new):  # one pass: each sequence is touched once
-                c = seq.num_computed_tokens + 1
-                seq.num_computed_tokens = c
-                if not c % page_size:
-                    full_ids.append(seq.seq_id)
-                    full_counts.append(c)
-                seq.token_ids.append(t)
-                seq.token_times.append(now)
-                # Its output, unless it has several samples (made per request later).
-                made.append(None if seq.params.n > 1 else RequestOutput(
-                    seq.request_id, seq, c + 1, False, None, seq.num_preemptions, text))
-            if full_ids:
-                bm.mark_computed_many(full_ids, full_counts)
-            ids = sched.decode_ids
-            stopped = False
-            for i in self._builder.stop_candidates(batch, new):
-                seq = decode[i]
-                self._check_stop(seq, new[i], now)
-                if seq.finished:
-                    stopped = True
-                    made[i] = None  # made again, finished
-            if not sched.scheduled:  # the same decoders (less the finished) go on next step
-                if stopped:
-                    keep = [i for i, seq in enumerate(decode) if not seq.finished]
-                    decode = [decode[i] for i in keep]
-                    new, ids = [new[i] for i in keep], [ids[i] for i in keep]
-                self.scheduler.offer_steady(decode, new, ids)
+            made = self._postprocess_decodes(sched, batch, tokens, now)
         for item in sched.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
@@ -481,13 +478,87 @@ class Engine:
             for j in range(1, count):  # parallel sampling: fork the finished prompt
                 child = dataclasses.replace(
                     seq, seq_id=self._new_seq_id(), token_ids=list(seq.token_ids), sample_index=j,
-                    token_times=[], status=SeqStatus.WAITING, row=-1)
+                    token_times=[], status=SeqStatus.WAITING, row=-1, out_state=None, run=None)
                 bm.fork(seq.seq_id, child.seq_id)
                 self._requests[seq.request_id].append(child)
                 self.scheduler.add_running(child)
                 self._append_token(child, int(tokens[first_slot + j]), now)
             self._append_token(seq, int(tokens[first_slot]), now)
         return made, touched
+
+    def _postprocess_decodes(self, sched: SchedulerOutput, batch: StepBatch, tokens: np.ndarray,
+                             now: float) -> list[RequestOutput | None]:
+        """The batched decodes: per sequence, its output if made here (``None``: made later)."""
+        decode, run = sched.decode, self._run
+        nd = len(decode)
+        new = tokens[:nd].tolist()
+        made: list[RequestOutput | None]
+        if run is not None:  # the run's next step (``step`` ended the run otherwise)
+            run.record(tokens[:nd], now)
+            self.num_run_steps += 1
+            full_ids, full_counts = run.filled(self.page_size)
+            made = list(map(RequestOutput, decode, run.lengths(), run.states))
+            if self.config.debug_checks:  # every reader then sees current lists
+                for seq in decode:
+                    run.sync(seq)
+        else:
+            made = []
+            full_ids, full_counts = [], []
+            page_size = self.page_size
+            text = self.tokenizer.decode
+            for seq, t in zip(decode, new):  # one pass: each sequence is touched once
+                c = seq.num_computed_tokens + 1
+                seq.num_computed_tokens = c
+                if not c % page_size:
+                    full_ids.append(seq.seq_id)
+                    full_counts.append(c)
+                seq.token_ids.append(t)
+                seq.token_times.append(now)
+                # Its output, unless it has several samples (made per request later).
+                if seq.params.n > 1:
+                    made.append(None)
+                    continue
+                st = seq.out_state  # shared between steps while these two counters hold
+                if st is None or st[3] != seq.num_preemptions or st[4] != seq.num_cached_tokens:
+                    st = seq.out_state = _state_of([seq], False, None, text)
+                made.append(RequestOutput(seq, c + 1, st))
+        # The block manager needs computed counts for one thing: keying blocks that are full and
+        # computed. So it hears of a decode when its block fills (its count lags in between,
+        # which nothing else reads; the per-item path sends exact counts).
+        if full_ids:
+            self.block_manager.mark_computed_many(full_ids, full_counts)
+        ids = sched.decode_ids
+        stopped = False
+        for i in self._builder.stop_candidates(batch, new):
+            seq = decode[i]
+            if run is not None:
+                run.sync(seq)
+            self._check_stop(seq, new[i], now)
+            if seq.finished:
+                stopped = True
+                made[i] = None  # made again, finished
+        if stopped:
+            self._end_run()  # the batch changes
+        if not sched.scheduled:  # the same decoders (less the finished) go on next step
+            steady = decode is self._offered  # this batch repeated the last one
+            if stopped:
+                keep = [i for i, seq in enumerate(decode) if not seq.finished]
+                decode = [decode[i] for i in keep]
+                new, ids = [new[i] for i in keep], [ids[i] for i in keep]
+            self.scheduler.offer_steady(decode, new, ids)
+            self._offered = decode
+            # Twice in a row and nothing stopped: likely steady, so keep its tokens in arrays.
+            if steady and not stopped and self._run is None and None not in made and decode:
+                self._run = DecodeRun(decode, ids, [out._state for out in made])
+        else:
+            self._offered = None
+        return made
+
+    def _end_run(self) -> None:
+        """Brings the decode run's sequences up to date and ends it (see ``paged.decode_run``)."""
+        if self._run is not None:
+            self._run.end()
+            self._run = None
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
         seq.token_ids.append(token)
@@ -557,10 +628,8 @@ class Engine:
             len(seqs) == head.params.n or head.finish_reason in ("abort", "timeout")
             or head.num_output_tokens == 0)
         finish = max(s.finish_time for s in seqs) if finished else None
-        preemptions = sum(s.num_preemptions for s in seqs)
-        head = seqs[0] if len(seqs) == 1 else seqs
-        return RequestOutput(request_id, head, len(seqs[0].token_ids), finished, finish, preemptions,
-                             self.tokenizer.decode)
+        return RequestOutput(head, len(head.token_ids),
+                             _state_of(seqs, finished, finish, self.tokenizer.decode))
 
     def generate(self, prompts: SequenceT[str | SequenceT[int]] | str,
                  params: SamplingParams | SequenceT[SamplingParams] | None = None,

@@ -64,13 +64,18 @@ class Scheduler:
 
     ``on_release(seq)`` (optional) is called whenever a sequence stops running (finished,
     preempted or swapped out), so per-running-sequence state elsewhere can be dropped.
+    ``sync()`` (optional) is called before the scheduler reads the token state of running
+    sequences outside the steady batch the engine offered (``offer_steady``): the engine may keep
+    that state in arrays while the batch repeats (``paged.decode_run``).
     """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
-                 on_release: Callable[[Sequence], None] | None = None):
+                 on_release: Callable[[Sequence], None] | None = None,
+                 sync: Callable[[], None] | None = None):
         self.config = config
         self.bm = block_manager
         self.on_release = on_release
+        self._sync = sync or (lambda: None)
         self.num_fast_decode_steps = 0  # steps whose decodes took the batched path
         self._version = 0  # bumped whenever ``running`` changes
         self._steady: tuple | None = None  # (version, decode, tokens, ids) offered by the engine
@@ -154,8 +159,10 @@ class Scheduler:
         if decode_first and not out.scheduled and self._decode_fast(out, budget):
             if len(out.decode) == len(self.running):  # the steady state: nothing else runs
                 return
+            self._sync()
             scheduled_ids = {s.seq_id for s in out.decode}
         else:
+            self._sync()
             scheduled_ids = {s.seq.seq_id for s in out.scheduled}
         order = [s for s in self.running if s.seq_id not in scheduled_ids]
         if decode_first:
@@ -189,6 +196,7 @@ class Scheduler:
             if self.config.debug_checks:
                 assert (decode, tokens) == self._steady_decoders(), "stale steady decode batch"
         else:
+            self._sync()
             decode, tokens = self._steady_decoders()
             ids = [s.seq_id for s in decode]
         n = len(decode)

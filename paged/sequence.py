@@ -43,6 +43,10 @@ class Sequence:
     num_preemptions: int = 0
     deadline: float | None = None
     row: int = -1  # its row in the batch builder's persistent tables while it runs; -1 = none
+    out_state: tuple | None = None  # the engine's cached output fields (``Engine`` only)
+    # The steady decode run that holds its newest tokens (``paged.decode_run``), and its column.
+    run: object | None = None
+    run_col: int = -1
 
     @property
     def num_tokens(self) -> int:
