@@ -7,6 +7,7 @@ padding sequences have ``kv_len = 0`` and an empty query range.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 
@@ -61,12 +62,18 @@ class StepBatch:
     num_seqs: int
     num_decode: int = 0  # the first sequences / sample slots are the fast-path decodes, in order
     rows: np.ndarray | None = None  # each sequence's builder row, in batch order
-    starts: np.ndarray | None = None  # each sequence's num_computed_tokens before the step
+    starts: np.ndarray | None = None  # each sequence's num_computed_tokens before the built step
+    num_advanced: int = 0  # steps this batch was advanced since built: it is now at starts + this
     # Decodes that end whatever they sample (length limit) or may (stop ids); whether each stops
     # on EOS (nonzero). Known before the step, so that little is left to do after it.
     stop_any: list[int] = dataclasses.field(default_factory=list)
     stop_eos: np.ndarray | None = None
-    limits: np.ndarray | None = None  # per decode: a stop candidate once it holds this many tokens
+    # For advancing a decode-only batch without looking at every sequence (``BatchBuilder``):
+    # advance j needs new pages for the decodes in ``new_block[j % page_size]``; decode
+    # ``stop_order[i]`` is a stop candidate from advance ``stop_from[i]`` on (ascending).
+    new_block: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    stop_order: np.ndarray | None = None
+    stop_from: list[int] = dataclasses.field(default_factory=list)
 
 
 class BatchBuilder:
@@ -172,7 +179,8 @@ class BatchBuilder:
                 for a, b in zip(jax.tree_util.tree_leaves(batch.device),
                                 jax.tree_util.tree_leaves(want.device), strict=True):
                     np.testing.assert_array_equal(a, b, err_msg="advanced batch differs")
-                assert (batch.stop_any, batch.starts.tolist()) == (want.stop_any, want.starts.tolist())
+                assert batch.stop_any == want.stop_any, (batch.stop_any, want.stop_any)
+                assert (batch.starts + batch.num_advanced).tolist() == want.starts.tolist()
         else:
             batch = self._build(scheduled, decode, decode_tokens, copies)
         if not scheduled and decode:
@@ -180,28 +188,30 @@ class BatchBuilder:
         return batch
 
     def _advance(self, prev: StepBatch, decode: list[Sequence], decode_tokens: list[int]) -> StepBatch:
-        """``prev``'s decodes one token further: positions, lengths and slots move by one; only
-        sequences that start a block (or whose table changed) are looked up again."""
+        """``prev``'s decodes one token further, in place: positions, lengths and slots move by
+        one; only sequences that start a block are looked up again (known from ``prev``)."""
         nd, page_size = len(decode), self.page_size
-        rows = prev.rows
-        starts = prev.starts + 1
-        stale = np.flatnonzero(np.take(self._nblocks, rows) != starts // page_size + 1).tolist()
-        for i in stale:
-            self._refresh(decode[i])
+        j = prev.num_advanced = prev.num_advanced + 1
         device = prev.device
         tok, seq, pages, smp = device.tok, device.seq, device.page_indices, device.smp
         tok[0, :nd] = decode_tokens
-        tok[1, :nd] = starts
-        tok[2, :nd] += 1  # the next slot of the same page...
+        tok[1:3, :nd] += 1  # positions; the next slot of the same page...
         seq[0, :nd] += 1  # kv_lens
         smp[4, :nd] += 1  # sample_pos
-        table = self._table
-        for i in stale:  # ...except where a new page starts
-            row, c = rows[i], int(starts[i])
-            pages[i] = table[row]
-            tok[2, i] = table[row, c // page_size] * page_size + c % page_size
-        return dataclasses.replace(
-            prev, starts=starts, stop_any=np.flatnonzero(prev.limits <= starts + 2).tolist())
+        starting = prev.new_block.get(j % page_size)
+        if starting:  # ...except where a new page starts
+            rows, table = prev.rows, self._table
+            for i in starting:
+                seq_ = decode[i]
+                self._refresh(seq_)
+                row, c = rows[i], int(tok[1, i])
+                pages[i] = table[row]
+                tok[2, i] = table[row, c // page_size] * page_size + c % page_size
+        stop_from = prev.stop_from
+        if stop_from and stop_from[0] <= j:
+            n = bisect.bisect_right(stop_from, j)
+            prev.stop_any = sorted(prev.stop_order[:n].tolist())
+        return prev
 
     def _build(self, scheduled, decode, decode_tokens, copies) -> StepBatch:
         page_size = self.page_size
@@ -286,16 +296,23 @@ class BatchBuilder:
             smp[3, nd:n_rows] += np.asarray(slot_j, np.int32)
         smp_f[:, :n_rows] = np.take(self._floats, slot_rows, axis=0).T  # temperature, top_p
 
-        # Stop conditions of the decodes, known before the step.
-        limits = ints[:nd, _LIMIT]
-        stop_any = np.flatnonzero(limits <= starts_d + 2).tolist()  # after the new token
+        # Stop conditions of the decodes, known before the step: a candidate once it holds its
+        # limit after the new token, i.e. from advance ``limit - start - 2`` on.
+        stop_first = ints[:nd, _LIMIT].astype(np.int64) - starts_d - 2
+        stop_any = np.flatnonzero(stop_first <= 0).tolist()
         stop_eos = ints[:nd, _STOPS_ON_EOS]
         if self.debug:
             self._check(seqs, pages)
-
-        return StepBatch(device=device, samples=samples, num_tokens=t, num_seqs=s, num_decode=nd,
-                         rows=all_rows, starts=starts, stop_any=stop_any, stop_eos=stop_eos,
-                         limits=limits)
+        batch = StepBatch(device=device, samples=samples, num_tokens=t, num_seqs=s, num_decode=nd,
+                          rows=all_rows, starts=starts, stop_any=stop_any, stop_eos=stop_eos)
+        if nd and not scheduled:  # what advancing it needs
+            order = np.argsort(stop_first, kind="stable")
+            batch.stop_order, batch.stop_from = order, stop_first[order].tolist()
+            # Advance j writes position start + j: a new page when that is a multiple of page_size.
+            residue = (-starts_d) % page_size
+            for r in np.unique(residue).tolist():
+                batch.new_block[r] = np.flatnonzero(residue == r).tolist()
+        return batch
 
     def stop_candidates(self, batch: StepBatch, new_tokens: list[int]) -> list[int]:
         """Indices among the batch's decodes whose sampled token may end them (EOS, a stop id, or

@@ -28,11 +28,12 @@ class DecodeRun:
     """
 
     __slots__ = ("seqs", "ids", "states", "num_steps", "_log", "_times", "_synced", "_len0",
-                 "_computed0", "_ids_np")
+                 "_block_size", "_fills")
 
-    def __init__(self, seqs: list[Sequence], ids: list, states: list[tuple]):
+    def __init__(self, seqs: list[Sequence], ids: list, states: list[tuple], block_size: int):
         """``seqs``: the batch, each synced (its lists current) and decoding; ``ids``: their
-        sequence ids; ``states``: each one's output state (shared by its outputs in the run)."""
+        sequence ids; ``states``: each one's output state (shared by its outputs in the run);
+        ``block_size``: of the block manager, to tell which steps fill a block."""
         n = len(seqs)
         self.seqs, self.ids, self.states = seqs, ids, states
         self.num_steps = 0
@@ -40,10 +41,16 @@ class DecodeRun:
         self._times: list[float] = []
         self._synced = np.zeros(n, np.int64)  # steps already written to each sequence
         self._len0 = np.fromiter([len(s.token_ids) for s in seqs], np.int64, n)
-        self._computed0 = np.fromiter([s.num_computed_tokens for s in seqs], np.int64, n)
-        self._ids_np = np.asarray(ids)
+        # Step k (counted from 1) fills a block of the sequences whose computed count c0 at the
+        # start has c0 + k divisible by block_size: grouped by k mod block_size.
+        self._block_size = block_size
+        self._fills: dict[int, tuple[list, list[int]]] = {}
         for i, s in enumerate(seqs):
             s.run, s.run_col = self, i
+            c0 = s.num_computed_tokens
+            ids_, counts = self._fills.setdefault(-c0 % block_size, ([], []))
+            ids_.append(ids[i])
+            counts.append(c0)
 
     def record(self, tokens: np.ndarray, now: float) -> None:
         """One step: ``tokens[i]`` was sampled for ``seqs[i]`` (and its input token computed)."""
@@ -58,13 +65,13 @@ class DecodeRun:
         """Each sequence's token count now (its lists may lag)."""
         return (self._len0 + self.num_steps).tolist()
 
-    def filled(self, block_size: int) -> tuple[list, list[int]]:
+    def filled(self) -> tuple[list, list[int]]:
         """Ids and computed counts of the sequences whose last step filled a block."""
-        counts = self._computed0 + self.num_steps
-        full = np.flatnonzero(counts % block_size == 0)
-        if not full.size:
+        k = self.num_steps
+        group = self._fills.get(k % self._block_size)
+        if group is None:
             return [], []
-        return self._ids_np[full].tolist(), counts[full].tolist()
+        return group[0], [c + k for c in group[1]]
 
     def sync(self, seq: Sequence) -> None:
         """Writes the run's steps that ``seq``'s lists lack into them."""

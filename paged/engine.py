@@ -496,7 +496,7 @@ class Engine:
         if run is not None:  # the run's next step (``step`` ended the run otherwise)
             run.record(tokens[:nd], now)
             self.num_run_steps += 1
-            full_ids, full_counts = run.filled(self.page_size)
+            full_ids, full_counts = run.filled()
             made = list(map(RequestOutput, decode, run.lengths(), run.states))
             if self.config.debug_checks:  # every reader then sees current lists
                 for seq in decode:
@@ -549,7 +549,7 @@ class Engine:
             self._offered = decode
             # Twice in a row and nothing stopped: likely steady, so keep its tokens in arrays.
             if steady and not stopped and self._run is None and None not in made and decode:
-                self._run = DecodeRun(decode, ids, [out._state for out in made])
+                self._run = DecodeRun(decode, ids, [out._state for out in made], self.page_size)
         else:
             self._offered = None
         return made
