@@ -186,6 +186,8 @@ class BlockManager:
         self._num_host_held = 0
 
         self._seqs: dict[Hashable, _Seq] = {}
+        # The last decode batch: (a copy of its ids, their _Seqs); dropped when _seqs changes.
+        self._decode_batch: tuple[list, list[_Seq]] | None = None
         self._last_begun = -1
         self._last_completed = -1
         self._died: list[int] = []  # for on_free, flushed at the end of each call
@@ -391,6 +393,7 @@ class BlockManager:
         table = [b for b, _ in hits] + self._take_fresh(need)
         num_hit = len(hits) * self.block_size
         seq = self._seqs[seq_id] = _Seq(table, tokens, num_hit, [k for _, k in hits], salt)
+        self._decode_batch = None
         self._fast_state(seq)  # the tail block is fresh
         st = self._stats
         st["allocations"] += 1
@@ -458,7 +461,13 @@ class BlockManager:
           ValueError: unknown, swapped-out or repeated sequence ids, bad token ids, or lengths
             that differ (before any state change).
         """
-        batch = self._batch(seq_ids, token_ids)
+        last = self._decode_batch  # steady decoding repeats the batch: skip the lookups
+        if (last is not None and type(seq_ids) is list and last[0] == seq_ids
+                and len(token_ids) == len(seq_ids)):
+            batch = last[1]
+        else:
+            batch = self._batch(seq_ids, token_ids)
+            self._decode_batch = (list(seq_ids), batch)
         limit = _TOKEN_LIMIT
         starting = []  # full tails: these sequences start a fresh block
         # One pass in the common case (every tail exclusive, unkeyed and clean: ``room`` known),
@@ -692,6 +701,7 @@ class BlockManager:
         for b in child.table:
             self._rc[b] += 1
         self._seqs[child_seq_id] = child
+        self._decode_batch = None
         self._end_call()
 
     def free(self, seq_id) -> None:
@@ -699,6 +709,7 @@ class BlockManager:
         swapped out, its host slots. Quarantined while a step that may read them is in flight."""
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
+        self._decode_batch = None
         if seq.host_table is not None:
             self._release_host(seq.host_table)
         else:

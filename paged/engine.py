@@ -549,10 +549,13 @@ class Engine:
             self._offered = decode
             # Twice in a row and nothing stopped: likely steady, so keep its tokens in arrays.
             if steady and not stopped and self._run is None and None not in made and decode:
-                self._run = DecodeRun(decode, ids, [out._state for out in made], self.page_size)
+                self._start_run(decode, ids, made)
         else:
             self._offered = None
         return made
+
+    def _start_run(self, decode: list[Sequence], ids: list, made: list[RequestOutput]) -> None:
+        self._run = DecodeRun(decode, ids, [out._state for out in made], self.page_size)
 
     def _end_run(self) -> None:
         """Brings the decode run's sequences up to date and ends it (see ``paged.decode_run``)."""

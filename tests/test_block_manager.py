@@ -681,6 +681,30 @@ def test_append_decode_slots_fast_pass_is_undone_when_the_pool_runs_short():
     assert bm.num_tokens("c") == 2 and bm.num_tokens("a") == 5 and bm.num_allocatable_blocks == 0
 
 
+def test_append_decode_slots_repeated_batch_follows_frees_and_mutated_ids():
+    """A repeated batch skips its id lookups: the shortcut must follow an id that was freed and
+    allocated again (a new sequence), and a list of ids changed in place."""
+    bm = make(debug=False)
+    prefill(bm, "a", list(range(5)))
+    prefill(bm, "b", list(range(20, 23)))
+    ids = ["a", "b"]
+    assert bm.append_decode_slots(ids, [5, 23]) == []
+    assert bm.append_decode_slots(ids, [6, 24]) == []  # the same list again
+    assert [bm.num_tokens(s) for s in ids] == [7, 5]
+    bm.step_completed(bm.begin_step())
+    bm.free("b")
+    prefill(bm, "b", [1])  # the same id, a new sequence
+    assert bm.append_decode_slots(ids, [7, 2]) == []
+    assert [bm.num_tokens(s) for s in ids] == [8, 2]
+    prefill(bm, "c", [9, 9])
+    ids[1] = "c"  # changed in place
+    assert bm.append_decode_slots(ids, [8, 3]) == []
+    assert [bm.num_tokens(s) for s in ("a", "b", "c")] == [9, 2, 3]
+    with pytest.raises(ValueError, match="repeated"):
+        bm.append_decode_slots(["a", "a"], [1, 2])
+    bm.check_invariants()
+
+
 def test_mark_computed_many_keys_full_blocks_and_rejects_a_late_bad_count():
     bm = make(debug=False)
     prefill(bm, "a", list(range(3)))
