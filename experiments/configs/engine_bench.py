@@ -10,8 +10,8 @@ Launch::
 Variants: ``default`` (64 and 256 running sequences, the bundled tiny model), ``smoke`` (a small
 random model, few steps; what the test runs), ``gpu`` (the default on a GPU, run by
 ``experiments/device_check.sh``: 256 running first, so a run stopped by the device time limit still
-has the figure the host-overhead target is read at; the same steps and rounds, whose isolated
-blocks stub out the device call as on CPU). Nothing here picks the device: JAX's default backend
+has the figure the host-overhead target is read at; attention by the backend's default kernels;
+the same steps and rounds, whose isolated blocks stub out the device call as on CPU). Nothing here picks the device: JAX's default backend
 (the GPU when present) runs the step.
 """
 
@@ -30,6 +30,11 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.warmup_steps = 3  # decode steps after all prompts are in, before timing
     c.steps = 40  # timed decode steps per round (then as many with the device call stubbed)
     c.rounds = 3
+    c.churn_running = (256,)  # the churn regime (see engine_bench.py); () to skip
+    c.churn_prompt_len = (8, 64)  # uniform [low, high) prompt lengths, BOS included
+    c.churn_max_tokens = (16, 256)  # uniform [low, high) output lengths
+    c.churn_chunk = 256  # token budget for prefill chunks on top of one token per sequence
+    c.churn_warmup_steps = 150  # steps before timing, so lengths are mixed
     c.output_json = ""  # default: results/engine_bench/<timestamp>/engine_bench.json
     if arg == "smoke":
         c.model = "random-small"
@@ -39,8 +44,14 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.warmup_steps = 1
         c.steps = 3
         c.rounds = 2
+        c.churn_running = (4,)
+        c.churn_prompt_len = (4, 12)
+        c.churn_max_tokens = (2, 8)
+        c.churn_chunk = 16
+        c.churn_warmup_steps = 4
     elif arg == "gpu":
         c.num_running = (256, 64)
+        c.attention_impl = "auto"  # the GPU-style Pallas kernels
     elif arg != "default":
         raise ValueError(f"unknown variant {arg!r}; known: default, smoke, gpu")
     return c
