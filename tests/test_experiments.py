@@ -38,8 +38,12 @@ def test_engine_bench_smoke(tmp_path):
          f"--config.output_json={out}")
     payload = json.loads(out.read_text())
     rows = payload["results"]
-    assert [r["num_running"] for r in rows] == [4]
+    assert [(r["mode"], r["num_running"]) for r in rows] == [("steady", 4), ("churn", 4)]
     assert all(r["median_host_ms"] > 0 and r["median_device_ms"] > 0 for r in rows)
+    steady, churn = rows
+    assert steady["batched_decode_steps"] == 2 * steady["steps"]  # timed and isolated blocks
+    assert steady["decode_run_steps"] > 0  # the lockstep batch keeps its tokens in arrays
+    assert churn["median_tokens_per_step"] > 4  # prefill chunks beside the decodes
 
 
 def test_engine_bench_configs():
