@@ -21,6 +21,10 @@ class Sequence:
 
     ``num_computed_tokens`` counts the tokens whose KV is on device; the tokens after it are
     the ones the next step computes. A sequence is *decoding* once only its last token is left.
+
+    While a decode run holds it (``run`` is set), ``token_ids``, ``token_times`` and
+    ``num_computed_tokens`` lag the run's steps; ``paged.decode_run.sync(seq)`` brings them up to
+    date (the engine, the scheduler and ``RequestOutput`` do so before they read them).
     """
 
     seq_id: int

@@ -7,6 +7,7 @@ import pytest
 from engine_utils import prompts, small_model
 
 from paged import Engine, EngineConfig, SamplingParams
+from paged.decode_run import sync
 
 
 def _engine(runs: bool, monkeypatch, **overrides) -> Engine:
@@ -113,3 +114,17 @@ def test_debug_checks_pass_with_runs(monkeypatch):
     assert _tokens_by_request(_drive(engine)) == _tokens_by_request(
         _drive(_engine(False, monkeypatch)))
     assert engine.num_run_steps > 0
+
+
+def test_a_lagging_sequence_syncs_on_demand(monkeypatch):
+    engine = _engine(True, monkeypatch)
+    engine.add_request("a", prompts(1, seed=9)[0], SamplingParams(max_tokens=30, ignore_eos=True))
+    while engine.num_run_steps < 5:
+        [out] = engine.step()
+    [seq] = engine.scheduler.running
+    assert seq.run is not None
+    lagging = len(seq.token_ids)
+    synced = list(sync(seq).token_ids)  # before the output is read (reading syncs too)
+    assert lagging < len(synced) and synced == out.prompt_token_ids + out.token_ids
+    assert seq.num_computed_tokens == len(synced) - 1
+    assert len(seq.token_times) == len(out.token_ids)
