@@ -128,3 +128,26 @@ def test_a_lagging_sequence_syncs_on_demand(monkeypatch):
     assert lagging < len(synced) and synced == out.prompt_token_ids + out.token_ids
     assert seq.num_computed_tokens == len(synced) - 1
     assert len(seq.token_times) == len(out.token_ids)
+
+
+def test_timeout_in_a_run(monkeypatch):
+    """A request that times out while its batch is in a run reports every token it got."""
+    import time
+
+    lazy = _engine(True, monkeypatch, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ps = prompts(3, seed=11)
+    # The whole run once (it compiles every shape, so the timeout below falls inside the run).
+    want = lazy.generate(ps, params)[0].token_ids
+    for i, p in enumerate(ps):
+        lazy.add_request(f"t{i}", p, params, timeout_s=30.0 if i else 1.0)  # fresh ids
+    start, base = time.perf_counter(), lazy.num_run_steps
+    while lazy.num_run_steps < base + 3:
+        last = {o.request_id: o for o in lazy.step()}["t0"]  # read after the timeout
+    assert lazy.has_unfinished_requests() and time.perf_counter() - start < 1.0
+    time.sleep(1.05 - (time.perf_counter() - start))
+    outs = {o.request_id: o for o in lazy.step()}
+    got = outs["t0"]
+    assert got.finished and got.outputs[0].finish_reason == "timeout"
+    assert got.token_ids == last.token_ids == want[:len(got.token_ids)]  # nothing lost or added
+    assert 3 < len(got.token_ids) < len(want) and got.token_times == last.token_times
