@@ -202,8 +202,7 @@ class BatchBuilder:
         if starting:  # ...except where a new page starts
             rows, table = prev.rows, self._table
             for i in starting:
-                seq_ = decode[i]
-                self._refresh(seq_)
+                self._refresh(decode[i])
                 row, c = rows[i], int(tok[1, i])
                 pages[i] = table[row]
                 tok[2, i] = table[row, c // page_size] * page_size + c % page_size

@@ -24,18 +24,19 @@ class DecodeRun:
     """Steps of one decode batch (``seqs``, in batch order) since the run started.
 
     Column ``i`` belongs to ``seqs[i]``; row ``j`` of the log holds the tokens sampled at the run's
-    step ``j``, at host time ``times[j]``.
+    step ``j``, at host time ``_times[j]``.
     """
 
-    __slots__ = ("seqs", "ids", "states", "num_steps", "_log", "_times", "_synced", "_len0",
+    __slots__ = ("seqs", "states", "num_steps", "_log", "_times", "_synced", "_len0",
                  "_block_size", "_fills")
 
-    def __init__(self, seqs: list[Sequence], ids: list, states: list[tuple], block_size: int):
-        """``seqs``: the batch, each synced (its lists current) and decoding; ``ids``: their
-        sequence ids; ``states``: each one's output state (shared by its outputs in the run);
-        ``block_size``: of the block manager, to tell which steps fill a block."""
+    def __init__(self, seqs: list[Sequence], ids: list, block_size: int):
+        """``seqs``: the batch, each synced (its lists current), decoding, and with the output
+        state its outputs share (``out_state``); ``ids``: their sequence ids; ``block_size``: of
+        the block manager, to tell which steps fill a block."""
         n = len(seqs)
-        self.seqs, self.ids, self.states = seqs, ids, states
+        self.seqs = seqs
+        self.states = [s.out_state for s in seqs]
         self.num_steps = 0
         self._log = np.empty((16, n), np.int32)
         self._times: list[float] = []

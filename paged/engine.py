@@ -26,7 +26,7 @@ from paged import kv_cache as kc
 from paged.batch import BatchBuilder, StepBatch
 from paged.block_manager import BlockManager
 from paged.config import EngineConfig
-from paged.decode_run import DecodeRun
+from paged.decode_run import DecodeRun, sync
 from paged.device_step import make_step_fn
 from paged.models.config import LlamaConfig
 from paged.models.tokenizer import ByteTokenizer
@@ -77,9 +77,9 @@ class RequestOutput:
     lists are sliced from the sequences' own append-only lists when read, so an output stays a
     faithful snapshot of its step.
 
-    Three stored fields: the first sequence, its token count, and a tuple of the rest, which an
-    unfinished single-sample request shares between steps (``Engine._state``), so making the
-    output of a decode step costs one small object.
+    Three stored fields: the first sequence, its token count, and a tuple of the rest
+    (``_state_of``), which an unfinished single-sample request shares between steps
+    (``Sequence.out_state``), so making the output of a decode step costs one small object.
     """
 
     __slots__ = ("_head", "_end", "_state", "_outputs")
@@ -104,9 +104,7 @@ class RequestOutput:
             return self._outputs
         except AttributeError:
             pass
-        head, state = self._head, self._state
-        if head.run is not None:  # its newest tokens may still be in a decode run's arrays
-            head.run.sync(head)
+        head, state = sync(self._head), self._state  # its newest tokens may be in a decode run
         samples = ((head, self._end, state[5]), *state[6])
         decode = state[7]
         self._outputs = [CompletionOutput(s.sample_index, s.token_ids, s.num_prompt_tokens, end,
@@ -126,9 +124,7 @@ class RequestOutput:
     @property
     def token_times(self) -> list[float]:
         """Sample 0: the time each output token arrived on the host."""
-        head = self._head
-        if head.run is not None:
-            head.run.sync(head)
+        head = sync(self._head)
         return head.token_times[:self._end - head.num_prompt_tokens]
 
     @property
@@ -549,13 +545,13 @@ class Engine:
             self._offered = decode
             # Twice in a row and nothing stopped: likely steady, so keep its tokens in arrays.
             if steady and not stopped and self._run is None and None not in made and decode:
-                self._start_run(decode, ids, made)
+                self._start_run(decode, ids)
         else:
             self._offered = None
         return made
 
-    def _start_run(self, decode: list[Sequence], ids: list, made: list[RequestOutput]) -> None:
-        self._run = DecodeRun(decode, ids, [out._state for out in made], self.page_size)
+    def _start_run(self, decode: list[Sequence], ids: list) -> None:
+        self._run = DecodeRun(decode, ids, self.page_size)
 
     def _end_run(self) -> None:
         """Brings the decode run's sequences up to date and ends it (see ``paged.decode_run``)."""
