@@ -300,39 +300,27 @@ def spot_check_rows(num: int, count: int) -> list[int]:
 
 
 def float64_spot_check(op: str, data: dict, oracle: np.ndarray, config, sm_scale: float) -> dict:
-    """Checks the oracle on a few whole sequences against float64 numpy (valid keys only).
-
-    Only the chosen sequences' pages are converted, so it stays cheap on a multi-GB pool.
-    """
+    """Checks the oracle on a few whole sequences against the float64 numpy ground truth of
+    ``pallas_kernels.testing`` (which converts only those sequences' pages, so it stays cheap on a
+    multi-GB pool)."""
     q, k_pages, v_pages, lengths, table = data["args"][:5]
-    hq, hkv = q.shape[-2], k_pages.shape[0]
-    group = hq // hkv
     if op == "decode":
         seqs = spot_check_rows(q.shape[0], config.oracle_check_seqs)
-        spans = [(b, b + 1, int(lengths[b])) for b in seqs]  # (first row, end row, kv_len)
+        rows = np.asarray(seqs, np.intp)
+        want = testing.paged_attention_np(q[rows], k_pages, v_pages, lengths[rows], table[rows],
+                                          sm_scale=sm_scale)
     else:
         cu, num = data["args"][5], int(np.asarray(data["args"][6]).reshape(-1)[0])
         seqs = spot_check_rows(num, config.oracle_check_seqs)
-        spans = [(int(cu[i]), int(cu[i + 1]), int(lengths[i])) for i in seqs]
-    err, ok = 0.0, True
-    for s, (lo, hi, kv_len) in zip(seqs, spans):
-        k = testing._seq_kv(k_pages, table[s], kv_len)  # [Hkv, kv_len, D] float64
-        v = testing._seq_kv(v_pages, table[s], kv_len)
-        rows = np.asarray(q[lo:hi], np.float64).reshape(hi - lo, hkv, group, -1)
-        # Row r of a sequence's hi - lo query rows sees keys [0, kv_len - (hi - lo) + r].
-        visible = kv_len - (hi - lo) + 1 + np.arange(hi - lo)
-        mask = np.arange(kv_len)[None, None, None, :] < visible[:, None, None, None]
-        scores = np.einsum("rhgd,hsd->rhgs", rows, k) * sm_scale
-        scores = np.where(mask, scores, -np.inf)
-        prob = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        want = np.einsum("rhgs,hsd->rhgd", prob / prob.sum(axis=-1, keepdims=True), v)
-        got = np.asarray(oracle[lo:hi], np.float64)
-        want = want.reshape(got.shape)
-        err = max(err, float(np.max(np.abs(got - want))))
-        ok = ok and bool(np.all(np.isfinite(got)))
-        ok = ok and np.allclose(got, want, rtol=config.rtol, atol=config.atol)
-    return {"seqs": seqs, "rows": sum(hi - lo for lo, hi, _ in spans), "max_abs_err": err,
-            "correct": ok}  # fmt: skip
+        rows = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in seqs]).astype(np.intp)
+        q_lens = [int(cu[i + 1] - cu[i]) for i in seqs]
+        want = testing.ragged_paged_attention_np(
+            q[rows], k_pages, v_pages, lengths[seqs], table[seqs], np.cumsum([0] + q_lens),
+            len(seqs), sm_scale=sm_scale)
+    got = np.asarray(oracle[rows], np.float64)
+    ok = bool(np.all(np.isfinite(got))) and np.allclose(got, want, rtol=config.rtol, atol=config.atol)
+    return {"seqs": seqs, "rows": len(rows), "max_abs_err": float(np.max(np.abs(got - want))),
+            "correct": bool(ok)}
 
 
 def quick_time(fn, args, repeats: int, calls: int = 1) -> dict:

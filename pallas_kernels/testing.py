@@ -35,8 +35,11 @@ def _seq_kv(pages, table_row, length):
 
 
 def paged_attention_np(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0, soft_cap=None):
-    """float64 numpy paged decode attention; q [B, Hq, D] -> [B, Hq, D] float64."""
-    q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+    """float64 numpy paged decode attention; q [B, Hq, D] -> [B, Hq, D] float64.
+
+    Only the pages a sequence reads are converted to float64, so a few sequences of a large pool
+    stay cheap."""
+    q, k_pages, v_pages = np.asarray(q, np.float64), np.asarray(k_pages), np.asarray(v_pages)
     lengths, page_indices = np.asarray(lengths), np.asarray(page_indices)
     batch, hq, d = q.shape
     hkv = k_pages.shape[0]
@@ -55,8 +58,9 @@ def paged_attention_np(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1
 def ragged_paged_attention_np(
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale=1.0, soft_cap=None
 ):
-    """float64 numpy ragged causal attention; q [T, Hq, D] -> [T, Hq, D] float64 (padding zeros)."""
-    q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+    """float64 numpy ragged causal attention; q [T, Hq, D] -> [T, Hq, D] float64 (padding zeros).
+    Converts only the pages each sequence reads."""
+    q, k_pages, v_pages = np.asarray(q, np.float64), np.asarray(k_pages), np.asarray(v_pages)
     kv_lens, page_indices, cu = (np.asarray(x) for x in (kv_lens, page_indices, cu_q_lens))
     n = int(np.asarray(num_seqs).reshape(-1)[0])
     hq, hkv = q.shape[1], k_pages.shape[0]
