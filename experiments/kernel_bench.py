@@ -5,13 +5,25 @@
 For each op and implementation: correctness against an oracle on the same arrays first (the plain
 float32 reference at highest matmul precision, or the "xla" path above
 ``config.reference_bytes_limit``; the oracle itself is spot-checked against float64 numpy on
-``oracle_check_seqs`` whole sequences), then interleaved timing rounds (the order rotates each round)
-with medians; bytes that must move (valid KV + q + out), achieved GB/s, the fraction of
-``--peak_gbps`` and of the measured copy bandwidth (a jitted read + write of the same K/V pool, timed
-in the same rounds); and the ratio to dense contiguous attention (`pallas_kernels.flash_attention`,
-same implementation family) on a contiguous copy of the same data: the cost of paging. With
-``dense_head_major`` the "xla" family also gets a second dense baseline on ``[B, Hkv, T, D]`` K/V
-(no per-block transpose). Writes JSON with the JAX version, devices, git revision and config.
+``oracle_check_seqs`` whole sequences), then ``repeats`` interleaved timing rounds: each round
+times every run once, the order alternating forward and backward (A, B, C, C, B, A, ...), so a
+baseline is timed right beside what it is compared with. Reported per run: median, min, max and
+IQR over rounds (and every round's time); bytes that must move (valid KV + q + out), achieved GB/s,
+the fraction of ``--peak_gbps`` and of the measured copy bandwidth (a jitted read + write of the
+same K/V pool, timed in the same rounds).
+
+The cost of paging: the ratio to dense contiguous attention (`pallas_kernels.flash_attention`,
+same implementation family) on a contiguous copy of the same data, one dense call per distinct
+query length over the sequences that have it (same query rows, same causal keys as the paged
+call; nothing padded to the longest chunk). Ratios are taken per round and summarised over rounds
+(``ratio_to_dense_rounds``: median, min, max, quartiles, IQR, plus the ratio of medians and of
+minima); ``ratio_to_dense`` is the median of the per-round ratios. With ``dense_head_major`` the
+"xla" family also gets a second dense baseline on ``[B, Hkv, T, D]`` K/V (no per-block transpose).
+
+The CPU target, "paged xla decode <= 1.25x dense contiguous decode" (``config.target_*``), is
+judged on that statistic, the median of the per-round paged/dense ratios; the JSON's ``target``
+says so and records the ratio's min, max and IQR beside it. Writes JSON with the JAX version,
+devices, git revision, load average and config.
 
 A failing implementation (lowering, compile, run, out of memory, wrong numbers) is recorded under
 its name (exception type, stage, the message's first 3000 characters and last 1500, the
@@ -36,7 +48,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from pallas_kernels import benchmarking as lib
+from experiments import kernel_bench_lib as lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
@@ -153,14 +165,25 @@ def run(config: ml_collections.ConfigDict, *, peak_gbps: float | None = None,
         del data
         _print_op(op, record[op])
         save()
+    target = lib.target_record(record, config)
+    if target is not None:
+        record["target"] = target
+        say(f"target {target['claim']}: ratio {target.get('ratio')} met={target['met']} "
+            f"({target['statistic']})")  # fmt: skip
     record["complete"] = True
     record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    record["load_average_end"] = list(os.getloadavg())  # other work on the machine meanwhile
     save()
     return record
 
 
 def _fmt(x, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
+
+
+def _ratio(r: dict) -> str:
+    """Per-round ratio summary: median [min, max] IQR."""
+    return f"{r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}] iqr {r['iqr']:.3f}"
 
 
 def _print_op(op: str, rec: dict) -> None:
@@ -176,16 +199,17 @@ def _print_op(op: str, rec: dict) -> None:
         if "error" in r:
             print(f"  {name:<20} ERROR [{r.get('error_stage')}] {r['error'][:300]}")
             continue
-        ratio = r.get("ratio_to_dense")
+        ratio = r.get("ratio_to_dense_rounds", {})
         print(
             f"  {name:<20} ok={r['correct']!s:<5} err={_fmt(r['max_abs_err'], '.2e')} "
-            f"median={r['median_ms']:9.3f} ms  {r['achieved_gbps']:8.2f} GB/s "
+            f"median={r['median_ms']:9.3f} ms (iqr {r['iqr_ms']:.3f})  "
+            f"{r['achieved_gbps']:8.2f} GB/s "
             f"({100 * r['fraction_of_peak']:5.1f}% peak"
             + (f", {100 * r['fraction_of_copy']:5.1f}% copy" if "fraction_of_copy" in r else "")
             + ")"
-            + (f"  paged/dense={ratio:.3f}" if ratio is not None else "")
-            + (f"  paged/dense[{lib.HEAD_MAJOR}]={r['ratio_to_dense_head_major']:.3f}"
-               if "ratio_to_dense_head_major" in r else "")
+            + (f"  paged/dense={_ratio(ratio)}" if ratio else "")
+            + (f"  paged/dense[{lib.HEAD_MAJOR}]={_ratio(r['ratio_to_dense_head_major_rounds'])}"
+               if "ratio_to_dense_head_major_rounds" in r else "")
         )  # fmt: skip
     for name, r in rec.get("dense", {}).items():
         label = f"dense[{name}]"
@@ -193,7 +217,7 @@ def _print_op(op: str, rec: dict) -> None:
             print(f"  {label:<20} ERROR [{r.get('error_stage')}] {r['error'][:300]}")
         elif "median_ms" in r:
             print(f"  {label:<20} ok={r['correct']!s:<5} err={_fmt(r['max_abs_err'], '.2e')} "
-                  f"median={r['median_ms']:9.3f} ms")  # fmt: skip
+                  f"median={r['median_ms']:9.3f} ms  iqr={r['iqr_ms']:.3f} ms")  # fmt: skip
     sys.stdout.flush()
 
 

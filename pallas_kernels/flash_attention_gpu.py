@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import compat, validation
-from pallas_kernels.flash_attention_tpu import pad_axis, row_limit
-from pallas_kernels.gpu_common import dot, next_pow2, online_update
+from pallas_kernels import compat, gpu_common, softmax, validation
+from pallas_kernels.gpu_common import next_pow2, online_update, scores
+from pallas_kernels.tiling import flash_layout, flash_untile, row_limit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,33 +77,20 @@ def _kernel(
         mask = jnp.broadcast_to((key < kv_len)[:, None], (block_k, head_dim))
         k = compat.plgpu.load(k_ref.at[pl.ds(i * block_k, block_k), :], mask=mask, other=0.0)
         v = compat.plgpu.load(v_ref.at[pl.ds(i * block_k, block_k), :], mask=mask, other=0.0)
-        s = dot(q, k.astype(q.dtype), trans_b=True) * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = scores(q, k.astype(q.dtype), sm_scale=sm_scale, soft_cap=soft_cap)
         return online_update(carry, s, v.astype(q.dtype), key[None, :] < limit[:, None])
 
-    init = (
-        jnp.full((rows,), -jnp.inf, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-        jnp.zeros((rows, head_dim), jnp.float32),
-    )
+    init = softmax.initial_state((rows,), head_dim)
     _, lsum, acc = lax.fori_loop(0, pl.cdiv(end, block_k), body, init)
-    o_ref[...] = (acc / jnp.where(lsum == 0.0, 1.0, lsum)[:, None]).astype(o_ref.dtype)
+    o_ref[...] = softmax.normalize(lsum, acc).astype(o_ref.dtype)
 
 
 def flash_attention(
-    q: jax.Array,  # [B, Tq, Hq, D]
-    k: jax.Array,  # [B, Tk, Hkv, D]
-    v: jax.Array,  # [B, Tk, Hkv, D]
-    *,
-    kv_lens: jax.Array | None = None,  # i32[B]
-    causal: bool = True,
-    sm_scale: float = 1.0,
-    soft_cap: float | None = None,
-    config: GpuFlashConfig | None = None,
-    interpret: bool = False,
-) -> jax.Array:  # [B, Tq, Hq, D]
-    """GPU-style Pallas implementation of :func:`pallas_kernels.flash_attention`."""
+    q, k, v, *, kv_lens=None, causal=True, sm_scale=1.0, soft_cap=None,
+    config: GpuFlashConfig | None = None, interpret: bool = False,
+):  # fmt: skip
+    """GPU-style Pallas implementation of :func:`pallas_kernels.flash_attention` (same arguments;
+    ``config`` defaults to :class:`GpuFlashConfig`, ``interpret=True`` runs on CPU)."""
     compat.require_triton()
     config = config or GpuFlashConfig()
     batch, q_len, kv_len, hq, hkv, d = validation.check_flash_attention(
@@ -116,30 +103,22 @@ def flash_attention(
     block_q = max(min(config.block_q, next_pow2(q_len)), 16 // gp, 1)
     block_k = max(16, min(config.block_k, next_pow2(kv_len)))
     rows = block_q * gp
-    lens = jnp.full((batch,), kv_len, jnp.int32) if kv_lens is None else kv_lens
-    lens = jnp.minimum(jnp.asarray(lens, jnp.int32), kv_len)
-    q5 = pad_axis(jnp.asarray(q), 1, block_q).reshape(batch, -1, hkv, group, d)
-    q5 = jnp.pad(q5, ((0, 0), (0, 0), (0, 0), (0, gp - group), (0, 0)))
-    q3 = q5.transpose(0, 2, 1, 3, 4).reshape(batch, hkv, -1, d)  # [B, Hkv, Tq_pad * Gp, D]
-    kt = jnp.swapaxes(pad_axis(jnp.asarray(k), 1, block_k), 1, 2)  # [B, Hkv, Tk_pad, D]
-    vt = jnp.swapaxes(pad_axis(jnp.asarray(v), 1, block_k), 1, 2)
+    lens, q3, kt, vt = flash_layout(q, k, v, kv_lens, num_kv_heads=hkv, group_padded=gp,
+                                    block_q=block_q, block_k=block_k)  # fmt: skip
     tile = pl.BlockSpec((None, None, rows, d), lambda b, h, qi: (b, h, qi, 0))
     kv_spec = pl.BlockSpec((None, None, kt.shape[2], d), lambda b, h, qi: (b, h, 0, 0))
     kernel = functools.partial(
         _kernel, block_k=block_k, q_len=q_len, group_padded=gp, causal=causal,
         sm_scale=float(sm_scale), soft_cap=soft_cap,
     )  # fmt: skip
-    out = pl.pallas_call(
+    out = gpu_common.pallas_call(
         kernel,
         grid=(batch, hkv, q3.shape[2] // rows),
         in_specs=[pl.BlockSpec((batch,), lambda b, h, qi: (0,)), tile, kv_spec, kv_spec],
         out_specs=tile,
         out_shape=jax.ShapeDtypeStruct(q3.shape, q.dtype),
-        compiler_params=compat.gpu_compiler_params(
-            num_warps=config.num_warps, num_stages=config.num_stages
-        ),
+        config=config,
         interpret=interpret,
         name="flash_attention_gpu",
     )(lens, q3, kt, vt)
-    out = out.reshape(batch, hkv, -1, gp, d)[:, :, :q_len, :group].transpose(0, 2, 1, 3, 4)
-    return out.reshape(q.shape)
+    return flash_untile(out, q_len, group, gp).reshape(q.shape)

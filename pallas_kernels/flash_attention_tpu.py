@@ -24,7 +24,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import compat, validation
-from pallas_kernels.tpu_common import online_softmax_update, scores
+from pallas_kernels.tiling import flash_layout, flash_untile, row_limit, tile_key_end
+from pallas_kernels.tpu_common import VmemSoftmax, interpret_mode, scores, softmax_scratch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,13 +69,12 @@ def _kernel(
     rows, _ = q_ref.shape
     block_q, block_k = rows // group, k_ref.shape[0]
     kv_len = kv_lens_ref[b]
-    end = _tile_key_end(kv_len, qi, block_q, q_len=q_len, causal=causal)
+    end = tile_key_end(kv_len, qi, block_q, q_len=q_len, causal=causal)
+    state = VmemSoftmax(m_ref, l_ref, acc_ref)
 
     @pl.when(kb == 0)
     def _():
-        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        state.reset()
 
     @pl.when(kb * block_k < end)
     def _():
@@ -85,49 +85,19 @@ def _kernel(
         key = kb * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         token = qi * block_q + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group
         limit = row_limit(kv_len, token, q_len=q_len, causal=causal)
-        s = scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap)
-        online_softmax_update(m_ref, l_ref, acc_ref, s, v, key < limit)
+        state.update(scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap), v, key < limit)
 
     @pl.when(kb == pl.num_programs(3) - 1)
     def _():
-        denom = l_ref[...]
-        o_ref[...] = (acc_ref[...] / jnp.where(denom == 0.0, 1.0, denom)).astype(o_ref.dtype)
-
-
-def row_limit(kv_len, token, *, q_len: int, causal: bool):
-    """Keys ``[0, limit)`` query ``token`` sees: causal ``kv_len - q_len + token + 1``, capped."""
-    if not causal:
-        return jnp.broadcast_to(kv_len, jnp.shape(token))
-    return jnp.minimum(kv_len - q_len + token + 1, kv_len)
-
-
-def _tile_key_end(kv_len, qi, block_q, *, q_len: int, causal: bool):
-    """Exclusive end of the keys any query of tile ``qi`` sees."""
-    return jnp.maximum(row_limit(kv_len, (qi + 1) * block_q - 1, q_len=q_len, causal=causal), 0)
-
-
-def pad_axis(x, axis: int, multiple: int):
-    pad = -x.shape[axis] % multiple
-    if not pad:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths)
+        state.store(o_ref)
 
 
 def flash_attention(
-    q: jax.Array,  # [B, Tq, Hq, D]
-    k: jax.Array,  # [B, Tk, Hkv, D]
-    v: jax.Array,  # [B, Tk, Hkv, D]
-    *,
-    kv_lens: jax.Array | None = None,  # i32[B]
-    causal: bool = True,
-    sm_scale: float = 1.0,
-    soft_cap: float | None = None,
-    config: TpuFlashConfig | None = None,
-    interpret: bool = False,
-) -> jax.Array:  # [B, Tq, Hq, D]
-    """TPU-style Pallas implementation of :func:`pallas_kernels.flash_attention`."""
+    q, k, v, *, kv_lens=None, causal=True, sm_scale=1.0, soft_cap=None,
+    config: TpuFlashConfig | None = None, interpret: bool = False,
+):  # fmt: skip
+    """TPU-style Pallas implementation of :func:`pallas_kernels.flash_attention` (same arguments;
+    ``config`` defaults to :class:`TpuFlashConfig`, ``interpret`` runs TPU interpret mode)."""
     config = config or TpuFlashConfig()
     batch, q_len, kv_len, hq, hkv, d = validation.check_flash_attention(
         q, k, v, kv_lens, causal=causal, sm_scale=sm_scale, soft_cap=soft_cap
@@ -143,17 +113,13 @@ def flash_attention(
             f"block_q * G={block_q * group} and block_k={block_k} must be multiples of {sub} "
             f"for {jnp.dtype(q.dtype).name}"
         )
-    lens = jnp.full((batch,), kv_len, jnp.int32) if kv_lens is None else kv_lens
-    lens = jnp.minimum(jnp.asarray(lens, jnp.int32), kv_len)
-    q5 = pad_axis(jnp.asarray(q), 1, block_q).reshape(batch, -1, hkv, group, d)
-    q3 = q5.transpose(0, 2, 1, 3, 4).reshape(batch, hkv, -1, d)  # [B, Hkv, Tq_pad * G, D]
-    kt = jnp.swapaxes(pad_axis(jnp.asarray(k), 1, block_k), 1, 2)  # [B, Hkv, Tk_pad, D]
-    vt = jnp.swapaxes(pad_axis(jnp.asarray(v), 1, block_k), 1, 2)
-    nq, nk = q5.shape[1] // block_q, kt.shape[2] // block_k
+    lens, q3, kt, vt = flash_layout(q, k, v, kv_lens, num_kv_heads=hkv, group_padded=group,
+                                    block_q=block_q, block_k=block_k)  # fmt: skip
     rows = block_q * group
+    nq, nk = q3.shape[2] // rows, kt.shape[2] // block_k
 
     def kv_index(b, h, qi, kb, lens_ref):
-        end = _tile_key_end(lens_ref[b], qi, block_q, q_len=q_len, causal=causal)
+        end = tile_key_end(lens_ref[b], qi, block_q, q_len=q_len, causal=causal)
         return b, h, jnp.minimum(kb, jnp.maximum(pl.cdiv(end, block_k) - 1, 0)), 0
 
     q_spec = pl.BlockSpec((None, None, rows, d), lambda b, h, qi, kb, _: (b, h, qi, 0))
@@ -162,7 +128,6 @@ def flash_attention(
         _kernel, q_len=q_len, group=group, causal=causal, sm_scale=float(sm_scale),
         soft_cap=soft_cap,
     )  # fmt: skip
-    mode = compat.tpu_interpret_params(strict=config.strict_interpret) if interpret else False
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -170,18 +135,13 @@ def flash_attention(
             grid=(batch, hkv, nq, nk),
             in_specs=[q_spec, kv_spec, kv_spec],
             out_specs=q_spec,
-            scratch_shapes=[
-                pltpu.VMEM((rows, 1), jnp.float32),
-                pltpu.VMEM((rows, 1), jnp.float32),
-                pltpu.VMEM((rows, d), jnp.float32),
-            ],
+            scratch_shapes=softmax_scratch(rows, d),
         ),
         out_shape=jax.ShapeDtypeStruct(q3.shape, q.dtype),
         compiler_params=compat.tpu_compiler_params(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
         ),
-        interpret=mode,
+        interpret=interpret_mode(config, interpret),
         name="flash_attention_tpu",
     )(lens, q3, kt, vt)
-    out = out.reshape(batch, hkv, -1, group, d).transpose(0, 2, 1, 3, 4)[:, :q_len]
-    return out.reshape(q.shape)
+    return flash_untile(out, q_len, group, group).reshape(q.shape)

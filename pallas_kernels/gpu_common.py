@@ -1,4 +1,4 @@
-"""Pieces shared by the GPU-style (Triton lowering) kernels: config, constraints, gathers, softmax.
+"""Pieces shared by the GPU-style (Triton lowering) kernels: config, constraints, page gathers.
 
 Constraints (checked, ValueError): ``page_size`` and ``head_dim`` powers of two (Triton block
 shapes), ``page_size`` in [8, 256], ``head_dim >= 16``.
@@ -10,8 +10,9 @@ import dataclasses
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
-from pallas_kernels import compat, validation
+from pallas_kernels import compat, softmax, validation
 
 
 def _pow2(n: int) -> bool:
@@ -68,6 +69,13 @@ def check_gpu_constraints(shp: validation.PagedShape, config: GpuPagedConfig) ->
     return min(ppb, next_pow2(shp.pages_per_seq))
 
 
+def pallas_call(kernel, *, config, interpret: bool, name: str, **kwargs):
+    """``pl.pallas_call`` with the Triton launch parameters of ``config`` (``num_warps``,
+    ``num_stages``)."""
+    params = compat.gpu_compiler_params(num_warps=config.num_warps, num_stages=config.num_stages)
+    return pl.pallas_call(kernel, compiler_params=params, interpret=interpret, name=name, **kwargs)
+
+
 def dot(a, b, *, trans_b=False):
     """f32-accumulating dot; full precision for f32 inputs (Triton would otherwise use TF32)."""
     dims = (((1,), (1 if trans_b else 0,)), ((), ()))
@@ -98,24 +106,33 @@ def load_pages(pages_ref, ids, page_valid, *, dtype, masked: bool = True):
     return x.reshape(ids.shape[0] * page_size, head_dim).astype(dtype)
 
 
+def scores(q, k, *, sm_scale, soft_cap):
+    """f32 ``q @ k.T`` scaled and capped (:func:`softmax.scale_scores`); q [rows, D], k [bk, D]."""
+    return softmax.scale_scores(dot(q, k, trans_b=True), sm_scale=sm_scale, soft_cap=soft_cap)
+
+
 def online_update(carry, s, v, valid):
-    """Register-resident online softmax step: s f32[rows, bk], v [bk, D], valid bool[rows|1, bk]."""
-    m, lsum, acc = carry
-    s = jnp.where(valid, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m - m_safe)
-    p = jnp.exp(s - m_safe[:, None])
-    lsum = alpha * lsum + jnp.sum(p, axis=1)
-    acc = alpha[:, None] * acc + dot(p.astype(v.dtype), v)
-    return m_new, lsum, acc
+    """Register-resident online softmax step (:func:`softmax.online_softmax_step`): s f32[rows, bk],
+    v [bk, D] (masked rows zeroed), valid bool[rows|1, bk]; p is cast to v's dtype for the dot."""
+    return softmax.online_softmax_step(
+        carry, s, v, valid, pv=lambda p, v: dot(p.astype(v.dtype), v)
+    )
 
 
-def merge_partials(o, m, lsum):
-    """Combines split-K partials: o f32[S, ..., D], m / lsum f32[S, ...] -> normalised f32[..., D]."""
-    m_max = jnp.max(m, axis=0)
-    m_safe = jnp.where(jnp.isfinite(m_max), m_max, 0.0)
-    w = jnp.exp(m - m_safe[None])  # 0 for empty partitions (m = -inf)
-    num = jnp.sum(o * w[..., None], axis=0)
-    den = jnp.sum(lsum * w, axis=0)
-    return num / jnp.where(den == 0.0, 1.0, den)[..., None]
+def attend_pages(carry, q, k_ref, v_ref, ids, *, first_key, limit, visible, masked, sm_scale,
+                 soft_cap):  # fmt: skip
+    """Folds one compute block of pages into the register state ``carry``.
+
+    ``ids`` i32[ppb] the block's page ids, holding keys ``first_key + [0, ppb * page)``; pages
+    starting at or past ``limit`` are not dereferenced (:func:`load_pages`) and value rows at or
+    past it are zeroed. ``visible(key)`` (``key`` i32[1, bk]) masks the keys each row of ``q``
+    ``[rows, D]`` sees.
+    """
+    ppb, page_size = ids.shape[0], k_ref.shape[1]
+    page_valid = first_key + jnp.arange(ppb) * page_size < limit
+    k = load_pages(k_ref, ids, page_valid, dtype=q.dtype, masked=masked)
+    v = load_pages(v_ref, ids, page_valid, dtype=q.dtype, masked=masked)
+    key = first_key + jnp.arange(ppb * page_size)
+    v = jnp.where((key < limit)[:, None], v, jnp.zeros_like(v))
+    s = scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap)
+    return online_update(carry, s, v, visible(key[None, :]))

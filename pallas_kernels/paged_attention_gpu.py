@@ -25,16 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import compat, validation
-from pallas_kernels.gpu_common import (
-    GpuPagedConfig,
-    check_gpu_constraints,
-    dot,
-    load_pages,
-    merge_partials,
-    next_pow2,
-    online_update,
-)
+from pallas_kernels import compat, gpu_common, softmax, validation
+from pallas_kernels.gpu_common import GpuPagedConfig, attend_pages, check_gpu_constraints, next_pow2
 
 
 def _kernel(
@@ -60,25 +52,15 @@ def _kernel(
     first_tok = split * ppp * page_size
     span = jnp.clip(length - first_tok, 0, ppp * page_size)
     q = q_ref[...]
-    block_h, head_dim = q.shape
 
     def body(i, carry):
-        ids = table_ref[pl.ds(i * ppb, ppb)]
-        page_start = first_tok + (i * ppb + jnp.arange(ppb)) * page_size
-        k = load_pages(k_ref, ids, page_start < length, dtype=q.dtype, masked=masked)
-        v = load_pages(v_ref, ids, page_start < length, dtype=q.dtype, masked=masked)
-        pos = first_tok + i * bk + jnp.arange(bk)
-        v = jnp.where((pos < length)[:, None], v, jnp.zeros_like(v))
-        s = dot(q, k, trans_b=True) * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        return online_update(carry, s, v, (pos < length)[None, :])
+        return attend_pages(
+            carry, q, k_ref, v_ref, table_ref[pl.ds(i * ppb, ppb)], first_key=first_tok + i * bk,
+            limit=length, visible=lambda key: key < length, masked=masked, sm_scale=sm_scale,
+            soft_cap=soft_cap,
+        )  # fmt: skip
 
-    init = (
-        jnp.full((block_h,), -jnp.inf, jnp.float32),
-        jnp.zeros((block_h,), jnp.float32),
-        jnp.zeros((block_h, head_dim), jnp.float32),
-    )
+    init = softmax.initial_state(q.shape[:1], q.shape[1])
     m, lsum, acc = lax.fori_loop(0, pl.cdiv(span, bk), body, init)
     o_ref[...] = acc
     m_out[...] = m
@@ -86,23 +68,11 @@ def _kernel(
 
 
 def paged_attention(
-    q: jax.Array,  # [B, Hq, D]
-    k_pages: jax.Array,  # [Hkv, P, page, D]
-    v_pages: jax.Array,  # [Hkv, P, page, D]
-    lengths: jax.Array,  # i32[B]
-    page_indices: jax.Array,  # i32[B, pages_per_seq]
-    *,
-    sm_scale: float = 1.0,
-    soft_cap: float | None = None,
-    config: GpuPagedConfig | None = None,
-    interpret: bool = False,
-) -> jax.Array:  # [B, Hq, D]
-    """GPU-style Pallas implementation of :func:`pallas_kernels.paged_attention`.
-
-    Args:
-      q, k_pages, v_pages, lengths, page_indices, sm_scale, soft_cap: as in the public op.
-      config: tuning knobs (default :class:`GpuPagedConfig`).
-      interpret: run with ``interpret=True`` on CPU.
+    q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0, soft_cap=None,
+    config: GpuPagedConfig | None = None, interpret: bool = False,
+):  # fmt: skip
+    """GPU-style Pallas implementation of :func:`pallas_kernels.paged_attention` (same arguments;
+    ``config`` defaults to :class:`GpuPagedConfig`, ``interpret=True`` runs on CPU).
 
     Raises:
       ValueError: shapes the kernel cannot tile (see module docstring).
@@ -127,7 +97,7 @@ def paged_attention(
         _kernel, ppb=ppb, masked=config.masked_gather, sm_scale=float(sm_scale), soft_cap=soft_cap
     )
     part = lambda b, h, s: (s, b, h, 0)
-    o, m, lsum = pl.pallas_call(
+    o, m, lsum = gpu_common.pallas_call(
         kernel,
         grid=(batch, hkv, k_splits),
         in_specs=[
@@ -147,11 +117,9 @@ def paged_attention(
             jax.ShapeDtypeStruct((k_splits, batch, hkv, block_h), jnp.float32),
             jax.ShapeDtypeStruct((k_splits, batch, hkv, block_h), jnp.float32),
         ],
-        compiler_params=compat.gpu_compiler_params(
-            num_warps=config.num_warps, num_stages=config.num_stages
-        ),
+        config=config,
         interpret=interpret,
         name="paged_attention_gpu",
     )(q4, k_pages, v_pages, table, lengths2)
-    out = merge_partials(o, m, lsum)[:, :, : shp.group]
+    out = softmax.merge_partials(o, m, lsum)[:, :, : shp.group]
     return out.reshape(q.shape).astype(q.dtype)

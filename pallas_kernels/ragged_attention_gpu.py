@@ -1,6 +1,6 @@
 """GPU-style Pallas ragged paged attention (Triton lowering; ``interpret=True`` on CPU).
 
-Same tiling as the TPU-style kernel (:mod:`pallas_kernels.ragged_common`): grid
+Same tiling as the TPU-style kernel (:mod:`pallas_kernels.tiling`): grid
 ``(num_kv_heads, num_query_tiles)``, a tile = ``queries_per_block`` tokens times the query heads of
 one KV head (padded to a power of two), each overlapping sequence visited once per tile with masked
 page gathers, an online softmax in registers, causal masks per row. Padded rows come out zero.
@@ -19,16 +19,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import compat, validation
-from pallas_kernels.gpu_common import (
-    GpuPagedConfig,
-    check_gpu_constraints,
-    dot,
-    load_pages,
-    next_pow2,
-    online_update,
+from pallas_kernels import compat, gpu_common, softmax, validation
+from pallas_kernels.gpu_common import GpuPagedConfig, attend_pages, check_gpu_constraints, next_pow2
+from pallas_kernels.tiling import (
+    num_seqs_array,
+    sequence_in_tile,
+    tile_queries,
+    tile_sequences,
+    untile_outputs,
 )
-from pallas_kernels.ragged_common import lower_bound, num_seqs_array, tile_queries, untile_outputs
 
 
 def _kernel(
@@ -49,70 +48,40 @@ def _kernel(
     soft_cap: float | None,
 ):
     qb = pl.program_id(1)
-    page_size = k_ref.shape[1]
-    bk = ppb * page_size
+    bk = ppb * k_ref.shape[1]
     q = q_ref[...]
     rows, head_dim = q.shape
     block_q = rows // group_padded
     row0 = qb * block_q
-    token = row0 + jnp.arange(rows) // group_padded  # [rows]
-    hi = num_seqs_ref[0]
-    first = lower_bound(0, hi, lambda s: cu_ref[s + 1] <= row0)
-    last = lower_bound(first, hi, lambda s: cu_ref[s] < row0 + block_q)
+    token = row0 + (jnp.arange(rows) // group_padded)[:, None]  # [rows, 1]
+    first, last = tile_sequences(cu_ref, 0, num_seqs_ref[0], row0, block_q)
 
     def visit_seq(s, carry):
-        q_start, q_end, kv_len = cu_ref[s], cu_ref[s + 1], kv_lens_ref[s]
-        tile_end = jnp.minimum(q_end, row0 + block_q)
-        limit = jnp.clip(kv_len - q_end + tile_end, 0, max_keys)
-        limit = jnp.where(tile_end > jnp.maximum(q_start, row0), limit, 0)
-        row_ok = (token >= q_start) & (token < q_end)
-        row_limit = kv_len - q_end + token + 1
+        limit, visible = sequence_in_tile(
+            cu_ref[s], cu_ref[s + 1], kv_lens_ref[s], token, row0=row0, block_q=block_q,
+            max_keys=max_keys,
+        )  # fmt: skip
 
         def body(i, c):
-            ids = table_ref[s, pl.ds(i * ppb, ppb)]
-            page_valid = (i * ppb + jnp.arange(ppb)) * page_size < limit
-            k = load_pages(k_ref, ids, page_valid, dtype=q.dtype, masked=masked)
-            v = load_pages(v_ref, ids, page_valid, dtype=q.dtype, masked=masked)
-            key = i * bk + jnp.arange(bk)
-            v = jnp.where((key < limit)[:, None], v, jnp.zeros_like(v))
-            sc = dot(q, k, trans_b=True) * sm_scale
-            if soft_cap is not None:
-                sc = soft_cap * jnp.tanh(sc / soft_cap)
-            valid = row_ok[:, None] & (key[None, :] < row_limit[:, None])
-            return online_update(c, sc, v, valid)
+            return attend_pages(
+                c, q, k_ref, v_ref, table_ref[s, pl.ds(i * ppb, ppb)], first_key=i * bk,
+                limit=limit, visible=visible, masked=masked, sm_scale=sm_scale, soft_cap=soft_cap,
+            )  # fmt: skip
 
         return lax.fori_loop(0, pl.cdiv(limit, bk), body, carry)
 
-    init = (
-        jnp.full((rows,), -jnp.inf, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-        jnp.zeros((rows, head_dim), jnp.float32),
-    )
+    init = softmax.initial_state((rows,), head_dim)
     _, lsum, acc = lax.fori_loop(first, last, visit_seq, init)
-    o_ref[...] = (acc / jnp.where(lsum == 0.0, 1.0, lsum)[:, None]).astype(o_ref.dtype)
+    o_ref[...] = softmax.normalize(lsum, acc).astype(o_ref.dtype)
 
 
 def ragged_paged_attention(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [Hkv, P, page, D]
-    v_pages: jax.Array,  # [Hkv, P, page, D]
-    kv_lens: jax.Array,  # i32[max_num_seqs]
-    page_indices: jax.Array,  # i32[max_num_seqs, pages_per_seq]
-    cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
-    num_seqs,  # i32[1] | int
-    *,
-    sm_scale: float = 1.0,
-    soft_cap: float | None = None,
-    config: GpuPagedConfig | None = None,
-    interpret: bool = False,
-) -> jax.Array:  # [T, Hq, D]
-    """GPU-style Pallas implementation of :func:`pallas_kernels.ragged_paged_attention`.
-
-    Args:
-      q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, soft_cap: as in
-        the public op.
-      config: tuning knobs (default :class:`GpuPagedConfig`; ``k_splits`` is unused here).
-      interpret: run with ``interpret=True`` on CPU.
+    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale=1.0,
+    soft_cap=None, config: GpuPagedConfig | None = None, interpret: bool = False,
+):  # fmt: skip
+    """GPU-style Pallas implementation of :func:`pallas_kernels.ragged_paged_attention` (same
+    arguments; ``config`` defaults to :class:`GpuPagedConfig`, whose ``k_splits`` is unused here;
+    ``interpret=True`` runs on CPU).
 
     Raises:
       ValueError: shapes the kernel cannot tile.
@@ -141,7 +110,7 @@ def ragged_paged_attention(
     cu = jnp.asarray(cu_q_lens, jnp.int32)
     n = num_seqs_array(num_seqs)
     tile = pl.BlockSpec((None, rows, d), lambda h, qb: (h, qb, 0))
-    out = pl.pallas_call(
+    out = gpu_common.pallas_call(
         kernel,
         grid=(hkv, q3.shape[1] // rows),
         in_specs=[
@@ -155,9 +124,7 @@ def ragged_paged_attention(
         ],  # fmt: skip
         out_specs=tile,
         out_shape=jax.ShapeDtypeStruct(q3.shape, q3.dtype),
-        compiler_params=compat.gpu_compiler_params(
-            num_warps=config.num_warps, num_stages=config.num_stages
-        ),
+        config=config,
         interpret=interpret,
         name="ragged_paged_attention_gpu",
     )(q3, k_pages, v_pages, table, kv_lens, cu, n)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import validation
+from pallas_kernels import softmax, validation
 
 
 def masked_softmax_attend(
@@ -37,9 +37,8 @@ def masked_softmax_attend(
     """
     k = k.astype(jnp.float32)
     v = v.astype(jnp.float32)
-    s = jnp.einsum("...gd,...sd->...gs", q.astype(jnp.float32), k) * sm_scale
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.einsum("...gd,...sd->...gs", q.astype(jnp.float32), k)
+    s = softmax.scale_scores(s, sm_scale=sm_scale, soft_cap=soft_cap)
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -49,42 +48,33 @@ def masked_softmax_attend(
     if kv_valid is None:
         kv_valid = jnp.any(mask, axis=-2)
     v = jnp.where(kv_valid[..., None], v, 0.0)
-    out = jnp.einsum("...gs,...sd->...gd", p, v)
-    return out / jnp.where(denom == 0.0, 1.0, denom)
+    return softmax.normalize(denom, jnp.einsum("...gs,...sd->...gd", p, v))
 
 
-def paged_attention(
-    q: jax.Array,  # [B, Hq, D]
-    k_pages: jax.Array,  # [Hkv, P, page, D]
-    v_pages: jax.Array,  # [Hkv, P, page, D]
-    lengths: jax.Array,  # i32[B]
-    page_indices: jax.Array,  # i32[B, pages_per_seq]
-    *,
-    sm_scale: float = 1.0,
-    soft_cap: float | None = None,
-) -> jax.Array:  # [B, Hq, D]
-    """Decode attention of one query token per sequence over its paged KV (reference)."""
+def paged_attention(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0, soft_cap=None):
+    """Decode attention of one query token per sequence over its paged KV (reference; arguments
+    as in :func:`pallas_kernels.paged_attention`)."""
     shp = validation.check_paged_attention(
         q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale, soft_cap=soft_cap
     )
-    batch = q.shape[0]
+    return _attend_pages(q, k_pages, v_pages, page_indices, lengths, shp, sm_scale=sm_scale,
+                         soft_cap=soft_cap)  # fmt: skip
+
+
+def _attend_pages(q, k_pages, v_pages, tables, limit, shp, *, sm_scale, soft_cap):
+    """Row ``r`` of ``q`` [R, Hq, D] attends to keys ``[0, limit[r])`` of the pages ``tables[r]``
+    (i32[R, pages_per_seq]), gathering the whole page list of every row."""
+    rows = q.shape[0]
     seq_len = shp.pages_per_seq * shp.page_size
 
-    def gather(pages):  # -> [B, Hkv, S, D]
-        g = pages[:, page_indices]  # [Hkv, B, pages_per_seq, page, D]
-        g = g.reshape(shp.num_kv_heads, batch, seq_len, shp.head_dim)
-        return jnp.swapaxes(g, 0, 1)
+    def gather(pages):  # -> [R, Hkv, S, D]
+        g = pages[:, tables]  # [Hkv, R, pages_per_seq, page, D]
+        return jnp.swapaxes(g.reshape(shp.num_kv_heads, rows, seq_len, shp.head_dim), 0, 1)
 
-    qg = q.reshape(batch, shp.num_kv_heads, shp.group, shp.head_dim)
-    mask = jnp.arange(seq_len)[None, :] < lengths[:, None]  # [B, S]
-    out = masked_softmax_attend(
-        qg,
-        gather(k_pages),
-        gather(v_pages),
-        mask[:, None, None, :],
-        sm_scale=sm_scale,
-        soft_cap=soft_cap,
-    )
+    qg = q.reshape(rows, shp.num_kv_heads, shp.group, shp.head_dim)
+    mask = jnp.arange(seq_len)[None, :] < limit[:, None]  # [R, S]
+    out = masked_softmax_attend(qg, gather(k_pages), gather(v_pages), mask[:, None, None, :],
+                                sm_scale=sm_scale, soft_cap=soft_cap)  # fmt: skip
     return out.reshape(q.shape).astype(q.dtype)
 
 
@@ -115,18 +105,11 @@ def ragged_token_layout(
 
 
 def ragged_paged_attention(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [Hkv, P, page, D]
-    v_pages: jax.Array,  # [Hkv, P, page, D]
-    kv_lens: jax.Array,  # i32[max_num_seqs]
-    page_indices: jax.Array,  # i32[max_num_seqs, pages_per_seq]
-    cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
-    num_seqs,  # i32[1] | int
-    *,
-    sm_scale: float = 1.0,
-    soft_cap: float | None = None,
-) -> jax.Array:  # [T, Hq, D]
-    """Causal attention for a mixed batch of prefill chunks, decodes and verifications (reference).
+    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale=1.0,
+    soft_cap=None,
+):  # fmt: skip
+    """Causal attention for a mixed batch of prefill chunks, decodes and verifications (reference;
+    arguments as in :func:`pallas_kernels.ragged_paged_attention`).
 
     Gathers each token's whole page list; fine for tests, too big for production shapes.
     """
@@ -134,39 +117,14 @@ def ragged_paged_attention(
         q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
         sm_scale=sm_scale, soft_cap=soft_cap,
     )  # fmt: skip
-    num_tokens = q.shape[0]
-    seq, limit = ragged_token_layout(num_tokens, kv_lens, cu_q_lens, num_seqs)
-    seq_len = shp.pages_per_seq * shp.page_size
-
-    def gather(pages):  # -> [T, Hkv, S, D]
-        g = pages[:, page_indices[seq]]  # [Hkv, T, pages_per_seq, page, D]
-        g = g.reshape(shp.num_kv_heads, num_tokens, seq_len, shp.head_dim)
-        return jnp.swapaxes(g, 0, 1)
-
-    qg = q.reshape(num_tokens, shp.num_kv_heads, shp.group, shp.head_dim)
-    mask = jnp.arange(seq_len)[None, :] < limit[:, None]  # [T, S]
-    out = masked_softmax_attend(
-        qg,
-        gather(k_pages),
-        gather(v_pages),
-        mask[:, None, None, :],
-        sm_scale=sm_scale,
-        soft_cap=soft_cap,
-    )
-    return out.reshape(q.shape).astype(q.dtype)
+    seq, limit = ragged_token_layout(q.shape[0], kv_lens, cu_q_lens, num_seqs)
+    return _attend_pages(q, k_pages, v_pages, page_indices[seq], limit, shp, sm_scale=sm_scale,
+                         soft_cap=soft_cap)  # fmt: skip
 
 
-def flash_attention(
-    q: jax.Array,  # [B, Tq, Hq, D]
-    k: jax.Array,  # [B, Tk, Hkv, D]
-    v: jax.Array,  # [B, Tk, Hkv, D]
-    *,
-    kv_lens: jax.Array | None = None,  # i32[B]
-    causal: bool = True,
-    sm_scale: float = 1.0,
-    soft_cap: float | None = None,
-) -> jax.Array:  # [B, Tq, Hq, D]
-    """Contiguous (GQA) attention; queries are the last ``Tq`` of ``kv_lens[b]`` tokens (reference)."""
+def flash_attention(q, k, v, *, kv_lens=None, causal=True, sm_scale=1.0, soft_cap=None):
+    """Contiguous (GQA) attention; queries are the last ``Tq`` of ``kv_lens[b]`` tokens (reference;
+    arguments as in :func:`pallas_kernels.flash_attention`)."""
     batch, q_len, kv_len, hq, hkv, d = validation.check_flash_attention(
         q, k, v, kv_lens, causal=causal, sm_scale=sm_scale, soft_cap=soft_cap
     )

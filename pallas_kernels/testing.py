@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-NULL_PAGE = 0  # page 0 is never given to a sequence (see DESIGN.md); the tests fill it with NaN
+NULL_PAGE = 0  # page 0 is never given to a sequence (the null page); the tests fill it with NaN
 
 
 def _attend64(q, k, v, *, sm_scale, soft_cap):

@@ -1,4 +1,4 @@
-"""Pieces shared by the TPU-style (Mosaic) kernels: config, constraints, page DMA, softmax step.
+"""Pieces shared by the TPU-style (Mosaic) kernels: config, constraints, page DMA loop, VMEM state.
 
 Constraints (checked, ValueError): ``page_size`` a multiple of 8 (16 for 16-bit dtypes, the sublane
 tile) in [8, 256], ``head_dim`` a multiple of 64, the K/V double buffers within
@@ -14,7 +14,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import validation
+from pallas_kernels import compat, softmax, validation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +76,107 @@ def check_tpu_constraints(shp: validation.PagedShape, dtype, config: TpuPagedCon
     return ppb
 
 
+def interpret_mode(config, interpret: bool):
+    """The ``interpret=`` value of a TPU-style ``pallas_call``: False (compiled) or the
+    interpreter's parameters (strict checks per ``config.strict_interpret``)."""
+    if not interpret:
+        return False
+    return compat.tpu_interpret_params(
+        strict=config.strict_interpret, num_cores=getattr(config, "interpret_cores", 1)
+    )
+
+
+def prefetch_chunks(config: TpuPagedConfig, shp: validation.PagedShape, rows: int):
+    """``(lo, hi)`` ranges of page-table rows whose tables fit ``max_prefetch_entries`` (SMEM)."""
+    chunk = max(1, config.max_prefetch_entries // shp.pages_per_seq)
+    return [(lo, min(lo + chunk, rows)) for lo in range(0, rows, chunk)]
+
+
+def paged_pallas_call(kernel, *, num_scalar_prefetch, grid, q_spec, k_pages, ppb, rows, out_shape,
+                      interpret, name):  # fmt: skip
+    """``pl.pallas_call`` of a paged kernel: scalar-prefetch grid ``grid`` (first axis parallel),
+    a query block ``q_spec`` of ``rows`` rows (the output's block too), K/V pages left in HBM for
+    the kernel's own DMAs, and the scratch :func:`paged_kernel_setup` unpacks."""
+    _, _, page_size, head_dim = k_pages.shape
+    any_spec = pl.BlockSpec(memory_space=compat.any_memory_space())
+    scratch = [
+        pltpu.VMEM((2, ppb, page_size, head_dim), k_pages.dtype),
+        pltpu.VMEM((2, ppb, page_size, head_dim), k_pages.dtype),
+        pltpu.SemaphoreType.DMA((2, 2)),
+        *softmax_scratch(rows, head_dim),
+    ]
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=num_scalar_prefetch, grid=grid,
+            in_specs=[q_spec, any_spec, any_spec], out_specs=q_spec, scratch_shapes=scratch,
+        ),  # fmt: skip
+        out_shape=out_shape,
+        compiler_params=compat.tpu_compiler_params(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+        name=name,
+    )
+
+
+def softmax_scratch(rows: int, head_dim: int) -> list:
+    """VMEM for :class:`VmemSoftmax`: ``m`` and ``l`` f32[rows, 1], ``acc`` f32[rows, D]."""
+    return [
+        pltpu.VMEM((rows, 1), jnp.float32),
+        pltpu.VMEM((rows, 1), jnp.float32),
+        pltpu.VMEM((rows, head_dim), jnp.float32),
+    ]
+
+
+def paged_kernel_setup(table_ref, refs, *, head, ppb):
+    """Unpacks the refs a paged kernel takes after its query block; returns
+    ``(copier, state, o_ref)``, the state reset.
+
+    ``refs``: ``k_hbm``, ``v_hbm`` (ANY ``[Hkv, P, page, D]``), ``o_ref`` (VMEM ``[rows, D]``),
+    then the scratch :func:`paged_pallas_call` allocates: ``k_buf``, ``v_buf`` (VMEM
+    ``[2, ppb, page, D]``), ``sems`` (DMA ``[2 (K/V), 2 (slot)]``), ``m``, ``l`` (f32
+    ``[rows, 1]``) and ``acc`` (f32 ``[rows, D]``).
+    """
+    k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
+    copier = PageBlockCopier(table_ref, k_hbm, v_hbm, k_buf, v_buf, sems, head=head, ppb=ppb)
+    state = VmemSoftmax(m_ref, l_ref, acc_ref)
+    state.reset()
+    return copier, state, o_ref
+
+
+class VmemSoftmax:
+    """The online-softmax state of a tile in VMEM scratch (``m``/``l`` ``[rows, 1]``, ``acc``
+    ``[rows, D]``), updated by :func:`pallas_kernels.softmax.online_softmax_step`."""
+
+    def __init__(self, m_ref, l_ref, acc_ref):
+        self.refs = (m_ref, l_ref, acc_ref)
+
+    def reset(self):
+        m_ref, _, acc_ref = self.refs
+        init = softmax.initial_state(m_ref.shape[:1], acc_ref.shape[1], keepdims=True)
+        for ref, x in zip(self.refs, init):
+            ref[...] = x
+
+    def update(self, s, v, valid):
+        """Folds scores ``s`` f32[rows, bk] and values ``v`` f32[bk, D] (masked rows zeroed)."""
+        state = softmax.online_softmax_step(
+            tuple(ref[...] for ref in self.refs), s, v, valid,
+            pv=lambda p, v: jnp.dot(p, v, preferred_element_type=jnp.float32),
+        )  # fmt: skip
+        for ref, x in zip(self.refs, state):
+            ref[...] = x
+
+    def store(self, o_ref):
+        """Writes the normalised output."""
+        _, l_ref, acc_ref = self.refs
+        o_ref[...] = softmax.normalize(l_ref[...], acc_ref[...]).astype(o_ref.dtype)
+
+
+def scores(q, k, *, sm_scale, soft_cap):
+    """f32 ``q @ k.T`` scaled and capped (:func:`softmax.scale_scores`); q [rows, D], k [bk, D]."""
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return softmax.scale_scores(s, sm_scale=sm_scale, soft_cap=soft_cap)
+
+
 class PageBlockCopier:
     """Starts / waits the DMAs of one compute block of pages into a VMEM buffer slot.
 
@@ -87,6 +188,7 @@ class PageBlockCopier:
         self.table_ref, self.k_hbm, self.v_hbm = table_ref, k_hbm, v_hbm
         self.k_buf, self.v_buf, self.sems = k_buf, v_buf, sems
         self.head, self.ppb = head, ppb
+        self.page_size = k_buf.shape[2]
 
     def _each(self, table_offset, first_page, num_valid_pages, slot, action):
         for j in range(self.ppb):
@@ -108,28 +210,37 @@ class PageBlockCopier:
     def wait(self, table_offset, first_page, num_valid_pages, slot):
         self._each(table_offset, first_page, num_valid_pages, slot, "wait")
 
+    def attend(self, state: VmemSoftmax, q, *, table_offset, limit, visible, sm_scale, soft_cap):
+        """Folds keys ``[0, limit)`` of one sequence (its page table at ``table_offset``) into
+        ``state``.
 
-def online_softmax_update(m_ref, l_ref, acc_ref, s, v, valid):
-    """Folds one block into the VMEM softmax state.
+        Double-buffered: block ``i+1``'s pages are DMA'd HBM -> VMEM while block ``i`` is computed;
+        only pages holding keys below ``limit`` are copied. ``visible(key)`` (``key`` i32[1, bk])
+        masks the keys each row of ``q`` f32[rows, D] sees; value rows at or past ``limit`` (stale
+        or NaN) are zeroed.
+        """
+        ppb, page_size, head_dim = self.ppb, self.page_size, self.k_buf.shape[3]
+        bk = ppb * page_size
+        num_pages = pl.cdiv(limit, page_size)
+        num_blocks = pl.cdiv(limit, bk)
 
-    ``s`` f32[rows, bk] scaled (and capped) scores, ``v`` f32[bk, D], ``valid`` bool broadcastable
-    to ``s`` (masked keys). Rows with no valid key so far keep ``m = -inf`` and contribute nothing.
-    """
-    s = jnp.where(valid, s, -jnp.inf)
-    m_prev = m_ref[...]  # [rows, 1]
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m_prev - m_safe)
-    p = jnp.exp(s - m_safe)
-    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=-1, keepdims=True)
-    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v, preferred_element_type=jnp.float32)
-    m_ref[...] = m_new
+        @pl.when(num_blocks > 0)
+        def _():
+            self.start(table_offset, 0, num_pages, 0)
 
+        def body(i, carry):
+            slot = i % 2
 
-def scores(q, k, *, sm_scale, soft_cap):
-    """f32 ``q @ k.T * sm_scale`` with the optional soft cap; q [rows, D], k [bk, D]."""
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    s = s * sm_scale
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    return s
+            @pl.when(i + 1 < num_blocks)
+            def _():
+                self.start(table_offset, (i + 1) * ppb, num_pages, 1 - slot)
+
+            self.wait(table_offset, i * ppb, num_pages, slot)
+            k = self.k_buf[slot].astype(jnp.float32).reshape(bk, head_dim)  # values, not refs
+            v = self.v_buf[slot].astype(jnp.float32).reshape(bk, head_dim)
+            v = jnp.where(i * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < limit, v, 0.0)
+            key = i * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+            state.update(scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap), v, visible(key))
+            return carry
+
+        lax.fori_loop(0, num_blocks, body, 0)

@@ -96,6 +96,17 @@ def _check_pages(q_heads: int, q_dim: int, q_dtype, k_pages, v_pages) -> tuple[i
     return num_kv_heads, num_pages, page_size
 
 
+def _check_q_and_pages(q, k_pages, v_pages, rows_name: str) -> tuple[int, ...]:
+    """Checks ``q`` [rows, Hq, D] and its pages; returns ``(rows, Hq, D, Hkv, P, page)``."""
+    _check_float("q", q)
+    q_shape = _shape(q)
+    if len(q_shape) != 3:
+        raise ValueError(f"q.shape={q_shape} must be [{rows_name}, num_q_heads, head_dim]")
+    rows, num_q_heads, head_dim = q_shape
+    pages = _check_pages(num_q_heads, head_dim, jnp.result_type(q), k_pages, v_pages)
+    return (rows, num_q_heads, head_dim, *pages)
+
+
 def _check_table(page_indices, rows: int, rows_name: str) -> int:
     _check_int("page_indices", page_indices)
     shape = _shape(page_indices)
@@ -109,13 +120,8 @@ def _check_table(page_indices, rows: int, rows_name: str) -> int:
 
 def check_paged_attention(q, k_pages, v_pages, lengths, page_indices, *, sm_scale, soft_cap):
     """Validates ``paged_attention`` inputs; returns their :class:`PagedShape`."""
-    _check_float("q", q)
-    q_shape = _shape(q)
-    if len(q_shape) != 3:
-        raise ValueError(f"q.shape={q_shape} must be [batch, num_q_heads, head_dim]")
-    batch, num_q_heads, head_dim = q_shape
-    num_kv_heads, num_pages, page_size = _check_pages(
-        num_q_heads, head_dim, jnp.result_type(q), k_pages, v_pages
+    batch, num_q_heads, head_dim, num_kv_heads, num_pages, page_size = _check_q_and_pages(
+        q, k_pages, v_pages, "batch"
     )
     _check_int("lengths", lengths)
     if _shape(lengths) != (batch,):
@@ -129,13 +135,8 @@ def check_ragged_paged_attention(
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, soft_cap
 ):
     """Validates ``ragged_paged_attention`` inputs; returns their :class:`PagedShape`."""
-    _check_float("q", q)
-    q_shape = _shape(q)
-    if len(q_shape) != 3:
-        raise ValueError(f"q.shape={q_shape} must be [num_tokens, num_q_heads, head_dim]")
-    _, num_q_heads, head_dim = q_shape
-    num_kv_heads, num_pages, page_size = _check_pages(
-        num_q_heads, head_dim, jnp.result_type(q), k_pages, v_pages
+    _, num_q_heads, head_dim, num_kv_heads, num_pages, page_size = _check_q_and_pages(
+        q, k_pages, v_pages, "num_tokens"
     )
     _check_int("kv_lens", kv_lens)
     kv_shape = _shape(kv_lens)

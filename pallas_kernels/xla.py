@@ -3,8 +3,10 @@
 Unlike the references, nothing here materialises a whole sequence's KV or its full score row: a
 ``lax.fori_loop`` walks the keys in blocks of ``block_tokens`` (gathering only that block's pages per
 row, keys in (slot, page) order so the copy streams all of the block's pages at once), keeps a
-running max / sum / accumulator in float32, and stops after the last block any row can see (the
-trip count is traced, so short batches in a long page table cost only what they use).
+running max / sum / accumulator in float32 (the online-softmax step of
+:mod:`pallas_kernels.softmax`, which the Pallas kernels use too), and stops after the last block
+any row can see (the trip count is traced, so short batches in a long page table cost only what
+they use).
 Positions at or past a row's limit are masked with ``jnp.where`` in scores *and* values, so NaN
 garbage there never reaches the output.
 """
@@ -17,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import reference, validation
+from pallas_kernels import reference, softmax, validation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,28 +54,6 @@ class XlaConfig:
             )
 
 
-def _online_step(carry, s, v, valid, v_valid, *, sm_scale, soft_cap, pv="...gk,...kd->...gd"):
-    """One online-softmax update.
-
-    ``s`` f32[..., G, K] raw scores, ``valid`` (broadcastable to ``s``) the keys each query sees,
-    ``v`` f32[..., K, D] and ``v_valid`` (broadcastable to ``v``) the value rows that hold data;
-    ``pv`` is the einsum from probabilities and values to the accumulator's shape.
-    """
-    m, lsum, acc = carry  # [..., G], [..., G], [..., G, D]
-    s = s * sm_scale
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    s = jnp.where(valid, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
-    alpha = jnp.exp(m - m_safe)
-    p = jnp.exp(s - m_safe[..., None])
-    lsum = alpha * lsum + jnp.sum(p, axis=-1)
-    v = jnp.where(v_valid, v, 0.0)
-    acc = alpha[..., None] * acc + jnp.einsum(pv, p, v)
-    return m_new, lsum, acc
-
-
 def _in_loop(cache, *where):
     """``cache`` made to depend on the tile position ``where`` (no copy), for 2-byte floats.
 
@@ -87,10 +67,6 @@ def _in_loop(cache, *where):
     if cache.dtype == jnp.float32 or jax.default_backend() != "cpu":
         return cache
     return lax.optimization_barrier((cache, *where))[0]
-
-
-def _finish(lsum, acc):
-    return acc / jnp.where(lsum == 0.0, 1.0, lsum)[..., None]
 
 
 def paged_rows_attention(
@@ -149,36 +125,22 @@ def paged_rows_attention(
         valid = pos < limit  # [1, R, M, block]
         v_valid = (pos[None, :] < row_max[:, None])[None, :, :, None]  # [1, R, block, 1]
         s = jnp.einsum("hrmd,hrkd->hrmk", qf, gather(k_pages))
-        return _online_step(
-            carry, s, gather(v_pages), valid, v_valid, sm_scale=sm_scale, soft_cap=soft_cap
-        )
+        s = softmax.scale_scores(s, sm_scale=sm_scale, soft_cap=soft_cap)
+        v = jnp.where(v_valid, gather(v_pages), 0.0)
+        return softmax.online_softmax_step(carry, s, v, valid)
 
-    init = (
-        jnp.full((num_kv_heads, rows, num_queries), -jnp.inf, jnp.float32),
-        jnp.zeros((num_kv_heads, rows, num_queries), jnp.float32),
-        jnp.zeros((num_kv_heads, rows, num_queries, head_dim), jnp.float32),
-    )
+    init = softmax.initial_state((num_kv_heads, rows, num_queries), head_dim)
     _, lsum, acc = lax.fori_loop(0, trips, body, init)
-    return jnp.swapaxes(_finish(lsum, acc), 0, 1)
+    return jnp.swapaxes(softmax.normalize(lsum, acc), 0, 1)
 
 
-def grouped_rows_attention(
-    q: jax.Array,  # [R, Hkv, M, D]
-    k_pages: jax.Array,  # [Hkv, P, page, D]
-    v_pages: jax.Array,  # [Hkv, P, page, D]
-    row_pages: jax.Array,  # i32[R, pages_per_seq]
-    row_limit: jax.Array,  # i32[R, M] or i32[R, 1]
-    count: jax.Array,  # i32[] rows that are live (a prefix); the rest are skipped
-    *,
-    sm_scale: float,
-    soft_cap: float | None,
-    config: XlaConfig,
-    layer=None,
-) -> jax.Array:  # f32[R, Hkv, M, D] (rows >= count: zeros)
+def grouped_rows_attention(q, k_pages, v_pages, row_pages, row_limit, count, *, config, **kw):
     """:func:`paged_rows_attention` over groups of ``config.items_per_group`` rows.
 
-    Small groups keep one group's gathered KV block in cache (several times faster on CPU than
-    one batch-wide gather), and the loop stops after the last live row.
+    Same arguments and result (f32[R, Hkv, M, D]), plus ``count`` (i32[]): the rows that are live,
+    a prefix; the others are skipped and come out zero. Small groups keep one group's gathered KV
+    block in cache (several times faster on CPU than one batch-wide gather), and the loop stops
+    after the last live row.
     """
     rows = q.shape[0]
     per_group = min(config.items_per_group, rows)
@@ -192,9 +154,8 @@ def grouped_rows_attention(
     def body(g, out):
         sl = lambda x: lax.dynamic_slice_in_dim(x, g * per_group, per_group, axis=0)  # noqa: E731
         o = paged_rows_attention(
-            sl(q), k_pages, v_pages, sl(row_pages), sl(row_limit),
-            sm_scale=sm_scale, soft_cap=soft_cap, config=config, layer=layer,
-        )  # fmt: skip
+            sl(q), k_pages, v_pages, sl(row_pages), sl(row_limit), config=config, **kw
+        )
         return lax.dynamic_update_slice_in_dim(out, o, g * per_group, axis=0)
 
     out = jnp.zeros(q.shape, jnp.float32)
@@ -391,20 +352,15 @@ def flash_attention(
             pos = start + jnp.arange(block, dtype=jnp.int32)  # [block]
             valid = (pos >= lo) & (pos < lim)  # [bg, 1, Tq * G, block]
             s = jnp.einsum("bhmd,bhkd->bhmk", qg, load(k))
+            s = softmax.scale_scores(s, sm_scale=sm_scale, soft_cap=soft_cap)
             v_valid = (pos >= lo)[None, :] & (pos[None, :] < lens[:, None])  # [bg, block]
-            return _online_step(
-                carry, s, load(v), valid, v_valid[:, None, :, None], sm_scale=sm_scale,
-                soft_cap=soft_cap,
-            )  # fmt: skip
+            vb = jnp.where(v_valid[:, None, :, None], load(v), 0.0)
+            return softmax.online_softmax_step(carry, s, vb, valid)
 
-        init = (
-            jnp.full((bg, hkv, q_len * group), -jnp.inf, jnp.float32),
-            jnp.zeros((bg, hkv, q_len * group), jnp.float32),
-            jnp.zeros((bg, hkv, q_len * group, d), jnp.float32),
-        )
+        init = softmax.initial_state((bg, hkv, q_len * group), d)
         trips = jnp.minimum((jnp.max(lens) + block - 1) // block, num_blocks)
         _, lsum, acc = lax.fori_loop(0, trips, body, init)
-        return lax.dynamic_update_slice_in_dim(out, _finish(lsum, acc), b0, axis=0)
+        return lax.dynamic_update_slice_in_dim(out, softmax.normalize(lsum, acc), b0, axis=0)
 
     out = jnp.zeros((batch, hkv, q_len * group, d), jnp.float32)
     out = lax.fori_loop(0, -(-batch // bg), group_body, out)

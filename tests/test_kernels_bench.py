@@ -35,6 +35,21 @@ def test_smoke_config_end_to_end(tmp_path):
         assert record[op]["dense"]["xla_head_major"]["correct"]
         assert impls["xla"]["ratio_to_dense_head_major"] > 0
         assert record[op]["bytes"] > 0
+        for r in impls.values():  # the headline ratio is the median of per-round ratios
+            rr = r["ratio_to_dense_rounds"]
+            assert r["ratio_to_dense"] == rr["median"] and rr["rounds"] == r["rounds"]
+            assert rr["min"] <= rr["q1"] <= rr["median"] <= rr["q3"] <= rr["max"]
+            assert rr["iqr"] == rr["q3"] - rr["q1"]
+            assert len(r["round_ms"]) == r["rounds"]
+            assert r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+        order = record[op]["timing_order"]  # each ratio's two sides are timed side by side
+        xla_at = order.index("xla")
+        assert order.index("dense:xla") == xla_at - 1
+        assert order.index("dense:xla_head_major") == xla_at + 1
+    target = record["target"]
+    assert target["statistic"].startswith("median over the timing rounds of the per-round ratio")
+    assert target["ratio"] == record["decode"]["impls"]["xla"]["ratio_to_dense"]
+    assert target["met"] == (target["ratio"] <= 1.25) and target["rounds"] >= 1
 
 
 def test_configs_load_and_reject_unknown_variants():
@@ -79,8 +94,8 @@ def test_a_failing_implementation_is_recorded_and_the_others_go_on():
     the partial record is handed out after every step."""
     import numpy as np
 
+    from experiments import kernel_bench_lib as lib
     from experiments.configs import kernel_bench
-    from pallas_kernels import benchmarking as lib
 
     config = kernel_bench.get_config("smoke")
     data = lib.build_decode(config, np.random.default_rng(0))
@@ -96,8 +111,41 @@ def test_a_failing_implementation_is_recorded_and_the_others_go_on():
     assert snapshots[0] == set() and {"bogus"} in snapshots and snapshots[-1] == {"bogus", "xla"}
 
 
+def test_ragged_dense_baseline_does_the_paged_work():
+    """One dense call per distinct query length, over the sequences that have it: the same query
+    rows (no padding to the longest chunk) and each token row mapped back to its place."""
+    import numpy as np
+
+    from experiments import kernel_bench_lib as lib
+    from experiments.configs import kernel_bench
+
+    config = kernel_bench.get_config("smoke")
+    data = lib.build_ragged(config, np.random.default_rng(0))
+    seqs = lib.ragged_seqs(config.ragged)
+    groups = [data["dense_args"][i : i + 4] for i in range(0, len(data["dense_args"]), 4)]
+    assert sorted(q.shape[1] for q, *_ in groups) == sorted({q_len for _, q_len in seqs})
+    assert sum(q.shape[0] * q.shape[1] for q, *_ in groups) == sum(n for _, n in seqs)
+    rows = np.concatenate(data["dense_rows"])
+    np.testing.assert_array_equal(np.sort(rows), data["live_rows"])
+    q = data["args"][0]
+    np.testing.assert_array_equal(np.concatenate([g[0].reshape(-1, *q.shape[1:]) for g in groups]),
+                                  q[rows])  # fmt: skip
+
+
+def test_per_round_ratios_and_alternating_order():
+    from experiments import kernel_bench_lib as lib
+
+    seen = []
+    runs = {name: (lambda name=name: seen.append(name), ()) for name in "abc"}
+    times = lib.interleaved_rounds(runs, repeats=3, warmup=0)
+    assert "".join(seen) == "abccbaabc" and all(len(ts) == 3 for ts in times.values())
+    r = lib.per_round_ratios([2.0, 4.0, 9.0, 1.0], [1.0, 2.0, 3.0, 1.0])
+    assert r["median"] == 2.0 and r["min"] == 1.0 and r["max"] == 3.0 and r["rounds"] == 4
+    assert r["iqr"] == r["q3"] - r["q1"] and r["ratio_of_medians"] == 3.0 / 1.5
+
+
 def test_timing_errors_drop_only_the_failing_run():
-    from pallas_kernels import benchmarking as lib
+    from experiments import kernel_bench_lib as lib
 
     calls = {"n": 0}
 
@@ -108,7 +156,7 @@ def test_timing_errors_drop_only_the_failing_run():
         return 0
 
     errors = {}
-    times = lib.interleaved_medians({"ok": (lambda: 0, ()), "bad": (flaky, ())}, repeats=4,
+    times = lib.interleaved_rounds({"ok": (lambda: 0, ()), "bad": (flaky, ())}, repeats=4,
                                     warmup=1, errors=errors)  # fmt: skip
     assert set(times) == {"ok"} and len(times["ok"]) == 4
     err = errors["bad"]
@@ -116,8 +164,8 @@ def test_timing_errors_drop_only_the_failing_run():
     assert len(err["error"]) == len("RuntimeError: ") + lib.ERROR_HEAD_CHARS
     assert err["error_tail"] == "x" * lib.ERROR_TAIL_CHARS and err["error_chars"] > 5000
     with pytest.raises(RuntimeError):  # without an errors dict, failures propagate as before
-        lib.interleaved_medians({"bad": (flaky, ())}, repeats=1, warmup=0)
+        lib.interleaved_rounds({"bad": (flaky, ())}, repeats=1, warmup=0)
     calls["n"] = 0
-    times = lib.interleaved_medians({"f": (flaky, ())}, repeats=1, warmup=0, calls=2)
+    times = lib.interleaved_rounds({"f": (flaky, ())}, repeats=1, warmup=0, calls=2)
     assert calls["n"] == 2 and len(times["f"]) == 1  # one timing of 2 back-to-back calls
     assert lib.quick_time(lambda: 0, (), 3, calls=2)["quick_rounds"] == 3

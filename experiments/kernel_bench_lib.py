@@ -2,6 +2,13 @@
 
 Kept out of the script so it is importable and tested (``tests/test_kernels_bench.py`` runs the
 smoke config end to end).
+
+Timing: every implementation and baseline is timed once per round, the order alternating forward
+and backward (A, B, C, C, B, A, A, B, ...), so each baseline is timed right next to what it is
+compared with, each side first half of the time. Ratios are taken per round (both sides measured
+within the same second or so, under the same load from whatever else runs on the machine) and
+reported with their spread over rounds (median, min, max, quartiles, IQR); the headline ratio is
+the median of the per-round ratios.
 """
 
 from __future__ import annotations
@@ -26,6 +33,30 @@ def _itemsize(dtype) -> int:
     return 2 if str(dtype) == "bfloat16" else np.dtype(dtype).itemsize
 
 
+def dense_groups(q, case, seqs, cu) -> tuple[tuple, list]:
+    """The dense baseline of a paged step: one contiguous ``flash_attention`` call per distinct
+    query length, over exactly the sequences that have it.
+
+    ``seqs`` holds ``(kv_len, q_len)`` per sequence and ``cu`` the cumulative query lengths (the
+    token rows of sequence ``i`` in ``q`` are ``cu[i]:cu[i+1]``). Each group gets ``q``
+    ``[n, q_len, Hq, D]`` (the sequences' own rows, nothing padded), K/V ``[n, Tk, Hkv, D]`` cut
+    to the group's longest context, and ``kv_lens``: the same query rows and the same causal keys
+    as the paged call, so paged/dense compares equal work. Returns ``(args, rows)``: the groups'
+    arrays back to back (4 per group) and per group the token row of each output row.
+    """
+    args, rows = [], []
+    for q_len in sorted({q_len for _, q_len in seqs}, reverse=True):
+        idx = np.asarray([i for i, (_, n) in enumerate(seqs) if n == q_len])
+        tk = max(seqs[i][0] for i in idx)
+        contiguous = np.array_equal(idx, np.arange(idx[0], idx[0] + len(idx)))
+        pick = slice(idx[0], idx[0] + len(idx)) if contiguous else idx  # a view when possible
+        tokens = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in idx])
+        args += [q[tokens].reshape(len(idx), q_len, *q.shape[1:]), case.k_dense[pick, :tk],
+                 case.v_dense[pick, :tk], case.lengths[pick]]  # fmt: skip
+        rows.append(tokens)
+    return tuple(args), rows
+
+
 def build_decode(config, rng) -> dict:
     """Decode data: ``batch`` sequences of ``context`` tokens in a shuffled page pool."""
     h, page = config.heads, config.page_size
@@ -38,11 +69,12 @@ def build_decode(config, rng) -> dict:
     q = testing.random_q(rng, (batch, h.num_q_heads, h.head_dim), config.dtype)
     size = _itemsize(config.dtype)
     kv_bytes = 2 * int(case.lengths.sum()) * h.num_kv_heads * h.head_dim * size
+    dense_args, dense_rows = dense_groups(q, case, [(context, 1)] * batch, np.arange(batch + 1))
     return {
         "args": (q, case.k_pages, case.v_pages, case.lengths, case.page_indices),
-        "dense_args": (q[:, None], case.k_dense, case.v_dense, case.lengths),
+        "dense_args": dense_args,
         "live_rows": np.arange(batch),
-        "dense_rows": (np.arange(batch), np.zeros(batch, np.int64)),
+        "dense_rows": dense_rows,
         "bytes": kv_bytes + 2 * q.size * size,
         "reference_bytes": 2 * batch * pps * page * h.num_kv_heads * h.head_dim * 4,
         "shape": f"B={batch} context={context} Hq={h.num_q_heads} Hkv={h.num_kv_heads} "
@@ -60,7 +92,8 @@ def ragged_seqs(rc) -> list[tuple[int, int]]:
 
 
 def build_ragged(config, rng) -> dict:
-    """Ragged data: one mixed step, tokens padded to a power of two as an engine would bucket."""
+    """Ragged data: one mixed step, tokens padded to a power of two as an engine would bucket;
+    its dense baseline is one call per query length (:func:`dense_groups`)."""
     h, page = config.heads, config.page_size
     seqs = ragged_seqs(config.ragged)
     pps = -(-max(kv for kv, _ in seqs) // page)
@@ -70,21 +103,14 @@ def build_ragged(config, rng) -> dict:
         page_size=page, pages_per_seq=pps, pad_tokens=next_pow2(live) - live,
         dtype=config.dtype,
     )  # fmt: skip
-    # Dense equivalent: queries right-aligned in [S, Qmax] (the last q_len of kv_len tokens).
-    num, q_max = len(seqs), max(q_len for _, q_len in seqs)
-    q_dense = np.zeros((num, q_max, *q.shape[1:]), q.dtype)
-    seq_of_row, slot_of_row = [], []
-    for i, (_, q_len) in enumerate(seqs):
-        q_dense[i, q_max - q_len :] = q[cu[i] : cu[i + 1]]
-        seq_of_row += [i] * q_len
-        slot_of_row += list(range(q_max - q_len, q_max))
+    dense_args, dense_rows = dense_groups(q, case, seqs, cu)
     size = _itemsize(config.dtype)
     kv_bytes = 2 * sum(kv for kv, _ in seqs) * h.num_kv_heads * h.head_dim * size
     return {
         "args": (q, case.k_pages, case.v_pages, case.lengths, case.page_indices, cu, n),
-        "dense_args": (q_dense, case.k_dense[:num], case.v_dense[:num], case.lengths[:num]),
+        "dense_args": dense_args,
         "live_rows": np.arange(live),
-        "dense_rows": (np.asarray(seq_of_row), np.asarray(slot_of_row)),
+        "dense_rows": dense_rows,
         "bytes": kv_bytes + 2 * live * h.num_q_heads * h.head_dim * size,
         "reference_bytes": 2 * q.shape[0] * pps * page * h.num_kv_heads * h.head_dim * 4,
         "shape": f"{len(seqs)} seqs ({config.ragged.num_prefills} prefill chunks of "
@@ -180,23 +206,43 @@ def dense_impl(impl: str) -> str:
     return "xla" if impl.startswith("jax_") else impl
 
 
-def dense_fn(impl: str, sm_scale: float) -> Callable:
-    def fn(q, k, v, kv_lens):
-        return pk.flash_attention(q, k, v, kv_lens=kv_lens, sm_scale=sm_scale, impl=impl)
-
-    return jax.jit(fn)
-
-
 HEAD_MAJOR = "xla_head_major"  # the second dense baseline of the "xla" family
 
 
-def dense_head_major_fn(sm_scale: float) -> Callable:
-    """Dense "xla" attention on ``[B, Hkv, Tk, D]`` K/V (no per-block transpose; see ``xla.py``)."""
+def dense_fn(impl: str, sm_scale: float) -> Callable:
+    """``pallas_kernels.flash_attention`` with ``impl`` over the groups of :func:`dense_groups`
+    (4 arrays each), one jitted call; returns one output per group. ``impl=HEAD_MAJOR``: the "xla"
+    path on ``[B, Hkv, Tk, D]`` K/V (no per-block transpose; see ``xla.py``), args from
+    :func:`head_major_args`."""
 
-    def fn(q, k, v, kv_lens):
-        return xla.flash_attention(q, k, v, kv_lens=kv_lens, sm_scale=sm_scale, kv_head_major=True)
+    def fn(*args):
+        outs = []
+        for q, k, v, kv_lens in zip(*[iter(args)] * 4):
+            if impl == HEAD_MAJOR:
+                outs.append(xla.flash_attention(q, k, v, kv_lens=kv_lens, sm_scale=sm_scale,
+                                                kv_head_major=True))  # fmt: skip
+            else:
+                outs.append(pk.flash_attention(q, k, v, kv_lens=kv_lens, sm_scale=sm_scale,
+                                               impl=impl))  # fmt: skip
+        return tuple(outs)
 
     return jax.jit(fn)
+
+
+def head_major_args(dense_args: tuple) -> tuple:
+    """The groups of :func:`dense_groups` with K/V as ``[B, Hkv, Tk, D]``."""
+    out = list(dense_args)
+    for i in range(0, len(out), 4):
+        out[i + 1], out[i + 2] = (jnp.swapaxes(x, 1, 2) for x in out[i + 1 : i + 3])
+    return tuple(out)
+
+
+def dense_to_rows(outs, rows) -> np.ndarray:
+    """Group outputs of :func:`dense_fn` -> float64 ``[live tokens, Hq, D]`` in token order."""
+    got = np.concatenate([np.asarray(o, np.float64).reshape(-1, *o.shape[2:]) for o in outs])
+    out = np.empty_like(got)
+    out[np.concatenate(rows)] = got
+    return out
 
 
 def _block(x):
@@ -235,11 +281,16 @@ def error_record(e: BaseException, stage: str) -> dict:
     return rec
 
 
-def interleaved_medians(
+def interleaved_rounds(
     runs: dict, *, repeats: int, warmup: int, errors: dict | None = None, calls: int = 1
 ) -> dict:
-    """Times every ``name -> (fn, args)`` in rotating order each round; returns seconds lists
-    (per call, each round timing ``calls`` back-to-back calls, see :func:`_timed`).
+    """Times every ``name -> (fn, args)`` once per round; returns ``name -> seconds per round``
+    (per call, each timing ``calls`` back-to-back calls, see :func:`_timed`).
+
+    Rounds alternate forward and backward order (A, B, C, C, B, A, A, B, ...): neighbours in
+    ``runs`` are timed back to back, each first in half of the rounds, so a ratio of two runs
+    taken within a round sees the same machine load on both sides. Every returned list has one
+    entry per round, index ``r`` being round ``r`` (:func:`per_round_ratios` pairs them up).
 
     With ``errors`` (a dict), a run that raises is recorded there (:func:`error_record`, stage
     ``"timing"``), dropped, and the others go on; without it the exception propagates.
@@ -262,13 +313,31 @@ def interleaved_medians(
                 break
     times = {name: [] for name in names}
     for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in names if r % 2 == 0 else names[::-1]:
             if name in (errors or {}):
                 continue
             dt = call(name)
             if dt is not None:
                 times[name].append(dt)
     return {name: ts for name, ts in times.items() if name not in (errors or {})}
+
+
+def spread(xs) -> dict:
+    """Median, min, max, quartiles and IQR of ``xs`` (e.g. per-round ratios), and their count."""
+    xs = np.asarray(xs, np.float64)
+    q1, median, q3 = (float(x) for x in np.percentile(xs, [25, 50, 75]))
+    return {"median": median, "min": float(xs.min()), "max": float(xs.max()), "q1": q1, "q3": q3,
+            "iqr": q3 - q1, "rounds": int(xs.size)}  # fmt: skip
+
+
+def per_round_ratios(num, den) -> dict:
+    """:func:`spread` of ``num[r] / den[r]`` over the rounds of :func:`interleaved_rounds`, plus
+    the ratio of the medians and of the minima for comparison (``median`` is the headline)."""
+    num, den = np.asarray(num, np.float64), np.asarray(den, np.float64)
+    rec = spread(num / den)
+    rec["ratio_of_medians"] = float(np.median(num) / np.median(den))
+    rec["ratio_of_mins"] = float(num.min() / den.min())
+    return rec
 
 
 # JAX's TPU paged kernel rounds K/V to bfloat16 internally (its dequantise step).
@@ -336,6 +405,23 @@ def copy_fn() -> Callable:
     """Reads and writes the whole K/V pool once (``x + z`` with ``z`` a runtime zero, which XLA
     cannot fold away): the device's copy bandwidth on the very buffers the kernels read."""
     return jax.jit(lambda k, v, z: (k + z, v + z))
+
+
+def timing_order(runs: dict, rec: dict) -> list[str]:
+    """The order of :func:`interleaved_rounds`: the copy, then each implementation between its
+    dense baseline (before it) and, for the "xla" family, the head-major baseline (after it), so
+    every ratio's two sides are neighbours."""
+    order = ["copy"] if "copy" in runs else []
+    for name, entry in rec["impls"].items():
+        if name not in runs:
+            continue
+        dense = f"dense:{entry.get('dense_impl')}"
+        order += [dense] if dense in runs and dense not in order else []
+        order.append(name)
+        hm = f"dense:{HEAD_MAJOR}"
+        if entry.get("dense_impl") == "xla" and hm in runs and hm not in order:
+            order.append(hm)
+    return order + [name for name in runs if name not in order]
 
 
 def bench_op(
@@ -441,9 +527,7 @@ def bench_op(
         t0 = time.perf_counter()
         try:
             fn = dense_fn(d, sm_scale)
-            seq, slot = data["dense_rows"]
-            out = np.asarray(fn(*dense_args), np.float64)[seq, slot]
-            ok, err = check(out, slice(None))
+            ok, err = check(dense_to_rows(fn(*dense_args), data["dense_rows"]), slice(None))
             rec["dense"][d] = {"correct": ok, "max_abs_err": err,
                                "first_call_s": time.perf_counter() - t0}  # fmt: skip
             runs[f"dense:{d}"] = (fn, dense_args)
@@ -455,20 +539,20 @@ def bench_op(
         # The same contiguous data with each head's keys contiguous: what paging costs against a
         # dense cache laid out for the kernel, not only against the [B, T, Hkv, D] layout.
         try:
-            q_d, k_d, v_d, lens_d = dense_args
-            hm_args = (q_d, jnp.swapaxes(k_d, 1, 2), jnp.swapaxes(v_d, 1, 2), lens_d)
-            fn = dense_head_major_fn(sm_scale)
-            seq, slot = data["dense_rows"]
-            ok, err = check(np.asarray(fn(*hm_args), np.float64)[seq, slot], slice(None))
+            hm_args = head_major_args(dense_args)
+            fn = dense_fn(HEAD_MAJOR, sm_scale)
+            ok, err = check(dense_to_rows(fn(*hm_args), data["dense_rows"]), slice(None))
             rec["dense"][HEAD_MAJOR] = {"correct": ok, "max_abs_err": err}
             runs[f"dense:{HEAD_MAJOR}"] = (fn, hm_args)
         except Exception as e:  # noqa: BLE001
             rec["dense"][HEAD_MAJOR] = error_record(e, "correctness")
         update(rec)
+    runs = {name: runs[name] for name in timing_order(runs, rec)}
+    rec["timing_order"] = list(runs)
     say(f"{op}: timing {len(runs)} runs x {config.repeats} rounds")
     errors: dict = {}
-    times = interleaved_medians(runs, repeats=config.repeats, warmup=config.warmup, errors=errors,
-                                calls=calls)  # fmt: skip
+    times = interleaved_rounds(runs, repeats=config.repeats, warmup=config.warmup, errors=errors,
+                               calls=calls)  # fmt: skip
 
     def entry_of(name):
         if name == "copy":
@@ -481,7 +565,9 @@ def bench_op(
     for name, ts in times.items():
         median = float(np.median(ts))
         entry = entry_of(name)
-        entry.update(median_ms=1e3 * median, min_ms=1e3 * float(np.min(ts)), rounds=len(ts))
+        ms = spread(1e3 * np.asarray(ts))
+        entry.update(median_ms=ms["median"], min_ms=ms["min"], max_ms=ms["max"], iqr_ms=ms["iqr"],
+                     rounds=len(ts), round_ms=[1e3 * t for t in ts])  # fmt: skip
         if name == "copy":
             entry["gbps"] = entry["bytes"] / median / 1e9  # read + write
             entry["fraction_of_peak"] = entry["gbps"] / peak_gbps
@@ -489,14 +575,41 @@ def bench_op(
             entry["achieved_gbps"] = data["bytes"] / median / 1e9
             entry["fraction_of_peak"] = entry["achieved_gbps"] / peak_gbps
     copy_gbps = rec["copy"].get("gbps")
-    for entry in rec["impls"].values():
+    for name, entry in rec["impls"].items():
         if copy_gbps and "achieved_gbps" in entry:
             entry["fraction_of_copy"] = entry["achieved_gbps"] / copy_gbps
-        dense = rec["dense"].get(entry.get("dense_impl"), {})
-        if "median_ms" in entry and "median_ms" in dense:
-            entry["ratio_to_dense"] = entry["median_ms"] / dense["median_ms"]
-        head_major = rec["dense"].get(HEAD_MAJOR, {})
-        if entry.get("dense_impl") == "xla" and "median_ms" in entry and "median_ms" in head_major:
-            entry["ratio_to_dense_head_major"] = entry["median_ms"] / head_major["median_ms"]
+        baselines = [("ratio_to_dense", entry.get("dense_impl"))]
+        if entry.get("dense_impl") == "xla":
+            baselines.append(("ratio_to_dense_head_major", HEAD_MAJOR))
+        for key, dense in baselines:
+            if name in times and f"dense:{dense}" in times:
+                ratios = per_round_ratios(times[name], times[f"dense:{dense}"])
+                entry[key] = ratios["median"]  # the median of per-round ratios: the headline
+                entry[f"{key}_rounds"] = ratios
     update(rec)
     return rec
+
+
+TARGET_STATISTIC = (
+    "median over the timing rounds of the per-round ratio paged_ms / dense_ms (ratio_to_dense; "
+    "both sides timed back to back in every round, see interleaved_rounds)"
+)
+
+
+def target_record(record: dict, config) -> dict | None:
+    """The variant's speed target (``config.target_*``) checked against ``record``; None if it
+    has none. The ratio is ``ratio_to_dense``, the median of the per-round ratios."""
+    limit = config.get("target_max_ratio", 0.0)
+    if not limit:
+        return None
+    op, impl = config.target_op, config.target_impl
+    rec = {"claim": f"paged {impl} {op} <= {limit}x dense contiguous {op}", "op": op,
+           "impl": impl, "max_ratio": limit, "statistic": TARGET_STATISTIC}  # fmt: skip
+    entry = record.get(op, {}).get("impls", {}).get(impl, {})
+    if "ratio_to_dense" not in entry:
+        return {**rec, "met": None, "error": f"no ratio_to_dense for {op}:{impl}"}
+    spread_ = entry["ratio_to_dense_rounds"]
+    return {**rec, "ratio": entry["ratio_to_dense"], "met": entry["ratio_to_dense"] <= limit,
+            "ratio_min": spread_["min"], "ratio_max": spread_["max"], "ratio_iqr": spread_["iqr"],
+            "rounds": spread_["rounds"]}  # fmt: skip
+
