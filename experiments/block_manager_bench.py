@@ -5,12 +5,18 @@
 Replays a constructed trace (``evidence: constructed``): lognormal ShareGPT-like prompt and output
 lengths, a share of prompts that start with one of a few shared system prompts, all requests queued
 at time 0. A continuous-batching loop keeps up to ``max_running`` sequences running and calls the
-block manager the way the engine does each step: allocate admitted prompts, append one slot per
-decoding sequence, ``begin_step``/``step_completed``, ``mark_computed``, free finished sequences
-(and free the newest sequence, recompute-style, when the pool runs dry). No device work is done, so
-every measured microsecond is block-manager time. Timings on a shared CPU are noisy: read p50.
+block manager the way the engine does each step: ``can_allocate`` + ``allocate`` admitted prompts,
+append one slot per decoding sequence, ``begin_step``/``step_completed``, ``mark_computed``, free
+finished sequences (and free the newest sequence, recompute-style, when the pool runs dry). No
+device work is done; each block-manager call is timed, the harness between calls is not. Timings
+on a shared CPU are noisy: read p50.
 
-Writes JSON with the config, git revision, Python version, per-step and per-operation timings.
+With ``--config.nanovllm_path=DIR`` (a local snapshot of nano-vllm's sources, never part of this
+repository) nano-vllm's ``BlockManager`` replays the same trace as its own scheduler drives it,
+interleaved step by step with ours, and the record gets medians, spread and ours/nano-vllm ratios.
+
+Writes JSON with the config, git revision, Python and JAX versions, per-step and per-operation
+timings.
 """
 
 from __future__ import annotations
@@ -72,126 +78,335 @@ def _summary(us: list[float]) -> dict:
             "p50_us": _pct(us, 50), "p90_us": _pct(us, 90), "p99_us": _pct(us, 99)}
 
 
-def replay(c: ml_collections.ConfigDict, trace, api: str, *, caching: bool | None = None) -> dict:
-    """Runs the trace through a continuous-batching loop; returns timings and block stats.
+class _Replay:
+    """One continuous-batching replay of the trace, advanced one step at a time by ``step()``.
 
-    Per step, the decode region times exactly the block-manager calls made for the decoding
-    sequences: with ``api="per_seq"`` one ``append_slots`` (one token) and one ``mark_computed`` per
-    sequence, with ``api="batch"`` one ``append_decode_slots`` and one ``mark_computed_many``; both
-    plus ``begin_step``/``step_completed``. Measured as wall time and as this thread's CPU time (the
-    CPU is shared, so wall time includes time the process was descheduled). The harness's own loop
-    cost (the same per-sequence loops over a no-op) is reported separately.
+    Per step: admit waiting prompts while fewer than ``max_running`` run, one decode slot per
+    running sequence for the token it sampled in the previous step, the step's completion, then
+    free the finished sequences (and, when the pool runs dry, free the newest, recompute-style).
+    Every block-manager call is timed; the harness's own work between calls is not.
+    Subclasses drive one block manager: ``_admit``, ``_prepare`` and ``_decode``,
+    ``_preempt_until_fits``,
+    ``_prefilled`` (after the step that ran the admitted prompts), ``_free``.
     """
-    caching = c.enable_prefix_caching if caching is None else caching
-    bm = BlockManager(c.num_blocks, c.block_size, enable_prefix_caching=caching,
-                      cache_salt=b"bench", quarantine_steps=c.quarantine_steps)
-    wall, cpu = time.perf_counter, time.thread_time
-    rng = np.random.default_rng(c.seed + 1)
-    waiting = list(range(len(trace)))[::-1]  # pop() from the end = FIFO
-    running: list[int] = []
-    produced: dict[int, int] = {}  # seq -> output tokens so far
-    tokens: dict[int, int] = {}  # seq -> slots
-    op_us: dict[str, list[float]] = {"allocate": [], "free": []}
-    full = {"wall": [], "cpu": [], "harness_wall": []}
-    step_wall, step_wall_full = [], []
-    preemptions = steps = 0
-    sampled = rng.integers(0, c.vocab_size, 4096).tolist()
-    append, mark = bm.append_slots, bm.mark_computed
 
-    def noop(a, b):
-        return None
+    def __init__(self, c: ml_collections.ConfigDict, trace):
+        self.c, self.trace = c, trace
+        self.waiting = list(range(len(trace)))[::-1]  # pop() from the end = FIFO
+        self.running: list[int] = []
+        self.produced: dict[int, int] = {}  # seq -> output tokens so far
+        self.tokens: dict[int, int] = {}  # seq -> slots
+        rng = np.random.default_rng(c.seed + 1)
+        self.sampled = rng.integers(0, c.vocab_size, 4096).tolist()
+        self.steps = self.preemptions = 0
+        self.rows: list[dict] = []  # per step: timings and the decode batch size
 
-    while waiting or running:
-        steps += 1
-        t_step = wall()
+    def done(self) -> bool:
+        return not (self.waiting or self.running)
+
+    def step(self) -> None:
+        c, wall = self.c, time.perf_counter
+        self.steps += 1
         admitted = []
-        while waiting and len(running) + len(admitted) < c.max_running:
-            sid = waiting[-1]
+        admit_us = 0.0
+        while self.waiting and len(self.running) + len(admitted) < c.max_running:
+            sid = self.waiting[-1]
             t0 = wall()
-            hit = bm.allocate(sid, trace[sid][0])
-            op_us["allocate"].append((wall() - t0) * 1e6)
-            if hit is None:
+            ok = self._admit(sid)
+            admit_us += (wall() - t0) * 1e6
+            if not ok:
                 break
-            waiting.pop()
+            self.waiting.pop()
             admitted.append(sid)
-            tokens[sid] = len(trace[sid][0])
-        # Decode: one slot per running sequence for the token it sampled in the previous step.
-        new = [[sampled[(sid + tokens[sid]) & 4095]] for sid in running]
-        counts = [tokens[sid] + 1 for sid in running]
-        if api == "batch":
-            flat = [t for t, in new]
-            w0, c0 = wall(), cpu()
-            ok = bm.append_decode_slots(running, flat) is not None
-            step_id = bm.begin_step()
-            bm.step_completed(step_id)
-            if ok:
-                bm.mark_computed_many(running, counts)
-            w1, c1 = wall(), cpu()
-            if not ok:  # fall back to per-sequence calls (untimed)
-                results = [append(sid, t) for sid, t in zip(running, new, strict=True)]
-        else:
-            w0, c0 = wall(), cpu()
-            results = [append(sid, t) for sid, t in zip(running, new, strict=True)]
-            step_id = bm.begin_step()
-            bm.step_completed(step_id)
-            ok = None not in results
-            if ok:
-                for sid, n in zip(running, counts, strict=True):
-                    mark(sid, n)
-            w1, c1 = wall(), cpu()
+            self.tokens[sid] = len(self.trace[sid][0])
+        running = self.running
+        new = [self.sampled[(sid + self.tokens[sid]) & 4095] for sid in running]
+        prep = self._prepare(running)  # the harness's own lists: not timed
+        w0, c0 = wall(), time.thread_time()
+        ok = self._decode(running, new, prep)
+        w1, c1 = wall(), time.thread_time()
         if not ok:  # out of blocks: preempt the newest (recompute-style) until the rest fit
-            for sid in [s for s, r in zip(running, results, strict=True) if r is None]:
-                while sid in running and append(sid, new[running.index(sid)]) is None:
-                    victim = running.pop()
-                    bm.free(victim)
-                    waiting.append(victim)
-                    produced.pop(victim, None)
-                    preemptions += 1
-            for sid in running:
-                mark(sid, tokens[sid] + 1)
+            self.preemptions += self._preempt_until_fits(running, new, admitted)
         for sid in running:
-            tokens[sid] += 1
-        for sid in admitted:
-            mark(sid, tokens[sid])
-        if len(new) == c.max_running and ok:
-            hw0 = wall()
-            _ = [noop(sid, t) for sid, t in zip(running, new, strict=True)]
-            for sid, n in zip(running, counts, strict=True):
-                noop(sid, n)
-            full["harness_wall"].append((wall() - hw0) * 1e6)
-            full["wall"].append((w1 - w0) * 1e6)
-            full["cpu"].append((c1 - c0) * 1e6)
-        finished = [sid for sid in running if produced.get(sid, 0) + 1 >= trace[sid][1]]
+            self.tokens[sid] += 1
+        t0 = wall()
+        self._prefilled(admitted)
+        admit_us += (wall() - t0) * 1e6
+        finished = [sid for sid in running if self.produced.get(sid, 0) + 1 >= self.trace[sid][1]]
         for sid in running:
-            produced[sid] = produced.get(sid, 0) + 1
+            self.produced[sid] = self.produced.get(sid, 0) + 1
         for sid in admitted:  # the prefill step samples the first output token
-            produced[sid] = 1
-            if trace[sid][1] <= 1:
+            self.produced[sid] = 1
+            if self.trace[sid][1] <= 1:
                 finished.append(sid)
+        t0 = wall()
+        for sid in finished:
+            self._free(sid)
+        free_us = (wall() - t0) * 1e6
         done = set(finished)
         for sid in finished:
-            t0 = wall()
-            bm.free(sid)
-            op_us["free"].append((wall() - t0) * 1e6)
-            produced.pop(sid, None)
-        running = [s for s in running if s not in done] + [s for s in admitted if s not in done]
-        step_wall.append((wall() - t_step) * 1e6)
-        if len(new) == c.max_running:
-            step_wall_full.append(step_wall[-1])
-    st = bm.stats()
-    bm.check_invariants()
-    return {
-        "steps": steps, "preemptions": preemptions,
-        "decode_step_at_max_running_wall": _summary(full["wall"]),
-        "decode_step_at_max_running_cpu": _summary(full["cpu"]),
-        "harness_loop_at_max_running_wall": _summary(full["harness_wall"]),
-        "whole_step_at_max_running_wall": _summary(step_wall_full),
-        "whole_step_all_wall": _summary(step_wall),
-        "whole_step_note": "whole step = admissions (allocate), decode calls, frees, plus harness",
-        "ops_wall": {k: _summary(v) for k, v in op_us.items()},
-        "block_manager_stats": st,
-        "prefix_hit_rate_tokens": st["hit_tokens"] / max(st["query_tokens"], 1),
-    }
+            self.produced.pop(sid, None)
+        full = ok and len(new) == c.max_running
+        self.rows.append({"full": full, "admit_us": admit_us, "free_us": free_us,
+                          "decode_wall_us": (w1 - w0) * 1e6, "decode_cpu_us": (c1 - c0) * 1e6,
+                          "admitted": len(admitted), "finished": len(finished)})
+        self.running = ([s for s in running if s not in done]
+                        + [s for s in admitted if s not in done])
+
+    def summary(self) -> dict:
+        full = [r for r in self.rows if r["full"]]
+        churn = [r for r in full if r["admitted"] or r["finished"]]
+
+        def whole(r):
+            return r["admit_us"] + r["decode_wall_us"] + r["free_us"]
+
+        return {
+            "steps": self.steps, "preemptions": self.preemptions,
+            "decode_step_at_max_running_wall": _summary([r["decode_wall_us"] for r in full]),
+            "decode_step_at_max_running_cpu": _summary([r["decode_cpu_us"] for r in full]),
+            "whole_step_at_max_running_wall": _summary([whole(r) for r in full]),
+            "whole_step_with_churn_at_max_running_wall": _summary([whole(r) for r in churn]),
+            "admission_per_step_with_churn_wall": _summary([r["admit_us"] for r in churn]),
+            "free_per_step_with_churn_wall": _summary([r["free_us"] for r in churn]),
+            "whole_step_note": "block-manager calls only: admissions (with the prefill's keying) "
+                               "+ decode calls + frees; 'with churn': steps at max_running that "
+                               "admitted or finished a request",
+        }
+
+
+class _Ours(_Replay):
+    """Drives `paged.block_manager.BlockManager` as `paged.scheduler` does: ``can_allocate`` then
+    ``allocate``. Decode calls by ``api`` (all plus ``begin_step``/``step_completed``):
+
+    * ``per_seq``: one ``append_slots`` and one ``mark_computed`` per decoding sequence;
+    * ``batch``: one ``append_decode_slots`` and one ``mark_computed_many`` of every sequence;
+    * ``batch_full_only``: as ``batch``, but ``mark_computed_many`` only of the sequences whose
+      tail block just filled (the engine's readback does this: a lagging computed count is
+      allowed, and only a full block has something to key);
+    * ``batch_async``: the overlapped engine's calls: ``append_decode_slots`` of unknown token ids
+      (``None``), ``set_tokens`` once the sampled ids reach the host, ``mark_computed_many`` of
+      every sequence;
+    * ``engine``: ``batch_async`` with ``mark_computed_many`` as in ``batch_full_only``.
+    """
+
+    def __init__(self, c, trace, api: str, caching: bool):
+        super().__init__(c, trace)
+        self.api = api
+        self.bm = BlockManager(c.num_blocks, c.block_size, enable_prefix_caching=caching,
+                               cache_salt=b"bench", quarantine_steps=c.quarantine_steps)
+
+    def _admit(self, sid):
+        bm, prompt = self.bm, self.trace[sid][0]
+        return bm.can_allocate(prompt) and bm.allocate(sid, prompt) is not None
+
+    def _prefilled(self, admitted):
+        mark, tokens = self.bm.mark_computed, self.tokens
+        for sid in admitted:  # after the step that ran their prompts: keys the full blocks
+            mark(sid, tokens[sid])
+
+    def _prepare(self, running):
+        tokens, B = self.tokens, self.c.block_size
+        counts = [tokens[sid] + 1 for sid in running]
+        full = [(sid, n) for sid, n in zip(running, counts) if n % B == 0]
+        return (counts, [tokens[sid] for sid in running], [sid for sid, _ in full],
+                [n for _, n in full])
+
+    def _decode(self, running, new, prep):
+        bm, api = self.bm, self.api
+        counts, positions, full_ids, full_counts = prep
+        if api == "per_seq":
+            append, mark = bm.append_slots, bm.mark_computed
+            results = [append(sid, [t]) for sid, t in zip(running, new, strict=True)]
+            step_id = bm.begin_step()
+            bm.step_completed(step_id)
+            if None in results:
+                return False
+            for sid, n in zip(running, counts, strict=True):
+                mark(sid, n)
+            return True
+        if api in ("batch_async", "engine"):
+            ok = bm.append_decode_slots(running, [None] * len(running)) is not None
+            step_id = bm.begin_step()
+            if ok:
+                bm.set_tokens(running, positions, new)  # the sampled ids reach the host
+            bm.step_completed(step_id)
+        else:
+            ok = bm.append_decode_slots(running, new) is not None
+            bm.step_completed(bm.begin_step())
+        if ok:
+            if api in ("batch_full_only", "engine"):
+                bm.mark_computed_many(full_ids, full_counts)
+            else:
+                bm.mark_computed_many(running, counts)
+        return ok
+
+    def _preempt_until_fits(self, running, new, admitted):
+        bm, n = self.bm, 0
+        for i, sid in enumerate(list(running)):
+            while sid in running and bm.append_slots(sid, [new[i]]) is None:
+                victim = running.pop()
+                bm.free(victim)
+                self.waiting.append(victim)
+                self.produced.pop(victim, None)
+                n += 1
+        for sid in running:
+            bm.mark_computed(sid, self.tokens[sid] + 1)
+        return n
+
+    def _free(self, sid):
+        self.bm.free(sid)
+
+    def summary(self):
+        st = self.bm.stats()
+        self.bm.check_invariants()
+        return super().summary() | {
+            "block_manager_stats": st,
+            "prefix_hit_rate_tokens": st["hit_tokens"] / max(st["query_tokens"], 1)}
+
+
+def load_nanovllm(path: str):
+    """nano-vllm's ``BlockManager`` and ``Sequence`` from a local source snapshot at ``path`` (a
+    folder holding ``nanovllm/engine/block_manager.py``, ``nanovllm/engine/sequence.py`` and
+    ``nanovllm/sampling_params.py``), loaded without its package ``__init__`` (which needs torch).
+    Its ``xxhash`` dependency is looked up on ``sys.path`` and in ``path`` itself."""
+    import importlib.util
+    import types
+
+    root = Path(path).expanduser().resolve()
+    if str(root) not in sys.path:
+        sys.path.append(str(root))
+    for pkg, sub in (("nanovllm", "nanovllm"), ("nanovllm.engine", "nanovllm/engine")):
+        if pkg not in sys.modules:
+            mod = types.ModuleType(pkg)
+            mod.__path__ = [str(root / sub)]
+            sys.modules[pkg] = mod
+    mods = {}
+    for name, rel in (("nanovllm.sampling_params", "nanovllm/sampling_params.py"),
+                      ("nanovllm.engine.sequence", "nanovllm/engine/sequence.py"),
+                      ("nanovllm.engine.block_manager", "nanovllm/engine/block_manager.py")):
+        spec = importlib.util.spec_from_file_location(name, root / rel)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        mods[name] = mod
+    return mods["nanovllm.engine.block_manager"].BlockManager, mods["nanovllm.engine.sequence"]
+
+
+class _NanoVllm(_Replay):
+    """Drives nano-vllm's ``BlockManager`` as nano-vllm's scheduler does: ``can_allocate`` then
+    ``allocate`` to admit, ``can_append``/``may_append`` per decoding sequence, and in the step's
+    postprocessing ``hash_blocks`` (its prefix caching) plus the ``Sequence`` bookkeeping its
+    block manager reads (computed count, the sampled token); ``deallocate`` to free."""
+
+    def __init__(self, c, trace, nano):
+        super().__init__(c, trace)
+        block_manager_cls, seq_mod = nano
+        seq_mod.Sequence.block_size = c.block_size
+        self.bm = block_manager_cls(c.num_blocks, c.block_size)
+        self.seqs = {}  # request -> its nano-vllm Sequence (made outside the timed calls)
+        self._seq_cls = seq_mod.Sequence
+
+    def _seq(self, sid):
+        seq = self.seqs.get(sid)
+        if seq is None:
+            seq = self.seqs[sid] = self._seq_cls(self.trace[sid][0])
+        return seq
+
+    def _admit(self, sid):
+        bm, seq, B = self.bm, self.seqs[sid], self.c.block_size
+        num_cached_blocks = bm.can_allocate(seq)
+        if num_cached_blocks == -1:
+            return False
+        bm.allocate(seq, num_cached_blocks)
+        seq.num_scheduled_tokens = seq.num_tokens - num_cached_blocks * B
+        return True
+
+    def _prefilled(self, admitted):
+        bm, seqs = self.bm, self.seqs
+        for sid in admitted:  # the prefill step's postprocessing
+            seq = seqs[sid]
+            bm.hash_blocks(seq)
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+
+    def step(self):
+        for sid in self.waiting[-self.c.max_running:]:  # request objects: not timed
+            self._seq(sid)
+        super().step()
+
+    def _prepare(self, running):
+        seqs = self.seqs
+        return [seqs[sid] for sid in running]  # its scheduler iterates Sequence objects
+
+    def _decode(self, running, new, batch):
+        bm = self.bm
+        for seq, t in zip(batch, new):  # the previous step's postprocessing appended the token
+            seq.append_token(t)
+        for seq in batch:
+            if not bm.can_append(seq):
+                return False
+            seq.num_scheduled_tokens = 1
+            seq.is_prefill = False
+            bm.may_append(seq)
+        for seq in batch:  # postprocess
+            bm.hash_blocks(seq)
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+        return True
+
+    def _preempt_until_fits(self, running, new, admitted):
+        raise RuntimeError("nano-vllm's pool ran dry: use a larger --config.num_blocks")
+
+    def _free(self, sid):
+        self.bm.deallocate(self.seqs.pop(sid))
+
+
+def replay(c: ml_collections.ConfigDict, trace, api: str, *, caching: bool | None = None) -> dict:
+    """Runs the whole trace through `_Ours`; returns its timings and block stats."""
+    r = _Ours(c, trace, api, c.enable_prefix_caching if caching is None else caching)
+    while not r.done():
+        r.step()
+    return r.summary()
+
+
+def _spread(xs) -> dict:
+    return {"p10": _pct(xs, 10), "p50": _pct(xs, 50), "p90": _pct(xs, 90), "n": len(xs)}
+
+
+_APIS = ("per_seq", "batch", "batch_full_only", "batch_async", "engine")
+
+
+def versus_nanovllm(c: ml_collections.ConfigDict, trace, nano, api: str = "batch") -> dict:
+    """Ours and nano-vllm's block manager on the same trace, interleaved step by step (the order
+    alternates every step), so both see the same machine load. Ratios are ours / nano-vllm's."""
+    ours, peer = _Ours(c, trace, api, c.enable_prefix_caching), _NanoVllm(c, trace, nano)
+    pair = (ours, peer)
+    k = 0
+    while not (ours.done() and peer.done()):
+        for r in (pair if k % 2 == 0 else pair[::-1]):
+            if not r.done():
+                r.step()
+        k += 1
+    out = {"ours": ours.summary(), "nanovllm": peer.summary(), "api": api, "note": (
+        "timed per step, each side: admission (can_allocate + allocate, then the prefill's "
+        "keying: ours mark_computed, nano-vllm hash_blocks), the decode calls (ours "
+        "append_decode_slots + begin_step/step_completed + mark_computed_many; nano-vllm per "
+        "sequence append_token, can_append, may_append, hash_blocks and the computed-count "
+        "update), the frees (free / deallocate). Lists the harness builds are not timed. "
+        "Steps at max_running only; 'with churn' = steps that admitted or finished a request.")}
+    for name, fn in (("decode_step", lambda r: r["decode_wall_us"]),
+                     ("decode_step_cpu", lambda r: r["decode_cpu_us"]),
+                     ("whole_step_with_churn",
+                      lambda r: r["admit_us"] + r["decode_wall_us"] + r["free_us"])):
+        steps = [(fn(a), fn(b)) for a, b in zip(ours.rows, peer.rows)
+                 if a["full"] and b["full"] and (name.startswith("decode_step") or (
+                     a["admitted"] or a["finished"]))]
+        mine, theirs = [x for x, _ in steps], [y for _, y in steps]
+        out[name] = {
+            "ours_us": _spread(mine), "nanovllm_us": _spread(theirs),
+            "ratio_of_medians": _pct(mine, 50) / _pct(theirs, 50) if steps else float("nan"),
+            "per_step_ratio": _spread([x / y for x, y in steps if y > 0])}
+    return out
 
 
 def micro(c: ml_collections.ConfigDict) -> dict:
@@ -230,6 +445,13 @@ def micro(c: ml_collections.ConfigDict) -> dict:
     for p in prompts:
         bm.can_allocate(p)
     out["can_allocate_161_tokens"] = (clock() - t0) / n * 1e6
+    t0 = clock()
+    for i, p in enumerate(prompts):  # the scheduler's admission: the prompt is hashed once
+        bm.can_allocate(p)
+        bm.allocate(("again", i), p)
+    out["can_allocate_then_allocate_161_tokens_hit_10_blocks"] = (clock() - t0) / n * 1e6
+    for i in range(n):
+        bm.free(("again", i))
     for i in range(n):
         bm.mark_computed(i, 161)  # fork needs every slot computed
     t0 = clock()
@@ -281,6 +503,14 @@ def _git_revision() -> dict:
             "dirty_files": len(git("status", "--porcelain").splitlines())}
 
 
+def _jax_version() -> str:
+    try:
+        import jax
+    except ImportError:
+        return "not installed"
+    return jax.__version__
+
+
 def _load_average() -> list[float] | None:
     """The machine's load (other processes share the CPU and skew timings)."""
     try:
@@ -298,17 +528,27 @@ def run(c: ml_collections.ConfigDict, *, command: str = "") -> dict:
     in_lens = np.array([len(p) for p, _ in trace])
     out_lens = np.array([o for _, o in trace])
     load_before = _load_average()
-    replayed = {api: replay(c, trace, api) for api in ("per_seq", "batch")}
+    replayed = {api: replay(c, trace, api) for api in _APIS}
     if c.enable_prefix_caching:  # what keying full blocks (and evicting cached ones) costs
         for api in ("per_seq", "batch"):
             replayed[f"{api}_without_prefix_caching"] = replay(c, trace, api, caching=False)
     runs = [micro(c) for _ in range(c.micro_runs)]
+    versus = None
+    if c.nanovllm_path:
+        nano = load_nanovllm(c.nanovllm_path)
+        versus = {api: versus_nanovllm(c, trace, nano, api) for api in c.versus_apis}
+        rev = Path(c.nanovllm_path).expanduser() / "REVISION"
+        versus["nanovllm_source"] = {
+            "path": c.nanovllm_path,
+            "revision": rev.read_text().strip() if rev.exists() else "unknown",
+            "xxhash": getattr(sys.modules.get("xxhash"), "VERSION", "unknown")}
     record = {
         "evidence": "constructed",
         "study": "block_manager_bench",
         "command": command,
         "git": _git_revision(),
         "python": sys.version,
+        "jax": _jax_version(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "load_average_1_5_15_min": {"before": load_before, "after": _load_average()},
@@ -324,6 +564,7 @@ def run(c: ml_collections.ConfigDict, *, command: str = "") -> dict:
         "micro_note": "mean over min(micro_repeats, what fits in the pool) calls, minimum of "
                       f"{c.micro_runs} runs; 161-token prompts, wall time",
         "target_us_per_decode_step": c.target_us_per_decode_step,
+        "versus_nanovllm": versus,
         "wall_s": None,
     }
     for api, r in replayed.items():
@@ -343,11 +584,24 @@ def main(argv):
     record = run(c, command=" ".join(sys.argv))
     for api, r in record["replay"].items():
         for name in ("decode_step_at_max_running_cpu", "decode_step_at_max_running_wall",
-                     "harness_loop_at_max_running_wall", "whole_step_at_max_running_wall"):
+                     "whole_step_at_max_running_wall",
+                     "whole_step_with_churn_at_max_running_wall"):
             v = r[name]
             print(f"[{api}] {name}: p50 {v['p50_us']:.1f} us, p90 {v['p90_us']:.1f} us, "
                   f"p99 {v['p99_us']:.1f} us over {v['n']} steps")
     print(f"target: {c.target_us_per_decode_step} us per decode step at {c.max_running} running")
+    for api, versus in (record["versus_nanovllm"] or {}).items():
+        for name in ("decode_step", "decode_step_cpu", "whole_step_with_churn"):
+            if api == "nanovllm_source":
+                break
+            v = versus[name]
+            print(f"[{api} vs nano-vllm] {name}: ours p50 {v['ours_us']['p50']:.1f} us "
+                  f"(p10 {v['ours_us']['p10']:.1f}, p90 {v['ours_us']['p90']:.1f}), nano-vllm p50 "
+                  f"{v['nanovllm_us']['p50']:.1f} us (p10 {v['nanovllm_us']['p10']:.1f}, p90 "
+                  f"{v['nanovllm_us']['p90']:.1f}); ratio of medians "
+                  f"{v['ratio_of_medians']:.3f}, per-step ratio p10/p50/p90 "
+                  f"{v['per_step_ratio']['p10']:.3f}/{v['per_step_ratio']['p50']:.3f}/"
+                  f"{v['per_step_ratio']['p90']:.3f} over {v['ours_us']['n']} steps")
     micro_us = {k: round(v, 2) for k, v in record["micro_us_per_op"].items()}
     print("micro (us/op):", json.dumps(micro_us))
     print(f"prefix hit rate (tokens): {record['replay']['per_seq']['prefix_hit_rate_tokens']:.3f}; "

@@ -29,7 +29,7 @@ def snapshot(bm: BlockManager):
     blocks = [(bm.block_state(b), bm.refcount(b), bm.block_version(b), bm.block_key(b))
               for b in range(bm.num_blocks)]
     return (bm.stats() | {"failed_allocations": None}, seqs, blocks, bm.evictable_blocks(),
-            list(bm._free), bm.last_begun_step, bm.last_completed_step)
+            list(bm._pool.free), bm.last_begun_step, bm.last_completed_step)
 
 
 def prefill(bm, sid, tokens, **kw):
@@ -149,7 +149,7 @@ def test_lru_eviction_order_after_frees():
     assert bm.num_free_blocks == 4  # 2 unkeyed tails + 2 never used
     # Nine fresh blocks: four free ones, then evictions in exactly that order.
     evicted = []
-    bm._on_free = evicted.extend
+    bm._pool.on_free = evicted.extend
     assert bm.allocate("c", list(range(100, 100 + 6 * B + 1))) == 0
     assert evicted == [ta[2], ta[1], ta[0]]
     assert bm.stats()["evictions"] == 3
@@ -361,7 +361,7 @@ def test_copy_sources_and_destinations_are_held_until_their_step_completes():
     bm.free("c")  # both ends of the pending copy lose their last reference before the copy ran
     assert bm.block_state(src) == bm.block_state(dst) == "quarantined"
     freed = []
-    bm._on_free = freed.extend
+    bm._pool.on_free = freed.extend
     s = bm.begin_step()  # this step performs the copy
     bm.step_completed(s)
     assert {src, dst} <= set(freed)
@@ -494,7 +494,7 @@ def test_misuse_raises_value_error_before_any_state_change():
         lambda: bm.can_allocate([]),
         lambda: bm.append_slots("zz", [1]),
         lambda: bm.append_slots("a", [1, 2.5]),
-        lambda: bm.append_slots("a", [None]),
+        lambda: bm.append_slots("a", [None, -1]),  # None (unknown) is allowed, -1 is not
         lambda: bm.reserve_lookahead("a", -1),
         lambda: bm.reserve_lookahead("a", 2, [1]),
         lambda: bm.rollback("a", 8),
@@ -557,28 +557,28 @@ def test_block_usage_counts_shared_blocks_once_and_peak_usage():
 def test_invariant_checker_catches_corruption():
     bm = make(debug=False)
     prefill(bm, "a", list(range(9)))
-    bm._rc[bm.block_table("a")[0]] += 1
+    bm._pool.rc[bm.block_table("a")[0]] += 1
     with pytest.raises(AssertionError, match="refcount"):
         bm.check_invariants()
     bm = make(debug=False)
     prefill(bm, "a", list(range(9)))
-    bm._version[bm.block_table("a")[0]] += 1  # rewritten behind the cache's back
+    bm._pool.version[bm.block_table("a")[0]] += 1  # rewritten behind the cache's back
     with pytest.raises(AssertionError, match="stale"):
         bm.check_invariants()
     bm = make(debug=False)
     prefill(bm, "a", list(range(9)))
-    bm._free.append(bm.block_table("a")[2])
+    bm._pool.free.append(bm.block_table("a")[2])
     with pytest.raises(AssertionError):
         bm.check_invariants()
     bm = make(debug=False)
     prefill(bm, "a", list(range(9)))
     bm.free("a")
-    bm._lru[bm.evictable_blocks()[0]] = b"not its digest"
+    bm._pool.lru[bm.evictable_blocks()[0]] = b"not its digest"
     with pytest.raises(AssertionError, match="digest"):
         bm.check_invariants()
     bm = make(debug=False)
     prefill(bm, "a", list(range(9)))
-    bm._busy_until[bm.block_table("a")[0]] = bm.last_begun_step + 1  # a copy nobody recorded
+    bm._fence.busy_until[bm.block_table("a")[0]] = bm.last_begun_step + 1  # a copy nobody recorded
     with pytest.raises(AssertionError, match="latest copy step"):
         bm.check_invariants()
 
@@ -722,7 +722,7 @@ def test_mark_computed_many_keys_full_blocks_and_rejects_a_late_bad_count():
 
 
 def test_prefix_index_buckets_collapse_and_a_wrong_digest_is_refused():
-    from paged.prefix_cache import PrefixCacheIndex
+    from paged.blocks.prefix_index import PrefixCacheIndex
 
     index = PrefixCacheIndex(8)
     versions = [0] * 8
@@ -741,7 +741,7 @@ def test_prefix_index_buckets_collapse_and_a_wrong_digest_is_refused():
 
 
 def test_default_keys_use_the_documented_sha256_digest():
-    from paged.prefix_cache import sha256_block_hash
+    from paged.blocks.prefix_index import sha256_block_hash
 
     bm = make(cache_salt=b"m")
     prefill(bm, "a", list(range(9)))
@@ -749,3 +749,132 @@ def test_default_keys_use_the_documented_sha256_digest():
     assert k0.digest == sha256_block_hash(None, (0, 1, 2, 3), b"m")
     assert k1.digest == sha256_block_hash(k0.digest, (4, 5, 6, 7), b"m")
     assert bm.allocate("b", list(range(9))) == 8  # lookups hash the same way
+
+
+# --- token ids not known yet (an overlapped engine step) ------------------------------------------
+@pytest.mark.parametrize("debug", [True, False])  # debug=False takes the one-pass decode path
+def test_unknown_decode_token_blocks_keying_until_set_tokens_fills_it(debug):
+    bm = make(debug=debug)
+    prefill(bm, "s", [1, 2, 3])
+    assert bm.append_decode_slots(["s"], [None]) == []  # the block is full, its last id unknown
+    b0 = bm.block_table("s")[0]
+    bm.step_completed(bm.begin_step())
+    bm.mark_computed_many(["s"], [4])
+    assert bm.block_key(b0) is None  # computed, but not keyed while a token id is unknown
+    assert bm.allocate("probe", [1, 2, 3, 7, 9]) == 0
+    bm.free("probe")
+    assert bm.append_decode_slots(["s"], [8]) == []  # decoding goes on meanwhile
+    bm.set_tokens(["s"], [3], [7])  # keyed at once: the block is full and computed
+    assert bm.block_key(b0).token_ids == (1, 2, 3, 7)
+    assert bm.allocate("probe", [1, 2, 3, 7, 9]) == 4
+    assert bm.block_table("probe")[0] == b0
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize("debug", [True, False])
+def test_set_tokens_before_the_step_completes_keys_at_mark_computed(debug):
+    bm = make(debug=debug)
+    prefill(bm, "s", [1, 2, 3])
+    bm.append_slots("s", [None])  # one unknown slot, the single-token path
+    bm.append_slots("s", [None, 5])  # the general path takes None too
+    assert bm.num_tokens("s") == 6
+    bm.set_tokens(["s", "s"], [4, 3], [4, 9])  # one sequence, two positions
+    b0 = bm.block_table("s")[0]
+    assert bm.block_key(b0) is None  # not computed yet
+    bm.step_completed(bm.begin_step())
+    bm.mark_computed("s", 6)
+    assert bm.block_key(b0).token_ids == (1, 2, 3, 9)
+    assert bm.allocate("probe", [1, 2, 3, 9, 4]) == 4
+
+
+def test_set_tokens_validates_everything_before_any_change():
+    bm = make(debug=True)
+    prefill(bm, "a", [1, 2, 3])
+    prefill(bm, "b", [5])
+    bm.append_decode_slots(["a", "b"], [None, None])
+    before = snapshot(bm)
+    bad = [
+        (["zz"], [3], [1]),  # unknown sequence
+        (["a"], [4], [1]),  # beyond the slots
+        (["a"], [-1], [1]),
+        (["a"], [2], [1]),  # a known slot
+        (["a", "a"], [3, 3], [1, 2]),  # a repeated pair
+        (["a"], [3], [-1]), (["a"], [3], [2**63]), (["a"], [3], ["x"]), (["a"], [3], [None]),
+        (["a"], [3.0], [1]),
+        (["a", "b"], [3], [1, 2]), (["a", "b"], [3, 1], [1]),  # lengths differ
+        (["a", "b"], [3, 0], [1, 2]),  # the first pair is fine, the second is not
+    ]
+    for args in bad:
+        with pytest.raises(ValueError):
+            bm.set_tokens(*args)
+        assert snapshot(bm) == before
+    bm.set_tokens(["b", "a"], [1, 3], [6, 4])  # both still unknown: nothing was half done
+    bm.step_completed(bm.begin_step())
+    bm.mark_computed_many(["a", "b"], [4, 2])
+    assert bm.block_key(bm.block_table("a")[0]).token_ids == (1, 2, 3, 4)
+    with pytest.raises(ValueError):
+        bm.set_tokens(["a"], [3], [4])  # known now
+
+
+def test_unknown_tokens_follow_fork_rollback_swap_and_all_or_nothing():
+    bm = make(num_blocks=6, num_host_blocks=4)  # 5 usable
+    prefill(bm, "p", [1, 2, 3])
+    bm.append_slots("p", [None])
+    bm.step_completed(bm.begin_step())
+    bm.mark_computed("p", 4)
+    bm.fork("p", "c")  # the child shares the unknown slot
+    bm.set_tokens(["p"], [3], [4])
+    assert bm.block_key(bm.block_table("p")[0]) is not None
+    bm.rollback("c", 1)  # drops the child's unknown slot
+    bm.append_slots("c", [None, None])  # CoW of the shared block, then two unknown slots
+    bm.rollback("c", 1)
+    assert bm.append_decode_slots(["p", "c"], [None, 1]) == []
+    before = snapshot(bm)
+    assert bm.append_slots("p", [None] * 5 * B) is None  # out of blocks: nothing changed
+    assert snapshot(bm) == before and bm.num_allocatable_blocks == 1
+    prefill(bm, "q", [1, 2, 3, 4])  # takes the last block
+    before = snapshot(bm)
+    assert bm.append_decode_slots(["p", "q", "c"], [None, None, 2]) is None  # q needs a block
+    assert snapshot(bm) == before
+    bm.free("q")
+    bm.rollback("p", 1)
+    bm.rollback("c", 1)
+    bm.swap_out("c")
+    bm.set_tokens(["c"], [3], [8])  # swapped out: allowed, keyed after its swap-in
+    bm.step_completed(bm.begin_step())
+    bm.swap_in("c")
+    bm.step_completed(bm.begin_step())
+    bm.mark_computed("c", 4)
+    assert bm.block_key(bm.block_table("c")[0]).token_ids == (1, 2, 3, 8)
+
+
+def test_admission_hashes_a_prompt_once_and_follows_changes_in_between():
+    calls = []
+
+    def counting_hash(parent, ids, salt):
+        calls.append(ids)
+        return ids[0]
+
+    bm = make(hash_fn=counting_hash)
+    prompt = list(range(13))  # 3 full blocks to look up
+    prefill(bm, "a", prompt)
+    calls.clear()
+    assert bm.can_allocate(prompt)
+    assert bm.allocate("b", prompt) == 12
+    assert len(calls) == 3  # can_allocate hashed; allocate reused its hits
+    bm.free("b")
+    bm.free("a")  # a's full blocks wait in the LRU
+    assert bm.can_allocate(prompt)
+    bm.evict_cached()  # the index changed: allocate looks the prompt up again
+    calls.clear()
+    assert bm.allocate("c", prompt) == 0  # and finds nothing cached any more
+    assert len(calls) == 1
+    bm.step_completed(bm.begin_step())
+    bm.mark_computed("c", 13)
+    changed = list(prompt)
+    assert bm.can_allocate(changed)
+    changed[5] = 99  # the caller's list changed: not the prompt can_allocate saw
+    assert bm.allocate("d", changed) == 4
+    assert bm.block_table("d")[0] == bm.block_table("c")[0]
+    assert bm.can_allocate(prompt, cache_salt="other")
+    assert bm.allocate("e", prompt) == 12  # another salt: looked up again

@@ -7,7 +7,8 @@ Launch (from the repo root)::
 
 Variants: ``default`` (10,000 requests, 256 running sequences, writes
 ``experiments/results/block_manager_bench.json``) and ``smoke`` (a few hundred short requests, writes
-to a temp dir). Override any field, e.g. ``--config.max_running=128 --config.enable_prefix_caching=False``.
+to a temp dir). Override any field, e.g. ``--config.max_running=128 --config.enable_prefix_caching=False``;
+``--config.nanovllm_path=DIR`` adds nano-vllm's block manager on the same trace, interleaved.
 """
 
 import tempfile
@@ -47,6 +48,11 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.micro_repeats = 2000
     c.micro_runs = 3  # report the minimum over runs (the CPU is shared)
     c.spec_k = 4  # lookahead slots per speculative step
+    # A local source snapshot of nano-vllm (a folder holding nanovllm/engine/block_manager.py,
+    # nanovllm/engine/sequence.py, nanovllm/sampling_params.py, and xxhash importable): when set,
+    # its BlockManager replays the same trace interleaved with ours. Empty: skipped.
+    c.nanovllm_path = ""
+    c.versus_apis = ("batch", "engine")  # our decode calls in the comparison (see _Ours)
     c.out = "experiments/results/block_manager_bench.json"
     if arg == "smoke":
         c.num_requests = 200

@@ -1,4 +1,4 @@
-"""Prefix-cache keys and the index from key digest to physical block (host side, plain Python).
+"""Prefix-cache keys, the index from key digest to physical block, and the keying of blocks.
 
 A full block of ``block_size`` tokens is identified by its *key*: the key of the block before it
 (``None`` for the first block), the block's own token ids and the cache salt. The salt names
@@ -15,13 +15,16 @@ tests inject such a function.
 Each physical block also carries a content version (kept by the block manager) that changes when
 the block is handed out again or its keyed content is rewritten; an index entry remembers the
 version it was made at, and a lookup never returns an entry whose version is stale.
+
+``PrefixKeyer`` is the only place that digests blocks: it matches a new prompt's full blocks
+against the index and keys a sequence's full computed blocks, both with the one ``hash_fn``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 HashFn = Callable[[Hashable | None, tuple[int, ...], bytes], Hashable]
 
@@ -56,7 +59,7 @@ class BlockKey:
     so parent chains usually compare by identity. Equality is structural (the whole chain).
     """
 
-    __slots__ = ("parent", "token_ids", "salt", "digest")
+    __slots__ = ("parent", "token_ids", "salt", "digest")  # noqa: RUF023 (the key's own order)
 
     def __init__(self, parent: BlockKey | None, token_ids: tuple[int, ...], salt: bytes,
                  digest: Hashable):
@@ -110,6 +113,7 @@ class PrefixCacheIndex:
         self.key: list[BlockKey | None] = [None] * num_blocks  # key of each indexed block
         self.version: list[int] = [0] * num_blocks  # content version it was indexed at
         self._collided = 0  # indexed blocks beyond the first of each bucket
+        self.generation = 0  # bumped by every change: a lookup result is valid while it holds
 
     def __len__(self) -> int:
         return len(self.buckets) + self._collided
@@ -136,7 +140,7 @@ class PrefixCacheIndex:
         at content version ``versions[block]`` if there is none.
 
         The common case, a digest not indexed yet and an unindexed ``block``, is one dict probe
-        and insert (`paged.block_manager` inlines it on the decode path).
+        and insert.
 
         Raises:
           RuntimeError: if ``block`` is already indexed under a different key.
@@ -147,6 +151,7 @@ class PrefixCacheIndex:
             if bucket is block:  # a new digest: ``block`` is its bucket now
                 key = self.key[block] = BlockKey(parent, token_ids, salt, digest)
                 self.version[block] = versions[block]
+                self.generation += 1
                 return key
         else:
             bucket = buckets.get(digest)
@@ -170,6 +175,7 @@ class PrefixCacheIndex:
                 f"block {block} is indexed under {self.key[block]!r}, not under {key!r}")
         self.key[block] = key
         self.version[block] = version
+        self.generation += 1
         buckets = self.buckets
         bucket = buckets.setdefault(key.digest, block)
         if bucket is not block:  # a digest collision: the bucket becomes (or is) a list
@@ -194,12 +200,14 @@ class PrefixCacheIndex:
         bucket = buckets.pop(digest, None)
         if bucket is block or type(bucket) is int and bucket == block:
             self.key[block] = None
+            self.generation += 1
             return
         if type(bucket) is list and block in bucket:  # collided digests: put the others back
             bucket.remove(block)
             buckets[digest] = bucket[0] if len(bucket) == 1 else bucket
             self._collided -= 1
             self.key[block] = None
+            self.generation += 1
             return
         if bucket is not None:
             buckets[digest] = bucket
@@ -231,3 +239,83 @@ class PrefixCacheIndex:
         indexed = sum(k is not None for k in self.key)
         if count != len(self) or indexed != len(self):
             raise AssertionError(f"index size {len(self)} != entries {count} != keyed {indexed}")
+
+
+class PrefixKeyer:
+    """Digests full blocks with ``hash_fn``: lookups for new prompts, keys for computed blocks.
+
+    Args:
+      index: the prefix-cache index.
+      block_size: tokens per block.
+      hash_fn: ``hash_fn(parent_digest | None, token_ids, salt) -> digest``.
+      versions: the pool's per-block content versions.
+      fence: the step fence (a block whose copy has not run yet is not keyed).
+      enabled: whether prefix caching is on (off: no lookups, no keys).
+      debug: leave every sequence on the checked keying path (``key_at = -1``).
+    """
+
+    def __init__(self, index: PrefixCacheIndex, block_size: int, hash_fn: HashFn,
+                 versions: Sequence[int], fence, *, enabled: bool, debug: bool):
+        self.index = index
+        self.block_size = block_size
+        self.hash_fn = hash_fn
+        self.versions = versions
+        self.fence = fence
+        self.enabled = enabled
+        self.debug = debug
+
+    def match(self, tokens: list[int], salt: bytes) -> list[tuple[int, BlockKey]]:
+        """(block, key) of the indexed blocks serving the longest prefix of full blocks of
+        ``tokens``, never the block holding the final token."""
+        if not self.enabled:
+            return []
+        B, find, hash_fn, versions = self.block_size, self.index.find, self.hash_fn, self.versions
+        key_of = self.index.key
+        hits = []
+        parent = None
+        for i in range((len(tokens) - 1) // B):
+            ids = tuple(tokens[i * B:(i + 1) * B])
+            b = find(hash_fn(None if parent is None else parent.digest, ids, salt), parent, ids,
+                     salt, versions)
+            if b is None:
+                break
+            parent = key_of[b]
+            hits.append((b, parent))
+        return hits
+
+    def key_computed(self, seqs: Iterable) -> None:
+        """Keys the full computed blocks of each of ``seqs`` that have no key yet, indexing each
+        unless an equal key is indexed already (then the sequence adopts that key, so chains keep
+        comparing by identity). Sets each sequence's ``key_at`` (the computed count below which
+        there is nothing to key).
+
+        Stops at a block whose copy has not run yet or that holds a slot of unknown token id.
+        """
+        if not self.enabled:
+            return
+        B, versions, hash_fn, intern = self.block_size, self.versions, self.hash_fn, \
+            self.index.intern
+        fence = self.fence
+        busy, done = fence.busy_until, fence.last_completed
+        copying = fence.copy_step > done  # some block may have a copy pending
+        for seq in seqs:
+            keys = seq.keys
+            i = len(keys)
+            upto = seq.num_computed // B
+            if upto > i:
+                tokens, table, salt = seq.tokens, seq.table, seq.salt
+                parent = keys[-1] if i else None
+                while i < upto:
+                    b = table[i]
+                    if copying and busy[b] > done:  # its copy has not run yet
+                        break
+                    ids = tuple(tokens[i * B:(i + 1) * B])
+                    if seq.unknown and None in ids:  # a slot of unknown token id: stop here
+                        break
+                    parent = intern(b, parent, ids, salt,
+                                    hash_fn(None if parent is None else parent.digest, ids, salt),
+                                    versions)
+                    keys.append(parent)
+                    i += 1
+            if not self.debug:
+                seq.key_at = (i + 1) * B

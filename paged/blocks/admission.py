@@ -1,0 +1,91 @@
+"""Admission of a new prompt: prefix lookup, capacity check, the new sequence's block table.
+
+A prompt is hashed once per admission: ``can_allocate`` remembers its validated tokens and prefix
+hits, and the ``allocate`` of the same tokens and salt that follows reuses them as long as the
+prefix-cache index has not changed since (any change invalidates them; capacity is always
+rechecked against the pool as it is).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from paged.blocks.pool import CACHED, BlockPool
+from paged.blocks.prefix_index import BlockKey, PrefixKeyer
+from paged.blocks.tables import SeqTables, token_list
+
+
+def as_salt(salt: bytes | str) -> bytes:
+    if isinstance(salt, str):
+        return salt.encode()
+    if isinstance(salt, bytes | bytearray):
+        return bytes(salt)
+    raise ValueError(f"cache_salt={salt!r} must be bytes or str")
+
+
+class Admission:
+    """``can_allocate`` and ``allocate``, with their counters.
+
+    Args:
+      pool, keyer, tables: the block pool, prefix keyer and sequence tables.
+      cache_salt: the default salt of every key.
+    """
+
+    def __init__(self, pool: BlockPool, keyer: PrefixKeyer, tables: SeqTables, cache_salt: bytes):
+        self.pool, self.keyer, self.tables = pool, keyer, tables
+        self.cache_salt = cache_salt
+        # (tokens, salt, index generation, hits) of the last can_allocate; tokens are ours.
+        self._memo: tuple[list[int], bytes, int, list[tuple[int, BlockKey]]] | None = None
+        self.stats = {"hits": 0, "misses": 0, "hit_tokens": 0, "query_tokens": 0,
+                      "allocations": 0, "failed_allocations": 0}
+
+    def _match(self, prompt_token_ids: Sequence[int], cache_salt
+               ) -> tuple[list[int], bytes, list[tuple[int, BlockKey]]]:
+        """Validated tokens, salt and prefix hits of a prompt (the memo's when it still holds)."""
+        salt = self.cache_salt if cache_salt is None else as_salt(cache_salt)
+        memo = self._memo
+        if memo is not None:
+            self._memo = None
+            if (memo[2] == self.keyer.index.generation and memo[1] == salt
+                    and type(prompt_token_ids) is list and memo[0] == prompt_token_ids):
+                return memo[0], salt, memo[3]
+        tokens = token_list(prompt_token_ids, "prompt_token_ids")
+        if not tokens:
+            raise ValueError("prompt_token_ids must not be empty")
+        return tokens, salt, self.keyer.match(tokens, salt)
+
+    def _fits(self, n: int, hits) -> tuple[int, bool]:
+        """Fresh blocks the prompt needs, and whether the pool has them besides the hits."""
+        need = -(-n // self.keyer.block_size) - len(hits)
+        state = self.pool.state
+        revived = sum(1 for b, _ in hits if state[b] == CACHED)
+        return need, need <= self.pool.num_allocatable - revived
+
+    def can_allocate(self, prompt_token_ids: Sequence[int], cache_salt) -> bool:
+        tokens, salt, hits = self._match(prompt_token_ids, cache_salt)
+        self._memo = (tokens, salt, self.keyer.index.generation, hits)
+        return self._fits(len(tokens), hits)[1]
+
+    def allocate(self, seq_id, prompt_token_ids: Sequence[int], cache_salt) -> int | None:
+        if seq_id in self.tables.seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        tokens, salt, hits = self._match(prompt_token_ids, cache_salt)
+        need, fits = self._fits(len(tokens), hits)
+        st = self.stats
+        if not fits:
+            st["failed_allocations"] += 1
+            self._memo = (tokens, salt, self.keyer.index.generation, hits)  # nothing changed
+            return None
+        pool = self.pool
+        for b, _ in hits:  # revive before taking fresh blocks: never evict what we are about to hit
+            pool.acquire(b)
+        table = [b for b, _ in hits] + pool.take(need)
+        self.tables.add(seq_id, table, tokens, hits, salt)
+        num_hit = len(hits) * self.keyer.block_size
+        st["allocations"] += 1
+        if self.keyer.enabled:
+            st["hits"] += len(hits)
+            st["misses"] += (len(tokens) - 1) // self.keyer.block_size - len(hits)
+            st["hit_tokens"] += num_hit
+            st["query_tokens"] += len(tokens)
+        return num_hit
