@@ -9,17 +9,11 @@ isolated as the seed document asks.
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import numpy as np
-from absl import app
-from ml_collections import config_flags
 
 from experiments import common, serving
-
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", str(Path(__file__).parent / "configs" / "ablate.py"), "Ablation config.",
-    lock_config=True)
+from paged.workload import check_same_evidence
 
 METRICS = ("output_throughput", "request_goodput", "p99_ttft_ms", "p99_tpot_ms", "p99_e2el_ms")
 
@@ -47,19 +41,29 @@ def main_effects(rows: list[dict], factors) -> dict:
     return effects
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    c = _CONFIG.value
-    out_dir = Path(c.output_dir) if c.output_dir else common.results_dir("ablate")
-    model = common.load_model(c.model)
+def check(c) -> dict:
+    """Checks every setting; builds the workload and every arm's EngineConfig (no model yet)."""
+    serving.check_serving(c)
+    for name in c.factors.keys():
+        levels = c.factors[name]
+        if not isinstance(levels, (tuple, list)) or not levels:
+            raise ValueError(f"factors.{name}={levels!r} must be a non-empty tuple of levels")
+    common.check_unset(c.engine, list(c.factors.keys()), "config.factors")
+    grid = [(",".join(f"{v}" for v in f.values()), f,
+             serving.engine_config(c, f, where="factors")) for f in arms(c.factors)]
     workload = serving.build_workload(c.workload, c.engine.max_model_len)
+    check_same_evidence([workload])
+    return {"workload": workload, "grid": grid}
+
+
+def main(c, plan):
+    out_dir = common.output_dir(c, "ablate")
+    workload, grid = plan["workload"], plan["grid"]
+    model = common.load_model(c.model)
     rows = []
-    grid = arms(c.factors)
-    for k, factors in enumerate(grid):
-        name = ",".join(f"{v}" for v in factors.values())
+    for k, (name, factors, engine_config) in enumerate(grid):
         print(f"[{k + 1}/{len(grid)}] {name}", flush=True)
-        engine = serving.build_engine(serving.engine_config(c, c.model, factors), model)
+        engine = serving.build_engine(engine_config, model)
         res = serving.run_arm(name, engine, workload, ttft_slo_ms=c.ttft_slo_ms,
                               tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s)
         rows.append({"name": name, "factors": factors, "summary": res.summary, "wall_s": res.wall_s})
@@ -86,4 +90,4 @@ def _fmt(v) -> str:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run("ablate", main, check)

@@ -21,7 +21,7 @@ Every timed ``B`` has its own engine, compiled before any timing; then ``repeats
 ``B`` in turn (the order alternates between rounds), so a drift in machine load touches all of them.
 Serving metrics are means over rounds, the decode step time the median over every timed step of
 every round. Timings are from shared CPUs and noisy; compare block sizes within one run. Evidence:
-constructed.
+constructed by default; a trace (``workload.trace``) carries its own label.
 """
 
 from __future__ import annotations
@@ -31,32 +31,27 @@ import time
 from pathlib import Path
 
 import numpy as np
-from absl import app
-from ml_collections import config_flags
 
 from experiments import common, serving
 from paged import EngineConfig, SamplingParams, accounting
-from paged.workload import Workload, make_workload
-
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", str(Path(__file__).parent / "configs" / "block_size_sweep.py"), "Sweep config.",
-    lock_config=True)
+from paged.workload import Workload, check_same_evidence
 
 _TABLE_ENTRY_BYTES = 4  # the engine's block table holds i32 page indices
 
 
 def check_config(c) -> tuple[list[int], list[int]]:
     """Returns ``(block_sizes, timed_block_sizes)``; raises ValueError naming a bad value."""
-    sizes = [int(b) for b in c.block_sizes]
-    if not sizes or any(b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
+    sizes = list(c.block_sizes)
+    if (not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes)
+            or len(set(sizes)) != len(sizes)):
         raise ValueError(f"block_sizes={tuple(c.block_sizes)} must be distinct positive integers")
-    timed = [int(b) for b in c.timed_block_sizes] or sizes
+    timed = list(c.timed_block_sizes) or sizes
     missing = [b for b in timed if b not in sizes]
     if missing:
         raise ValueError(f"timed_block_sizes {missing} are not in block_sizes={tuple(sizes)}")
     if c.pool_positions < c.engine.max_model_len:
         raise ValueError(f"pool_positions={c.pool_positions} must hold one request of "
-                         f"max_model_len={c.engine.max_model_len}")
+                         f"engine.max_model_len={c.engine.max_model_len}")
     if c.repeats < 1:
         raise ValueError(f"repeats={c.repeats} must be >= 1")
     if c.decode_steps < 1 or c.decode_warmup_steps < 0:
@@ -65,10 +60,22 @@ def check_config(c) -> tuple[list[int], list[int]]:
     return sorted(sizes), sorted(timed)
 
 
+def check(c) -> dict:
+    """Checks every setting; builds the workload and each timed block size's EngineConfig."""
+    serving.check_serving(c)
+    common.check_unset(c.engine, ["block_size"], "block_sizes")
+    common.check_unset(c.engine, ["num_blocks"], "pool_positions")
+    sizes, timed = check_config(c)
+    engines = {b: engine_config(c, b) for b in timed}
+    workload = serving.build_workload(c.workload, c.engine.max_model_len)
+    check_same_evidence([workload])
+    return {"sizes": sizes, "timed": timed, "engines": engines, "workload": workload}
+
+
 def engine_config(c, block_size: int) -> EngineConfig:
     num_blocks = -(-c.pool_positions // block_size) + 1  # + the null page
-    model = {} if c.model == "random-small" else {"model": c.model}  # random: params passed in
-    return EngineConfig(block_size=block_size, num_blocks=num_blocks, **model, **c.engine.to_dict())
+    return common.make_engine_config(c.engine, model=c.model, block_size=block_size,
+                                     num_blocks=num_blocks)
 
 
 # --- formulas ----------------------------------------------------------------------------------
@@ -212,7 +219,7 @@ def measure_round(engine, c, workload: Workload, bytes_per_token: int) -> dict:
     B = engine.page_size
     preempt0 = engine.scheduler.num_preemptions
     arm = serving.run_arm(f"B={B}", engine, workload, ttft_slo_ms=c.ttft_slo_ms,
-                          tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s)
+                          tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s, progress="tty")
     serve = {k: arm.summary.get(k) for k in _SERVING_KEYS}
     serve["engine_preemptions"] = engine.scheduler.num_preemptions - preempt0  # this run only
     serve["wall_s"] = arm.wall_s
@@ -255,13 +262,12 @@ def aggregate(rounds: list[dict]) -> dict:
     return {"serving": serve, "decode": decode, "ledger_at_peak": peak}
 
 
-def run(c, out_dir: Path) -> dict:
-    sizes, timed = check_config(c)
+def run(c, out_dir: Path, plan: dict | None = None) -> dict:
+    plan = plan or check(c)
+    sizes, timed, workload = plan["sizes"], plan["timed"], plan["workload"]
     model = common.load_model(c.model)
-    spec = accounting.ModelSpec.from_model_config(model[0], dtype="float32")
+    spec = accounting.ModelSpec.from_model_config(model[0], dtype=plan["engines"][timed[0]].dtype)
     bpt = spec.bytes_per_token
-    workload = make_workload(c.workload.kind, c.workload.num_requests, c.workload.rate,
-                             max_model_len=c.engine.max_model_len, seed=c.workload.seed)
     lengths = [r.prompt_len + r.output_len for r in workload.requests]
     print(f"workload: {len(workload)} requests, evidence={workload.evidence}, mean final length "
           f"{np.mean(lengths):.1f}, max {max(lengths)}; {bpt} KV bytes/token")
@@ -269,7 +275,7 @@ def run(c, out_dir: Path) -> dict:
     engines, built = {}, {}
     for b in timed:  # compile everything first, so the timed rounds run back to back
         t0 = time.perf_counter()
-        engines[b] = serving.build_engine(engine_config(c, b), model)
+        engines[b] = serving.build_engine(plan["engines"][b], model)
         built[b] = time.perf_counter() - t0
     rounds: dict[int, list[dict]] = {b: [] for b in timed}
     # Engines with one model and attention impl share one jitted step, so its trace count is global.
@@ -290,7 +296,7 @@ def run(c, out_dir: Path) -> dict:
                         **aggregate(rounds[b]), "rounds": rounds[b]})
         rows.append(row)
         print(format_row(row), flush=True)
-    print(format_table(rows))
+    print(format_table(rows, workload.evidence))
     payload = {
         "study": "block_size_sweep", "evidence": workload.evidence, "config": c.to_dict(),
         "timed_block_sizes": timed, "compilations_during_timing": compiled_while_timing,
@@ -315,7 +321,7 @@ def run(c, out_dir: Path) -> dict:
         "results": rows, "provenance": common.provenance()}
     json_path = common.write_json(out_dir / "block_size_sweep.json", payload)
     if c.plots:
-        plot(rows, out_dir / "block_size_sweep.png", c)
+        plot(rows, out_dir / "block_size_sweep.png", c, workload.evidence)
     print(f"wrote {json_path}" + (" and block_size_sweep.png" if c.plots else ""))
     return payload
 
@@ -337,11 +343,11 @@ def format_row(r: dict) -> str:
     return line
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[dict], evidence: str = "constructed") -> str:
     head = (f"{'B':>5s} {'util%':>7s} {'util% ledger':>12s} {'tail pos':>9s} {'tail KiB':>9s} "
             f"{'table B':>8s} {'decoders':>8s} {'step ms':>8s} {'dec tok/s':>9s} {'out tok/s':>9s} "
             f"{'goodput':>8s} {'preempt':>7s}")
-    lines = [("block-size sweep (constructed ShareGPT-like workload; formulas on final lengths, "
+    lines = [(f"block-size sweep (evidence: {evidence}; formulas on final lengths, "
               "ledger at the serving peak)"), head]
     for r in rows:
         f = r["formula"]
@@ -361,14 +367,12 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path, c) -> Path:
+def plot(rows: list[dict], path: Path, c, evidence: str = "constructed") -> Path:
     """Three panels against B: utilization and tail waste; block-table bytes; step time and
     throughput at SLO."""
-    import matplotlib
+    from experiments.plots import _plt
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _plt()
     bs = [r["block_size"] for r in rows]
     timed = [r for r in rows if "decode" in r]
     tb = [r["block_size"] for r in timed]
@@ -420,7 +424,7 @@ def plot(rows: list[dict], path: Path, c) -> Path:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("block size B (positions)")
         ax.grid(alpha=0.3)
-    fig.suptitle("block-size sweep (evidence: constructed)", fontsize=10)
+    fig.suptitle(f"block-size sweep (evidence: {evidence})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -433,13 +437,9 @@ def _legend(ax, ax2):
     ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="best")
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    c = _CONFIG.value
-    out_dir = Path(c.output_dir) if c.output_dir else common.results_dir("block_size_sweep")
-    run(c, out_dir)
+def main(c, plan):
+    run(c, common.output_dir(c, "block_size_sweep"), plan)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run("block_size_sweep", main, check)

@@ -6,16 +6,10 @@ Writes ``capacity.json`` (every point's summary, the capacities, the ratio) and 
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from absl import app
-from ml_collections import config_flags
+import ml_collections
 
 from experiments import common, plots, serving
-
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", str(Path(__file__).parent / "configs" / "capacity.py"), "Capacity config.",
-    lock_config=True)
+from paged.workload import check_same_evidence
 
 
 def meets_slo(summary: dict, ttft_slo_ms: float, tpot_slo_ms: float) -> bool:
@@ -36,17 +30,42 @@ def capacity(points: list[dict]) -> float | None:
     return best
 
 
-def sweep_arm(c, name: str, overrides: dict, model) -> list[dict]:
+def point_workload(c, rate: float):
+    """The workload of one grid point: ``rate * duration_s`` requests at ``rate``."""
+    w = ml_collections.ConfigDict(c.workload.to_dict())
+    w.rate = float(rate)
+    w.num_requests = max(2, round(rate * c.duration_s))
+    return serving.build_workload(w, c.engine.max_model_len)
+
+
+def check(c) -> dict:
+    """Checks every setting; builds every arm's EngineConfig and every point's workload."""
+    serving.check_serving(c)
+    engines = serving.check_arms(c)
+    if len(engines) < 2:
+        raise ValueError(f"config.arms has {len(engines)} arm; capacity needs two (the ratio is "
+                         "the first's capacity over the second's)")
+    if c.workload.trace:
+        raise ValueError(f"workload.trace={c.workload.trace!r}: capacity sweeps the arrival rate "
+                         "of a constructed workload; serve a trace with experiments.serve")
+    if not c.rates:
+        raise ValueError("rates=() names no rate")
+    common.check_positive(duration_s=c.duration_s, max_drain_s=c.max_drain_s,
+                          **{f"rates[{i}]": r for i, r in enumerate(c.rates)})
+    if isinstance(c.stop_after_failures, bool) or c.stop_after_failures < 1:
+        raise ValueError(f"stop_after_failures={c.stop_after_failures!r} must be an integer >= 1")
+    workloads = {float(rate): point_workload(c, rate) for rate in c.rates}
+    check_same_evidence(list(workloads.values()))
+    return {"engines": engines, "workloads": workloads}
+
+
+def sweep_arm(c, name: str, engine_config, workloads: dict, model) -> list[dict]:
     points, misses = [], 0
-    for rate in c.rates:
-        with c.unlocked():
-            c.workload.rate = float(rate)
-            c.workload.num_requests = max(2, round(rate * c.duration_s))
-        workload = serving.build_workload(c.workload, c.engine.max_model_len)
-        engine = serving.build_engine(serving.engine_config(c, c.model, overrides), model)
+    for rate, workload in workloads.items():
+        engine = serving.build_engine(engine_config, model)
         res = serving.run_arm(f"{name}@{rate:g}", engine, workload, ttft_slo_ms=c.ttft_slo_ms,
                               tpot_slo_ms=c.tpot_slo_ms,
-                              max_wall_s=workload.duration_s + c.max_drain_s)
+                              max_wall_s=workload.duration_s + c.max_drain_s, progress="tty")
         ok = meets_slo(res.summary, c.ttft_slo_ms, c.tpot_slo_ms)
         points.append({"rate": float(rate), "meets_slo": ok, "summary": res.summary,
                        "evidence": workload.evidence, "wall_s": res.wall_s})
@@ -60,22 +79,17 @@ def sweep_arm(c, name: str, overrides: dict, model) -> list[dict]:
     return points
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    c = _CONFIG.value
-    if len(c.arms) < 2:
-        raise app.UsageError("capacity needs at least two arms (the ratio is first over second)")
-    out_dir = Path(c.output_dir) if c.output_dir else common.results_dir("capacity")
+def main(c, plan):
+    out_dir = common.output_dir(c, "capacity")
     model = common.load_model(c.model)
     arms = []
-    for name, overrides in c.arms:
-        points = sweep_arm(c, name, dict(overrides), model)
-        arms.append({"name": name, "overrides": dict(overrides), "points": points,
+    for name, engine_config in plan["engines"]:
+        overrides = dict(dict(c.arms)[name])
+        points = sweep_arm(c, name, engine_config, plan["workloads"], model)
+        arms.append({"name": name, "overrides": overrides, "points": points,
                      "capacity_rps": capacity(points)})
-    labels = {p["evidence"] for a in arms for p in a["points"]}
-    if len(labels) != 1:
-        raise ValueError(f"evidence labels mixed in one study: {sorted(labels)}")
+    label = check_same_evidence([{"evidence": p["evidence"], "name": f"{a['name']}@{p['rate']}"}
+                                 for a in arms for p in a["points"]])
     first, second = arms[0]["capacity_rps"], arms[1]["capacity_rps"]
     ratio = first / second if first and second else None
     for a in arms:
@@ -83,7 +97,7 @@ def main(argv):
     print(f"ratio {arms[0]['name']} / {arms[1]['name']}: {ratio if ratio is None else round(ratio, 2)}"
           f"  (SLO: p99 TTFT <= {c.ttft_slo_ms} ms, p99 TPOT <= {c.tpot_slo_ms} ms)")
     common.write_json(out_dir / "capacity.json", {
-        "study": "capacity", "evidence": labels.pop(), "config": c.to_dict(), "arms": arms,
+        "study": "capacity", "evidence": label, "config": c.to_dict(), "arms": arms,
         "capacity_ratio": ratio, "provenance": common.provenance()})
     if c.plots:
         plots.capacity_curves(arms, c.ttft_slo_ms, c.tpot_slo_ms, out_dir / "capacity.png")
@@ -95,4 +109,4 @@ def _f(v) -> str:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run("capacity", main, check)

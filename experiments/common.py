@@ -1,60 +1,248 @@
-"""What every experiment records beside its numbers: versions, devices, git revision, output dir."""
+"""What every study shares: the command line, config checks, output folders, progress, provenance.
+
+A study is ``experiments/<name>.py`` with a config ``experiments/configs/<name>.py`` and ends in::
+
+    if __name__ == "__main__":
+        common.run("name", main, check)
+
+`run` defines ``--config`` (file, ``:variant`` and ``--config.key=value`` overrides), parses the
+command line, calls ``check(config)`` (which validates every setting and builds what is cheap to
+build: engine configs, workloads), then ``main(config, plan)`` with what ``check`` returned. A
+mistyped key, a value of the wrong type or out of range, an unknown variant or flag: one line on
+stderr naming the key, the value and what is allowed (the closest valid keys for a typo), exit
+status 2, before any model is loaded.
+
+Outputs go to ``config.output_dir``, by default ``results/<study>/<UTC timestamp>/`` (git-ignored;
+`output_dir`). Progress is `Progress`: a bar with rate and ETA on a terminal, one summary line per
+loop off a terminal.
+"""
 
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
+import logging
 import platform
+import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-import jax
 import numpy as np
 
+from experiments.configs.engine_fields import (  # noqa: F401  (re-exported for the studies)
+    STUDY_LEVEL_FIELDS,
+    closest,
+    engine_config_dict,
+    make_engine_config,
+)
 
-def git_revision() -> str:
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+USAGE_EXIT = 2  # exit status of a command-line or config mistake
+
+
+# --- the command line --------------------------------------------------------------------------
+class ConfigError(ValueError):
+    """A config value that a study's ``check`` refuses (the message names the key)."""
+
+
+def run(study: str, main: Callable[[Any, Any], Any], check: Callable[[Any], Any] | None = None,
+        *, default_config: str | None = None) -> None:
+    """Parses the command line, checks the config, then runs ``main(config, check(config))``.
+
+    Args:
+      study: the study's name (``experiments/configs/<study>.py`` is the default config, and error
+        lines start with ``<study>:``).
+      main: ``main(config, plan)``; ``plan`` is what ``check`` returned (None without ``check``).
+      check: ``check(config) -> plan``; raises ValueError / TypeError / KeyError (or OSError for
+        a missing file) naming the key.
+      default_config: ``--config``'s default (path, optionally ``:variant``).
+    """
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    default = default_config or str(CONFIG_DIR / f"{study}.py")
+    holder: dict[str, Any] = {}
+
+    def parse(argv: list[str]) -> list[str]:
+        try:
+            # Defined here, not at import: importing a study has no side effects, and a bad
+            # override (which config_flags reads from argv as soon as the flag exists) is caught.
+            holder["flag"] = config_flags.DEFINE_config_file(
+                "config", default, f"{study} config (experiments/configs/{study}.py[:variant]).",
+                lock_config=True)
+            rest = flags.FLAGS(argv)
+            holder["flag"].value.keys()  # raises if the config file failed to load
+        except Exception as e:  # noqa: BLE001  (every parse failure becomes one line)
+            fail(study, describe_parse_error(e, argv, default))
+        if len(rest) > 1:
+            fail(study, f"unexpected arguments {rest[1:]}; settings are --config.<key>=<value>")
+        return rest
+
+    def wrapped(argv):
+        config = holder["flag"].value
+        try:
+            plan = check(config) if check is not None else None
+        except (ValueError, TypeError, KeyError, OSError) as e:
+            fail(study, _message(e))
+        main(config, plan)
+
+    app.run(wrapped, flags_parser=parse)
+
+
+def fail(study: str, message: str) -> None:
+    """Exits with ``<study>: <message>`` as one line on stderr (status 2)."""
+    print(f"{study}: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    sys.exit(USAGE_EXIT)
+
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, KeyError) and e.args:
+        return str(e.args[0])
+    return str(e) or type(e).__name__
+
+
+def load_config_file(spec: str):
+    """``get_config(variant)`` of a config file given as ``path[:variant]``."""
+    path, _, variant = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("_study_config", path)
+    if module_spec is None or not Path(path).is_file():
+        raise FileNotFoundError(f"no config file {path!r}")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(variant) if variant else module.get_config()
+
+
+def flat_keys(config, prefix: str = "") -> list[str]:
+    """Every dotted key of a ConfigDict (inner dicts and leaves)."""
+    keys = []
+    for k in config.keys():
+        v = config[k]
+        keys.append(prefix + k)
+        if hasattr(v, "keys") and hasattr(v, "to_dict"):
+            keys += flat_keys(v, prefix + k + ".")
+    return keys
+
+
+def _lookup(config, dotted: str):
+    """``(found, parent, leaf)`` for a dotted key."""
+    node, parts = config, dotted.split(".")
+    for i, part in enumerate(parts):
+        if not (hasattr(node, "keys") and part in node.keys()):
+            return False, None, None
+        if i == len(parts) - 1:
+            return True, node, part
+        node = node[part]
+    return False, None, None
+
+
+def _overrides(argv: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for i, arg in enumerate(argv):
+        for lead in ("--config.", "-config.", "--noconfig.", "-noconfig."):
+            if arg.startswith(lead):
+                key, eq, value = arg[len(lead):].partition("=")
+                if not eq and i + 1 < len(argv) and not lead.startswith(("--no", "-no")):
+                    value = argv[i + 1]
+                out.append((key, value))
+    return out
+
+
+def _config_spec(argv: list[str], default: str) -> str:
+    spec = default
+    for i, arg in enumerate(argv):
+        if arg.startswith(("--config=", "-config=")):
+            spec = arg.split("=", 1)[1]
+        elif arg in ("--config", "-config") and i + 1 < len(argv):
+            spec = argv[i + 1]
+    return spec
+
+
+def describe_parse_error(error: BaseException, argv: list[str], default: str) -> str:
+    """One line saying which part of the command line is wrong and what is allowed."""
+    from absl import flags
+
+    if isinstance(error, flags.UnrecognizedFlagError):
+        return f"unknown flag --{error.flagname}; settings are --config.<key>=<value>"
+    spec = _config_spec(argv, default)
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
-        rev = out.stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10,
-                               cwd=Path(__file__).resolve().parent).stdout.strip()
-        return (rev + ("-dirty" if dirty else "")) if rev else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        config = load_config_file(spec)
+    except Exception as e:  # noqa: BLE001
+        return f"--config={spec}: {_message(e)}"
+    keys = flat_keys(config)
+    for key, value in _overrides(argv):
+        found, parent, leaf = _lookup(config, key)
+        if not found:
+            leaf = key.rsplit(".", 1)[-1]
+            near = closest(key, keys) or closest(leaf, keys)
+            hint = (f"; closest: {', '.join(near)}" if near else "") + (
+                "; the model is config.model" if leaf in STUDY_LEVEL_FIELDS else "")
+            return f"unknown config key {key!r} (in --config.{key}={value}){hint}"
+        if f"config.{key}=" in str(error) or f"config.{key}:" in str(error):
+            kind = _type_name(parent, leaf)
+            return f"{key}={value!r} must be {'an' if kind[:1] in 'aeiou' else 'a'} {kind}"
+    return _message(error).splitlines()[0] if _message(error) else type(error).__name__
 
 
-def provenance() -> dict:
-    """Environment facts stored with every result."""
-    return {
-        "git_revision": git_revision(),
-        "jax_version": jax.__version__,
-        "jaxlib_version": getattr(jax.lib, "__version__", None) or _jaxlib_version(),
-        "numpy_version": np.__version__,
-        "python_version": platform.python_version(),
-        "backend": jax.default_backend(),
-        "devices": [str(d) for d in jax.devices()],
-        "platform": platform.platform(),
-        "argv": sys.argv,
-        "utc_time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def _jaxlib_version() -> str | None:
+def _type_name(parent, leaf: str) -> str:
     try:
-        import jaxlib
+        t = parent.get_type(leaf)
+        return getattr(t, "__name__", str(t))
+    except Exception:  # noqa: BLE001
+        return "value"
 
-        return jaxlib.__version__
-    except (ImportError, AttributeError):
-        return None
+
+# --- checks shared by the studies ----------------------------------------------------------------
+def check_model(name: str) -> str:
+    """``name`` if it is a bundled model, ``"random-small"`` or a Hugging Face checkpoint
+    directory (its ``config.json`` checked); ValueError otherwise."""
+    from paged.models.hf import is_checkpoint_dir
+    from paged.models.hf_config import read_hf_config
+    from paged.models.registry import KNOWN_MODELS
+
+    known = ("random-small", *KNOWN_MODELS)
+    if is_checkpoint_dir(name):
+        read_hf_config(name)
+    elif name not in known:
+        raise ValueError(f"model={name!r} must be one of {known} or a checkpoint directory "
+                         "(config.json + safetensors)")
+    return name
+
+
+def check_positive(**values: Any) -> None:
+    """Each ``key=value`` must be a number > 0 (names are the config keys)."""
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{key}={value!r} must be a number > 0")
+
+
+def check_unset(engine, keys, by: str) -> None:
+    """Engine fields a study sets per arm or point must not also be set in ``config.engine``."""
+    for key in keys:
+        if key in engine and engine[key] is not None:
+            raise ValueError(f"engine.{key}={engine[key]!r} is set per arm by {by}; "
+                             f"change {by} instead")
+
+
+# --- outputs ---------------------------------------------------------------------------------------
+def utc_stamp() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
 def results_dir(study: str, base: str | None = None) -> Path:
     """``results/<study>/<UTC timestamp>/`` (git-ignored), created."""
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = Path(base or "results") / study / stamp
+    path = Path(base or "results") / study / utc_stamp()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def output_dir(config, study: str) -> Path:
+    """Where a study writes: ``config.output_dir``, or ``results/<study>/<UTC timestamp>/``."""
+    path = Path(config.output_dir) if config.output_dir else results_dir(study)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -78,12 +266,117 @@ def _jsonable(x):
     return str(x)
 
 
+# --- progress --------------------------------------------------------------------------------------
+class Progress:
+    """Progress of a loop over ``total`` items.
+
+    On a terminal: a tqdm bar (count, rate, ETA, a postfix). Off a terminal (piped to a file, a
+    test's capture): nothing while it runs, then one summary line when it closes, so a log has no
+    carriage-return updates run together. The count is what the caller last set, so a loop whose
+    items all finished ends at ``total/total``.
+    """
+
+    def __init__(self, total: int, desc: str, *, unit: str = "req", summary: bool = True,
+                 file=None):
+        from tqdm import tqdm
+
+        self.file = file or sys.stderr
+        self.tty = bool(getattr(self.file, "isatty", lambda: False)())
+        self.total, self.desc, self.unit, self.summary = total, desc, unit, summary
+        self.n, self.t0, self.closed, self.note = 0, time.perf_counter(), False, ""
+        # A terminal that reports no size (0 x 0) would hide the bar: fall back to 100 x 20.
+        size = shutil.get_terminal_size((100, 20))
+        self.bar = tqdm(total=total, desc=desc, unit=unit, file=self.file, disable=not self.tty,
+                        ncols=min(size.columns or 100, 120), nrows=max(size.lines, 20),
+                        leave=True, mininterval=0.2)
+
+    def set(self, n: int, **postfix: Any) -> None:
+        """Sets the count to ``n`` (and the postfix shown beside the bar)."""
+        if n != self.n:
+            self.bar.update(n - self.n)
+            self.n = n
+        if postfix:
+            self.note = ", ".join(f"{k} {v}" for k, v in postfix.items())
+            self.bar.set_postfix_str(self.note, refresh=False)
+
+    def update(self, k: int = 1) -> None:
+        self.set(self.n + k)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.bar.close()
+        if not self.tty and self.summary:
+            wall = time.perf_counter() - self.t0
+            rate = self.n / wall if wall > 0 else 0.0
+            print(f"{self.desc} {self.n}/{self.total} {self.unit} in {wall:.1f} s "
+                  f"({rate:.2f} {self.unit}/s)", file=self.file, flush=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def quiet_matplotlib() -> None:
+    """Call before importing matplotlib: its log lines (the font-cache notice that a first use
+    prints) are dropped below ERROR."""
+    logging.getLogger("matplotlib").setLevel(logging.ERROR)
+
+
+# --- provenance ------------------------------------------------------------------------------------
+def git_revision() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        rev = out.stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10,
+                               cwd=Path(__file__).resolve().parent).stdout.strip()
+        return (rev + ("-dirty" if dirty else "")) if rev else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def provenance() -> dict:
+    """Environment facts stored with every result."""
+    import jax
+
+    return {
+        "git_revision": git_revision(),
+        "jax_version": jax.__version__,
+        "jaxlib_version": getattr(jax.lib, "__version__", None) or _jaxlib_version(),
+        "numpy_version": np.__version__,
+        "python_version": platform.python_version(),
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "platform": platform.platform(),
+        "argv": sys.argv,
+        "utc_time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _jaxlib_version() -> str | None:
+    try:
+        import jaxlib
+
+        return jaxlib.__version__
+    except (ImportError, AttributeError):
+        return None
+
+
 def load_model(name: str):
-    """``(config, params)`` of a bundled model, or of "random-small" (random weights, for smoke runs)."""
+    """``(config, params)`` of a bundled model, of "random-small" (random weights, for smoke runs)
+    or of a Hugging Face checkpoint directory (float32, `paged.models.load_checkpoint`)."""
     from paged.models.config import LlamaConfig
+    from paged.models.hf import is_checkpoint_dir, load_checkpoint
     from paged.models.registry import init_params
     from paged.models.registry import load_model as load_bundled
 
+    if is_checkpoint_dir(name):
+        return load_checkpoint(name)
     if name == "random-small":
         cfg = LlamaConfig(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                           ffn_dim=128)

@@ -181,9 +181,11 @@ if want env; then
 fi
 if want engine; then
   # shellcheck disable=SC2086  # EB_FLAGS is a word list on purpose
+  # engine_bench writes engine_bench.json into its output_dir; it is copied to $EB_JSON.
   run_stage engine "$T_ENGINE" "$EB_LOG" - "$PYTHON" -m experiments.engine_bench \
-    "--config=experiments/configs/engine_bench.py:$EB_VARIANT" "--config.output_json=$EB_JSON" \
+    "--config=experiments/configs/engine_bench.py:$EB_VARIANT" "--config.output_dir=$SITE/engine_bench" \
     $EB_FLAGS
+  [ -f "$SITE/engine_bench/engine_bench.json" ] && cp "$SITE/engine_bench/engine_bench.json" "$EB_JSON"
 fi
 if want decode; then
   # shellcheck disable=SC2086
@@ -305,8 +307,11 @@ for path in (kd, kr):
                 if "achieved_gbps" in r:
                     line += (f" {r['achieved_gbps']:.0f} GB/s {100 * r['fraction_of_peak']:.1f}% peak"
                              f" {100 * r.get('fraction_of_copy', float('nan')):.1f}% copy")
-                if "ratio_to_dense" in r:
+                if "ratio_to_dense" in r:  # the median of per-round ratios, then their range
                     line += f" paged/dense {r['ratio_to_dense']:.3f}"
+                    rr = r.get("ratio_to_dense_rounds")
+                    if rr:
+                        line += f" [{rr['min']:.3f}, {rr['max']:.3f}] iqr {rr['iqr']:.3f}"
                 print(line)
 EOF
   # Stages that timed out or crashed: where their logs ended.

@@ -7,69 +7,65 @@ and say nothing about speed-ups. Block-table bytes (i32, one row of ceil(max_len
 sequence) are reported beside, as the seed's table excludes them.
 
   python -m experiments.fragmentation
-  python -m experiments.fragmentation --block_sizes=8,16,32,64,128 --max_len=512 \
-      --output_json=/tmp/frag.json
+  python -m experiments.fragmentation --config.block_sizes=8,16,32,64,128 --config.max_len=512 \
+      --config.output_dir=/tmp/frag
+
+Config: experiments/configs/fragmentation.py (``:smoke`` for a small variant). Writes
+``fragmentation.json`` to ``config.output_dir`` (default ``results/fragmentation/<UTC timestamp>/``).
 """
 
 from __future__ import annotations
 
-import datetime
+import dataclasses
 import json
 import os
 import platform
 import subprocess
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from absl import app, flags
 
+from experiments import common
+from experiments.configs.fragmentation import SEED_LENGTHS
 from paged import accounting
-
-SEED_LENGTHS = (37, 91, 128, 201, 511)
-
-_LENGTHS = flags.DEFINE_list(
-    "lengths", [str(n) for n in SEED_LENGTHS], "Comma-separated sequence lengths (tokens)."
-)
-_BLOCK_SIZES = flags.DEFINE_list("block_sizes", ["16", "32"], "Comma-separated block sizes.")
-_MAX_LEN = flags.DEFINE_integer("max_len", 512, "Positions a fixed reservation holds per sequence.")
-_OUTPUT_JSON = flags.DEFINE_string(
-    "output_json", "", "Where to write JSON; default results/fragmentation/<timestamp>/."
-)
 
 _ENTRY_BYTES = 4  # block tables hold i32 page indices
 
 
-def parse_ints(name: str, values: Sequence[str], *, minimum: int) -> list[int]:
-    """Parses flag strings as integers ``>= minimum``; raises ValueError naming the bad value."""
+def parse_ints(name: str, values: Sequence[int | str], *, minimum: int) -> list[int]:
+    """Integers (or integer strings) ``>= minimum``; raises ValueError naming the bad value."""
+    if isinstance(values, (str, int)):
+        values = [values]
     if not values:
-        raise ValueError(f"--{name} is empty")
+        raise ValueError(f"{name} is empty")
     out = []
     for text in values:
         try:
-            value = int(text.strip())
+            if isinstance(text, bool) or isinstance(text, float):
+                raise ValueError
+            value = text if isinstance(text, int) else int(str(text).strip())
         except ValueError:
-            raise ValueError(f"--{name}: {text!r} is not an integer") from None
+            raise ValueError(f"{name}: {text!r} is not an integer") from None
         if value < minimum:
-            raise ValueError(f"--{name}: {value} must be an integer >= {minimum}")
+            raise ValueError(f"{name}: {value} must be an integer >= {minimum}")
         out.append(value)
     return out
 
 
-def parse_inputs(lengths: Sequence[str], block_sizes: Sequence[str], max_len: int):
-    """Validates the flags; returns ``(lengths, block_sizes, max_len)`` as ints.
+def parse_inputs(lengths: Sequence[int | str], block_sizes: Sequence[int | str], max_len: int):
+    """Validates the settings; returns ``(lengths, block_sizes, max_len)`` as ints.
 
     Raises:
       ValueError: a non-integer, a negative length, a non-positive size, or a length > max_len.
     """
-    if max_len < 1:
-        raise ValueError(f"--max_len: {max_len} must be an integer >= 1")
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len: {max_len!r} must be an integer >= 1")
     ns = parse_ints("lengths", lengths, minimum=0)
     bs = parse_ints("block_sizes", block_sizes, minimum=1)
     too_long = [n for n in ns if n > max_len]
     if too_long:
-        raise ValueError(f"--lengths: {too_long} exceed --max_len={max_len}")
+        raise ValueError(f"lengths: {too_long} exceed max_len={max_len}")
     return ns, bs, max_len
 
 
@@ -173,9 +169,33 @@ def provenance() -> dict[str, Any]:
     }
 
 
-def build_report(lengths: Sequence[int], block_sizes: Sequence[int], max_len: int) -> dict:
-    """The full JSON-ready report for validated inputs."""
-    return {
+def kv_bytes_rows(layouts: list[dict], spec: accounting.ModelSpec) -> list[dict]:
+    """Each layout's allocated and valid positions in KV bytes of ``spec``'s model."""
+    per = spec.bytes_per_token
+    return [{"layout": r["layout"], "block_size": r["block_size"],
+             "allocated_bytes": r["allocated_positions"] * per,
+             "valid_bytes": r["valid_positions"] * per,
+             "wasted_bytes": r["wasted_positions"] * per} for r in layouts]
+
+
+def format_kv_bytes(kv: dict) -> str:
+    """Human-readable table of ``build_report(...)["kv_bytes"]``."""
+    m = kv["model"]
+    lines = [f"KV bytes for {kv['config']} ({m['num_layers']} layers, {m['num_kv_heads']} KV heads, "
+             f"head_dim {m['head_dim']}, {m['dtype']}): {kv['bytes_per_token']} B per token",
+             f"{'layout':<14}{'allocated MiB':>15}{'wasted MiB':>12}"]
+    for r in kv["layouts"]:
+        name = "fixed" if r["layout"] == "fixed" else f"paged B={r['block_size']}"
+        lines.append(f"{name:<14}{r['allocated_bytes'] / 2**20:>15.2f}"
+                     f"{r['wasted_bytes'] / 2**20:>12.2f}")
+    return "\n".join(lines)
+
+
+def build_report(lengths: Sequence[int], block_sizes: Sequence[int], max_len: int,
+                 spec: accounting.ModelSpec | None = None, model_config: str = "") -> dict:
+    """The full JSON-ready report for validated inputs (with ``kv_bytes`` when ``spec`` is given:
+    the model read from the Hugging Face ``model_config``)."""
+    report = {
         "study": "fragmentation",
         # Hand-given lengths (by default the seed document's example), never a measured workload.
         "evidence": "constructed",
@@ -185,11 +205,13 @@ def build_report(lengths: Sequence[int], block_sizes: Sequence[int], max_len: in
         "sequences": sequence_rows(lengths, block_sizes, max_len),
         "provenance": provenance(),
     }
-
-
-def default_output_path() -> str:
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return os.path.join("results", "fragmentation", stamp, "fragmentation.json")
+    if spec is not None:
+        report["kv_bytes"] = {
+            "config": model_config, "model": dataclasses.asdict(spec),
+            "bytes_per_token": spec.bytes_per_token,
+            "layouts": kv_bytes_rows(report["layouts"], spec),
+        }
+    return report
 
 
 def write_json(report: dict, path: str) -> str:
@@ -201,28 +223,22 @@ def write_json(report: dict, path: str) -> str:
     return path
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing that fails with one line instead of a usage dump."""
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as error:
-        sys.exit(f"fragmentation: bad flag: {' '.join(str(error).split())}")
+def check(c) -> tuple:
+    spec = None
+    if c.get("model_config"):
+        spec = accounting.ModelSpec.from_hf_config(c.model_config, dtype=c.get("model_dtype") or None)
+    return (*parse_inputs(c.lengths, c.block_sizes, c.max_len), spec)
 
 
-def main(argv: Sequence[str]) -> None:
-    if len(argv) > 1:
-        sys.exit(f"fragmentation: unexpected arguments {list(argv[1:])}")
-    try:
-        lengths, block_sizes, max_len = parse_inputs(
-            _LENGTHS.value, _BLOCK_SIZES.value, _MAX_LEN.value
-        )
-    except ValueError as error:
-        sys.exit(f"fragmentation: {error}")
-    report = build_report(lengths, block_sizes, max_len)
+def main(c, plan) -> None:
+    lengths, block_sizes, max_len, spec = plan
+    report = build_report(lengths, block_sizes, max_len, spec, c.get("model_config", ""))
     print(format_tables(report["layouts"], report["sequences"], block_sizes))
-    path = write_json(report, _OUTPUT_JSON.value or default_output_path())
+    if spec is not None:
+        print("\n" + format_kv_bytes(report["kv_bytes"]))
+    path = write_json(report, str(common.output_dir(c, "fragmentation") / "fragmentation.json"))
     print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    common.run("fragmentation", main, check)

@@ -10,6 +10,9 @@ LEDGER_ORDER = ("effective_kv", "shared", "tail_fragmentation", "cached_free", "
 
 
 def _plt():
+    from experiments.common import quiet_matplotlib
+
+    quiet_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")

@@ -47,16 +47,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from absl import app
-from ml_collections import config_flags
 
 from experiments import common
 from paged import Engine, EngineConfig, SamplingParams, accounting
-from paged.workload import Workload, make_workload
-
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", str(Path(__file__).parent / "configs" / "prefix_sharing.py"), "Sharing config.",
-    lock_config=True)
+from paged.workload import Workload, check_same_evidence, make_workload
 
 
 # --- ideal -------------------------------------------------------------------------------------
@@ -183,15 +177,34 @@ def build_workload(c, overrides: dict) -> Workload:
     return wl
 
 
-def run(c, out_dir: Path) -> dict:
+def check(c) -> dict:
+    """Checks every setting; builds the EngineConfig and every row's workload (no model yet)."""
+    common.check_model(c.model)
     if not c.rows:
         raise ValueError("rows=() names no workload")
+    if isinstance(c.workload.temperature, bool) or not c.workload.temperature >= 0:
+        raise ValueError(f"workload.temperature={c.workload.temperature!r} must be >= 0")
+    ecfg = common.make_engine_config(c.engine, model=c.model)
+    workloads = []
+    for i, row in enumerate(c.rows):
+        try:
+            label, overrides = row
+            overrides = dict(overrides)
+        except (TypeError, ValueError):
+            raise ValueError(f"rows[{i}]={row!r} must be a (label, {{make_workload argument: "
+                             "value}) pair") from None
+        try:
+            workloads.append((label, overrides, build_workload(c, overrides)))
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"rows[{i}] {label!r} with workload.*: {e}") from None
+    evidence = check_same_evidence([wl for _, _, wl in workloads])
+    return {"engine_config": ecfg, "workloads": workloads, "evidence": evidence}
+
+
+def run(c, out_dir: Path, plan: dict | None = None) -> dict:
+    plan = plan or check(c)
+    ecfg, workloads = plan["engine_config"], plan["workloads"]
     model_config, params = common.load_model(c.model)
-    kwargs = dict(c.engine.to_dict())
-    if c.model != "random-small":
-        kwargs["model"] = c.model
-    ecfg = EngineConfig(**kwargs)
-    workloads = [(label, dict(o), build_workload(c, dict(o))) for label, o in c.rows]
     engine = Engine(ecfg, model_config=model_config, params=params)
     engine.warmup()
     spec = accounting.ModelSpec.from_model_config(model_config, dtype=ecfg.dtype)
@@ -208,7 +221,7 @@ def run(c, out_dir: Path) -> dict:
               f"{res['engine']['wall_s']:.1f} s", flush=True)
     print(format_table(rows, ecfg))
     payload = {
-        "study": "prefix_sharing", "evidence": "constructed", "config": c.to_dict(),
+        "study": "prefix_sharing", "evidence": plan["evidence"], "config": c.to_dict(),
         "engine_config": dataclasses.asdict(ecfg), "model_spec": dataclasses.asdict(spec),
         "definitions": {
             "measured": "per step: ledger shared_saved_bytes / (effective_kv + shared + "
@@ -256,13 +269,9 @@ def format_table(rows: list[dict], ecfg: EngineConfig) -> str:
     return "\n".join(lines)
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    c = _CONFIG.value
-    out_dir = Path(c.output_dir) if c.output_dir else common.results_dir("prefix_sharing")
-    run(c, out_dir)
+def main(c, plan):
+    run(c, common.output_dir(c, "prefix_sharing"), plan)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run("prefix_sharing", main, check)

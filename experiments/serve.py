@@ -11,23 +11,28 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from absl import app
-from ml_collections import config_flags
-
 from experiments import common, plots, serving
-
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", str(Path(__file__).parent / "configs" / "serve.py"), "Serving config.", lock_config=True)
+from paged.workload import check_same_evidence
 
 
-def run(c, out_dir: Path) -> dict:
-    model = common.load_model(c.model)
+def check(c) -> dict:
+    """Checks every setting and builds the workload and each arm's EngineConfig (no model yet)."""
+    serving.check_serving(c)
+    engines = serving.check_arms(c)
     workload = serving.build_workload(c.workload, c.engine.max_model_len)
+    check_same_evidence([workload])
+    return {"workload": workload, "engines": engines}
+
+
+def run(c, out_dir: Path, plan: dict | None = None) -> dict:
+    plan = plan or check(c)
+    workload = plan["workload"]
+    model = common.load_model(c.model)
     print(f"workload: {len(workload)} requests, evidence={workload.evidence}, "
           f"{json.dumps(workload.summary(), default=str)[:300]}")
     results = []
-    for name, overrides in c.arms:
-        engine = serving.build_engine(serving.engine_config(c, c.model, dict(overrides)), model)
+    for name, engine_config in plan["engines"]:
+        engine = serving.build_engine(engine_config, model)
         results.append(serving.run_arm(name, engine, workload, ttft_slo_ms=c.ttft_slo_ms,
                                        tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s))
         del engine
@@ -49,13 +54,9 @@ def run(c, out_dir: Path) -> dict:
     return payload
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    c = _CONFIG.value
-    out_dir = Path(c.output_dir) if c.output_dir else common.results_dir("serve")
-    run(c, out_dir)
+def main(c, plan):
+    run(c, common.output_dir(c, "serve"), plan)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run("serve", main, check)

@@ -11,9 +11,10 @@ percentiles cover.
 from __future__ import annotations
 
 import dataclasses
-import sys
+import os
 import time
 
+from experiments import common
 from paged import Engine, EngineConfig, SamplingParams, metrics
 from paged.workload import Workload, make_workload
 
@@ -64,7 +65,9 @@ def run_arm(name: str, engine: Engine, workload: Workload, *, ttft_slo_ms=None, 
       max_wall_s: after this long, requests still in flight are aborted and later arrivals are
         rejected (both stay in the results as such).
       trace_every_s: period of the KV-usage trace samples.
-      progress: print a progress line on stderr.
+      progress: show progress on stderr (`experiments.common.Progress`): True = a bar on a
+        terminal and one summary line off it; "tty" = the bar only (for studies that print their
+        own line per run); False = nothing.
     """
     specs = sorted(workload.requests, key=lambda r: r.arrival_s)
     spec_by_id = {r.request_id: r for r in specs}
@@ -73,6 +76,7 @@ def run_arm(name: str, engine: Engine, workload: Workload, *, ttft_slo_ms=None, 
     t0 = time.perf_counter()
     next_trace = 0.0
     i = 0
+    bar = common.Progress(len(specs), f"[{name}]", summary=progress is True) if progress else None
     while i < len(specs) or engine.has_unfinished_requests():
         now = time.perf_counter()
         if now - t0 > max_wall_s:
@@ -96,13 +100,13 @@ def run_arm(name: str, engine: Engine, workload: Workload, *, ttft_slo_ms=None, 
         if now - t0 >= next_trace:
             _sample(trace, engine, now - t0)
             next_trace = now - t0 + trace_every_s
-            if progress:
-                print(f"\r[{name}] {len(records)}/{len(specs)} done, t={now - t0:5.1f}s, running "
-                      f"{len(engine.scheduler.running):3d}, waiting {len(engine.scheduler.waiting):3d}",
-                      end="", file=sys.stderr, flush=True)
+            if bar is not None:
+                bar.set(len(records), running=len(engine.scheduler.running),
+                        waiting=len(engine.scheduler.waiting))
     wall = time.perf_counter() - t0
-    if progress:
-        print(file=sys.stderr)
+    if bar is not None:
+        bar.set(len(records))
+        bar.close()
     recs = [records[r.request_id] for r in specs]
     end = max([r.finish_s for r in recs if r.finish_s is not None], default=t0 + wall)
     summary = metrics.summarize(recs, duration_s=max(end - t0, 1e-9), ttft_slo_ms=ttft_slo_ms,
@@ -146,22 +150,64 @@ def _stop(engine: Engine, unadmitted, records, spec_by_id, now: float) -> None:
 
 
 def build_workload(w, max_model_len: int) -> Workload:
+    """The workload ``config.workload`` describes: a JSONL trace, or a constructed one.
+
+    A trace must say what it is: a header line with ``evidence``, or ``workload.evidence``
+    (``real`` / ``constructed`` / ``simulated``); a workload made here is ``constructed``.
+
+    Raises:
+      ValueError / TypeError: a bad setting or trace (the message names the ``workload.`` key).
+    """
+    evidence = w.get("evidence", "") or None
     if w.trace:
-        wl = Workload.from_jsonl(w.trace)
+        if not os.path.isfile(w.trace):
+            raise ValueError(f"workload.trace={w.trace!r}: no such file")
+        wl = Workload.from_jsonl(w.trace, evidence=evidence)
         if any(r.prompt_token_ids is None and r.prompt is None for r in wl.requests):
             wl = wl.with_synthetic_prompts(w.seed)
         wl.check_fits(max_model_len)
         return wl
-    return make_workload(w.kind, w.num_requests, w.rate, burstiness=w.burstiness,
-                         max_model_len=max_model_len, seed=w.seed)
+    if evidence not in (None, "constructed"):
+        raise ValueError(f"workload.evidence={evidence!r} labels a trace (workload.trace); a "
+                         f"workload made here (workload.kind={w.kind!r}) is 'constructed'")
+    try:
+        return make_workload(w.kind, w.num_requests, w.rate, burstiness=w.burstiness,
+                             max_model_len=max_model_len, seed=w.seed)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"workload.{e}") from None
 
 
-def engine_config(c, model_name: str, overrides: dict) -> EngineConfig:
-    kwargs = dict(c.engine.to_dict())
-    kwargs.update(overrides)
-    if model_name != "random-small":
-        kwargs["model"] = model_name
-    return EngineConfig(**kwargs)
+def engine_config(c, overrides: dict, *, where: str = "engine") -> EngineConfig:
+    """``config.engine`` plus an arm's ``overrides`` as an EngineConfig (checked)."""
+    return common.make_engine_config(c.engine, model=c.model, where=where, **overrides)
+
+
+def check_arms(c, by: str = "config.arms") -> list[tuple[str, EngineConfig]]:
+    """``(name, EngineConfig)`` per arm of ``config.arms`` (``(name, {field: value})`` pairs)."""
+    arms = []
+    for i, arm in enumerate(c.arms):
+        try:
+            name, overrides = arm
+            overrides = dict(overrides)
+        except (TypeError, ValueError):
+            raise ValueError(f"{by}[{i}]={arm!r} must be a (name, {{engine field: value}}) "
+                             "pair") from None
+        arms.append((str(name), overrides))
+    if not arms:
+        raise ValueError(f"{by}=() names no arm")
+    names = [name for name, _ in arms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{by}: names {names} must be distinct")
+    common.check_unset(c.engine, sorted({k for _, o in arms for k in o}), by)
+    return [(name, engine_config(c, o)) for name, o in arms]
+
+
+def check_serving(c) -> None:
+    """The settings every serving study shares: model, SLOs, wall limit."""
+    common.check_model(c.model)
+    common.check_positive(ttft_slo_ms=c.ttft_slo_ms, tpot_slo_ms=c.tpot_slo_ms)
+    if "max_wall_s" in c:
+        common.check_positive(max_wall_s=c.max_wall_s)
 
 
 TABLE_ROWS = (

@@ -2,8 +2,9 @@
 
     nice -n 5 .venv/bin/python -m experiments.train_tiny --config=experiments/configs/train_tiny.py:tiny
 
-Writes ``<out_dir>/<name>.npz`` (float16 params) and ``<name>.json`` (config, losses, wall time, this
-command, JAX version, corpus). The corpus and its held-out split are described in
+Writes ``<output_dir>/<name>.npz`` (float16 params) and ``<name>.json`` (config, losses, wall time,
+this command, JAX version, corpus); ``output_dir`` defaults to ``results/train_tiny/<UTC
+timestamp>/``, and ``--config.output_dir=paged/models/weights`` replaces the bundled weights. The corpus and its held-out split are described in
 `paged.models.corpus`. AdamW with linear warmup and cosine decay; dense causal training through
 ``Llama.dense`` (the same params then serve from paged KV).
 """
@@ -20,20 +21,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from absl import app
-from ml_collections import config_flags
 
+from experiments import common
 from paged.models import corpus
 from paged.models.config import LlamaConfig
 from paged.models.llama import Llama
 from paged.models.registry import init_params, num_params, save_model
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config",
-    str(Path(__file__).resolve().parent / "configs" / "train_tiny.py") + ":tiny",
-    "Training config (experiments/configs/train_tiny.py:<tiny|tiny-draft|smoke>).",
-    lock_config=True,
-)
+DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "train_tiny.py") + ":tiny"
 
 
 def _windows(stream: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:  # i32[B, length]
@@ -41,7 +36,7 @@ def _windows(stream: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
 
 
 def train(config: ml_collections.ConfigDict, *, command: str = "") -> dict:
-    """Trains one model as ``config`` says and saves it to ``config.out_dir``.
+    """Trains one model as ``config`` says and saves it to ``config.output_dir``.
 
     Returns:
       The json record written next to the weights.
@@ -158,7 +153,7 @@ def train(config: ml_collections.ConfigDict, *, command: str = "") -> dict:
         "history": history,
     }
     npz, js = save_model(
-        config.out_dir, config.name, model_config, params, meta, store_dtype=config.store_dtype
+        common.output_dir(config, "train_tiny"), config.name, model_config, params, meta, store_dtype=config.store_dtype
     )
     print(
         f"[{config.name}] done in {wall:.0f}s: train {final_train:.4f} eval {final_eval:.4f}; "
@@ -168,9 +163,20 @@ def train(config: ml_collections.ConfigDict, *, command: str = "") -> dict:
     return {"npz": str(npz), "json": str(js), **meta}
 
 
-def main(argv):
-    command = " ".join(["python -m experiments.train_tiny", *argv[1:], *_flag_args()])
-    train(_CONFIG.value, command=command)
+def check(config) -> None:
+    """Checks the settings before any work: the model config and the schedule."""
+    LlamaConfig(**config.model.to_dict())
+    for key in ("steps", "seq_len", "batch_size", "log_every", "eval_every", "eval_windows"):
+        if isinstance(config[key], bool) or not isinstance(config[key], int) or config[key] < 1:
+            raise ValueError(f"{key}={config[key]!r} must be an integer >= 1")
+    if not 0 <= config.warmup_steps < config.steps:
+        raise ValueError(f"warmup_steps={config.warmup_steps} must be in [0, steps={config.steps})")
+    common.check_positive(learning_rate=config.learning_rate)
+
+
+def main(config, plan):
+    command = " ".join(["python -m experiments.train_tiny", *_flag_args()])
+    train(config, command=command)
 
 
 def _flag_args() -> list[str]:
@@ -178,4 +184,4 @@ def _flag_args() -> list[str]:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run("train_tiny", main, check, default_config=DEFAULT_CONFIG)

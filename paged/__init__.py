@@ -1,7 +1,10 @@
 """paged: paged KV state for online LLM inference in JAX.
 
-Public API (see DESIGN.md): ``accounting``, ``Engine``, ``EngineConfig``, ``SamplingParams``.
-The engine names are imported lazily so that ``from paged import accounting`` stays light.
+Public API: ``accounting`` (exact KV byte and position accounting), ``Engine`` (requests in,
+tokens out), ``EngineConfig`` (every engine setting), ``SamplingParams``, ``SpeculativeConfig`` and
+``RequestOutput``;
+``paged.validate`` holds the argument checks they share. The engine names are imported lazily so
+that ``from paged import accounting`` stays light.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ _LAZY = {
     "EngineConfig": "paged.config",
     "RequestOutput": "paged.engine",
     "SamplingParams": "paged.sampling",
+    "SpeculativeConfig": "paged.spec_decode",
 }
 
 __all__ = ["accounting", *_LAZY]

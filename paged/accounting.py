@@ -1,6 +1,6 @@
 """Exact byte and position accounting for paged and fixed-reservation KV caches.
 
-The formulas follow the source document (DESIGN.md, points 1 and 2):
+The formulas:
 
 * ``M_KV = 2 * L * n * h_kv * d_h * b`` bytes of KV for ``n`` tokens (2 = key and value). It counts
   neither block tables nor workspace nor padding; those are reported beside the pool, never inside.
@@ -17,10 +17,12 @@ categories add up to the pool to the byte.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+
+from paged import validate
 
 __all__ = [
     "MemoryLedger",
@@ -49,22 +51,11 @@ CATEGORIES = (
 # ----------------------------------------------------------------------------- validation
 
 
-def _check_int(name: str, value: Any, *, minimum: int) -> int:
-    """Returns ``value`` as a Python int, or raises if it is not an integer ``>= minimum``."""
-    # bool is an int subclass; True as a block size is almost certainly a bug, so refuse it.
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}={value!r} must be an integer, got {type(value).__name__}")
-    if value < minimum:
-        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"{name}={value} must be {kind}")
-    return int(value)
-
-
 def _check_lengths(lengths: Iterable[int], *, allow_empty: bool = False) -> list[int]:
     """Returns ``lengths`` as a list of non-negative ints, or raises naming the bad entry."""
     if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Iterable):
         raise TypeError(f"lengths={lengths!r} must be a sequence of integers")
-    out = [_check_int(f"lengths[{i}]", n, minimum=0) for i, n in enumerate(lengths)]
+    out = [validate.integer(f"lengths[{i}]", n, minimum=0) for i, n in enumerate(lengths)]
     if not out and not allow_empty:
         raise ValueError("lengths=[] must hold at least one sequence length")
     return out
@@ -93,11 +84,11 @@ def kv_bytes(
       TypeError: an argument is not an integer.
       ValueError: ``num_tokens`` is negative or another argument is not positive.
     """
-    num_layers = _check_int("num_layers", num_layers, minimum=1)
-    num_tokens = _check_int("num_tokens", num_tokens, minimum=0)
-    num_kv_heads = _check_int("num_kv_heads", num_kv_heads, minimum=1)
-    head_dim = _check_int("head_dim", head_dim, minimum=1)
-    bytes_per_scalar = _check_int("bytes_per_scalar", bytes_per_scalar, minimum=1)
+    num_layers = validate.integer("num_layers", num_layers, minimum=1)
+    num_tokens = validate.integer("num_tokens", num_tokens, minimum=0)
+    num_kv_heads = validate.integer("num_kv_heads", num_kv_heads, minimum=1)
+    head_dim = validate.integer("head_dim", head_dim, minimum=1)
+    bytes_per_scalar = validate.integer("bytes_per_scalar", bytes_per_scalar, minimum=1)
     return 2 * num_layers * num_tokens * num_kv_heads * head_dim * bytes_per_scalar
 
 
@@ -107,8 +98,8 @@ def blocks_needed(n: int, block_size: int) -> int:
     Raises:
       TypeError / ValueError: ``n`` is not a non-negative integer or ``block_size`` not positive.
     """
-    n = _check_int("n", n, minimum=0)
-    block_size = _check_int("block_size", block_size, minimum=1)
+    n = validate.integer("n", n, minimum=0)
+    block_size = validate.integer("block_size", block_size, minimum=1)
     return -(-n // block_size)  # integer ceil: float division loses exactness for huge n
 
 
@@ -136,8 +127,8 @@ def reservation_waste(n: int, max_len: int) -> int:
     Raises:
       TypeError / ValueError: a non-integer, a negative ``n``, ``max_len < 1`` or ``n > max_len``.
     """
-    n = _check_int("n", n, minimum=0)
-    max_len = _check_int("max_len", max_len, minimum=1)
+    n = validate.integer("n", n, minimum=0)
+    max_len = validate.integer("max_len", max_len, minimum=1)
     if n > max_len:
         raise ValueError(f"n={n} exceeds max_len={max_len}")
     return max_len - n
@@ -195,9 +186,9 @@ def block_table_bytes(num_seqs: int, max_blocks_per_seq: int, bytes_per_entry: i
       TypeError / ValueError: an argument is not an integer, or is negative (``bytes_per_entry``
         must be positive).
     """
-    num_seqs = _check_int("num_seqs", num_seqs, minimum=0)
-    max_blocks_per_seq = _check_int("max_blocks_per_seq", max_blocks_per_seq, minimum=0)
-    bytes_per_entry = _check_int("bytes_per_entry", bytes_per_entry, minimum=1)
+    num_seqs = validate.integer("num_seqs", num_seqs, minimum=0)
+    max_blocks_per_seq = validate.integer("max_blocks_per_seq", max_blocks_per_seq, minimum=0)
+    bytes_per_entry = validate.integer("bytes_per_entry", bytes_per_entry, minimum=1)
     return num_seqs * max_blocks_per_seq * bytes_per_entry
 
 
@@ -238,7 +229,7 @@ class ModelSpec:
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim"):
-            object.__setattr__(self, name, _check_int(name, getattr(self, name), minimum=1))
+            object.__setattr__(self, name, validate.integer(name, getattr(self, name), minimum=1))
         object.__setattr__(self, "dtype", _dtype_of(self.dtype).name)
 
     @classmethod
@@ -263,6 +254,23 @@ class ModelSpec:
             dtype=cfg.dtype if dtype is None else dtype,
         )
 
+    @classmethod
+    def from_hf_config(cls, path: Any, *, dtype: Any = None) -> ModelSpec:
+        """Reads a Hugging Face ``config.json`` (or a checkpoint directory holding one).
+
+        ``head_dim`` is the config's ``head_dim`` key, else ``hidden_size // num_attention_heads``;
+        ``num_key_value_heads`` defaults to ``num_attention_heads``. The dtype is ``dtype``, else
+        the config's ``dtype`` / ``torch_dtype``, else float32.
+
+        Raises:
+          ValueError: what `paged.models.hf_config.read_hf_config` refuses (naming file and key).
+        """
+        from paged.models.hf_config import read_hf_config
+
+        model = read_hf_config(path)
+        stored = model.raw.get("dtype") or model.raw.get("torch_dtype") or "float32"
+        return cls.from_model_config(model.config, dtype=stored if dtype is None else dtype)
+
     @property
     def bytes_per_scalar(self) -> int:
         """Bytes of one stored scalar ``b``."""
@@ -275,240 +283,7 @@ class ModelSpec:
 
     def bytes_per_block(self, block_size: int) -> int:
         """KV bytes of one physical block of ``block_size`` positions over all layers."""
-        return self.bytes_per_token * _check_int("block_size", block_size, minimum=1)
+        return self.bytes_per_token * validate.integer("block_size", block_size, minimum=1)
 
 
-# ----------------------------------------------------------------------------- ledger
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryLedger:
-    """A KV pool split into categories that sum, to the byte, to the pool.
-
-    Build it with ``from_blocks`` (paged pool) or ``for_reservation`` (contiguous baseline). Block
-    tables and workspace live outside the pool and are reported beside it.
-
-    Attributes:
-      spec: model dimensions.
-      layout: ``"paged"`` or ``"reservation"``.
-      block_size: positions per block (``max_len`` for a reservation: one buffer is one block).
-      num_blocks: physical blocks (buffers) in the pool, the null page included.
-      effective_kv: bytes of filled positions in blocks owned by one sequence.
-      shared: bytes of filled positions in blocks with refcount > 1, stored and counted once.
-      tail_fragmentation: bytes of unfilled positions in in-use blocks (or reserved buffers).
-      cached_free: bytes of free blocks still holding reusable prefix-cache content.
-      free: bytes of free, empty blocks.
-      null_page: bytes of the null page (padding target, never given to a sequence).
-      reserved: bytes of blocks held back (e.g. quarantined until a device step finishes).
-      shared_saved_bytes: bytes sharing avoided: ``sum((refcount - 1) * filled bytes)``.
-      block_table_bytes: side cost, outside the pool.
-      workspace_bytes: side cost, outside the pool.
-      filled_positions: positions holding tokens in in-use blocks (shared ones counted once).
-      in_use_positions: positions of in-use blocks.
-    """
-
-    spec: ModelSpec
-    layout: str
-    block_size: int
-    num_blocks: int
-    effective_kv: int
-    shared: int
-    tail_fragmentation: int
-    cached_free: int
-    free: int
-    null_page: int
-    reserved: int
-    shared_saved_bytes: int
-    block_table_bytes: int
-    workspace_bytes: int
-    filled_positions: int
-    in_use_positions: int
-
-    def __post_init__(self):
-        # The whole point of the ledger: no byte of the pool unaccounted for, none counted twice.
-        total = sum(self.categories().values())
-        if total != self.pool_bytes:
-            raise ValueError(
-                f"ledger categories sum to {total} bytes, pool holds {self.pool_bytes} bytes"
-            )
-
-    @property
-    def pool_bytes(self) -> int:
-        """Bytes of the whole pool: ``num_blocks * bytes_per_block``."""
-        return self.num_blocks * self.spec.bytes_per_block(self.block_size)
-
-    @property
-    def position_utilization(self) -> float | None:
-        """Filled over allocated positions of in-use blocks; ``None`` when nothing is in use."""
-        if self.in_use_positions == 0:
-            return None
-        return self.filled_positions / self.in_use_positions
-
-    def categories(self) -> dict[str, int]:
-        """Bytes per pool category, in report order; they sum to ``pool_bytes``."""
-        return {name: getattr(self, name) for name in CATEGORIES}
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready summary: categories, pool bytes, side costs and position utilization."""
-        return {
-            "layout": self.layout,
-            "dtype": self.spec.dtype,
-            "block_size": self.block_size,
-            "num_blocks": self.num_blocks,
-            "bytes_per_block": self.spec.bytes_per_block(self.block_size),
-            "pool_bytes": self.pool_bytes,
-            "categories": self.categories(),
-            "shared_saved_bytes": self.shared_saved_bytes,
-            "side_costs": {
-                "block_table_bytes": self.block_table_bytes,
-                "workspace_bytes": self.workspace_bytes,
-            },
-            "total_bytes": self.pool_bytes + self.block_table_bytes + self.workspace_bytes,
-            "position_utilization": self.position_utilization,
-        }
-
-    @classmethod
-    def from_blocks(
-        cls,
-        spec: ModelSpec,
-        block_size: int,
-        num_blocks: int,
-        *,
-        used: Sequence[tuple[int, int]],
-        cached_free: int,
-        free: int,
-        reserved: int = 0,
-        block_table_bytes: int = 0,
-        workspace_bytes: int = 0,
-    ) -> MemoryLedger:
-        """Ledger of a paged pool from per-block counts.
-
-        Args:
-          spec: model dimensions.
-          block_size: positions per block.
-          num_blocks: physical blocks in the pool, including the one null page.
-          used: one ``(refcount, filled_slots)`` per in-use physical block (refcount >= 1,
-            0 <= filled_slots <= block_size). A shared block appears once.
-          cached_free: free blocks that keep prefix-cache content.
-          free: free, empty blocks.
-          reserved: blocks held back (quarantined or otherwise unavailable).
-          block_table_bytes: bytes of block tables (outside the pool).
-          workspace_bytes: bytes of attention/sampling workspace (outside the pool).
-
-        Raises:
-          TypeError: a count is not an integer or ``used`` holds a non-pair.
-          ValueError: a count is out of range, or ``len(used) + cached_free + free + reserved + 1``
-            differs from ``num_blocks``.
-        """
-        block_size = _check_int("block_size", block_size, minimum=1)
-        num_blocks = _check_int("num_blocks", num_blocks, minimum=1)
-        counts = {
-            name: _check_int(name, value, minimum=0)
-            for name, value in (
-                ("cached_free", cached_free),
-                ("free", free),
-                ("reserved", reserved),
-            )
-        }
-        blocks = _check_used(used, block_size)
-        accounted = len(blocks) + sum(counts.values()) + 1  # + 1: the null page
-        if accounted != num_blocks:
-            parts = " + ".join(f"{k}={v}" for k, v in counts.items())
-            raise ValueError(
-                f"num_blocks={num_blocks} but used={len(blocks)} + {parts} + 1 null page"
-                f" = {accounted}"
-            )
-        per_token = spec.bytes_per_token
-        per_block = spec.bytes_per_block(block_size)
-        own = sum(filled for ref, filled in blocks if ref == 1)
-        shared = sum(filled for ref, filled in blocks if ref > 1)
-        filled = own + shared
-        return cls(
-            spec=spec,
-            layout="paged",
-            block_size=block_size,
-            num_blocks=num_blocks,
-            effective_kv=own * per_token,
-            shared=shared * per_token,
-            tail_fragmentation=(len(blocks) * block_size - filled) * per_token,
-            cached_free=counts["cached_free"] * per_block,
-            free=counts["free"] * per_block,
-            null_page=per_block,
-            reserved=counts["reserved"] * per_block,
-            shared_saved_bytes=sum((ref - 1) * f for ref, f in blocks) * per_token,
-            block_table_bytes=_check_int("block_table_bytes", block_table_bytes, minimum=0),
-            workspace_bytes=_check_int("workspace_bytes", workspace_bytes, minimum=0),
-            filled_positions=filled,
-            in_use_positions=len(blocks) * block_size,
-        )
-
-    @classmethod
-    def for_reservation(
-        cls,
-        spec: ModelSpec,
-        max_len: int,
-        lengths: Iterable[int],
-        *,
-        num_slots: int,
-        block_table_bytes: int = 0,
-        workspace_bytes: int = 0,
-    ) -> MemoryLedger:
-        """Ledger of the contiguous baseline: ``num_slots`` buffers of ``max_len`` positions each.
-
-        A running request of ``n`` tokens puts ``n`` positions in ``effective_kv`` and
-        ``max_len - n`` in ``tail_fragmentation``; idle slots are ``free``. There is no null page
-        and no sharing.
-
-        Args:
-          spec: model dimensions.
-          max_len: positions reserved per slot.
-          lengths: token count of each running request (may be empty: an idle pool).
-          num_slots: buffers in the pool, at least ``len(lengths)``.
-          block_table_bytes: side cost (e.g. per-slot offsets), outside the pool.
-          workspace_bytes: side cost, outside the pool.
-
-        Raises:
-          TypeError / ValueError: a non-integer, a negative length, a length above ``max_len`` or
-            more requests than slots.
-        """
-        max_len = _check_int("max_len", max_len, minimum=1)
-        num_slots = _check_int("num_slots", num_slots, minimum=1)
-        ns = _check_lengths(lengths, allow_empty=True)
-        if len(ns) > num_slots:
-            raise ValueError(f"{len(ns)} running requests do not fit num_slots={num_slots}")
-        waste = sum(reservation_waste(n, max_len) for n in ns)
-        per_token = spec.bytes_per_token
-        return cls(
-            spec=spec,
-            layout="reservation",
-            block_size=max_len,
-            num_blocks=num_slots,
-            effective_kv=sum(ns) * per_token,
-            shared=0,
-            tail_fragmentation=waste * per_token,
-            cached_free=0,
-            free=(num_slots - len(ns)) * max_len * per_token,
-            null_page=0,
-            reserved=0,
-            shared_saved_bytes=0,
-            block_table_bytes=_check_int("block_table_bytes", block_table_bytes, minimum=0),
-            workspace_bytes=_check_int("workspace_bytes", workspace_bytes, minimum=0),
-            filled_positions=sum(ns),
-            in_use_positions=len(ns) * max_len,
-        )
-
-
-def _check_used(used: Sequence[tuple[int, int]], block_size: int) -> list[tuple[int, int]]:
-    """Validates ``(refcount, filled_slots)`` pairs of in-use blocks."""
-    if isinstance(used, (str, bytes, Mapping)) or not isinstance(used, Iterable):
-        raise TypeError(f"used={used!r} must be a sequence of (refcount, filled_slots) pairs")
-    out = []
-    for i, pair in enumerate(used):
-        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-            raise TypeError(f"used[{i}]={pair!r} must be a (refcount, filled_slots) pair")
-        ref = _check_int(f"used[{i}].refcount", pair[0], minimum=1)
-        filled = _check_int(f"used[{i}].filled_slots", pair[1], minimum=0)
-        if filled > block_size:
-            raise ValueError(f"used[{i}].filled_slots={filled} exceeds block_size={block_size}")
-        out.append((ref, filled))
-    return out
+from paged.ledger import MemoryLedger  # noqa: E402  (re-exported: defined on top of the above)

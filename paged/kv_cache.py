@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged import validate
+
 NULL_PAGE = 0
 
 
@@ -53,13 +55,13 @@ class KVCache:
         """Allocates a zeroed cache; ``num_pages`` includes the null page.
 
         Raises:
-          ValueError: a dimension is not a positive integer, or ``num_pages < 2``.
+          TypeError: a dimension is not an integer (``bool`` and floats included).
+          ValueError: a dimension is not positive, or ``num_pages < 2``.
         """
         dims = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, num_pages=num_pages,
                     page_size=page_size, head_dim=head_dim)
         for name, value in dims.items():
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            validate.integer(name, value, minimum=1)
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages} must be >= 2 (page 0 is the null page)")
         shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)

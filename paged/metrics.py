@@ -8,12 +8,20 @@ Per request (all times in seconds on one clock):
 - ITL = gaps between consecutive output tokens (pooled over requests, as vLLM does).
 - E2E = finish - arrival.  Queue time = first scheduled - arrival.
 
-`summarize` names its fields after vLLM's ``benchmark_serving`` where they overlap (``completed``,
-``request_throughput``, ``mean_ttft_ms``, ``p99_itl_ms``, ``request_goodput``, ...). Aborted, timed
-out and rejected requests stay in the result: counted, listed in ``failed_request_ids``, but the
-latency statistics are over finished requests only and ``latency_population`` says so. Statistics of
-an empty population are None, never 0. Percentiles are ``np.percentile`` (linear interpolation), std
-is the population std (``ddof=0``), as in vLLM.
+`summarize` writes vLLM's ``benchmarks/benchmark_serving.py`` result fields under vLLM's names, so
+scripts that read vLLM's JSON read ours: ``duration``, ``completed``, ``total_input_tokens``,
+``total_output_tokens``, ``request_throughput``, ``output_throughput``, ``total_token_throughput``,
+``request_goodput``, ``{mean,median,std,p99}_{ttft,tpot,itl,e2el}_ms``, and the per-request arrays
+``input_lens``, ``output_lens``, ``ttfts`` (seconds), ``itls`` (a list of token gaps in seconds per
+request) and ``errors``, one entry per request in record order. In those arrays, as vLLM writes
+them, a request that did not finish has ``output_lens`` 0, ``errors`` its status (``"aborted"``,
+``"timeout"``, ``"rejected"``; ``""`` when it finished), ``ttfts`` its TTFT if it got a first token
+and 0.0 otherwise, and ``itls`` its gaps so far. Our own fields sit beside them (``num_requests``,
+``p90_*``, ``queue`` statistics, populations, failure counts, cache hits). Aborted, timed out and
+rejected requests stay in the result: counted, listed in ``failed_request_ids``, but the latency
+statistics are over finished requests only and ``latency_population`` says so. Statistics of an
+empty population are None, never 0. Percentiles are ``np.percentile`` (linear interpolation), std is
+the population std (``ddof=0``), as in vLLM.
 """
 
 from __future__ import annotations
@@ -27,8 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from paged.workload import EVIDENCE
+
 STATUSES = ("finished", "aborted", "timeout", "rejected")
-EVIDENCE = ("real", "constructed")
 _STATS = ("mean", "median", "std", "p90", "p99")
 
 
@@ -188,9 +197,10 @@ def summarize(records: Iterable[RequestRecord], *, duration_s: float,
       evidence: the workload's label, echoed into the result if given.
 
     Returns:
-      Counts, throughputs, ``{mean,median,std,p90,p99}_{ttft,tpot,itl,e2el,queue}_ms``, populations,
-      failures and ``request_goodput`` (finished requests meeting both SLOs per second; None when
-      no SLO is given).
+      ``duration`` (seconds), counts, throughputs,
+      ``{mean,median,std,p90,p99}_{ttft,tpot,itl,e2el,queue}_ms``, populations, failures,
+      ``request_goodput`` (finished requests meeting both SLOs per second; None when no SLO is
+      given) and vLLM's per-request arrays (module docstring).
 
     Raises:
       ValueError / TypeError: duplicate ids, duration_s <= 0, a bad SLO or evidence label.
@@ -216,7 +226,7 @@ def summarize(records: Iterable[RequestRecord], *, duration_s: float,
     cached = sum(r.num_cached_tokens for r in done)
     out = {
         **({"evidence": evidence} if evidence is not None else {}),
-        "duration_s": float(duration_s), "num_requests": len(records), "completed": len(done),
+        "duration": float(duration_s), "num_requests": len(records), "completed": len(done),
         "total_input_tokens": in_tok, "total_output_tokens": out_tok,
         "request_throughput": len(done) / duration_s, "output_throughput": out_tok / duration_s,
         "total_token_throughput": (in_tok + out_tok) / duration_s,
@@ -231,8 +241,21 @@ def summarize(records: Iterable[RequestRecord], *, duration_s: float,
         "num_preemptions": sum(r.num_preemptions for r in records),
         "total_cached_tokens": cached,
         "prefix_cache_hit_rate": cached / in_tok if in_tok else None,
+        **per_request_arrays(records),
     }
     return out
+
+
+def per_request_arrays(records: Sequence[RequestRecord]) -> dict[str, list]:
+    """vLLM's per-request result arrays, one entry per record (module docstring)."""
+    done = [r.status == "finished" for r in records]
+    return {
+        "input_lens": [r.prompt_len for r in records],
+        "output_lens": [r.output_len if ok else 0 for r, ok in zip(records, done, strict=True)],
+        "ttfts": [r.ttft_s if r.ttft_s is not None else 0.0 for r in records],
+        "itls": [list(r.itl_s) for r in records],
+        "errors": ["" if ok else r.status for r, ok in zip(records, done, strict=True)],
+    }
 
 
 def _check_unique(records: list[RequestRecord]) -> None:
@@ -320,3 +343,19 @@ class Trace:
         cats = list(self._samples[0].ledger) if self._samples else []
         cols["ledger"] = {c: [s.ledger[c] for s in self._samples] for c in cats}
         return cols
+
+
+@dataclasses.dataclass
+class StepTiming:
+    """Seconds spent in each phase of the last engine step (host phases vs waiting on the device)."""
+
+    schedule: float = 0.0
+    prepare: float = 0.0  # swap / poison / CoW calls + batch build + dispatch
+    device: float = 0.0  # waiting for a step's tokens (with overlap: the part not hidden)
+    postprocess: float = 0.0  # reading back: tokens, stops, forks, outputs
+    num_seqs: int = 0
+    num_tokens: int = 0
+
+    @property
+    def host(self) -> float:
+        return self.schedule + self.prepare + self.postprocess

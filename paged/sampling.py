@@ -8,14 +8,13 @@ the same tokens whether it runs alone or inside any batch, and after a recompute
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import jax
 import jax.numpy as jnp
 
+from paged import validate
 
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+MAX_LOGPROBS = 20  # top log-probabilities per position at most (vLLM's default limit)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -24,7 +23,7 @@ class SamplingParams:
 
     Attributes:
       max_tokens: tokens to generate at most (>= 1).
-      temperature: 0 is greedy; > 0 scales the logits.
+      temperature: 0 is greedy; > 0 scales the logits (finite, at most float32's largest).
       top_k: keep the k most likely tokens; 0 keeps all.
       top_p: nucleus sampling mass in (0, 1]; 1 keeps all.
       seed: the request's seed; ``None`` lets the engine derive one from its own seed and the
@@ -32,6 +31,19 @@ class SamplingParams:
       n: parallel samples of the same prompt; they share the prompt's KV blocks (fork + CoW).
       stop_token_ids: extra tokens that end generation (the stop token is kept in the output).
       ignore_eos: keep generating past EOS (benchmarks with fixed output lengths).
+      logprobs: ``None``, or k in [0, MAX_LOGPROBS]: every generated token comes with a dict
+        token id -> log-probability holding the sampled token and the k most likely tokens
+        (``CompletionOutput.logprobs``). Log-probabilities are those of the model's distribution
+        (log-softmax of its logits), before temperature, top-k and top-p.
+      prompt_logprobs: ``None``, or k in [0, MAX_LOGPROBS]: ``RequestOutput.prompt_logprobs``, one
+        entry per prompt position: ``None`` at position 0, then a dict holding the actual prompt
+        token and the k most likely tokens at that position. Computed in the prefill itself (no
+        second forward pass, chunked prefill included); such a request does not take prefix-cache
+        hits (a hit would skip the positions whose log-probabilities it asks for).
+
+    Every field is checked at construction: integers must be integers (not ``bool`` or ``2.0``),
+    floats finite and representable in float32 (they are sampled from in float32), ``ignore_eos``
+    a ``bool``; TypeError for a wrong type, ValueError for a value out of range.
     """
 
     max_tokens: int = 16
@@ -42,24 +54,22 @@ class SamplingParams:
     n: int = 1
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-        if not isinstance(self.temperature, numbers.Real) or not self.temperature >= 0:
-            raise ValueError(f"temperature={self.temperature!r} must be a number >= 0")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
-        if not isinstance(self.top_p, numbers.Real) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**31):
-            raise ValueError(f"seed={self.seed!r} must be None or an integer in [0, 2**31)")
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n={self.n!r} must be an integer >= 1")
-        stops = tuple(self.stop_token_ids)
-        if not all(_is_int(t) and t >= 0 for t in stops):
-            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
-        object.__setattr__(self, "stop_token_ids", stops)
+        validate.integer("max_tokens", self.max_tokens, minimum=1)
+        validate.real("temperature", self.temperature, minimum=0)
+        validate.integer("top_k", self.top_k, minimum=0)  # 0 disables it
+        validate.real("top_p", self.top_p, minimum=0, exclusive=True, maximum=1)
+        validate.integer("seed", self.seed, minimum=0, maximum=2**31 - 1, allow_none=True)
+        validate.integer("n", self.n, minimum=1)
+        validate.boolean("ignore_eos", self.ignore_eos)
+        validate.integer("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS, allow_none=True)
+        validate.integer("prompt_logprobs", self.prompt_logprobs, minimum=0, maximum=MAX_LOGPROBS,
+                         allow_none=True)
+        stops = validate.token_ids("stop_token_ids", self.stop_token_ids, allow_empty=True)
+        object.__setattr__(self, "stop_token_ids", tuple(stops))
 
 
 def _sample_one(logits, temperature, top_k, top_p, seed, sample_index, position):
@@ -92,3 +102,54 @@ def sample(
     """Greedy / temperature / top-k / top-p sampling, one independent key per row (traceable)."""
     return jax.vmap(_sample_one)(logits.astype(jnp.float32), temperature, top_k, top_p, seed,
                                  sample_index, position)
+
+
+def logprobs(logits: jax.Array, tokens: jax.Array, k: int = MAX_LOGPROBS):
+    """Log-softmax of each row of ``logits`` (f32[N, V]): the log-probability of ``tokens[i]``
+    (i32[N]) in row i, and the row's ``k`` largest log-probabilities with their token ids."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(lp, k)
+    return picked, top_ids.astype(jnp.int32), top_lp
+
+
+def _filtered_probs(logits, temperature, top_k, top_p):
+    """The distribution ``_sample_one`` samples from, in vocabulary order (one-hot when greedy)."""
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    order = jnp.argsort(-scaled)
+    sorted_logits = scaled[order]
+    rank = jnp.arange(vocab)
+    keep = rank < jnp.where(top_k > 0, top_k, vocab)
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
+    mass_before = jnp.cumsum(probs) - probs
+    keep &= (mass_before < top_p) | (rank == 0)
+    p_sorted = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
+    probs = jnp.zeros(vocab, jnp.float32).at[order].set(p_sorted)
+    greedy = jax.nn.one_hot(jnp.argmax(logits), vocab, dtype=jnp.float32)
+    return jnp.where(temperature > 0, probs, greedy)
+
+
+def _verify_one(logits, temperature, top_k, top_p, seed, sample_index, position, draft):
+    """One verify slot: accept ``draft`` (q a point mass) with probability p(draft), else sample
+    from p with the draft removed, renormalised; ``draft < 0``: a plain sample."""
+    plain = _sample_one(logits, temperature, top_k, top_p, seed, sample_index, position)
+    probs = _filtered_probs(logits.astype(jnp.float32), temperature, top_k, top_p)
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(
+        jax.random.PRNGKey(seed), sample_index), position), 1)  # a stream apart from ``plain``
+    k_accept, k_residual = jax.random.split(key)
+    d = jnp.maximum(draft, 0)
+    accept = (draft >= 0) & (jax.random.uniform(k_accept) < probs[d])
+    residual = probs.at[d].set(0.0)
+    resampled = jax.random.categorical(
+        k_residual, jnp.where(residual > 0, jnp.log(jnp.maximum(residual, 1e-38)), -jnp.inf))
+    resampled = jnp.where(residual.sum() > 0, resampled, plain).astype(jnp.int32)
+    token = jnp.where(draft < 0, plain, jnp.where(accept, d, resampled))
+    return token.astype(jnp.int32), accept
+
+
+def verify(logits, temperature, top_k, top_p, seed, sample_index, position, draft):
+    """``sample`` for verify rows: per slot, the emitted token and whether its draft
+    (``draft`` i32[N], -1 where none) was accepted, by the speculative rejection rule."""
+    return jax.vmap(_verify_one)(logits.astype(jnp.float32), temperature, top_k, top_p, seed,
+                                 sample_index, position, draft)

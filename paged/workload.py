@@ -1,8 +1,8 @@
 """Workloads for serving studies: arrival processes, length distributions, trace files.
 
-A `Workload` is an immutable list of `RequestSpec` labelled ``evidence="real"`` (read from a trace
-of real traffic) or ``"constructed"`` (drawn here from a seed); `check_same_evidence` keeps a study
-from mixing the two.
+A `Workload` is an immutable list of `RequestSpec` labelled ``evidence="real"`` (a trace of real
+traffic), ``"constructed"`` (drawn here from a seed, or a hand-written trace) or ``"simulated"`` (the
+output of a simulator); `check_same_evidence` keeps a study from mixing them.
 
 Arrivals (seconds): the first request at 0, then one gap per request (vLLM ``benchmark_serving``).
 `poisson_arrivals` draws exponential gaps of mean ``1 / rate``. `gamma_arrivals` draws gamma gaps of
@@ -32,7 +32,8 @@ Trace files (JSONL): an optional header ``{"workload": {"name", "evidence", "see
 one object per request: ``arrival_s``, ``output_len``, one of ``prompt`` (text; length = UTF-8 bytes
 + BOS) / ``prompt_token_ids`` / ``prompt_len``; optional ``request_id``, ``n``,
 ``shared_prefix_len``. Unknown keys are errors, so a typo cannot fall back to a default. A file with
-no header is ``evidence="real"`` unless the caller says otherwise.
+no header must be given its label by the caller (``evidence=``): a trace never defaults to
+``"real"``, so a hand-written or generated file cannot pass for recorded traffic.
 """
 
 from __future__ import annotations
@@ -40,14 +41,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import numbers
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-EVIDENCE = ("real", "constructed")
+from paged import validate
+
+EVIDENCE = ("real", "constructed", "simulated")
 BOS_ID = 256  # ByteTokenizer.bos_id; not imported so this module stays free of JAX.
 REFERENCE_CONTEXT_LEN = 2048  # context length of the models served in the PagedAttention paper.
 KINDS = ("sharegpt", "alpaca", "fixed")
@@ -84,20 +86,11 @@ PROFILES = {p.name: p for p in (SHAREGPT, ALPACA)}
 
 
 # --- validation helpers ----------------------------------------------------------------------
-def _check_int(name: str, value: Any, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}={value!r} must be an int")
-    if value < minimum:
-        raise ValueError(f"{name}={value!r} must be >= {minimum}")
-    return int(value)
-
-
 def _check_positive_rate(rate: Any) -> float:
-    if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
-        raise TypeError(f"rate={rate!r} must be a number")
-    if not rate > 0:  # also rejects NaN
-        raise ValueError(f"rate={rate!r} must be > 0 requests/s (inf = all at once)")
-    return float(rate)
+    try:
+        return validate.real("rate", rate, minimum=0, exclusive=True, allow_inf=True)
+    except ValueError as e:
+        raise ValueError(f"{e} requests/s (inf = all at once)") from None
 
 
 def check_evidence(evidence: Any) -> str:
@@ -134,17 +127,12 @@ class RequestSpec:
     shared_prefix_len: int = 0
 
     def __post_init__(self):
-        if not isinstance(self.request_id, str) or not self.request_id:
-            raise TypeError(f"request_id={self.request_id!r} must be a non-empty str")
-        if isinstance(self.arrival_s, bool) or not isinstance(self.arrival_s, numbers.Real):
-            raise TypeError(f"arrival_s={self.arrival_s!r} must be a number")
-        if not (math.isfinite(self.arrival_s) and self.arrival_s >= 0):
-            raise ValueError(f"arrival_s={self.arrival_s!r} must be finite and >= 0")
-        object.__setattr__(self, "arrival_s", float(self.arrival_s))
-        _check_int("prompt_len", self.prompt_len, minimum=1)
-        _check_int("output_len", self.output_len, minimum=1)
-        _check_int("n", self.n, minimum=1)
-        _check_int("shared_prefix_len", self.shared_prefix_len, minimum=0)
+        validate.string("request_id", self.request_id)
+        object.__setattr__(self, "arrival_s", validate.real("arrival_s", self.arrival_s, minimum=0))
+        validate.integer("prompt_len", self.prompt_len, minimum=1)
+        validate.integer("output_len", self.output_len, minimum=1)
+        validate.integer("n", self.n, minimum=1)
+        validate.integer("shared_prefix_len", self.shared_prefix_len, minimum=0)
         if self.shared_prefix_len > self.prompt_len:
             raise ValueError(f"shared_prefix_len={self.shared_prefix_len} > "
                              f"prompt_len={self.prompt_len}")
@@ -163,10 +151,7 @@ class RequestSpec:
                              f"prompt is {byte_token_len(self.prompt)} byte tokens (BOS included)")
 
     def _check_ids(self):
-        ids = self.prompt_token_ids
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence | np.ndarray):
-            raise TypeError(f"prompt_token_ids must be a sequence of ints: {type(ids).__name__}")
-        ids = tuple(_check_int("prompt token id", t, minimum=0) for t in ids)
+        ids = tuple(validate.token_ids("prompt_token_ids", self.prompt_token_ids))
         if len(ids) != self.prompt_len:
             raise ValueError(f"request {self.request_id!r}: prompt_len={self.prompt_len} but "
                              f"{len(ids)} prompt_token_ids")
@@ -200,7 +185,7 @@ class Workload:
     Attributes:
       name: short name for reports.
       requests: the requests, arrival times non-decreasing, ids unique.
-      evidence: ``"real"`` or ``"constructed"``.
+      evidence: ``"real"``, ``"constructed"`` or ``"simulated"``.
       seed: the seed it was drawn from (None for a trace).
       meta: JSON-ready description (source, scale rule, sigmas, ...); normalised through JSON.
     """
@@ -214,7 +199,7 @@ class Workload:
     def __post_init__(self):
         check_evidence(self.evidence)
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=0)
+            validate.integer("seed", self.seed, minimum=0)
         requests = tuple(self.requests)
         if not requests:
             raise ValueError(f"workload {self.name!r} has no requests")
@@ -263,7 +248,7 @@ class Workload:
 
     def check_fits(self, max_model_len: int) -> None:
         """Raises ValueError naming the first request with prompt + output > ``max_model_len``."""
-        _check_int("max_model_len", max_model_len, minimum=2)
+        validate.integer("max_model_len", max_model_len, minimum=2)
         for r in self.requests:
             if r.prompt_len + r.output_len > max_model_len:
                 raise ValueError(f"request {r.request_id!r}: prompt_len={r.prompt_len} + "
@@ -274,7 +259,7 @@ class Workload:
 
         Arrivals and lengths (and so ``evidence``) are unchanged; ``meta`` records the fill.
         """
-        rng = np.random.default_rng(_check_int("seed", seed, minimum=0))
+        rng = np.random.default_rng(validate.integer("seed", seed, minimum=0))
         reqs = tuple(r if r.prompt is not None or r.prompt_token_ids is not None else
                      dataclasses.replace(r, prompt_token_ids=(BOS_ID,) + synthetic_prompt(
                          r.prompt_len - 1, rng=rng)) for r in self.requests)
@@ -295,7 +280,8 @@ class Workload:
 
         Args:
           path: JSONL file.
-          evidence: label; default the header's, else ``"real"``. Must agree with a header.
+          evidence: label (``EVIDENCE``); default the header's. Required for a file without a
+            header; must agree with a header.
           name: workload name; default the header's, else the file stem.
 
         Returns:
@@ -303,9 +289,12 @@ class Workload:
 
         Raises:
           ValueError: a malformed line (the message names its 1-based line number), unsorted
-            arrivals, duplicate ids, or ``evidence`` that disagrees with the header.
+            arrivals, duplicate ids, no label (no header and no ``evidence``), or ``evidence``
+            that disagrees with the header.
         """
         path = pathlib.Path(path)
+        if evidence is not None:
+            check_evidence(evidence)
         header, requests = None, []
         for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
             if not line.strip():
@@ -317,7 +306,12 @@ class Workload:
             requests.append(_parse_request(obj, line_no, path, default_id=f"line{line_no}"))
         if not requests:
             raise ValueError(f"{path}: no requests")
-        h = header or {"evidence": "real", "seed": None, "meta": {"source": str(path)}}
+        if header is None and evidence is None:
+            raise ValueError(
+                f"{path} does not say what it is: add a header line "
+                '{"workload": {"evidence": "real"}} (or "constructed" / "simulated") before the '
+                "requests, or pass its label (evidence=..., --config.workload.evidence=...)")
+        h = header or {"evidence": evidence, "seed": None, "meta": {"source": str(path)}}
         if evidence is not None and header is not None and evidence != header["evidence"]:
             raise ValueError(f"evidence={evidence!r} but {path} says {header['evidence']!r}")
         try:
@@ -421,11 +415,8 @@ def gamma_arrivals(rate: float, num: int, *, burstiness: float = 1.0, seed: Seed
       ValueError / TypeError: rate <= 0, num < 1, burstiness <= 0.
     """
     rate = _check_positive_rate(rate)
-    num = _check_int("num", num, minimum=1)
-    if isinstance(burstiness, bool) or not isinstance(burstiness, numbers.Real):
-        raise TypeError(f"burstiness={burstiness!r} must be a number")
-    if not (burstiness > 0 and math.isfinite(burstiness)):
-        raise ValueError(f"burstiness={burstiness!r} must be finite and > 0")
+    num = validate.integer("num", num, minimum=1)
+    validate.real("burstiness", burstiness, minimum=0, exclusive=True)
     if math.isinf(rate):
         return np.zeros(num)
     rng = np.random.default_rng(seed)
@@ -436,7 +427,7 @@ def gamma_arrivals(rate: float, num: int, *, burstiness: float = 1.0, seed: Seed
 def poisson_arrivals(rate: float, num: int, *, seed: SeedLike) -> np.ndarray:
     """Poisson arrivals: exponential gaps with mean ``1 / rate``; see `gamma_arrivals`."""
     rate = _check_positive_rate(rate)
-    num = _check_int("num", num, minimum=1)
+    num = validate.integer("num", num, minimum=1)
     if math.isinf(rate):
         return np.zeros(num)
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=num - 1)
@@ -461,7 +452,7 @@ def fixed_arrivals(times: Iterable[float]) -> np.ndarray:
 # --- lengths and prompts ---------------------------------------------------------------------
 def length_scale(max_model_len: int) -> float:
     """The linear scale rule: ``max_model_len / REFERENCE_CONTEXT_LEN``."""
-    return _check_int("max_model_len", max_model_len, minimum=2) / REFERENCE_CONTEXT_LEN
+    return validate.integer("max_model_len", max_model_len, minimum=2) / REFERENCE_CONTEXT_LEN
 
 
 def profile_lengths(profile: LengthProfile, num: int, *, max_model_len: int, seed: SeedLike,
@@ -482,9 +473,9 @@ def profile_lengths(profile: LengthProfile, num: int, *, max_model_len: int, see
     Raises:
       ValueError: num < 1 or ``reserved + 2 > max_model_len``.
     """
-    num = _check_int("num", num, minimum=1)
+    num = validate.integer("num", num, minimum=1)
     scale = length_scale(max_model_len)
-    reserved = _check_int("reserved", reserved, minimum=0)
+    reserved = validate.integer("reserved", reserved, minimum=0)
     if reserved + 2 > max_model_len:
         raise ValueError(f"shared prefix of {reserved} tokens leaves no room for a 1-token prompt "
                          f"and a 1-token output in max_model_len={max_model_len}")
@@ -515,8 +506,8 @@ def alpaca_like_lengths(num: int, *, max_model_len: int, seed: SeedLike,
 
 def synthetic_prompt(length: int, *, rng: np.random.Generator, vocab: int = 256) -> tuple[int, ...]:
     """``length`` random token ids in ``[0, vocab)`` (byte tokens; no BOS, the caller adds it)."""
-    length = _check_int("length", length, minimum=0)
-    vocab = _check_int("vocab", vocab, minimum=1)
+    length = validate.integer("length", length, minimum=0)
+    vocab = validate.integer("vocab", vocab, minimum=1)
     return tuple(int(t) for t in rng.integers(0, vocab, size=length))
 
 
@@ -555,12 +546,12 @@ def make_workload(kind: str, num_requests: int, rate: float | None, *, max_model
     """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} must be one of {KINDS}")
-    seed = _check_int("seed", seed, minimum=0)
-    num_requests = _check_int("num_requests", num_requests, minimum=1)
-    prefix = (_check_int("shared_prefix_len", shared_prefix_len, minimum=0)
-              + _check_int("num_shots", num_shots, minimum=0) * _check_int("shot_len", shot_len,
+    seed = validate.integer("seed", seed, minimum=0)
+    num_requests = validate.integer("num_requests", num_requests, minimum=1)
+    prefix = (validate.integer("shared_prefix_len", shared_prefix_len, minimum=0)
+              + validate.integer("num_shots", num_shots, minimum=0) * validate.integer("shot_len", shot_len,
                                                                             minimum=0))
-    _check_int("n", n, minimum=1)
+    validate.integer("n", n, minimum=1)
     arr_ss, len_ss, tok_ss = np.random.SeedSequence(seed).spawn(3)
     arrivals = _arrivals(num_requests, rate, burstiness, arrival_times, arr_ss)
     prompts, outputs, len_meta = _lengths(kind, num_requests, max_model_len, prefix, prompt_len,
@@ -599,9 +590,9 @@ def _arrivals(num, rate, burstiness, arrival_times, ss) -> np.ndarray:
 
 def _lengths(kind, num, max_model_len, prefix, prompt_len, output_len, ss):
     if kind == "fixed":
-        p = _check_int("prompt_len", prompt_len, minimum=1)
-        o = _check_int("output_len", output_len, minimum=1)
-        max_model_len = _check_int("max_model_len", max_model_len, minimum=2)
+        p = validate.integer("prompt_len", prompt_len, minimum=1)
+        o = validate.integer("output_len", output_len, minimum=1)
+        max_model_len = validate.integer("max_model_len", max_model_len, minimum=2)
         if prefix + p + o > max_model_len:
             raise ValueError(f"shared prefix {prefix} + prompt_len={p} + output_len={o} > "
                              f"max_model_len={max_model_len}")

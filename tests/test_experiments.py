@@ -22,27 +22,38 @@ def test_serve_smoke(tmp_path):
     proc = _run("experiments.serve", "--config=experiments/configs/serve.py:smoke",
                 f"--config.output_dir={out}")
     assert "paged+continuous" in proc.stdout and "contiguous+static" in proc.stdout
+    # Off a terminal (captured here), progress is one summary line per arm, no carriage returns.
+    assert "\r" not in proc.stderr and "\r" not in proc.stdout
+    progress = proc.stderr.strip().splitlines()
+    assert len(progress) <= 4, proc.stderr[-2000:]
+    assert any("[paged+continuous] 6/6" in line for line in progress), proc.stderr[-2000:]
     payload = json.loads((out / "summary.json").read_text())
     assert payload["evidence"] == "constructed"
     assert payload["provenance"]["jax_version"]
     for arm in payload["arms"]:
-        assert arm["summary"]["completed"] == arm["summary"]["num_requests"] == 6
+        s = arm["summary"]
+        assert s["completed"] == s["num_requests"] == 6
         assert len(arm["records"]) == 6
         assert arm["trace"]["time_s"], "KV usage trace is empty"
+        # vLLM benchmark_serving's field names, per-request arrays in record order.
+        assert s["duration"] > 0 and "duration_s" not in s
+        for key in ("input_lens", "output_lens", "ttfts", "itls", "errors"):
+            assert len(s[key]) == 6, key
+        assert s["errors"] == [""] * 6 and sum(s["output_lens"]) == s["total_output_tokens"]
     assert (out / "latency_cdf.png").stat().st_size > 0 and (out / "kv_usage.png").stat().st_size > 0
 
 
 def test_engine_bench_smoke(tmp_path):
-    out = tmp_path / "eb.json"
     _run("experiments.engine_bench", "--config=experiments/configs/engine_bench.py:smoke",
-         f"--config.output_json={out}")
-    payload = json.loads(out.read_text())
+         f"--config.output_dir={tmp_path}")
+    payload = json.loads((tmp_path / "engine_bench.json").read_text())
     rows = payload["results"]
     assert [(r["mode"], r["num_running"]) for r in rows] == [("steady", 4), ("churn", 4)]
-    assert all(r["median_host_ms"] > 0 and r["median_device_ms"] > 0 for r in rows)
+    assert all(r["median_host_ms"] > 0 and r["off_median_device_ms"] > 0 for r in rows)
     steady, churn = rows
-    assert steady["batched_decode_steps"] == 2 * steady["steps"]  # timed and isolated blocks
-    assert steady["decode_run_steps"] > 0  # the lockstep batch keeps its tokens in arrays
+    # Overlap on, off and isolated blocks, each after one untimed switch step.
+    assert steady["batched_decode_steps"] >= 3 * steady["steps"]
+    assert steady["off_median_step_ms"] > 0 and steady["overlap_speedup"] > 0
     assert churn["median_tokens_per_step"] > 4  # prefill chunks beside the decodes
 
 
@@ -69,10 +80,13 @@ def test_serve_bad_config_fails_cleanly(tmp_path):
     bad = "--config.workload.rate=-1"
     proc = subprocess.run([sys.executable, "-m", "experiments.serve",
                            "--config=experiments/configs/serve.py:smoke", bad,
-                           f"--config.output_dir={tmp_path}"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+                           f"--config.output_dir={tmp_path / 'out'}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    assert "ValueError" in proc.stderr or "must be" in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("serve: workload.rate=-1"), proc.stderr
+    assert "must be" in lines[0]
+    assert not (tmp_path / "out").exists()  # nothing written: it failed before any work
 
 
 def test_ablate_smoke(tmp_path):
@@ -92,3 +106,21 @@ def test_capacity_smoke(tmp_path):
     for arm in payload["arms"]:
         assert arm["capacity_rps"] == max(p["rate"] for p in arm["points"] if p["meets_slo"])
     assert "ratio" in proc.stdout and (tmp_path / "capacity.png").exists()
+
+
+def test_progress_off_a_terminal_is_one_summary_line():
+    import io
+
+    from experiments.common import Progress
+
+    out = io.StringIO()  # not a TTY: no bar, no carriage returns, one line when it closes
+    with Progress(120, "[arm]", file=out) as bar:
+        for i in range(120):
+            bar.set(i + 1, running=3, waiting=0)
+    assert "\r" not in out.getvalue()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[arm] 120/120 req in "), lines
+    quiet = io.StringIO()
+    with Progress(3, "[x]", file=quiet, summary=False) as bar:
+        bar.update(3)
+    assert quiet.getvalue() == ""

@@ -51,7 +51,7 @@ def test_sequence_rows():
         (["1", "x"], ["16"], 512, "'x' is not an integer"),
         (["-3"], ["16"], 512, "-3 must be"),
         (["3"], ["0"], 512, "block_sizes: 0"),
-        (["600"], ["16"], 512, "exceed --max_len=512"),
+        (["600"], ["16"], 512, "exceed max_len=512"),
         (["3"], ["16"], 0, "max_len: 0"),
         ([], ["16"], 512, "lengths is empty"),
     ],
@@ -62,9 +62,10 @@ def test_parse_inputs_rejects(lengths, block_sizes, max_len, match):
 
 
 def test_script_end_to_end(tmp_path):
-    out = tmp_path / "frag.json"
-    proc = _run("--block_sizes=8,16,32,64,128", "--max_len=512", f"--output_json={out}")
+    proc = _run("--config.block_sizes=8,16,32,64,128", "--config.max_len=512",
+                f"--config.output_dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "fragmentation.json"
     assert "37.81%" in proc.stdout and "97.58%" in proc.stdout and "94.53%" in proc.stdout
     report = json.loads(out.read_text())
     assert report["evidence"] == "constructed" and report["seed_example"] is True
@@ -79,13 +80,24 @@ def test_script_end_to_end(tmp_path):
     assert len(report["sequences"]) == 5
 
 
+def test_smoke_variant(tmp_path):
+    proc = _run("--config=experiments/configs/fragmentation.py:smoke",
+                f"--config.output_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "fragmentation.json").read_text())
+    assert report["inputs"] == {"lengths": [5, 17, 40], "block_sizes": [4, 16], "max_len": 64}
+    assert report["seed_example"] is False
+
+
 @pytest.mark.parametrize(
-    "flag", ["--lengths=1,x", "--block_sizes=0", "--lengths=600", "--max_len=abc", "--nope=1"]
+    "flag",
+    ["--config.lengths=1,x", "--config.block_sizes=0", "--config.lengths=600",
+     "--config.max_len=abc", "--nope=1", "--config.block_size=16"],
 )
 def test_script_bad_flag_one_line(flag, tmp_path):
-    proc = _run(flag, f"--output_json={tmp_path / 'x.json'}")
+    proc = _run(flag, f"--config.output_dir={tmp_path / 'out'}")
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fragmentation:"), proc.stderr
     assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "x.json").exists()
+    assert not (tmp_path / "out").exists()

@@ -13,10 +13,10 @@ from paged.models.registry import load_from
 # ml_collections loads the default config file with the deprecated importlib load_module().
 @pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")
 def test_smoke_config_trains_and_round_trips(tmp_path):
-    from experiments.train_tiny import train  # defines the absl --config flag on import
+    from experiments.train_tiny import train
 
     config = train_config.get_config("smoke")
-    config.out_dir = str(tmp_path)
+    config.output_dir = str(tmp_path)
     record = train(config, command="pytest")
     saved = json.loads((tmp_path / "smoke.json").read_text())
     for key in ("config", "steps", "final_train_loss", "final_eval_loss", "wall_time_s",

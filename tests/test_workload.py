@@ -188,14 +188,19 @@ def test_sample_trace_file():
     assert filled.requests[0] == chat0
 
 
-def test_headerless_trace_is_real(tmp_path):
+def test_headerless_trace_needs_a_label(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text('{"arrival_s": 0, "prompt_len": 5, "output_len": 3}\n\n'
                     '{"arrival_s": 2.5, "prompt": "hi", "output_len": 1}\n')
-    w = wl.Workload.from_jsonl(path)
+    with pytest.raises(ValueError, match="does not say what it is"):
+        wl.Workload.from_jsonl(path)  # never "real" by default
+    w = wl.Workload.from_jsonl(path, evidence="real")
     assert w.evidence == "real" and w.seed is None and w.meta["source"] == str(path)
     assert [r.prompt_len for r in w.requests] == [5, 3] and w.duration_s == 2.5
     assert wl.Workload.from_jsonl(path, evidence="constructed").evidence == "constructed"
+    assert wl.Workload.from_jsonl(path, evidence="simulated").evidence == "simulated"
+    with pytest.raises(ValueError, match="evidence='measured'"):
+        wl.Workload.from_jsonl(path, evidence="measured")
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -216,7 +221,7 @@ def test_bad_line_names_line_number(tmp_path, bad, match):
     path.write_text('{"request_id": "a", "arrival_s": 1, "prompt_len": 5, "output_len": 2}\n'
                     f"{bad}\n")
     with pytest.raises(ValueError, match=match) as e:
-        wl.Workload.from_jsonl(path)
+        wl.Workload.from_jsonl(path, evidence="constructed")
     if "duplicate" not in match and "previous" not in match:
         assert f"{path}:2:" in str(e.value)
 

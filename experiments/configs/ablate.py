@@ -15,6 +15,7 @@ reservation), scheduling (continuous vs static request-level batching), enable_p
 import ml_collections
 
 from experiments.configs import serve
+from experiments.configs.engine_fields import engine_config_dict
 
 
 def get_config(arg: str = "default") -> ml_collections.ConfigDict:
@@ -38,4 +39,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     elif arg != "default":
         raise ValueError(f"unknown variant {arg!r}; known: default, smoke")
     del c.arms
+    # The factors set these engine fields per arm: unset in config.engine (a setting there would be
+    # overridden, so the study refuses it).
+    c.engine = engine_config_dict(**{**c.engine.to_dict(), **{k: None for k in c.factors.keys()}})
     return c

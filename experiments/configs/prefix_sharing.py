@@ -4,7 +4,7 @@ Launch::
 
     python -m experiments.prefix_sharing                                   # default (tiny model)
     python -m experiments.prefix_sharing --config=experiments/configs/prefix_sharing.py:smoke
-    python -m experiments.prefix_sharing --config.output_dir=experiments/results
+    python -m experiments.prefix_sharing --config.output_dir=/tmp/sharing
 
 Rows follow the PagedAttention paper's sharing study (Kwon et al., SOSP 2023, section 6.3):
 parallel sampling with n = 2, 4, 6 on Alpaca-like lengths, and a shared few-shot prefix of 1 and 5
@@ -17,24 +17,29 @@ random model, a handful of fixed-length requests; what the test runs).
 
 import ml_collections
 
+from experiments.configs.engine_fields import engine_config_dict
+
 
 def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = "tiny"  # bundled weights; "random-small" = small random model (tests)
 
-    e = c.engine = ml_collections.ConfigDict()
-    e.block_size = 16
-    e.num_blocks = 1025  # 16384 positions: no preemption at these lengths (reported if any)
-    # Every resident sample should decode every step, as the ideal timeline assumes: the scheduler
-    # admits an n-sample request as one sequence and its forks may push the running set past
-    # max_num_seqs, leaving samples idle (and fully shared) for steps; 128 keeps that rare here.
-    e.max_num_seqs = 128
-    e.max_num_batched_tokens = 128
-    e.max_model_len = 2048
-    e.attention_impl = "xla"
-    e.enable_prefix_caching = True
-    e.min_seq_bucket = 64  # three step shapes (+ sample-slot shapes that forks add)
-    e.min_token_bucket = 64
+    # Every engine setting (`engine_fields`), with this study's defaults.
+    c.engine = engine_config_dict(
+        block_size=16,
+        num_blocks=1025,  # 16384 positions: no preemption at these lengths (reported if any)
+        # Every resident sample should decode every step, as the ideal timeline assumes: the
+        # scheduler admits an n-sample request as one sequence and its forks may push the running
+        # set past max_num_seqs, leaving samples idle (and fully shared) for steps; 128 keeps that
+        # rare here.
+        max_num_seqs=128,
+        max_num_batched_tokens=128,
+        max_model_len=2048,
+        attention_impl="xla",
+        enable_prefix_caching=True,
+        min_seq_bucket=64,  # three step shapes (+ sample-slot shapes that forks add)
+        min_token_bucket=64,
+    )
 
     w = c.workload = ml_collections.ConfigDict()
     w.kind = "alpaca"  # "sharegpt" / "alpaca" (lognormal) or "fixed" (prompt_len / output_len)
@@ -53,7 +58,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         ("shared prefix 1-shot", {"num_shots": 1, "shot_len": 80}),
         ("shared prefix 5-shot", {"num_shots": 5, "shot_len": 68}),
     )
-    c.output_dir = ""  # default results/prefix_sharing/<timestamp>/
+    c.output_dir = ""  # default results/prefix_sharing/<UTC timestamp>/
     if arg == "smoke":
         c.model = "random-small"
         c.engine.block_size = 8

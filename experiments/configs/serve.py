@@ -5,6 +5,7 @@ Launch::
     python -m experiments.serve                                   # default: the main job
     python -m experiments.serve --config=experiments/configs/serve.py:smoke
     python -m experiments.serve --config.workload.rate=4 --config.workload.num_requests=200
+    python -m experiments.serve --config.engine.policy=prefill-first   # any EngineConfig field
 
 The default serves one constructed ShareGPT-like workload (Poisson arrivals) twice, with the same
 model, sampling and KV pool bytes: paged KV + continuous batching, and contiguous KV (every request
@@ -14,21 +15,25 @@ reserves max_model_len positions) + static request-level batching. Variants: ``d
 
 import ml_collections
 
+from experiments.configs.engine_fields import engine_config_dict
+
 
 def engine_defaults() -> ml_collections.ConfigDict:
-    """Engine settings shared by the arms (each arm overrides a few)."""
-    e = ml_collections.ConfigDict()
-    e.block_size = 16
-    e.num_blocks = 129  # 128 usable blocks of 16 = 2048 positions; contiguous: 8 buffers of 256
-    e.max_num_seqs = 32
-    e.max_num_batched_tokens = 256
-    e.max_model_len = 256
-    e.attention_impl = "xla"
-    e.enable_prefix_caching = True
-    e.preemption_mode = "recompute"
-    e.min_seq_bucket = 32  # one sequence bucket: few compilations, all done by warmup()
-    e.min_token_bucket = 32
-    return e
+    """Every engine setting (`engine_fields`); the arms set ``kv_layout`` and ``scheduling``."""
+    return engine_config_dict(
+        block_size=16,
+        num_blocks=129,  # 128 usable blocks of 16 = 2048 positions; contiguous: 8 buffers of 256
+        max_num_seqs=32,
+        max_num_batched_tokens=256,
+        max_model_len=256,
+        attention_impl="xla",
+        enable_prefix_caching=True,
+        preemption_mode="recompute",
+        min_seq_bucket=32,  # one sequence bucket: few compilations, all done by warmup()
+        min_token_bucket=32,
+        kv_layout=None,  # set per arm (config.arms)
+        scheduling=None,  # set per arm
+    )
 
 
 def workload_defaults() -> ml_collections.ConfigDict:
@@ -38,7 +43,10 @@ def workload_defaults() -> ml_collections.ConfigDict:
     w.rate = 6.0  # requests/s (Poisson when burstiness == 1); 20 s of arrivals
     w.burstiness = 1.0
     w.seed = 0
-    w.trace = ""  # a JSONL trace instead of a constructed workload (evidence: real)
+    w.trace = ""  # a JSONL trace instead of a constructed workload
+    # The trace's label when its file has no header line saying it: "real" (recorded traffic),
+    # "constructed" (made by hand or by a script) or "simulated". "" = the header's label.
+    w.evidence = ""
     return w
 
 
@@ -54,7 +62,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.ttft_slo_ms = 2000.0
     c.tpot_slo_ms = 200.0
     c.max_wall_s = 120.0  # per arm; requests still in flight are aborted (and reported)
-    c.output_dir = ""  # default results/serve/<timestamp>/
+    c.output_dir = ""  # default results/serve/<UTC timestamp>/
     c.plots = True
     if arg == "smoke":
         c.model = "random-small"

@@ -7,11 +7,11 @@ Launch (from the repo root; ``nice`` because the CPU is shared)::
     .venv/bin/python -m experiments.train_tiny --config=experiments/configs/train_tiny.py:smoke
 
 Variants: ``tiny`` (the serving model), ``tiny-draft`` (a smaller model with the same tokenizer, for
-speculative decoding), ``smoke`` (a few steps of a toy model on a few files, writes to a temp dir).
-Override any field, e.g. ``--config.steps=100 --config.out_dir=/tmp/w``.
+speculative decoding), ``smoke`` (a few steps of a toy model on a few files).
+Override any field, e.g. ``--config.steps=100 --config.output_dir=/tmp/w``. Weights go to
+``results/train_tiny/<UTC timestamp>/`` unless ``output_dir`` says otherwise; to replace the bundled
+weights pass ``--config.output_dir=paged/models/weights``.
 """
-
-import tempfile
 
 import ml_collections
 
@@ -57,7 +57,7 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c.max_train_files = 0  # 0 = all
     c.max_eval_files = 0
     c.store_dtype = "float16"  # npz storage; loading gives float32
-    c.out_dir = "paged/models/weights"
+    c.output_dir = ""  # default results/train_tiny/<UTC timestamp>/; bundled: paged/models/weights
     if arg == "tiny-draft":
         c.steps = 600  # ~8x cheaper per step than tiny
         c.warmup_steps = 60
@@ -72,5 +72,4 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
         c.eval_windows = 2
         c.max_train_files = 3
         c.max_eval_files = 1
-        c.out_dir = tempfile.gettempdir() + "/train_tiny_smoke"
     return c
