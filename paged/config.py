@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import numbers
+
+from paged import validate
+from paged.spec_decode import SpeculativeConfig
 
 KV_LAYOUTS = ("paged", "contiguous")
 SCHEDULINGS = ("continuous", "static")
@@ -14,24 +16,42 @@ ATTENTION_IMPLS = ("auto", "xla", "reference", "pallas", "pallas_tpu", "pallas_g
 DTYPES = ("float32", "bfloat16")
 
 
-def _positive_int(name, value, *, allow_none=False):
-    if allow_none and value is None:
-        return
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
+# Impl names that need a particular backend (the others run everywhere, CPU included).
+_IMPL_BACKENDS = {"pallas": ("gpu", "tpu"), "pallas_gpu": ("gpu",), "pallas_tpu": ("tpu",)}
 
 
-def _one_of(name, value, allowed):
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} must be one of {allowed}")
+def impls_for_backend(backend: str) -> tuple[str, ...]:
+    """The ``attention_impl`` names that run on ``backend`` ("cpu", "gpu", "tpu")."""
+    return tuple(i for i in ATTENTION_IMPLS if backend in _IMPL_BACKENDS.get(i, (backend,)))
+
+
+def check_attention_impl(impl: str, backend: str) -> None:
+    """Raises ValueError if ``impl`` cannot run on ``backend``.
+
+    "auto", "xla", "reference" and the "interpret*" impls run everywhere; "pallas" compiles a
+    kernel for gpu or tpu, "pallas_gpu" (Triton lowering) needs gpu and "pallas_tpu" (Mosaic)
+    needs tpu. ``EngineConfig`` does not know the backend, so ``Engine`` calls this with
+    ``jax.default_backend()`` when it is built.
+    """
+    validate.one_of("attention_impl", impl, ATTENTION_IMPLS)
+    if impl not in impls_for_backend(backend):
+        need = " or ".join(_IMPL_BACKENDS[impl])
+        raise ValueError(f"attention_impl={impl!r} needs a {need} backend, but the backend is "
+                         f"{backend!r}; impls that work here: {impls_for_backend(backend)}")
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings.
+    """Engine settings, all checked at construction.
+
+    Integer fields take Python or numpy integers only (not ``bool``, not ``2.0``), boolean fields
+    ``bool`` only (no truthiness: ``"no"`` is refused), floats must be finite and fit in float32
+    (TypeError for a wrong type, ValueError for a value out of range).
 
     Attributes:
-      model: bundled model name ("tiny", "tiny-draft"); ignored when the engine is given params.
+      model: bundled model name ("tiny", "tiny-draft") or a Hugging Face checkpoint directory
+        (``config.json`` + safetensors, see `paged.models.hf`); ignored when the engine is given
+        params.
       block_size: tokens per KV page (paged layout).
       num_blocks: pages in the pool including the null page; ``None`` sizes the pool so that
         ``max_num_seqs`` requests of ``max_model_len`` tokens fit (no preemption).
@@ -41,7 +61,8 @@ class EngineConfig:
       kv_layout: "paged" (block tables) or "contiguous" (each running request reserves a buffer of
         ``max_model_len`` positions: the fixed-reservation baseline, with as many buffers as fit in
         the same pool bytes, at most ``max_num_seqs``).
-      attention_impl: passed to ``pallas_kernels`` ("auto" picks by backend).
+      attention_impl: passed to ``pallas_kernels`` ("auto" picks by backend). Whether it runs on
+        the current backend is checked when the ``Engine`` is built (``check_attention_impl``).
       scheduling: "continuous" (requests join and leave every step) or "static" (request-level
         batching: a batch runs until all of it finishes; the baseline).
       policy: "decode-first" (decodes first, chunked prefill fills the budget) or "prefill-first".
@@ -51,12 +72,21 @@ class EngineConfig:
       quarantine_steps: device steps a freed block waits before reuse (0 disables the window).
       debug_checks: check block-manager invariants and NaN-poison freed pages every step.
       dtype: KV cache and activation dtype.
-      seed: engine seed; requests without a seed derive theirs from it and their arrival order.
+      seed: engine seed (an integer >= 0); requests without a seed derive theirs from it and
+        their arrival order.
       request_timeout_s: default per-request timeout (seconds since arrival), ``None`` = none.
       max_steps_without_progress: guard that raises instead of spinning when nothing can run.
       min_token_bucket: smallest padded token count of a step (tokens are padded to powers of two
         from here up); raise it, and ``min_seq_bucket``, to compile fewer shapes.
       min_seq_bucket: smallest padded sequence count (``max_num_seqs`` makes it one bucket).
+      async_scheduling: overlap the host and the device: step k+1 is scheduled, built and
+        dispatched before step k's sampled tokens are read back (they are fed to step k+1 on
+        device). Outputs are unchanged; a stop found one step late costs one wasted slot, and
+        ``step()`` returns the outputs of the step dispatched by the previous call. ``False``
+        waits for each step before scheduling the next (the ablation baseline).
+      speculative: ``SpeculativeConfig`` to speculate (propose and verify several tokens per
+        decode and step; ``paged.spec_decode``), ``None`` not to. With it the steps run serially
+        (``async_scheduling`` is not used: proposals need the last step's tokens on the host).
     """
 
     model: str = "tiny"
@@ -80,27 +110,36 @@ class EngineConfig:
     max_steps_without_progress: int = 8
     min_token_bucket: int = 8
     min_seq_bucket: int = 1
+    async_scheduling: bool = True
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
+        # Integers reach int32 device arrays (positions, page ids), hence the upper bound.
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                      "max_steps_without_progress", "min_token_bucket", "min_seq_bucket"):
-            _positive_int(name, getattr(self, name))
-        _positive_int("num_blocks", self.num_blocks, allow_none=True)
-        if self.num_host_blocks is not None and (
-                not isinstance(self.num_host_blocks, numbers.Integral) or self.num_host_blocks < 0):
-            raise ValueError(f"num_host_blocks={self.num_host_blocks!r} must be None or >= 0")
-        if not isinstance(self.quarantine_steps, numbers.Integral) or self.quarantine_steps < 0:
-            raise ValueError(f"quarantine_steps={self.quarantine_steps!r} must be an integer >= 0")
+            validate.integer(name, getattr(self, name), minimum=1, maximum=validate.INT32_MAX)
+        validate.integer("num_blocks", self.num_blocks, minimum=1, maximum=validate.INT32_MAX,
+                         allow_none=True)
+        validate.integer("num_host_blocks", self.num_host_blocks, minimum=0, allow_none=True)
+        validate.integer("quarantine_steps", self.quarantine_steps, minimum=0)
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks={self.num_blocks} must be >= 2 (block 0 is the null page)")
-        _one_of("kv_layout", self.kv_layout, KV_LAYOUTS)
-        _one_of("scheduling", self.scheduling, SCHEDULINGS)
-        _one_of("policy", self.policy, POLICIES)
-        _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
-        _one_of("attention_impl", self.attention_impl, ATTENTION_IMPLS)
-        _one_of("dtype", self.dtype, DTYPES)
-        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
-            raise ValueError(f"request_timeout_s={self.request_timeout_s!r} must be None or > 0")
+        validate.integer("seed", self.seed, minimum=0)
+        validate.boolean("enable_prefix_caching", self.enable_prefix_caching)
+        validate.boolean("debug_checks", self.debug_checks)
+        validate.boolean("async_scheduling", self.async_scheduling)
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise TypeError(f"speculative={self.speculative!r:.80} must be None or a "
+                            f"SpeculativeConfig")
+        validate.string("model", self.model)
+        validate.one_of("kv_layout", self.kv_layout, KV_LAYOUTS)
+        validate.one_of("scheduling", self.scheduling, SCHEDULINGS)
+        validate.one_of("policy", self.policy, POLICIES)
+        validate.one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        validate.one_of("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        validate.one_of("dtype", self.dtype, DTYPES)
+        validate.real("request_timeout_s", self.request_timeout_s, minimum=0, exclusive=True,
+                      allow_none=True)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -116,3 +155,23 @@ class EngineConfig:
         """Fixed-reservation buffers that fit in the same pool bytes (at most ``max_num_seqs``)."""
         positions = (self.pool_blocks() - 1) * self.block_size
         return min(self.max_num_seqs, positions // self.max_model_len)
+
+
+def engine_config(config: EngineConfig | None, backend: str) -> EngineConfig:
+    """``config`` (``None``: the defaults) checked for an engine on ``backend``.
+
+    ``Engine`` calls it first thing, with ``jax.default_backend()``, so that a wrong argument or
+    an attention impl the backend cannot run fails at construction rather than at the first step.
+
+    Raises:
+      TypeError: ``config`` is not an ``EngineConfig`` (a dict of settings is refused too: build
+        ``EngineConfig(**settings)``).
+      ValueError: ``config.attention_impl`` cannot run on ``backend`` (``check_attention_impl``).
+    """
+    if config is None:
+        config = EngineConfig()
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be an EngineConfig (or None for the defaults), got "
+                        f"{type(config).__name__}: {config!r:.80}")
+    check_attention_impl(config.attention_impl, backend)
+    return config

@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
+from paged import kv_cache as kc
 from paged import sampling
 from paged.kv_cache import KVCache
 from paged.models.config import LlamaConfig
@@ -13,11 +15,22 @@ from paged.models.llama import Llama
 
 
 @functools.lru_cache(maxsize=32)
-def make_step_fn(model_config: LlamaConfig, attention_impl: str):
+def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int = 1,
+                 with_logprobs: bool = False, with_verify: bool = False):
     """Returns ``(step, trace_count)``, shared by every engine with the same model and attention.
 
-    ``step(params, cache, batch) -> (cache, tokens i32[N])`` is jitted with the cache DONATED:
-    XLA writes the new K/V in place and the caller must drop its old reference. ``trace_count()``
+    ``step(params, cache, batch, prev) -> (cache, tokens i32[N])`` is jitted with the cache
+    DONATED: XLA writes the new K/V in place and the caller must drop its old reference. ``prev``
+    is the previous step's ``tokens`` (still on device): a token row whose ``batch.feed`` is
+    ``j >= 0`` takes ``prev[j]`` as its id, so a step can be dispatched before the previous one's
+    samples reach the host. ``tokens`` is zero-padded to at least ``out_size`` slots, so that
+    ``prev`` keeps one shape from step to step (it is not another dimension to compile for).
+    With ``with_logprobs`` the step returns ``(cache, tokens, extras)``: ``extras`` holds, per
+    sample slot, the log-probability of its ``batch.target`` token (the sampled token where the
+    target is -1) and the slot's top ``MAX_LOGPROBS`` log-probabilities and ids
+    (``sampling.logprobs``). With ``with_verify`` the tokens come from ``sampling.verify``
+    (``batch.draft``: each slot's proposed token, -1 where none) and ``extras`` also holds each
+    slot's accept bit. ``trace_count()``
     says how many shapes were traced so far (one XLA compilation each); engines sharing the
     function share its compilations, so an engine reports the difference since its creation.
     """
@@ -25,13 +38,46 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str):
     traces = [0]
 
     @functools.partial(jax.jit, donate_argnums=1)
-    def step(params, cache: KVCache, batch):
+    def step(params, cache: KVCache, batch, prev):
         traces[0] += 1  # runs at trace time only
+        feed = batch.feed
+        ids = jnp.where(feed >= 0, prev[jnp.clip(feed, 0, prev.shape[0] - 1)], batch.tokens)
         logits, k_pages, v_pages = model.apply(
-            params, batch.tokens, batch.positions, cache.k_pages, cache.v_pages, batch.md,
+            params, ids, batch.positions, cache.k_pages, cache.v_pages, batch.md,
             batch.sample_rows, attention_impl=attention_impl)
-        tokens = sampling.sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed,
-                                 batch.sample_index, batch.sample_pos)
-        return cache.replace(k_pages=k_pages, v_pages=v_pages), tokens
+        args = (logits, batch.temperature, batch.top_k, batch.top_p, batch.seed,
+                batch.sample_index, batch.sample_pos)
+        extras = {}
+        if with_verify:
+            tokens, extras["accept"] = sampling.verify(*args, batch.draft)
+        else:
+            tokens = sampling.sample(*args)
+        if with_logprobs:
+            target = jnp.where(batch.target >= 0, batch.target, tokens)
+            extras["logprobs"] = sampling.logprobs(logits, target)
+        if tokens.shape[0] < out_size:
+            tokens = jnp.pad(tokens, (0, out_size - tokens.shape[0]))
+        new_cache = cache.replace(k_pages=k_pages, v_pages=v_pages)
+        return (new_cache, tokens, extras) if extras else (new_cache, tokens)
 
     return step, lambda: traces[0]
+
+
+def apply_copies(cache: KVCache, sched, host_k, host_v, freed_pages: list[int]) -> KVCache:
+    """The device-side effects of scheduling, in an order that never loses live KV: swap-out
+    (read into ``host_k``/``host_v`` before anything can overwrite the freed pages), NaN poison of
+    ``freed_pages`` (debug; the list is emptied), swap-in, copy-on-write."""
+    if sched.swap_out:
+        pages, slots = map(list, zip(*sched.swap_out))
+        k, v = kc.swap_out(cache, pages)
+        host_k[:, :, slots], host_v[:, :, slots] = k, v
+    if freed_pages:
+        cache = kc.poison(cache, sorted(set(freed_pages)))
+        freed_pages.clear()
+    if sched.swap_in:
+        slots, pages = map(list, zip(*sched.swap_in))
+        cache = kc.swap_in(cache, pages, host_k[:, :, slots], host_v[:, :, slots])
+    if sched.copies:
+        src, dst = map(list, zip(*sched.copies))
+        cache = kc.copy_pages(cache, src, dst)
+    return cache

@@ -5,8 +5,9 @@ Plain Python over the block manager. Each ``schedule()`` reads top to bottom:
 1. running sequences (decodes before partial prefills under "decode-first"), each given its next
    tokens; when the pool runs dry the newest not-yet-scheduled running sequence is preempted
    (recompute: free and go back to waiting; swap: pages to host), possibly the one being served.
-   The steady state, every decoding sequence taking one token, is one batched block-manager call
-   (``SchedulerOutput.decode``) rather than a call per sequence;
+   The steady state, every decoding sequence taking one token, is found from the input batch's
+   arrays and served by one batched block-manager call (``SchedulerOutput.decode_rows``) rather
+   than a call per sequence;
 2. swapped sequences come back when nothing was preempted this step;
 3. waiting requests are admitted (prefix-cache lookup, whole prompt allocated at once, all or
    nothing) while the sequence and token budgets last, chunking long prompts.
@@ -19,32 +20,33 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable
+
+import numpy as np
 
 from paged.block_manager import BlockManager
 from paged.config import EngineConfig
-from paged.sequence import SeqStatus, Sequence
+from paged.input_batch import InputBatch
+from paged.sequence import UNKNOWN, SeqStatus, Sequence
 
 
 @dataclasses.dataclass
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # computed this step, starting at seq.num_computed_tokens
+    num_draft: int = 0  # of those, proposed tokens to verify (speculative decoding)
 
 
 @dataclasses.dataclass
 class SchedulerOutput:
     """What one step computes.
 
-    ``decode`` holds the decoding sequences served by the batched fast path: each computes
-    exactly one token (its last, at position ``num_computed_tokens``) and samples one.
-    ``scheduled`` holds everything else (prefill chunks, decodes served one by one).
+    ``decode_rows`` are the input-batch rows of the decoding sequences served by the batched fast
+    path: each computes exactly one token (its last, at position ``num_computed_tokens``) and
+    samples one. ``scheduled`` holds everything else (prefill chunks, decodes served one by one).
     """
 
     scheduled: list[ScheduledSeq] = dataclasses.field(default_factory=list)
-    decode: list[Sequence] = dataclasses.field(default_factory=list)
-    decode_tokens: list[int] = dataclasses.field(default_factory=list)  # their input tokens
-    decode_ids: list = dataclasses.field(default_factory=list)  # their seq_ids
+    decode_rows: np.ndarray = dataclasses.field(default_factory=lambda: _NO_ROWS)
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # CoW (src, dst) pages
     swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device page, host slot)
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host slot, device page)
@@ -52,33 +54,31 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return len(self.decode) + sum(s.num_new_tokens for s in self.scheduled)
+        return len(self.decode_rows) + sum(s.num_new_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.decode
+        return not self.scheduled and not len(self.decode_rows)
+
+
+_NO_ROWS = np.zeros(0, np.intp)
 
 
 class Scheduler:
-    """Waiting / running / swapped queues over one ``BlockManager``.
+    """Waiting / running / swapped queues over one ``BlockManager`` and one ``InputBatch``.
 
-    ``on_release(seq)`` (optional) is called whenever a sequence stops running (finished,
-    preempted or swapped out), so per-running-sequence state elsewhere can be dropped.
-    ``sync()`` (optional) is called before the scheduler reads the token state of running
-    sequences outside the steady batch the engine offered (``offer_steady``): the engine may keep
-    that state in arrays while the batch repeats (``paged.decode_run``).
+    Every running sequence has an input-batch row: ``_run`` adds it, ``_unrun`` removes it (the
+    row's token state moves back into the sequence). A sequence whose newest token is not known
+    yet (sampled by the step in flight) and that must wait for it (``Sequence.pending``: its
+    samples are forked from it, it surely finishes with it, or it left the batch meanwhile) is
+    not scheduled, admitted, swapped in or chosen as a victim until the token is known.
     """
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager,
-                 on_release: Callable[[Sequence], None] | None = None,
-                 sync: Callable[[], None] | None = None):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, batch: InputBatch):
         self.config = config
         self.bm = block_manager
-        self.on_release = on_release
-        self._sync = sync or (lambda: None)
+        self.batch = batch
         self.num_fast_decode_steps = 0  # steps whose decodes took the batched path
-        self._version = 0  # bumped whenever ``running`` changes
-        self._steady: tuple | None = None  # (version, decode, tokens, ids) offered by the engine
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.swapped: collections.deque[Sequence] = collections.deque()
@@ -97,17 +97,11 @@ class Scheduler:
 
     def _run(self, seq: Sequence) -> None:
         self.running.append(seq)
-        self._version += 1
+        self.batch.add(seq)
 
     def _unrun(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._version += 1
-
-    def offer_steady(self, decode: list[Sequence], tokens: list[int], ids: list) -> None:
-        """The engine, after a decode-only step: ``decode`` (the sequences that go on, each with
-        its new token ``tokens[i]`` uncomputed) is next step's decode batch if ``running`` does
-        not change before then, so the next ``schedule`` skips re-checking every sequence."""
-        self._steady = (self._version, decode, tokens, ids)
+        self.batch.remove(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -123,11 +117,10 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq in self.swapped:
             self.swapped.remove(seq)
+        seq.drop_unknown()
         if self.bm.has_seq(seq.seq_id):
             self.bm.free(seq.seq_id)
         seq.num_slots = 0
-        if self.on_release is not None:
-            self.on_release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = now
@@ -156,17 +149,21 @@ class Scheduler:
 
     def _serve_running(self, out: SchedulerOutput, budget: _Budget, now: float) -> None:
         decode_first = self.config.policy == "decode-first"
+        ib = self.batch
+        served = np.zeros(ib.num_rows, bool)
         if decode_first and not out.scheduled and self._decode_fast(out, budget):
-            if len(out.decode) == len(self.running):  # the steady state: nothing else runs
+            if len(out.decode_rows) == len(self.running):  # the steady state: nothing else runs
                 return
-            self._sync()
-            scheduled_ids = {s.seq_id for s in out.decode}
+            served[out.decode_rows] = True
         else:
-            self._sync()
-            scheduled_ids = {s.seq.seq_id for s in out.scheduled}
-        order = [s for s in self.running if s.seq_id not in scheduled_ids]
+            for item in out.scheduled:
+                served[item.seq.row] = True
+        served |= ib.hold[:ib.num_rows]  # waits for the step in flight
+        order = [s for s in self.running if not served[s.row]]
         if decode_first:
             order.sort(key=lambda s: not s.is_decoding)  # stable: admission order within groups
+        scheduled_ids = {s.seq.seq_id for s in out.scheduled}
+        scheduled_ids.update(ib.ids[r] for r in out.decode_rows.tolist())
         for seq in order:
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
@@ -187,48 +184,34 @@ class Scheduler:
                 self._preempt(victim, out)
 
     def _decode_fast(self, out: SchedulerOutput, budget: _Budget) -> bool:
-        """Serves every steady decoder (one token left, backed by no slot yet) in one batched
-        ``append_decode_slots`` call, in admission order: exactly what the per-sequence loop does
-        when the budgets and the pool cover them all. Returns False (nothing changed) otherwise."""
-        steady, self._steady = self._steady, None
-        if steady is not None and steady[0] == self._version and len(steady[1]) == len(self.running):
-            decode, tokens, ids = steady[1:]  # exactly what the scan below would find
-            if self.config.debug_checks:
-                assert (decode, tokens) == self._steady_decoders(), "stale steady decode batch"
-        else:
-            self._sync()
-            decode, tokens = self._steady_decoders()
-            ids = [s.seq_id for s in decode]
-        n = len(decode)
+        """Serves every steady decoder (one token left, backed by no slot yet, not held) in one
+        batched ``append_decode_slots`` call: exactly what the per-sequence loop does when the
+        budgets and the pool cover them all. Returns False (nothing changed) otherwise."""
+        ib = self.batch
+        rows = ib.decoders()
+        n = len(rows)
         if not n or n > budget.seqs or n > budget.tokens:
             return False
+        ids = ib.ids if n == ib.num_rows else [ib.ids[r] for r in rows.tolist()]
+        toks = ib.tokens[rows, ib.num_computed[rows]]
+        tokens = toks.tolist()
+        if (toks == UNKNOWN).any():  # sampled by the step in flight: not known yet
+            tokens = [None if t == UNKNOWN else t for t in tokens]
         copies = self.bm.append_decode_slots(ids, tokens)
         if copies is None:  # the pool runs dry: the per-sequence loop preempts
             return False
-        for s in decode:
-            s.num_slots += 1
+        ib.num_slots[rows] += 1
         out.copies.extend(copies)
-        out.decode, out.decode_tokens, out.decode_ids = decode, tokens, ids
+        out.decode_rows = rows
         budget.tokens -= n
         budget.seqs -= n
         self.num_fast_decode_steps += 1
         return True
 
-    def _steady_decoders(self) -> tuple[list[Sequence], list[int]]:
-        """Running sequences with one token left that no slot backs yet, and those tokens."""
-        decode, tokens = [], []
-        for s in self.running:
-            ids = s.token_ids
-            c = s.num_computed_tokens
-            if s.num_slots == c and len(ids) == c + 1 and c >= s.num_prompt_tokens:
-                decode.append(s)
-                tokens.append(ids[c])
-        return decode, tokens
-
     def _swap_in(self, out: SchedulerOutput, budget: _Budget, now: float) -> None:
         while self.swapped and budget.seqs and budget.tokens:
             seq = self.swapped[0]
-            if not self.bm.can_swap_in(seq.seq_id):
+            if seq.pending or not self.bm.can_swap_in(seq.seq_id):
                 break
             pairs = self.bm.swap_in(seq.seq_id)
             if pairs is None:
@@ -247,24 +230,35 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: _Budget, now: float, static: bool = False) -> None:
         # Static batching admits a whole batch (as many as fit, up to max_num_seqs) even when its
         # prompts exceed one step's token budget; members left without tokens are served later.
+        forks = None  # samples that running requests will still fork (counted when needed)
         while self.waiting and (
                 len(self.running) < self.config.max_num_seqs if static else budget.seqs and budget.tokens):
             seq = self.waiting[0]
+            if seq.pending:  # its newest token is not known yet
+                break
             # A request with n samples will hold n sequences once its prompt is done: count them
-            # now, so resident sequences never exceed max_num_seqs.
+            # now, so resident sequences never exceed max_num_seqs; and count the samples that
+            # running requests will still fork (prompt unfinished, or its first token, from which
+            # they fork, not read back yet).
             samples = seq.params.n if seq.sample_index == 0 and seq.num_output_tokens == 0 else 1
-            if len(self.running) + samples > self.config.max_num_seqs:
+            if forks is None:
+                forks = sum(s.params.n - 1 for s in self.running if s.params.n > 1 and s.sample_index == 0
+                            and (s.num_output_tokens == 0 or s.num_output_tokens == 1 and s.pending))
+            if len(self.running) + forks + samples > self.config.max_num_seqs:
                 break
-            if not self.bm.can_allocate(seq.token_ids):
+            if not self.bm.can_allocate(seq.token_ids, cache_salt=seq.cache_salt):
                 break
-            num_cached = self.bm.allocate(seq.seq_id, seq.token_ids)
+            num_cached = self.bm.allocate(seq.seq_id, seq.token_ids, cache_salt=seq.cache_salt)
             if num_cached is None:
                 break
             seq.num_slots = len(seq.token_ids)
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             seq.num_computed_tokens = num_cached
-            seq.num_cached_tokens = num_cached
+            if seq.num_preemptions == 0:  # the first admission; a re-admission keeps its count
+                seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
+                seq.out_state = None  # its outputs' recorded counters changed
+            forks += samples - 1
             self._run(seq)
             n = min(seq.num_uncomputed, budget.tokens)
             if n and budget.seqs:
@@ -273,7 +267,7 @@ class Scheduler:
     # --- helpers ------------------------------------------------------------------------
     def _grow(self, seq: Sequence, n: int) -> list[tuple[int, int]] | None:
         """Slots for the next ``n`` tokens (only those not yet backed by blocks)."""
-        new = seq.token_ids[seq.num_slots:seq.num_computed_tokens + n]
+        new = seq.tokens(seq.num_slots, seq.num_computed_tokens + n)
         if not new:
             return []
         copies = self.bm.append_slots(seq.seq_id, new)
@@ -290,16 +284,15 @@ class Scheduler:
 
     def _pick_victim(self, scheduled_ids: set[int]) -> Sequence | None:
         """The newest (latest arrival) running sequence not already scheduled this step."""
-        candidates = [s for s in self.running if s.seq_id not in scheduled_ids]
+        candidates = [s for s in self.running if s.seq_id not in scheduled_ids and not s.pending]
         return max(candidates, key=lambda s: (s.arrival_time, s.seq_id), default=None)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self._unrun(seq)
         self.num_preemptions += 1
         seq.num_preemptions += 1
+        seq.out_state = None  # its outputs' recorded counters changed
         out.preempted.append(seq)
-        if self.on_release is not None:
-            self.on_release(seq)
         if self.config.preemption_mode == "swap":
             pairs = self.bm.swap_out(seq.seq_id)
             if pairs is not None:

@@ -11,6 +11,7 @@ import pallas_kernels as pk
 from paged import kv_cache as kc
 from paged.batch import BatchBuilder
 from paged.device_step import make_step_fn
+from paged.input_batch import InputBatch
 
 NUM_PAGES = 777  # a size no other array in the step has
 
@@ -19,8 +20,9 @@ def test_step_never_materializes_a_layer_of_the_pool():
     cfg, params = small_model()
     step, _ = make_step_fn(cfg, "xla")
     cache = kc.KVCache.create(cfg.num_layers, cfg.num_kv_heads, NUM_PAGES, 8, cfg.head_dim)
-    batch = BatchBuilder(None, 8, 4).empty(16, 4, 4)
-    hlo = step.lower(jax.device_put(params), cache, batch).compile().as_text()
+    batch = BatchBuilder(InputBatch(32, 4, -1), None, 8).empty(16, 4, 4)
+    prev = np.zeros(4, np.int32)
+    hlo = step.lower(jax.device_put(params), cache, batch, prev).compile().as_text()
     layer_shape = f"[{cfg.num_kv_heads},{NUM_PAGES},8,{cfg.head_dim}]"
     offenders = [line.strip()[:120] for line in hlo.splitlines() if layer_shape in line]
     assert not offenders, f"a per-layer copy of the pool appears in the step:\n{offenders[:3]}"

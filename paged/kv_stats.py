@@ -1,0 +1,45 @@
+"""``Engine.kv_stats()``: pool occupancy, prefix-cache and preemption counters, memory ledger."""
+
+from __future__ import annotations
+
+from paged import accounting
+
+
+def kv_stats(engine) -> dict:
+    """The engine's KV figures now (see ``Engine.kv_stats``)."""
+    bm, config = engine.block_manager, engine.config
+    stats = bm.stats()
+    spec = accounting.ModelSpec.from_model_config(engine.model_config, dtype=config.dtype)
+    ledger = accounting.MemoryLedger.from_blocks(
+        spec, engine.page_size, engine.cache.num_pages, used=bm.block_usage(),
+        cached_free=bm.num_cached_blocks, free=bm.num_free_blocks,
+        reserved=bm.num_quarantined_blocks,
+        block_table_bytes=accounting.block_table_bytes(config.max_num_seqs, engine.pages_per_seq),
+        workspace_bytes=workspace_bytes(engine.model_config, config))
+    sched = engine.scheduler
+    return {
+        "kv_layout": config.kv_layout,
+        "block_size": engine.page_size,
+        "num_blocks": engine.cache.num_pages,
+        "num_free_blocks": bm.num_free_blocks,
+        "num_cached_blocks": bm.num_cached_blocks,
+        "num_quarantined_blocks": bm.num_quarantined_blocks,
+        "num_used_blocks": bm.num_used_blocks,
+        # Slots holding speculative tokens not verified yet (0 whenever no step is in flight).
+        "num_staged_tokens": 0 if engine.speculator is None else engine.speculator.num_staged,
+        "prefix_cache_hit_tokens": stats.get("hit_tokens", 0),
+        "num_preemptions": sched.num_preemptions,
+        "num_swap_outs": sched.num_swap_outs,
+        "num_running": len(sched.running),
+        "num_waiting": len(sched.waiting),
+        "num_swapped": len(sched.swapped),
+        "block_manager": stats,
+        "ledger": ledger.as_dict(),
+    }
+
+
+def workspace_bytes(model_config, config) -> int:
+    """Estimate of the step's largest activations (f32): residual + MLP + logits rows."""
+    c, t = model_config, config.max_num_batched_tokens
+    return 4 * t * (3 * c.d_model + 2 * c.ffn_dim + c.num_heads * c.head_dim) + \
+        4 * config.max_num_seqs * c.vocab_size

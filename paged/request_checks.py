@@ -1,0 +1,55 @@
+"""The checks a request passes before it changes any engine state (``Engine.add_request``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceT
+
+import numpy as np
+
+from paged import validate
+from paged.sampling import SamplingParams
+
+
+def check_request(engine, request_id, prompt, params, arrival_time, timeout_s,
+                   cache_salt) -> tuple:
+    """``Engine.add_request``'s checks, with no side effect: returns (request id, token ids,
+    params, arrival time, timeout, full cache salt), or raises TypeError / ValueError."""
+    request_id = validate.string("request_id", request_id)
+    if request_id in engine._requests:
+        raise ValueError(f"duplicate request_id={request_id!r}")
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    token_ids = encode(engine, prompt)
+    max_len = engine.config.max_model_len
+    if len(token_ids) >= max_len:
+        raise ValueError(f"prompt of {len(token_ids)} tokens leaves no room for output: "
+                         f"max_model_len={max_len}")
+    if params.n > engine.config.max_num_seqs:
+        raise ValueError(f"n={params.n} > max_num_seqs={engine.config.max_num_seqs}")
+    arrival_time = validate.real("arrival_time", arrival_time, allow_none=True)
+    timeout_s = validate.real("timeout_s", timeout_s, minimum=0, exclusive=True,
+                              allow_none=True)
+    if timeout_s is None:
+        timeout_s = engine.config.request_timeout_s
+    if cache_salt is not None:
+        if not isinstance(cache_salt, (str, bytes)):
+            raise TypeError(f"cache_salt={cache_salt!r:.80} must be str or bytes, got "
+                            f"{type(cache_salt).__name__}")
+        if not cache_salt:
+            raise ValueError(f"cache_salt={cache_salt!r} must be non-empty (None: no salt)")
+        raw = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
+        # The model's salt first, so a tenant's keys never match another model's either.
+        cache_salt = engine.block_manager.cache_salt + b"|tenant:" + raw
+    return request_id, token_ids, params, arrival_time, timeout_s, cache_salt
+
+
+def encode(engine, prompt) -> list[int]:
+    """The prompt's token ids: text encoded with BOS, or token ids checked (never coerced)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty")
+        return engine.tokenizer.encode(prompt)
+    if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, SequenceT | np.ndarray):
+        raise TypeError(f"prompt must be str or a sequence of token ids, got {type(prompt).__name__}")
+    return validate.token_ids("prompt", prompt, limit=engine.model_config.vocab_size)

@@ -1,0 +1,200 @@
+"""Speculative decoding: propose k tokens per decoding sequence, verify them in the same ragged
+step as everything else, keep the accepted prefix and roll back the rest.
+
+Per step (the engine's ``Speculator`` does this between scheduling and building the batch):
+
+1. the scheduler served the decodes as usual (one slot each, the batched path);
+2. for each such decode, in row order, a proposer offers up to k tokens (``NgramProposer``:
+   the continuation of the last earlier occurrence of the sequence's final n-gram, n from
+   ``ngram_max`` down to ``ngram_min``);
+3. the budget rule: a decode may take ``k_i = min(k, len(proposal), room, budget)`` extra tokens,
+   where ``room`` keeps prompt + output within ``max_tokens`` and ``max_model_len`` and ``budget``
+   is what is left of ``max_num_batched_tokens`` after the scheduled tokens, spent in row order
+   (so a request's k is cut only when the step is full);
+4. ``k_i`` lookahead slots are reserved in the block manager with the proposed token ids; the
+   decode becomes a verify row of ``1 + k_i`` tokens whose every position is sampled;
+5. on device, slot j accepts draft token ``d`` with probability ``min(1, p(d) / q(d))`` (q is a
+   point mass for n-gram proposals, so ``p(d)``) and otherwise samples from
+   ``norm(max(0, p - q))``; the slot after the last draft samples from ``p`` (Leviathan et al.).
+   Greedy sampling accepts exactly the drafts equal to the argmax, so the output is token for
+   token the non-speculative one;
+6. reading back: the accepted drafts and one more token are kept; the rejected positions' slots
+   are rolled back (a trailing block left empty goes back to the pool), and only the accepted
+   prefix is marked computed, so staged positions never enter the prefix cache.
+
+Speculation needs the previous step's tokens on the host to propose, so an engine with
+``speculative`` set runs its steps serially (``async_scheduling`` is not used).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from paged import validate
+from paged.sequence import UNKNOWN
+
+METHODS = ("ngram", "draft")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """How to speculate.
+
+    Attributes:
+      method: "ngram" (prompt lookup: no second model). "draft" (a smaller model proposing from
+        its own KV cache) is not available yet and is refused.
+      model: the draft model for ``method="draft"``.
+      num_speculative_tokens: k, tokens proposed per decode per step (>= 1).
+      ngram_min, ngram_max: n-gram lengths the n-gram proposer tries, longest first.
+    """
+
+    method: str = "ngram"
+    model: str = "tiny-draft"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def __post_init__(self):
+        validate.one_of("method", self.method, METHODS)
+        validate.string("model", self.model)
+        validate.integer("num_speculative_tokens", self.num_speculative_tokens, minimum=1,
+                         maximum=64)
+        validate.integer("ngram_min", self.ngram_min, minimum=1)
+        validate.integer("ngram_max", self.ngram_max, minimum=1)
+        if self.ngram_max < self.ngram_min:
+            raise ValueError(f"ngram_max={self.ngram_max} must be >= ngram_min={self.ngram_min}")
+        if self.method == "draft":
+            raise ValueError("method='draft' (a draft model with its own KV cache) is not "
+                             "available yet; use method='ngram'")
+
+
+class NgramProposer:
+    """Prompt lookup: the tokens that followed an earlier occurrence of the final n-gram (the
+    latest one followed by k tokens, else the latest)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.k = config.num_speculative_tokens
+        self.ns = range(config.ngram_max, config.ngram_min - 1, -1)
+
+    def propose(self, tokens: np.ndarray, k: int) -> list[int]:
+        """Up to ``k`` tokens to follow ``tokens`` (i32[n], all known), longest n-gram first."""
+        size = len(tokens)
+        for n in self.ns:
+            if size <= n:
+                continue
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if len(hits):  # the latest occurrence followed by k tokens, else the latest
+                full = hits[hits + n + k <= size]
+                start = int(full[-1] if len(full) else hits[-1]) + n
+                return tokens[start:start + k].tolist()
+        return []
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Counters in vLLM's names: proposals made (``num_drafts``: verify rows), tokens proposed,
+    tokens accepted; and how many tokens each verify row emitted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["draft_acceptance_rate"] = (self.num_accepted_tokens / self.num_draft_tokens
+                                      if self.num_draft_tokens else 0.0)
+        d["mean_accepted_length"] = (self.num_accepted_tokens / self.num_drafts
+                                     if self.num_drafts else 0.0)
+        d["mean_emitted_per_verify"] = (self.num_emitted_tokens / self.num_drafts
+                                        if self.num_drafts else 0.0)
+        return d
+
+
+class Speculator:
+    """Turns a scheduled step's batched decodes into verify rows (see the module docstring).
+
+    Args:
+      config: the speculative settings.
+      batch: the engine's input batch; bm: its block manager; max_num_batched_tokens: the
+        step's token budget.
+    """
+
+    def __init__(self, config: SpeculativeConfig, batch, bm, max_num_batched_tokens: int):
+        self.k = config.num_speculative_tokens
+        self.proposer = NgramProposer(config)
+        self.ib, self.bm = batch, bm
+        self.budget = max_num_batched_tokens
+        self.stats = SpecStats()
+        self.num_staged = 0  # slots holding proposed tokens not verified yet (0 between steps)
+
+    def plan(self, sched) -> None:
+        """Moves the decodes that get proposals out of ``sched.decode_rows`` into
+        ``sched.scheduled`` as verify items (``ScheduledSeq.num_draft``), reserving their slots."""
+        from paged.input_batch import LIMIT
+        from paged.scheduler import ScheduledSeq
+
+        ib, bm = self.ib, self.bm
+        left = self.budget - sched.num_batched_tokens
+        if left <= 0 or not len(sched.decode_rows):
+            return
+        keep = []
+        for r in sched.decode_rows.tolist():
+            nt = int(ib.num_tokens[r])
+            room = int(ib.ints[r, LIMIT]) - nt - 1
+            want = min(self.k, room, left)
+            toks = ib.tokens[r, :nt]
+            drafts = [] if want <= 0 or UNKNOWN in toks[-1:] else self.proposer.propose(toks, want)
+            if drafts:
+                seq = ib.seqs[r]
+                pairs = bm.reserve_lookahead(seq.seq_id, len(drafts), drafts)
+                if pairs is not None:
+                    sched.copies.extend(pairs)
+                    k = len(drafts)
+                    ib.tokens[r, nt:nt + k] = drafts
+                    ib.num_tokens[r] = nt + k
+                    ib.num_slots[r] += k
+                    sched.scheduled.append(ScheduledSeq(seq, 1 + k, num_draft=k))
+                    self.num_staged += k
+                    left -= k
+                    continue
+            keep.append(r)
+        sched.decode_rows = np.asarray(keep, np.intp)
+
+    def accept(self, seq, start: int, k: int, tokens: np.ndarray, accepted: np.ndarray, now: float,
+               reader) -> None:
+        """Applies one verify row's result: ``start`` is the position of its input token,
+        ``tokens``/``accepted`` its k + 1 slots. Keeps the accepted drafts and one more token (cut
+        at a stop), rolls back the rest, marks the kept prefix computed, and stops the sequence if
+        one of its new tokens ends it."""
+        a = int(np.argmin(accepted[:k])) if not accepted[:k].all() else k
+        self.num_staged -= k
+        ib, r = self.ib, seq.row
+        drafts = ib.tokens[r, start + 1:start + 1 + k].tolist()
+        emitted = drafts[:a] + [int(tokens[a])]
+        self.stats.num_drafts += 1
+        self.stats.num_draft_tokens += k
+        self.stats.num_accepted_tokens += a
+        cut = len(emitted)
+        for i, t in enumerate(emitted):  # nothing after a stop may reach the sequence
+            if reader.stops(seq, t, start + 2 + i):
+                cut = i + 1
+                break
+        emitted = emitted[:cut]
+        self.stats.num_emitted_tokens += cut
+        n_new = start + 1 + cut  # tokens now; the last one is not computed
+        ib.tokens[r, start + 1:n_new] = emitted
+        ib.times[r, start + 1:n_new] = now
+        ib.num_tokens[r] = n_new
+        ib.num_computed[r] = n_new - 1
+        ib.hold[r] = False
+        extra = int(ib.num_slots[r]) - (n_new - 1)  # slots past the kept, computed prefix
+        if extra:
+            self.bm.rollback(seq.seq_id, extra)  # a trailing block may go back to the pool
+            ib.num_slots[r] = n_new - 1
+            ib.num_blocks[r] = -1  # its table row is refreshed at the next build
+        self.bm.mark_computed(seq.seq_id, n_new - 1)
+        reader.check_stop(seq, emitted[-1], n_new, now)
