@@ -3,7 +3,9 @@
 ``impl`` names (the same for every op):
 
 ==================  ==========================================================================
-``"auto"``          by backend: cpu -> ``"xla"``, gpu -> ``"pallas_gpu"``, tpu -> ``"pallas_tpu"``
+``"auto"``          by backend: cpu -> ``"xla"``, gpu -> ``"pallas_gpu"``, tpu -> ``"pallas_tpu"``;
+                    the paged ops fall back to ``"xla"`` for shapes that kernel cannot tile
+                    (e.g. ``head_dim`` 80 or 24, see `auto_fits`)
 ``"xla"``           blocked online-softmax in jnp (:mod:`pallas_kernels.xla`); fast on CPU
 ``"reference"``     the plain float32 references (:mod:`pallas_kernels.reference`); tests only
 ``"pallas"``        the Pallas kernel compiled for the current backend (gpu or tpu)
@@ -84,6 +86,28 @@ def resolve_impl(impl: str, backend: str | None = None) -> tuple[str, str | None
     return "pallas", style, kind == "interpret"
 
 
+def auto_fits(style: str, shp: validation.PagedShape, dtype, config=None) -> bool:
+    """Whether the ``style`` ("gpu" / "tpu") paged kernels can tile ``shp``; when they cannot,
+    ``impl="auto"`` serves the call with the XLA path instead of raising (an explicit Pallas impl
+    still raises, naming the value)."""
+    try:
+        if style == "gpu":
+            from pallas_kernels import gpu_common
+
+            if not isinstance(config, gpu_common.GpuPagedConfig):
+                config = gpu_common.GpuPagedConfig()
+            gpu_common.check_gpu_constraints(shp, config)
+        else:
+            from pallas_kernels import tpu_common
+
+            if not isinstance(config, tpu_common.TpuPagedConfig):
+                config = tpu_common.TpuPagedConfig()
+            tpu_common.check_tpu_constraints(shp, dtype, config)
+    except ValueError:
+        return False
+    return True
+
+
 def _kernel(op: str, style: str):
     module, name = _KERNELS[op][style]
     return getattr(importlib.import_module(module), name)
@@ -131,11 +155,13 @@ def paged_attention(
     Raises:
       ValueError / TypeError: bad shapes, dtypes, knobs or ``impl`` (message names the value).
     """
-    validation.check_paged_attention(
+    shp = validation.check_paged_attention(
         q, *validation.layer_view(k_pages, v_pages, layer), lengths, page_indices,
         sm_scale=sm_scale, soft_cap=soft_cap,
     )  # fmt: skip
     kind, style, interpret = resolve_impl(impl)
+    if impl == "auto" and kind == "pallas" and not auto_fits(style, shp, q.dtype, config):
+        kind, config = "xla", None
     kw = {"sm_scale": sm_scale, "soft_cap": soft_cap}
     if kind == "xla":
         return xla.paged_attention(q, k_pages, v_pages, lengths, page_indices, **kw, config=config,
@@ -187,11 +213,13 @@ def ragged_paged_attention(
     Raises:
       ValueError / TypeError: bad shapes, dtypes, knobs or ``impl``.
     """
-    validation.check_ragged_paged_attention(
+    shp = validation.check_ragged_paged_attention(
         q, *validation.layer_view(k_pages, v_pages, layer), kv_lens, page_indices, cu_q_lens,
         num_seqs, sm_scale=sm_scale, soft_cap=soft_cap,
     )  # fmt: skip
     kind, style, interpret = resolve_impl(impl)
+    if impl == "auto" and kind == "pallas" and not auto_fits(style, shp, q.dtype, config):
+        kind, config = "xla", None
     kw = {"sm_scale": sm_scale, "soft_cap": soft_cap}
     if kind == "xla":
         return xla.ragged_paged_attention(

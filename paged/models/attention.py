@@ -149,6 +149,10 @@ class PagedAttention(nn.Module):
       rope_theta: RoPE base.
       soft_cap: optional logit soft cap passed to the kernel.
       dtype: compute dtype.
+      qkv_bias: add biases ``q_bias [N, H]``, ``k_bias [K, H]``, ``v_bias [K, H]`` to the
+        projections (Qwen2); off by default (no such params).
+      rope: ``LlamaConfig.rope`` (scaled RoPE, see `paged.models.layers.rope_inv_freq`); replaces
+        ``rope_theta`` when given.
     """
 
     num_heads: int
@@ -157,6 +161,8 @@ class PagedAttention(nn.Module):
     rope_theta: float = 10000.0
     soft_cap: float | None = None
     dtype: jnp.dtype = jnp.float32
+    qkv_bias: bool = False
+    rope: tuple | None = None
 
     @nn.compact
     def _weights(self, d_model: int) -> tuple[jax.Array, ...]:
@@ -168,7 +174,28 @@ class PagedAttention(nn.Module):
         wk = self.param("k_proj", _fan_in_init(0, (1, 2)), (d_model, k, h), jnp.float32)
         wv = self.param("v_proj", _fan_in_init(0, (1, 2)), (d_model, k, h), jnp.float32)
         wo = self.param("o_proj", _fan_in_init((0, 1), 2), (n, h, d_model), jnp.float32)
-        return tuple(w.astype(self.dtype) for w in (wq, wk, wv, wo))
+        if self.qkv_bias:
+            zeros = nn.initializers.zeros
+            bq = self.param("q_bias", zeros, (n, h), jnp.float32)
+            bk = self.param("k_bias", zeros, (k, h), jnp.float32)
+            bv = self.param("v_bias", zeros, (k, h), jnp.float32)
+        else:
+            bq = bk = bv = jnp.zeros((), jnp.float32)
+        return tuple(w.astype(self.dtype) for w in (wq, wk, wv, wo, bq, bk, bv))
+
+    def _qkv(self, x: jax.Array, positions: jax.Array, spec: str):
+        # spec: "TD" (ragged rows) or "BTD" (dense batches). The bias is added before RoPE (HF).
+        wq, wk, wv, wo, bq, bk, bv = self._weights(x.shape[-1])
+        x = x.astype(self.dtype)
+        lead = spec[:-1]
+        q = jnp.einsum(f"{spec},DNH->{lead}NH", x, wq)
+        k = jnp.einsum(f"{spec},DKH->{lead}KH", x, wk)
+        v = jnp.einsum(f"{spec},DKH->{lead}KH", x, wv)
+        if self.qkv_bias:
+            q, k, v = q + bq, k + bk, v + bv
+        q = apply_rope(q, positions, theta=self.rope_theta, rope=self.rope)
+        k = apply_rope(k, positions, theta=self.rope_theta, rope=self.rope)
+        return q, k, v, wo
 
     def __call__(
         self,
@@ -203,13 +230,7 @@ class PagedAttention(nn.Module):
         """
         import pallas_kernels as pk  # the dense (training) path does not need the kernels
 
-        wq, wk, wv, wo = self._weights(x.shape[-1])
-        x = x.astype(self.dtype)
-        q = jnp.einsum("TD,DNH->TNH", x, wq)
-        k = jnp.einsum("TD,DKH->TKH", x, wk)
-        v = jnp.einsum("TD,DKH->TKH", x, wv)
-        q = apply_rope(q, positions, theta=self.rope_theta)
-        k = apply_rope(k, positions, theta=self.rope_theta)
+        q, k, v, wo = self._qkv(x, positions, "TD")
         k_pages, v_pages = kv_cache.write_layer(k_pages, v_pages, k, v, md.slot_mapping,
                                                 layer=layer)
         # With `layer`, the kernel reads the stacked cache directly: slicing k_pages[layer] here
@@ -248,11 +269,7 @@ class PagedAttention(nn.Module):
         Returns:
           Attention output projected back to ``D``.
         """
-        wq, wk, wv, wo = self._weights(x.shape[-1])
-        x = x.astype(self.dtype)
-        q = apply_rope(jnp.einsum("BTD,DNH->BTNH", x, wq), positions, theta=self.rope_theta)
-        k = apply_rope(jnp.einsum("BTD,DKH->BTKH", x, wk), positions, theta=self.rope_theta)
-        v = jnp.einsum("BTD,DKH->BTKH", x, wv)
+        q, k, v, wo = self._qkv(x, positions, "BTD")
         sm_scale = self.head_dim**-0.5
         if attention_impl == "jnp":
             out = causal_attention(q, k, v, sm_scale=sm_scale, soft_cap=self.soft_cap)

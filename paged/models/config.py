@@ -7,6 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 _DTYPES = ("float32", "bfloat16", "float16")
+ROPE_SCALINGS = ("none", "linear", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +20,9 @@ class LlamaConfig:
       num_layers: number of decoder blocks.
       num_heads: query heads.
       num_kv_heads: key/value heads; ``num_heads % num_kv_heads == 0`` (GQA; 1 is MQA).
-      head_dim: width of one head (64 or 128 to stay inside the Pallas kernels' sizes).
+      head_dim: width of one head, any even size. The XLA attention path takes every size; the
+        Pallas kernels have their own rules (GPU: a power of two >= 16, TPU: a multiple of 64) and
+        ``attention_impl="auto"`` serves other sizes with the XLA path.
       ffn_dim: hidden width of the SwiGLU MLP.
       rope_theta: RoPE base.
       max_seq_len: longest position the model is meant for (positions are not clipped; this is
@@ -28,6 +31,15 @@ class LlamaConfig:
       dtype: compute dtype name ("float32", "bfloat16", "float16"); params stay float32 and logits
         are always float32.
       tie_embeddings: the LM head reuses the token embedding (transposed).
+      qkv_bias: the q/k/v projections have biases (Qwen2); off for the bundled models.
+      rope_scaling: how RoPE frequencies are rescaled for long contexts, as Hugging Face defines
+        it: "none"; "linear" (positions divided by ``rope_factor``); "llama3" (wavelengths longer
+        than ``rope_original_max_len / rope_low_freq_factor`` divided by ``rope_factor``, shorter
+        than ``rope_original_max_len / rope_high_freq_factor`` kept, smooth in between).
+      rope_factor: the scaling factor of "linear" and "llama3".
+      rope_low_freq_factor: "llama3" only.
+      rope_high_freq_factor: "llama3" only.
+      rope_original_max_len: "llama3" only: the context length the model was pretrained with.
     """
 
     vocab_size: int = 258
@@ -42,6 +54,12 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     dtype: str = "float32"
     tie_embeddings: bool = True
+    qkv_bias: bool = False
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
 
     def __post_init__(self):
         for name in (
@@ -53,6 +71,7 @@ class LlamaConfig:
             "head_dim",
             "ffn_dim",
             "max_seq_len",
+            "rope_original_max_len",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -69,12 +88,29 @@ class LlamaConfig:
             raise ValueError(f"norm_eps={self.norm_eps!r} must be > 0")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {_DTYPES}")
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"tie_embeddings={self.tie_embeddings!r} must be a bool")
+        for name in ("tie_embeddings", "qkv_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"rope_scaling={self.rope_scaling!r} must be one of {ROPE_SCALINGS}")
+        if not self.rope_factor >= 1.0:
+            raise ValueError(f"rope_factor={self.rope_factor!r} must be >= 1")
+        if not 0.0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError(
+                f"rope_low_freq_factor={self.rope_low_freq_factor!r} and rope_high_freq_factor="
+                f"{self.rope_high_freq_factor!r} must satisfy 0 < low < high"
+            )
 
     @property
     def compute_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.dtype)
+
+    @property
+    def rope(self) -> tuple:
+        """``(theta, scaling, factor, low_freq_factor, high_freq_factor, original_max_len)``: the
+        hashable RoPE description `paged.models.layers.apply_rope` takes."""
+        return (self.rope_theta, self.rope_scaling, self.rope_factor, self.rope_low_freq_factor,
+                self.rope_high_freq_factor, self.rope_original_max_len)
 
     @property
     def num_queries_per_kv(self) -> int:

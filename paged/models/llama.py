@@ -37,6 +37,8 @@ class DecoderBlock(nn.Module):
             head_dim=c.head_dim,
             rope_theta=c.rope_theta,
             dtype=c.compute_dtype,
+            qkv_bias=c.qkv_bias,
+            rope=c.rope if c.rope_scaling != "none" else None,
         )
         self.mlp_norm = RMSNorm(eps=c.norm_eps, dtype=c.compute_dtype)
         self.mlp = SwiGLU(ffn_dim=c.ffn_dim, dtype=c.compute_dtype)

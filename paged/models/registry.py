@@ -1,4 +1,5 @@
-"""Bundled models: ``load_model(name) -> (config, params)``; ``init_params`` for random weights.
+"""Bundled models: ``load_model(name) -> (config, params)``; ``init_params`` for random weights;
+``load_any(name_or_checkpoint_dir)`` for the engine (bundled names and Hugging Face checkpoints).
 
 Weights live in ``paged/models/weights/<name>.npz`` (float16 to stay small; loaded as float32) beside
 ``<name>.json`` (config, training results, the command that reproduces them, the corpus).
@@ -125,6 +126,34 @@ def load_model(name: str) -> tuple[LlamaConfig, Params]:
                 f"{path} missing; retrain with the command in the docs of experiments/train_tiny.py"
             )
     return load_from(npz, js)
+
+
+def load_any(model: str, *, dtype: str = "float32", max_model_len: int | None = None):
+    """``(config, params, tokenizer)`` of a bundled model name or a Hugging Face checkpoint dir.
+
+    Args:
+      model: one of ``KNOWN_MODELS`` (float32 params, `ByteTokenizer`), or a directory with
+        ``config.json`` and safetensors weights (`paged.models.hf.load_checkpoint`; tokenizer from
+        `paged.models.hf_tokenizer.load_tokenizer`).
+      dtype: params and compute dtype of a checkpoint (bundled models stay float32).
+      max_model_len: the longest sequence the caller will serve (checked against a checkpoint's
+        sliding window).
+
+    Raises:
+      ValueError: an unknown name, or a checkpoint that cannot be loaded exactly (the message
+        names the file and the key).
+    """
+    from paged.models import hf
+    from paged.models.hf_tokenizer import load_tokenizer
+    from paged.models.tokenizer import ByteTokenizer
+
+    if model in KNOWN_MODELS:
+        return (*load_model(model), ByteTokenizer())
+    if hf.is_checkpoint_dir(model) or "/" in model or Path(model).exists():
+        config, params = hf.load_checkpoint(model, dtype=dtype, max_model_len=max_model_len)
+        return config, params, load_tokenizer(model, config.vocab_size)
+    raise ValueError(f"unknown model {model!r}: a bundled model {list(KNOWN_MODELS)} or a "
+                     "checkpoint directory (config.json + safetensors)")
 
 
 def _check_name(name: str) -> None:

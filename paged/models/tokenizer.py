@@ -12,11 +12,14 @@ class ByteTokenizer:
     Attributes:
       bos_id: 256, prepended by ``encode`` unless ``add_bos=False``.
       eos_id: 257, the stop token of generation.
+      eos_ids: ``(257,)``: every stop token (the interface of `paged.models.hf_tokenizer`, whose
+        checkpoints may have several).
       vocab_size: 258.
     """
 
     bos_id: int = 256
     eos_id: int = 257
+    eos_ids: tuple[int, ...] = (257,)
     vocab_size: int = 258
 
     @property
