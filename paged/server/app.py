@@ -1,0 +1,424 @@
+"""The FastAPI app: OpenAI's completions and chat completions, models, health, metrics.
+
+Every handler checks its request completely before anything reaches the engine: the body is
+parsed (`protocol.parse`), the model name matched, prompts tokenized and checked against
+``max_model_len`` and the vocabulary, and SamplingParams built, all on the server's event loop
+with the tokenizer and the engine's (immutable) configs only. A bad request is answered 400/404
+in OpenAI's error shape; the engine never sees it.
+
+Accepted requests go to the `EngineLoop` (a ``Stream`` of one engine request per prompt). A
+streaming response sends one SSE event per choice that got new text (several engine steps that
+arrive together are merged into one event), ends each choice with its ``finish_reason``, then an
+optional usage chunk (``stream_options.include_usage``) and ``data: [DONE]``. When a streaming
+client hangs up, the response task is cancelled and its requests are aborted in the engine by the
+next loop iteration (their blocks freed); a non-streaming request whose client left is aborted
+too (checked every second while it waits).
+
+A request that times out (``--request_timeout``) or is aborted by the server: a non-streaming one
+gets HTTP 504 (``"type": "timeout_error"``, ``"code": "request_timeout"``) or 503; a streaming
+one, whose 200 status is already sent, gets one last event ``data: {"error": {...}}`` in the
+same shape and then ``data: [DONE]`` (no choice is reported finished: ``finish_reason`` stays
+null). OpenAI's client raises ``APIError`` on that event.
+
+Log-probabilities: completions' ``logprobs: k`` and chat's ``logprobs: true`` with
+``top_logprobs: k`` set ``SamplingParams.logprobs = k`` and come back in OpenAI's shapes (legacy
+``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``, chat ``content[]``). With
+``echo`` the prompt's own log-probabilities are not included.
+
+Chat messages are rendered with the tokenizer's chat template when it has one
+(``tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`` with a
+non-empty ``tokenizer.chat_template``); otherwise with this plain template: one
+``"<|{role}|>\\n{content}\\n"`` block per message, then ``"<|assistant|>\\n"``, encoded with BOS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from paged.server import protocol
+from paged.server.engine_loop import EngineLoop, Stream
+from paged.server.metrics import CONTENT_TYPE_LATEST
+from paged.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from paged.server.streams import CLIENT_REASONS, Choice
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    """What the server adds to the engine's settings.
+
+    Attributes:
+      served_model_name: the model id of ``/v1/models`` and responses; requests naming another
+        model get 404 (the engine's ``EngineConfig.model`` name is accepted too).
+      max_waiting: requests that may wait (accepted, not running) before new ones get 503.
+      request_timeout_s: per-request timeout passed to the engine (None: the engine's
+        ``request_timeout_s``).
+    """
+
+    served_model_name: str = "tiny"
+    max_waiting: int = 256
+    request_timeout_s: float | None = None
+
+
+def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
+    """An app serving ``engine`` (which from now on only its `EngineLoop` thread may call).
+
+    The loop starts with the app (ASGI lifespan) and stops with it; ``app.state.loop`` is it.
+    """
+    settings = settings or ServerSettings()
+    engine_loop = EngineLoop(engine, max_waiting=settings.max_waiting,
+                             request_timeout_s=settings.request_timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine_loop.start()
+        try:
+            yield
+        finally:
+            engine_loop.stop()
+
+    app = FastAPI(title="paged", lifespan=lifespan)
+    _keep_raw_send(app)
+    app.state.loop = engine_loop
+    app.state.settings = settings
+    api = _Api(engine, engine_loop, settings)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.get("/health")
+    async def health():
+        if not engine_loop.alive:
+            return JSONResponse(protocol.error_body("engine loop is not running", type="server_error"),
+                                status_code=500)
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": settings.served_model_name, "object": "model", "created": api.created,
+            "owned_by": "paged", "max_model_len": engine.config.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine_loop.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = protocol.parse(CompletionRequest, await request.body())
+        return await api.serve(request, "completion", req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = protocol.parse(ChatCompletionRequest, await request.body())
+        return await api.serve(request, "chat", req)
+
+    return app
+
+
+_RAW_SEND = "paged.raw_send"
+
+
+def _keep_raw_send(app: FastAPI) -> None:
+    """Makes the outermost layer of ``app`` keep the server's own ``send`` in the scope, so
+    that `_EventStream` can send body chunks past the middleware stack (each layer wraps
+    ``send`` in a coroutine that only watches for the response start)."""
+    build = app.build_middleware_stack
+
+    def build_with_raw_send():
+        inner = build()
+
+        async def outer(scope, receive, send):
+            if scope["type"] == "http":
+                scope[_RAW_SEND] = send
+            await inner(scope, receive, send)
+
+        return outer
+
+    app.build_middleware_stack = build_with_raw_send
+
+
+class _EventStream(StreamingResponse):
+    """A StreamingResponse (disconnects cancel the body iterator, as Starlette's do) whose
+    response start and end go through the middleware stack, and whose body chunks, the hot
+    path of streaming, go straight to the server's ``send``."""
+
+    async def __call__(self, scope, receive, send):
+        self._raw_send = scope.get(_RAW_SEND) or send
+        await super().__call__(scope, receive, send)
+
+    async def stream_response(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        raw = self._raw_send
+        async for chunk in self.body_iterator:
+            await raw({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _Api:
+    """The checks and the response logic shared by both generation endpoints."""
+
+    def __init__(self, engine, engine_loop: EngineLoop, settings: ServerSettings):
+        self.loop, self.settings = engine_loop, settings
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.config.max_model_len
+        self.max_num_seqs = engine.config.max_num_seqs
+        self.vocab_size = engine.model_config.vocab_size
+        self.names = {settings.served_model_name, engine.config.model}
+        self.created = int(time.time())
+
+    # --- checks (no engine state) -------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.names:
+            raise ApiError(f"The model `{name}` does not exist; this server serves "
+                           f"`{self.settings.served_model_name}`", status=404, param="model",
+                           code="model_not_found")
+
+    def encode(self, text: str, param: str) -> list[int]:
+        if not text:
+            raise ApiError(f"{param} is empty", param=param)
+        try:
+            return list(self.tokenizer.encode(text))
+        except (TypeError, ValueError) as e:
+            raise ApiError(f"{param}: {e}", param=param) from None
+
+    def check_ids(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise ApiError(f"{param} is empty", param=param)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ApiError(f"{param}: token id {bad} is outside the vocabulary [0, "
+                           f"{self.vocab_size})", param=param)
+        return ids
+
+    def completion_prompts(self, prompt) -> list[list[int]]:
+        if prompt is None:
+            raise ApiError("prompt is required", param="prompt")
+        if isinstance(prompt, str):
+            return [self.encode(prompt, "prompt")]
+        if not prompt:
+            raise ApiError("prompt is an empty list", param="prompt")
+        if isinstance(prompt[0], str):
+            return [self.encode(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        if isinstance(prompt[0], int):
+            return [self.check_ids(list(prompt), "prompt")]
+        return [self.check_ids(list(p), f"prompt[{i}]") for i, p in enumerate(prompt)]
+
+    def chat_prompt(self, messages) -> list[int]:
+        if not messages:
+            raise ApiError("messages is required (a non-empty list)", param="messages")
+        msgs = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):
+                content = "".join(part.get("text", "") for part in content
+                                  if part.get("type") == "text")
+            msgs.append({"role": m.role, "content": content or ""})
+        template = getattr(self.tokenizer, "apply_chat_template", None)
+        if callable(template) and getattr(self.tokenizer, "chat_template", None):
+            text = template(msgs, tokenize=False, add_generation_prompt=True)
+        else:
+            text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in msgs) + "<|assistant|>\n"
+        return self.encode(text, "messages")
+
+    def check_lengths(self, prompts: list[list[int]], max_tokens: int | None,
+                      param: str) -> int:
+        """The max_tokens to use (None: what is left of the context), or ApiError."""
+        longest = max(len(p) for p in prompts)
+        if longest >= self.max_model_len:
+            raise ApiError(f"This model's maximum context length is {self.max_model_len} tokens. "
+                           f"However, your prompt has {longest} tokens (at least one output "
+                           f"token must fit).", param=param, code="context_length_exceeded")
+        if max_tokens is None:
+            return self.max_model_len - longest
+        if max_tokens >= 1 and longest + max_tokens > self.max_model_len:
+            raise ApiError(f"This model's maximum context length is {self.max_model_len} tokens. "
+                           f"However, you requested {longest + max_tokens} tokens ({longest} in "
+                           f"the prompt, {max_tokens} for the completion). Please reduce the "
+                           f"prompt or max_tokens.", param="max_tokens",
+                           code="context_length_exceeded")
+        return max_tokens
+
+    # --- serving --------------------------------------------------------------------------------
+    async def serve(self, request: Request, kind: str, req):
+        self.check_model(req.model)
+        if kind == "completion":
+            if req.suffix:
+                raise ApiError("suffix is not supported by this server", param="suffix",
+                               code="unsupported_parameter")
+            if req.best_of not in (None, req.n):
+                raise ApiError("best_of != n is not supported by this server", param="best_of",
+                               code="unsupported_parameter")
+            prompts = self.completion_prompts(req.prompt)
+            max_tokens = self.check_lengths(prompts, req.max_tokens, "prompt")
+            logprobs = req.logprobs
+        else:
+            prompts = [self.chat_prompt(req.messages)]
+            wanted = req.max_completion_tokens if req.max_completion_tokens is not None \
+                else req.max_tokens
+            max_tokens = self.check_lengths(prompts, wanted, "messages")
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = protocol.sampling_params(req, max_tokens, logprobs=logprobs)
+        if req.n > self.max_num_seqs:
+            raise ApiError(f"n={req.n} > max_num_seqs={self.max_num_seqs}", param="n")
+        stops = protocol.stop_strings(req.stop)
+        shapes = protocol.Shapes(kind, req.model or self.settings.served_model_name)
+        echo = kind == "completion" and req.echo
+        job = _Job(self, shapes, prompts, params, stops, req.n, incremental=req.stream,
+                   echo=[self.tokenizer.decode(p) for p in prompts] if echo else None,
+                   logprobs=logprobs)
+        self.loop.submit(job.stream)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _EventStream(job.events(include_usage), media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache"})
+        return await job.collect(request)
+
+
+class _Job:
+    """One HTTP request in flight: its engine requests, choices and response shapes."""
+
+    def __init__(self, api: _Api, shapes, prompts, params, stops, n, *, incremental, echo,
+                 logprobs=None):
+        self.api, self.shapes, self.prompts, self.n, self.echo = api, shapes, prompts, n, echo
+        self.logprobs = logprobs  # k (top log-probabilities per token), or None
+        rids = [f"{shapes.id}-{i}" for i in range(len(prompts))]
+        self.stream = Stream([(rid, p, params) for rid, p in zip(rids, prompts)],
+                             logprobs=logprobs is not None)
+        decode = api.tokenizer.decode
+        self.choices = [Choice(t * n + j, decode, stops, incremental)
+                        for t in range(len(prompts)) for j in range(n)]
+        self.open = set(range(len(prompts)))  # prompts whose engine request is unfinished
+        self.reported: set[int] = set()  # choices whose finish_reason was sent
+
+    def _take(self, item) -> tuple[list[Choice], ApiError | None]:
+        """Applies one queue item; returns the choices it touched and an error, if any."""
+        if item[0] == "error":
+            return [], item[2]
+        _, tag, outs, finished, _info = item
+        touched = []
+        for idx, ids, reason, lps in outs:
+            c = self.choices[tag * self.n + idx]
+            if not c.done:
+                c.update(ids, reason)
+                c.lps = lps
+                c.token_ids = ids
+                touched.append(c)
+        if finished:
+            self.open.discard(tag)
+        elif tag in self.open and all(c.done for c in self.choices[tag * self.n:(tag + 1) * self.n]):
+            self.open.discard(tag)  # every sample hit a stop string: free the engine request
+            self.api.loop.abort([self.stream.requests[tag][0]])
+        err = None
+        bad = next((c for c in touched if c.done and c.finish_reason not in CLIENT_REASONS), None)
+        if bad is not None:
+            if bad.finish_reason == "timeout":
+                err = ApiError("request timed out (the server's --request_timeout)", status=504,
+                               type="timeout_error", code="request_timeout")
+            else:
+                err = ApiError("request aborted by the server", status=503, type="server_error",
+                               code="aborted")
+        return touched, err
+
+    @property
+    def done(self) -> bool:
+        return all(c.done for c in self.choices)
+
+    def _logprobs(self, c: Choice, *, streaming: bool) -> dict | None:
+        """The logprobs object of ``c``'s tokens not reported yet (all of them when not
+        streaming); None when not asked for. While streaming, the tokens of a chunk's logprobs
+        are those that arrived with it, which may run ahead of its text by the characters held
+        back (incomplete UTF-8, a possible stop string)."""
+        if self.logprobs is None or c.lps is None:
+            return None
+        start = c.lp_sent if streaming else 0
+        lps = c.new_logprobs() if streaming else c.lps[:c.num_tokens]
+        if streaming and not lps:
+            return None
+        ids = c.token_ids[start:start + len(lps)]
+        decode = self.api.tokenizer.decode
+        if self.shapes.kind == "completion":
+            return protocol.completion_logprobs(ids, lps, decode)
+        return protocol.chat_logprobs(ids, lps, decode, self.logprobs)
+
+    def _usage(self) -> dict:
+        return protocol.usage(sum(len(p) for p in self.prompts),
+                              sum(c.num_tokens for c in self.choices))
+
+    def _abort_open(self) -> None:
+        if self.open:
+            self.api.loop.abort([self.stream.requests[t][0] for t in sorted(self.open)])
+            self.open.clear()
+
+    async def events(self, include_usage: bool):
+        """The SSE events of a streaming response (see the module docstring)."""
+        shapes, queue = self.shapes, self.stream.queue
+        try:
+            if shapes.kind == "chat":
+                first = "".join(shapes.chunk(c.index, "", None, first=True) for c in self.choices)
+                for c in self.choices:
+                    c.started = True
+                yield first
+            while not self.done:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                parts, err, touched = [], None, {}
+                for item in items:
+                    got, e = self._take(item)
+                    err = err or e
+                    touched.update((c.index, c) for c in got)
+                for i in sorted(touched):
+                    c = touched[i]
+                    text = c.delta()
+                    if not c.started and self.echo is not None:
+                        text = self.echo[i // self.n] + text
+                    c.started = True
+                    fin = c.finish_reason if c.done and c.finish_reason in CLIENT_REASONS else None
+                    if fin is not None:
+                        self.reported.add(i)
+                    lp = self._logprobs(c, streaming=True)
+                    if text or fin is not None or lp:
+                        parts.append(shapes.chunk(i, text, fin, logprobs=lp))
+                if err is not None:
+                    parts.append(protocol.sse(err.body()))
+                    yield "".join(parts) + protocol.SSE_DONE
+                    return
+                if parts:
+                    yield "".join(parts)
+            tail = shapes.usage_chunk(self._usage()) if include_usage else ""
+            yield tail + protocol.SSE_DONE
+        finally:
+            self._abort_open()
+
+    async def collect(self, request: Request):
+        """The whole response of a non-streaming request."""
+        queue = self.stream.queue
+        try:
+            while not self.done:
+                try:
+                    item = await asyncio.wait_for(queue.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)
+                    continue
+                _, err = self._take(item)
+                if err is not None:
+                    raise err
+        finally:
+            self._abort_open()
+        choices = []
+        for c in self.choices:
+            text = c.text if self.echo is None else self.echo[c.index // self.n] + c.text
+            choices.append((c.index, text, c.finish_reason, self._logprobs(c, streaming=False)))
+        return self.shapes.response(choices, self._usage())

@@ -1,0 +1,190 @@
+"""``python -m paged.server``: the command line of the OpenAI-compatible server.
+
+Usage::
+
+    python -m paged.server --model tiny --host 127.0.0.1 --port 8000
+    python -m paged.server --model tiny --max_num_seqs 64 --max_model_len 256 --attention_impl xla
+
+Flags: every `EngineConfig` field is a flag of the same name (generated from
+``dataclasses.fields(EngineConfig)``, so a new field needs no edit here). The spelling is the
+field's, with underscores (``--max_num_seqs 64``); the dashed spelling (``--max-num-seqs 64``) is
+accepted as an alias. Booleans take ``true/false`` (also ``1/0``, ``yes/no``), optional fields
+take ``none``. Server flags: ``--host``, ``--port``, ``--served_model_name`` (default: the
+model), ``--max_waiting`` (requests that may wait before 503, default 256), ``--request_timeout``
+(seconds, passed to the engine per request), ``--warmup`` (compile every step shape before
+serving, default true), ``--switch_interval_ms`` (the interpreter's thread switch interval, default
+0.5 ms instead of Python's 5 ms, so the engine thread never waits long for the GIL while the event
+loop sends chunks), ``--log_level``. ``--model`` also accepts ``random-small`` (a small
+random-weight model, for tests).
+
+A bad flag or value (an unknown flag, ``--max_num_seqs 0``, ``--dtype float8``) ends in one line
+on stderr naming it, exit status 2, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import types
+import typing
+
+from paged.config import EngineConfig
+
+PROG = "paged.server"
+USAGE_EXIT = 2
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # noqa: D401  (argparse hook)
+        fail(message)
+
+
+def fail(message: str) -> typing.NoReturn:
+    print(f"{PROG}: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    sys.exit(USAGE_EXIT)
+
+
+def _parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("true", "1", "yes", "on"):
+        return True
+    if t in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true/false)")
+
+
+def _parser_for(annotation) -> tuple[typing.Callable[[str], typing.Any], str]:
+    """A string parser for a field's annotation, and its metavar."""
+    optional = False
+    t = annotation
+    if typing.get_origin(t) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(t))
+        t = args[0] if len(args) == 1 else str
+    base = {bool: _parse_bool, int: int, float: float}.get(t, str)
+    name = {bool: "BOOL", int: "INT", float: "FLOAT"}.get(t, "STR")
+
+    def parse(text: str):
+        if optional and text.strip().lower() in ("none", "null", ""):
+            return None
+        try:
+            return base(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an' if name == 'INT' else 'a'} "
+                                             f"{name.lower()}") from None
+
+    return parse, name + ("|none" if optional else "")
+
+
+def _flag_names(name: str) -> list[str]:
+    names = [f"--{name}"]
+    if "_" in name:
+        names.append(f"--{name.replace('_', '-')}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _OneLineParser(prog=f"python -m {PROG}", allow_abbrev=False,
+                       description="OpenAI-compatible server over one paged.Engine.")
+    server = p.add_argument_group("server")
+    server.add_argument(*_flag_names("host"), default="127.0.0.1")
+    server.add_argument(*_flag_names("port"), type=int, default=8000)
+    server.add_argument(*_flag_names("served_model_name"), default=None,
+                        help="model id in the API (default: --model)")
+    server.add_argument(*_flag_names("max_waiting"), type=int, default=256,
+                        help="requests that may wait before new ones get 503")
+    server.add_argument(*_flag_names("request_timeout"), type=float, default=None,
+                        help="seconds; a request still unfinished after it is ended")
+    server.add_argument(*_flag_names("warmup"), type=_parse_bool, default=True, metavar="BOOL",
+                        help="compile every step shape before serving")
+    server.add_argument(*_flag_names("switch_interval_ms"), type=float, default=0.5,
+                        help="the interpreter's thread switch interval (Python's default is 5): "
+                             "how long the engine thread may wait for the GIL while the event "
+                             "loop formats chunks")
+    server.add_argument(*_flag_names("log_level"), default="warning",
+                        choices=("critical", "error", "warning", "info", "debug"))
+    engine = p.add_argument_group("engine (every EngineConfig field)")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        parse, metavar = _parser_for(hints[f.name])
+        engine.add_argument(*_flag_names(f.name), dest=f"engine.{f.name}", type=parse,
+                            default=argparse.SUPPRESS, metavar=metavar,
+                            help=f"EngineConfig.{f.name} (default {f.default!r})")
+    return p
+
+
+def parse_args(argv: list[str] | None = None):
+    """``(EngineConfig, server namespace)``; exits with one line on a bad flag or value."""
+    ns = build_parser().parse_args(argv)
+    fields = {k.split(".", 1)[1]: v for k, v in vars(ns).items() if k.startswith("engine.")}
+    if ns.port < 0 or ns.port > 65535:
+        fail(f"port={ns.port} must be in [0, 65535]")
+    if ns.max_waiting < 1:
+        fail(f"max_waiting={ns.max_waiting} must be >= 1")
+    if not (ns.switch_interval_ms > 0 and math.isfinite(ns.switch_interval_ms)):
+        fail(f"switch_interval_ms={ns.switch_interval_ms} must be a finite number > 0")
+    if ns.request_timeout is not None and not (ns.request_timeout > 0
+                                               and math.isfinite(ns.request_timeout)):
+        fail(f"request_timeout={ns.request_timeout} must be a finite number > 0")
+    try:
+        config = EngineConfig(**fields)
+        import jax
+
+        from paged.config import check_attention_impl
+
+        check_attention_impl(config.attention_impl, jax.default_backend())
+    except (TypeError, ValueError) as e:
+        fail(str(e))
+    return config, ns
+
+
+def random_small():
+    """``(config, params)`` of the small random-weight model that ``--model random-small`` names
+    (the same shapes as the studies' ``random-small``)."""
+    from paged.models.config import LlamaConfig
+    from paged.models.registry import init_params
+
+    cfg = LlamaConfig(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                      ffn_dim=128)
+    return cfg, init_params(cfg, 0)
+
+
+def make_engine(config: EngineConfig, *, warmup: bool = False):
+    """The engine ``config`` describes (``random-small``: random weights), optionally warmed up."""
+    from paged import Engine
+
+    kwargs = {}
+    if config.model == "random-small":
+        kwargs["model_config"], kwargs["params"] = random_small()
+    engine = Engine(config, **kwargs)
+    if warmup:
+        engine.warmup()
+    return engine
+
+
+def main(argv: list[str] | None = None) -> None:
+    config, ns = parse_args(argv)
+    import logging
+
+    import uvicorn
+
+    from paged.server.app import ServerSettings, build_app
+
+    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # Two threads want the GIL: the engine loop (short host phases between device waits) and the
+    # event loop (formatting and sending chunks). With Python's default 5 ms switch interval the
+    # engine thread can wait that long for the GIL after every device step.
+    sys.setswitchinterval(ns.switch_interval_ms / 1000.0)
+    try:
+        engine = make_engine(config, warmup=ns.warmup)
+    except (TypeError, ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    settings = ServerSettings(served_model_name=ns.served_model_name or config.model,
+                              max_waiting=ns.max_waiting, request_timeout_s=ns.request_timeout)
+    app = build_app(engine, settings)
+    print(f"{PROG}: serving {settings.served_model_name} on http://{ns.host}:{ns.port} "
+          f"(max_num_seqs={config.max_num_seqs}, max_model_len={config.max_model_len})",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=False)

@@ -1,0 +1,101 @@
+"""Prometheus metrics of one server (its own `CollectorRegistry`, so several apps can coexist).
+
+Names follow vLLM's with the ``paged:`` prefix:
+
+- gauges ``paged:num_requests_running`` and ``paged:num_requests_waiting`` (engine sequences
+  running / waiting, as the engine's ``kv_stats`` counts them; a request with ``n=2`` runs as two
+  sequences once forked), ``paged:kv_cache_usage_perc`` (used KV blocks over usable blocks, the
+  null page left out: a fraction in [0, 1]);
+- counters ``paged:prefix_cache_hit_tokens_total``, ``paged:num_preemptions_total``,
+  ``paged:prompt_tokens_total``, ``paged:generation_tokens_total`` and
+  ``paged:request_success_total`` (label ``finished_reason``), ``paged:request_aborted_total``
+  (client hung up, or stop strings ended every sample);
+- histograms ``paged:time_to_first_token_seconds``, ``paged:time_per_output_token_seconds``
+  (per request: (finish - first token) / (tokens - 1)), ``paged:e2e_request_latency_seconds``.
+
+The engine loop thread updates the gauges and counters after every step (`update_engine`) and
+observes each finished request once (`observe_finished`); ``/metrics`` renders the registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the app)
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+                 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """The registry and every metric of one server."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.running = Gauge("paged:num_requests_running",
+                             "Sequences running in the engine (one per sample).", registry=r)
+        self.waiting = Gauge("paged:num_requests_waiting",
+                             "Sequences waiting in the engine, plus requests the server accepted "
+                             "and has not handed to the engine yet.", registry=r)
+        self.kv_usage = Gauge("paged:kv_cache_usage_perc",
+                              "Used KV blocks / usable blocks (0 to 1).", registry=r)
+        self.prefix_hits = Counter("paged:prefix_cache_hit_tokens",
+                                   "Prompt tokens served from the prefix cache.", registry=r)
+        self.preemptions = Counter("paged:num_preemptions", "Engine preemptions.", registry=r)
+        self.prompt_tokens = Counter("paged:prompt_tokens", "Prompt tokens of finished requests.",
+                                     registry=r)
+        self.generation_tokens = Counter("paged:generation_tokens",
+                                         "Output tokens of finished requests.", registry=r)
+        self.success = Counter("paged:request_success", "Finished requests by finish reason.",
+                               ["finished_reason"], registry=r)
+        self.aborted = Counter("paged:request_aborted",
+                               "Requests aborted by the server: their client hung up, or stop "
+                               "strings ended every sample.", registry=r)
+        self.ttft = Histogram("paged:time_to_first_token_seconds", "Time to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("paged:time_per_output_token_seconds",
+                              "Time per output token after the first.", buckets=_TPOT_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("paged:e2e_request_latency_seconds", "Arrival to finish.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self._hits = self._preempts = 0
+
+    def update_engine(self, engine, pending: int = 0) -> dict:
+        """Gauges and counters from ``engine.kv_stats()`` (call from the engine's thread);
+        returns the stats."""
+        s = engine.kv_stats()
+        self.running.set(s["num_running"])
+        self.waiting.set(s["num_waiting"] + pending)
+        usable = max(s["num_blocks"] - 1, 1)
+        self.kv_usage.set(s["num_used_blocks"] / usable)
+        hits, preempts = s["prefix_cache_hit_tokens"], s["num_preemptions"]
+        if hits > self._hits:
+            self.prefix_hits.inc(hits - self._hits)
+        if preempts > self._preempts:
+            self.preemptions.inc(preempts - self._preempts)
+        self._hits, self._preempts = hits, preempts
+        return s
+
+    def observe_finished(self, out, reason: str) -> None:
+        """One finished request (a `RequestOutput`; ``reason``: the finish reason reported)."""
+        arrival, first, finish = out.arrival_time, out.first_token_time, out.finish_time
+        n = len(out.token_ids)
+        self.success.labels(finished_reason=reason).inc()
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(sum(len(o.token_ids) for o in out.outputs))
+        if first is not None and arrival is not None:
+            self.ttft.observe(max(first - arrival, 0.0))
+            if finish is not None and n > 1:
+                self.tpot.observe(max(finish - first, 0.0) / (n - 1))
+        if finish is not None and arrival is not None:
+            self.e2e.observe(max(finish - arrival, 0.0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

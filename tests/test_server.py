@@ -1,0 +1,352 @@
+"""`paged.server`: the OpenAI-compatible server, driven by the official ``openai`` client.
+
+One server (bundled tiny model, a small engine with a single step shape so it compiles once) runs
+in-process for the whole module: uvicorn in a thread on 127.0.0.1 with a free port, stopped at the
+end. Greedy outputs are compared with `Engine.generate` on the same engine, run before the server
+takes it over.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from paged import Engine, EngineConfig, SamplingParams  # noqa: E402
+from paged.server.app import ServerSettings, build_app  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = EngineConfig(model="tiny", block_size=16, max_num_seqs=16, max_num_batched_tokens=64,
+                      max_model_len=128, attention_impl="xla", min_token_bucket=64,
+                      min_seq_bucket=16)
+PROMPTS = ["def main():", "import os", "class Foo:", "for i in range(10):"]
+MAX_TOKENS = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    import uvicorn
+
+    engine = Engine(CONFIG)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    offline = {p: o.text for p, o in zip(PROMPTS, engine.generate(PROMPTS, greedy))}
+    offline_n2 = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, n=2,
+                                                              temperature=0.8, seed=7))[0]
+    app = build_app(engine, ServerSettings(served_model_name="tiny", max_waiting=256))
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.05)
+    base = f"http://127.0.0.1:{port}"
+    yield {"base": base, "app": app, "offline": offline,
+           "offline_n2": [o.text for o in offline_n2.outputs],
+           "client": openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)}
+    srv.should_exit = True
+    thread.join(15)
+
+
+def _metric(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics").text
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def _wait_idle(base: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (_metric(base, "paged:num_requests_running") == 0
+                and _metric(base, "paged:kv_cache_usage_perc") == 0
+                and _metric(base, "paged:num_requests_waiting") == 0):
+            return
+        time.sleep(0.05)
+    raise AssertionError(httpx.get(base + "/metrics").text[:3000])
+
+
+def test_health_and_models(server):
+    assert httpx.get(server["base"] + "/health").status_code == 200
+    models = server["client"].models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_greedy_completions_equal_offline(server):
+    client = server["client"]
+    for p in PROMPTS:
+        r = client.completions.create(model="tiny", prompt=p, max_tokens=MAX_TOKENS,
+                                      temperature=0)
+        assert r.object == "text_completion" and r.id.startswith("cmpl-")
+        assert r.choices[0].text == server["offline"][p]
+        assert r.choices[0].finish_reason in ("stop", "length")
+        assert r.usage.prompt_tokens == len(p.encode()) + 1
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # A list of prompts: one choice per prompt, in order; token ids work like text.
+    r = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=MAX_TOKENS,
+                                  temperature=0)
+    assert [c.text for c in r.choices] == [server["offline"][p] for p in PROMPTS[:2]]
+    ids = [256] + list(PROMPTS[0].encode())
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=MAX_TOKENS, temperature=0,
+                                  echo=True)
+    assert r.choices[0].text == PROMPTS[0] + server["offline"][PROMPTS[0]]
+
+
+def test_stop_string_truncates(server):
+    client = server["client"]
+    full = server["offline"][PROMPTS[0]]
+    stop = full[3:5]
+    want = full[:full.index(stop)]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                  temperature=0, stop=[stop])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[0],
+                                            max_tokens=MAX_TOKENS, temperature=0, stop=stop,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_64_concurrent_streams(server):
+    client = server["client"]
+
+    def one(i):
+        p = PROMPTS[i % len(PROMPTS)]
+        chunks = list(client.completions.create(
+            model="tiny", prompt=p, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+        assert all(c.object == "text_completion" for c in chunks)
+        return p, text
+
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(one, range(64)))
+    for p, text in results:
+        assert text == server["offline"][p]
+    _wait_idle(server["base"])
+
+
+def test_chat_streaming_and_n2(server):
+    client = server["client"]
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=MAX_TOKENS,
+                                          temperature=0)
+    assert full.object == "chat.completion" and full.id.startswith("chatcmpl-")
+    assert full.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs,
+                                                 max_tokens=MAX_TOKENS, temperature=0,
+                                                 stream=True))
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    # n=2 with a seed: the same two samples as offline.
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, n=2,
+                                  temperature=0.8, seed=7)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == server["offline_n2"]
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, n=2, seed=3,
+                                                 max_tokens=MAX_TOKENS, stream=True))
+    assert {c.choices[0].index for c in chunks} == {0, 1}
+    assert sum(1 for c in chunks if c.choices[0].finish_reason) == 2
+
+
+def test_logprobs(server):
+    client = server["client"]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                  temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == server["offline"][PROMPTS[0]]
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert all(v <= 0 for v in lp.token_logprobs) and all(2 <= len(t) <= 3 for t in lp.top_logprobs)
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=MAX_TOKENS,
+        temperature=0, logprobs=True, top_logprobs=3, stream=True))
+    content = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert 1 <= len(content) <= MAX_TOKENS and all(len(e.top_logprobs) == 3 for e in content)
+
+
+def test_disconnect_aborts_and_frees_blocks(server):
+    base = server["base"]
+    aborted = _metric(base, "paged:request_aborted_total")
+    body = {"model": "tiny", "prompt": "def main():", "max_tokens": 100, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                break  # one chunk, then hang up
+    _wait_idle(base, timeout=10)
+    assert _metric(base, "paged:request_aborted_total") == aborted + 1
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x" * 200}, 400, "prompt"),
+    ({"prompt": "x", "max_tokens": 500}, 400, "max_tokens"),
+    ({"prompt": [1, 2, 99999]}, 400, "prompt"),
+    ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
+    ({"prompt": "x", "logprobs": 99}, 400, "logprobs"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+])
+def test_bad_requests(server, body, status, param):
+    base = server["base"]
+    body = {"model": "tiny", **body}
+    r = httpx.post(base + "/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    if status == 404:
+        assert err["code"] == "model_not_found"
+    # The server keeps serving.
+    ok = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "x",
+                                                    "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_malformed_json_and_chat_errors(server):
+    base = server["base"]
+    r = httpx.post(base + "/v1/completions", content=b'{"prompt": "x"',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(base + "/v1/chat/completions", json={"model": "tiny", "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError):
+        server["client"].chat.completions.create(model="tiny", messages=[
+            {"role": "user", "content": "hi"}], temperature=-1)
+
+
+def test_503_when_waiting_queue_is_full(server):
+    base, loop = server["base"], server["app"].state.loop
+    loop.max_waiting = 1
+    try:
+        body = {"model": "tiny", "prompt": "def main():", "max_tokens": 40, "ignore_eos": True,
+                "temperature": 0}
+
+        def one(_):
+            r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+            return r.status_code, r.json()
+
+        with concurrent.futures.ThreadPoolExecutor(40) as pool:
+            results = list(pool.map(one, range(40)))
+    finally:
+        loop.max_waiting = 256
+    codes = [c for c, _ in results]
+    assert 503 in codes and 200 in codes, codes
+    busy = next(j for c, j in results if c == 503)["error"]
+    assert busy["code"] == "server_busy" and set(busy) == {"message", "type", "param", "code"}
+    assert all(len(j["choices"][0]["text"]) > 0 for c, j in results if c == 200)
+    _wait_idle(base)
+
+
+def test_bench_serving_smoke_against_the_server(server, tmp_path):
+    from experiments import bench_serving, common
+
+    out = tmp_path / "bench"
+    c = common.load_config_file(str(ROOT / "experiments/configs/bench_serving.py") + ":smoke")
+    c.base_url, c.model, c.output_dir = server["base"], "tiny", str(out)
+    bench_serving.main(c, bench_serving.check(c))
+    payload = json.loads((out / "summary.json").read_text())
+    for key in ("duration", "completed", "request_throughput", "output_throughput",
+                "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms",
+                "median_e2el_ms", "p99_e2el_ms", "ttfts", "itls", "input_lens", "output_lens",
+                "errors", "provenance"):
+        assert key in payload, key
+    assert payload["completed"] == 6 and payload["errors"] == [""] * 6
+    assert len(payload["ttfts"]) == 6 and all(t > 0 for t in payload["ttfts"])
+
+
+def test_cli_bad_value_is_one_line():
+    for flags, word in ((["--max_num_seqs", "0"], "max_num_seqs"),
+                        (["--max-num-seqs", "x"], "max_num_seqs"),
+                        (["--bogus", "1"], "--bogus"),
+                        (["--dtype", "float8"], "dtype")):
+        proc = subprocess.run([sys.executable, "-m", "paged.server", *flags], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert lines[0].startswith("paged.server: ") and word in lines[0], lines
+
+
+def test_online_vs_offline_smoke(tmp_path):
+    out = tmp_path / "ovo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.online_vs_offline",
+         "--config=experiments/configs/online_vs_offline.py:smoke", f"--config.output_dir={out}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads((out / "summary.json").read_text())
+    cmp = payload["loads"][0]["comparison"]
+    for metric in ("ttft_ms", "itl_ms"):
+        for p in ("p50", "p90", "p99"):
+            row = cmp[metric][p]
+            assert row["diff"] == pytest.approx(row["online"] - row["offline"])
+    assert cmp["output_throughput"]["ratio"] > 0
+    rep = payload["loads"][0]["repeats"][0]
+    assert rep["online"]["completed"] == rep["offline"]["completed"] == 6
+    assert len(rep["online"]["ttfts"]) == 6
+
+
+@pytest.mark.parametrize("study, flag, word", [
+    ("bench_serving", "--config.workload.rat=4", "workload.rate"),
+    ("bench_serving", "--config.base_url=localhost:8000", "base_url"),
+    ("online_vs_offline", "--config.engine.max_num_seq=4", "engine.max_num_seqs"),
+    ("online_vs_offline", "--config.engine.block_size=0", "engine.block_size"),
+])
+def test_study_typo_or_bad_value_is_one_line(tmp_path, study, flag, word):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", f"experiments.{study}",
+         f"--config=experiments/configs/{study}.py:smoke", flag, f"--config.output_dir={out}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith(f"{study}: ") and word in lines[0], lines
+    assert not out.exists()
+
+
+def test_request_timeout_ends_the_stream_with_an_error(server):
+    base, loop = server["base"], server["app"].state.loop
+    body = {"model": "tiny", "prompt": "def main():", "max_tokens": 100, "ignore_eos": True,
+            "temperature": 0}
+    loop.request_timeout_s = 0.05
+    try:
+        r = httpx.post(base + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
+        with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True},
+                          timeout=30) as resp:
+            events = [line[5:].strip() for line in resp.iter_lines() if line.startswith("data:")]
+    finally:
+        loop.request_timeout_s = None
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["error"]["type"] == "timeout_error"
+    assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])
+    _wait_idle(base)
