@@ -72,10 +72,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(stops))
 
 
-def _sample_one(logits, temperature, top_k, top_p, seed, sample_index, position):
-    """Samples one token from one row of logits (vmapped; every row independent of the others)."""
+def _filter_sorted(logits, temperature, top_k, top_p):
+    """Temperature-scaled logits sorted descending, their vocabulary order, and which of them
+    top-k and top-p keep (the most likely always)."""
     vocab = logits.shape[-1]
-    greedy = jnp.argmax(logits).astype(jnp.int32)
     scaled = logits / jnp.maximum(temperature, 1e-6)
     order = jnp.argsort(-scaled)
     sorted_logits = scaled[order]
@@ -84,6 +84,13 @@ def _sample_one(logits, temperature, top_k, top_p, seed, sample_index, position)
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
     mass_before = jnp.cumsum(probs) - probs
     keep &= (mass_before < top_p) | (rank == 0)
+    return order, sorted_logits, keep
+
+
+def _sample_one(logits, temperature, top_k, top_p, seed, sample_index, position):
+    """Samples one token from one row of logits (vmapped; every row independent of the others)."""
+    greedy = jnp.argmax(logits).astype(jnp.int32)
+    order, sorted_logits, keep = _filter_sorted(logits, temperature, top_k, top_p)
     key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), sample_index), position)
     choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf))
     sampled = order[choice].astype(jnp.int32)
@@ -116,14 +123,7 @@ def logprobs(logits: jax.Array, tokens: jax.Array, k: int = MAX_LOGPROBS):
 def _filtered_probs(logits, temperature, top_k, top_p):
     """The distribution ``_sample_one`` samples from, in vocabulary order (one-hot when greedy)."""
     vocab = logits.shape[-1]
-    scaled = logits / jnp.maximum(temperature, 1e-6)
-    order = jnp.argsort(-scaled)
-    sorted_logits = scaled[order]
-    rank = jnp.arange(vocab)
-    keep = rank < jnp.where(top_k > 0, top_k, vocab)
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
-    mass_before = jnp.cumsum(probs) - probs
-    keep &= (mass_before < top_p) | (rank == 0)
+    order, sorted_logits, keep = _filter_sorted(logits, temperature, top_k, top_p)
     p_sorted = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
     probs = jnp.zeros(vocab, jnp.float32).at[order].set(p_sorted)
     greedy = jax.nn.one_hot(jnp.argmax(logits), vocab, dtype=jnp.float32)

@@ -124,3 +124,15 @@ def test_progress_off_a_terminal_is_one_summary_line():
     with Progress(3, "[x]", file=quiet, summary=False) as bar:
         bar.update(3)
     assert quiet.getvalue() == ""
+
+
+def test_spec_decode_smoke(tmp_path):
+    _run("experiments.spec_decode", "--config=experiments/configs/spec_decode.py:smoke",
+         f"--config.output_dir={tmp_path}")
+    payload = json.loads((tmp_path / "spec_decode.json").read_text())
+    rows = payload["results"]
+    assert payload["evidence"] == "constructed" and {r["k"] for r in rows} == {1, 3}
+    assert {r["batch"] for r in rows} == {1}
+    code = [r for r in rows if r["prompts"] == "code" and r["batch"] == 1]
+    assert all(r["verify_rows"] > 0 and 0 <= r["alpha"] <= 1 for r in code)
+    assert (tmp_path / "spec_decode.png").stat().st_size > 0

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from engine_utils import prompts, small_model
 
-from paged import Engine, EngineConfig, SamplingParams, SpeculativeConfig
-from paged import sampling
+from paged import Engine, EngineConfig, SamplingParams, SpeculativeConfig, sampling
 
 
 def _engine(k: int | None, **kw) -> Engine:
@@ -36,8 +35,7 @@ def _staged_is_zero(engine: Engine) -> None:
     assert engine.kv_stats()["num_staged_tokens"] == 0
 
 
-@pytest.mark.parametrize("k", [1, 3, 6])
-@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("k, block_size", [(1, 4), (3, 16), (6, 4)])
 def test_greedy_output_is_identical(k, block_size):
     want = [o.token_ids for o in _engine(None, block_size=block_size).generate(_prompts(), GREEDY)]
     engine = _engine(k, block_size=block_size)

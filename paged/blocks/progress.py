@@ -81,7 +81,7 @@ class Progress:
         keying = []  # resident sequences with a full computed block not keyed yet
         i = 0
         try:  # a position beyond the slots raises IndexError at tokens[p]
-            for i, (seq, p, t) in enumerate(zip(batch, positions, token_ids)):
+            for i, (seq, p, t) in enumerate(zip(batch, positions, token_ids)):  # noqa: B007
                 tokens = seq.tokens
                 if (type(p) is int and p >= 0 and tokens[p] is None
                         and type(t) is int and 0 <= t < limit):
