@@ -38,7 +38,7 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
     traces = [0]
 
     @functools.partial(jax.jit, donate_argnums=1)
-    def step(params, cache: KVCache, batch, prev):
+    def step(params, cache: KVCache, batch, prev, q=None, q_index=None):
         traces[0] += 1  # runs at trace time only
         feed = batch.feed
         ids = jnp.where(feed >= 0, prev[jnp.clip(feed, 0, prev.shape[0] - 1)], batch.tokens)
@@ -49,7 +49,7 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
                 batch.sample_index, batch.sample_pos)
         extras = {}
         if with_verify:
-            tokens, extras["accept"] = sampling.verify(*args, batch.draft)
+            tokens, extras["accept"] = sampling.verify(*args, batch.draft, q, q_index)
         else:
             tokens = sampling.sample(*args)
         if with_logprobs:
@@ -81,3 +81,34 @@ def apply_copies(cache: KVCache, sched, host_k, host_v, freed_pages: list[int]) 
         src, dst = map(list, zip(*sched.copies))
         cache = kc.copy_pages(cache, src, dst)
     return cache
+
+
+@functools.lru_cache(maxsize=16)
+def make_draft_fns(model_config: LlamaConfig, attention_impl: str):
+    """A draft model's two jitted calls (its cache donated), on the target's batches and tables:
+
+    ``forward(params, cache, batch) -> cache``: writes the batch's K/V (every target step runs it
+    so the draft's cache covers what the target's does); ``propose(params, cache, batch) ->
+    (cache, tokens i32[N], probs f32[N, V])``: also samples each slot from the draft's filtered
+    distribution (a random stream apart from the target's) and returns that distribution.
+    """
+    model = Llama(model_config)
+
+    def run(params, cache, batch):
+        logits, k_pages, v_pages = model.apply(
+            params, batch.tokens, batch.positions, cache.k_pages, cache.v_pages, batch.md,
+            batch.sample_rows, attention_impl=attention_impl)
+        return logits, cache.replace(k_pages=k_pages, v_pages=v_pages)
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def forward(params, cache, batch):
+        return run(params, cache, batch)[1]
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def propose(params, cache, batch):
+        logits, cache = run(params, cache, batch)
+        tokens, probs = sampling.draft_sample(logits, batch.temperature, batch.top_k, batch.top_p,
+                                              batch.seed, batch.sample_index, batch.sample_pos)
+        return cache, tokens, probs
+
+    return forward, propose

@@ -42,7 +42,7 @@ from paged.request_checks import check_request
 from paged.sampling import SamplingParams
 from paged.scheduler import Scheduler, SchedulerOutput
 from paged.sequence import SeqStatus, Sequence
-from paged.spec_decode import Speculator
+from paged.spec_decode import DraftModel, Speculator
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,9 @@ class Engine:
         # May be switched between steps; speculation proposes from the last step's tokens.
         self.async_scheduling = config.async_scheduling and config.speculative is None
         self.speculator = None if config.speculative is None else Speculator(
-            config.speculative, self.batch, self.block_manager, config.max_num_batched_tokens)
+            config.speculative, self.batch, self.block_manager, config.max_num_batched_tokens,
+            self._draft_model(config, model_config, num_pages, page_size, host_blocks),
+            self._builder)
         sharding = None
         if mesh is not None:
             if "model" not in mesh.axis_names:
@@ -167,6 +169,24 @@ class Engine:
         self.num_steps = 0
         self.last_timing = StepTiming()
         self._reader = StepReader(self)
+
+    @staticmethod
+    def _draft_model(config, model_config, num_pages, page_size, host_blocks):
+        """The draft model of ``speculative.method == "draft"`` (checked against the target)."""
+        spec = config.speculative
+        if spec is None or spec.method != "draft":
+            return None
+        from paged.models.registry import load_any
+
+        draft_config, draft_params, _ = load_any(spec.model, dtype=config.dtype)
+        if draft_config.vocab_size != model_config.vocab_size:
+            raise ValueError(f"draft model {spec.model!r} has vocab_size="
+                             f"{draft_config.vocab_size}, the target {model_config.vocab_size}")
+        if draft_config.max_seq_len < config.max_model_len:
+            raise ValueError(f"draft model {spec.model!r} serves max_seq_len="
+                             f"{draft_config.max_seq_len} < max_model_len={config.max_model_len}")
+        return DraftModel(draft_config, draft_params, num_pages, page_size, config.dtype,
+                          config.attention_impl, host_blocks)
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | SequenceT[int],
@@ -290,6 +310,8 @@ class Engine:
             self._steps_without_progress = 0
             step_id = self.block_manager.begin_step()
             self._prepare_device(sched)
+            if self.speculator is not None:
+                self.speculator.draft_tokens()  # draft method: after the copies, both caches
             batch = self._builder.build(sched.decode_rows, sched.scheduled, bool(sched.copies))
             batch.step_id = step_id
             prev = done.tokens if done is not None else self._no_prev
@@ -298,8 +320,11 @@ class Engine:
             if variant == (False, False):
                 self.cache, tokens = self._step_fn(self.params, self.cache, batch.device, prev)
             else:
+                q = () if not batch.verify else self.speculator.verify_inputs(batch)
                 self.cache, tokens, extras = self._variants[variant](
-                    self.params, self.cache, batch.device, prev)
+                    self.params, self.cache, batch.device, prev, *q)
+            if self.speculator is not None and self.speculator.draft is not None:
+                self.speculator.draft.mirror(batch.device)  # the draft's cache follows
             self._builder.commit(sched.decode_rows, batch)
             launched = self._inflight = InFlight(batch, tokens, extras)
             timing.prepare = time.perf_counter() - t1
@@ -360,6 +385,9 @@ class Engine:
                 f"free blocks={self.block_manager.num_allocatable_blocks}); the pool is too small")
 
     def _prepare_device(self, sched: SchedulerOutput) -> None:
+        draft = None if self.speculator is None else self.speculator.draft
+        if draft is not None:  # the same copies on the draft's cache (no poison: see DraftModel)
+            draft.cache = apply_copies(draft.cache, sched, draft.host_k, draft.host_v, [])
         self.cache = apply_copies(self.cache, sched, self._host_k, self._host_v, self._freed_pages)
 
     def _check_invariants(self) -> None:

@@ -130,17 +130,22 @@ def _filtered_probs(logits, temperature, top_k, top_p):
     return jnp.where(temperature > 0, probs, greedy)
 
 
-def _verify_one(logits, temperature, top_k, top_p, seed, sample_index, position, draft):
-    """One verify slot: accept ``draft`` (q a point mass) with probability p(draft), else sample
-    from p with the draft removed, renormalised; ``draft < 0``: a plain sample."""
+def _key(seed, sample_index, position, stream):
+    return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(
+        jax.random.PRNGKey(seed), sample_index), position), stream)
+
+
+def _verify_one(logits, temperature, top_k, top_p, seed, sample_index, position, draft, q):
+    """One verify slot: accept ``draft`` with probability min(1, p(draft) / q(draft)), else
+    sample from norm(max(0, p - q)); ``draft < 0``: a plain sample. ``q`` is the distribution the
+    draft was drawn from (a point mass at it for n-gram proposals)."""
     plain = _sample_one(logits, temperature, top_k, top_p, seed, sample_index, position)
     probs = _filtered_probs(logits.astype(jnp.float32), temperature, top_k, top_p)
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(
-        jax.random.PRNGKey(seed), sample_index), position), 1)  # a stream apart from ``plain``
-    k_accept, k_residual = jax.random.split(key)
+    k_accept, k_residual = jax.random.split(_key(seed, sample_index, position, 1))
     d = jnp.maximum(draft, 0)
-    accept = (draft >= 0) & (jax.random.uniform(k_accept) < probs[d])
-    residual = probs.at[d].set(0.0)
+    ratio = probs[d] / jnp.maximum(q[d], 1e-30)
+    accept = (draft >= 0) & (jax.random.uniform(k_accept) < jnp.minimum(1.0, ratio))
+    residual = jnp.maximum(probs - q, 0.0)
     resampled = jax.random.categorical(
         k_residual, jnp.where(residual > 0, jnp.log(jnp.maximum(residual, 1e-38)), -jnp.inf))
     resampled = jnp.where(residual.sum() > 0, resampled, plain).astype(jnp.int32)
@@ -148,8 +153,30 @@ def _verify_one(logits, temperature, top_k, top_p, seed, sample_index, position,
     return token.astype(jnp.int32), accept
 
 
-def verify(logits, temperature, top_k, top_p, seed, sample_index, position, draft):
+def verify(logits, temperature, top_k, top_p, seed, sample_index, position, draft, q=None,
+           q_index=None):
     """``sample`` for verify rows: per slot, the emitted token and whether its draft
-    (``draft`` i32[N], -1 where none) was accepted, by the speculative rejection rule."""
+    (``draft`` i32[N], -1 where none) was accepted, by the speculative rejection rule. ``q``
+    (f32[M, V]) and ``q_index`` (i32[N], -1: a point mass at the draft) give each slot's draft
+    distribution; without them every draft is a point mass (n-gram proposals)."""
+    vocab = logits.shape[-1]
+    point = jax.nn.one_hot(jnp.maximum(draft, 0), vocab, dtype=jnp.float32)
+    if q is None:
+        qs = point
+    else:
+        qs = jnp.where((q_index >= 0)[:, None], q[jnp.maximum(q_index, 0)], point)
     return jax.vmap(_verify_one)(logits.astype(jnp.float32), temperature, top_k, top_p, seed,
-                                 sample_index, position, draft)
+                                 sample_index, position, draft, qs)
+
+
+def draft_sample(logits, temperature, top_k, top_p, seed, sample_index, position):
+    """A draft model's proposal per row and the filtered distribution it was drawn from (its own
+    random stream, apart from the target's), f32[N, V]."""
+    def one(lg, t, k, p, s, j, pos):
+        probs = _filtered_probs(lg, t, k, p)
+        tok = jax.random.categorical(
+            _key(s, j, pos, 2), jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf))
+        return tok.astype(jnp.int32), probs
+
+    return jax.vmap(one)(logits.astype(jnp.float32), temperature, top_k, top_p, seed,
+                         sample_index, position)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from paged import validate
@@ -43,9 +44,9 @@ class SpeculativeConfig:
     """How to speculate.
 
     Attributes:
-      method: "ngram" (prompt lookup: no second model). "draft" (a smaller model proposing from
-        its own KV cache) is not available yet and is refused.
-      model: the draft model for ``method="draft"``.
+      method: "ngram" (prompt lookup: no second model) or "draft" (a smaller model with the same
+        vocabulary proposes k tokens autoregressively from its own KV cache; ``DraftModel``).
+      model: the draft model for ``method="draft"``: a bundled name or a checkpoint directory.
       num_speculative_tokens: k, tokens proposed per decode per step (>= 1).
       ngram_min, ngram_max: n-gram lengths the n-gram proposer tries, longest first.
     """
@@ -65,9 +66,41 @@ class SpeculativeConfig:
         validate.integer("ngram_max", self.ngram_max, minimum=1)
         if self.ngram_max < self.ngram_min:
             raise ValueError(f"ngram_max={self.ngram_max} must be >= ngram_min={self.ngram_min}")
-        if self.method == "draft":
-            raise ValueError("method='draft' (a draft model with its own KV cache) is not "
-                             "available yet; use method='ngram'")
+
+
+class DraftModel:
+    """A draft model's params and its own KV cache, on the target's pages and block tables.
+
+    The cache has the target's pool shape (same pages, same page size) with the draft's layers,
+    KV heads and head dim: page p holds the draft's KV for the tokens whose target KV is in page
+    p, so the block manager, the prefix cache and the tables serve both. Every target step also
+    runs the draft over the same batch (``forward``), so its cache covers what the target's does;
+    copy-on-write and swap copies are applied to both caches (poisoning, a debug aid, only to the
+    target's: the draft's distributions only steer proposals, never outputs).
+    """
+
+    def __init__(self, model_config, params, num_pages: int, page_size: int, dtype: str,
+                 attention_impl: str, host_blocks: int = 0):
+        import jax
+
+        from paged import kv_cache as kc
+        from paged.device_step import make_draft_fns
+
+        self.config = model_config
+        self.params = jax.device_put(params)
+        self.cache = kc.KVCache.create(model_config.num_layers, model_config.num_kv_heads,
+                                       num_pages, page_size, model_config.head_dim, dtype)
+        self.forward, self.propose = make_draft_fns(model_config, attention_impl)
+        self.host_k = self.host_v = None
+        if host_blocks:
+            shape = (model_config.num_layers, model_config.num_kv_heads, host_blocks, page_size,
+                     model_config.head_dim)
+            self.host_k = np.zeros(shape, np.dtype(self.cache.dtype))
+            self.host_v = np.zeros(shape, np.dtype(self.cache.dtype))
+
+    def mirror(self, device_batch) -> None:
+        """Writes the draft's KV for a target step's batch."""
+        self.cache = self.forward(self.params, self.cache, device_batch)
 
 
 class NgramProposer:
@@ -123,9 +156,14 @@ class Speculator:
         step's token budget.
     """
 
-    def __init__(self, config: SpeculativeConfig, batch, bm, max_num_batched_tokens: int):
+    def __init__(self, config: SpeculativeConfig, batch, bm, max_num_batched_tokens: int,
+                 draft: DraftModel | None = None, builder=None):
         self.k = config.num_speculative_tokens
         self.proposer = NgramProposer(config)
+        self.draft, self.builder = draft, builder
+        self._pending: list = []  # draft method: (row, seq, k) reserved, to draft after the copies
+        self._q = None  # draft method: the drafts' distributions on device, f32[M, V]
+        self._q_rows: dict = {}  # seq_id -> row of ``_q`` per draft position
         self.ib, self.bm = batch, bm
         self.budget = max_num_batched_tokens
         self.stats = SpecStats()
@@ -142,12 +180,28 @@ class Speculator:
         if left <= 0 or not len(sched.decode_rows):
             return
         keep = []
+        self._pending = []
         for r in sched.decode_rows.tolist():
             nt = int(ib.num_tokens[r])
             room = int(ib.ints[r, LIMIT]) - nt - 1
             want = min(self.k, room, left)
+            if self.draft is not None:  # slots now (unknown tokens), drafts after the copies
+                seq = ib.seqs[r]
+                if want > 0 and seq.params.logprobs is None:
+                    pairs = bm.reserve_lookahead(seq.seq_id, want)
+                    if pairs is not None:
+                        sched.copies.extend(pairs)
+                        ib.num_slots[r] += want
+                        self._pending.append((r, seq, want))
+                        sched.scheduled.append(ScheduledSeq(seq, 1 + want, num_draft=want))
+                        self.num_staged += want
+                        left -= want
+                        continue
+                keep.append(r)
+                continue
             toks = ib.tokens[r, :nt]
-            drafts = [] if want <= 0 or UNKNOWN in toks[-1:] else self.proposer.propose(toks, want)
+            drafts = [] if want <= 0 or UNKNOWN in toks[-1:] or ib.seqs[r].params.logprobs \
+                is not None else self.proposer.propose(toks, want)
             if drafts:
                 seq = ib.seqs[r]
                 pairs = bm.reserve_lookahead(seq.seq_id, len(drafts), drafts)
@@ -163,6 +217,52 @@ class Speculator:
                     continue
             keep.append(r)
         sched.decode_rows = np.asarray(keep, np.intp)
+
+    def draft_tokens(self) -> None:
+        """Draft method, after the step's copies ran on both caches: k draft steps over the
+        reserved rows (each writes the draft's KV for its input token and samples the next), the
+        drafts written into the rows and told to the block manager."""
+        if not self._pending:
+            return
+        ib, d = self.ib, self.draft
+        rows = np.asarray([r for r, _, _ in self._pending], np.intp)
+        ks = np.asarray([k for _, _, k in self._pending])
+        p0 = ib.num_computed[rows].copy()  # the position of each row's input token
+        ib.num_blocks[rows] = -1  # their tables grew by the lookahead: refresh the rows
+        probs, offset = [], 0
+        self._q_rows = {seq.seq_id: [] for _, seq, _ in self._pending}
+        for j in range(1, int(ks.max()) + 1):  # step j: input at p0 + j - 1, samples p0 + j
+            sel = np.flatnonzero(ks >= j)
+            rj = rows[sel]
+            ib.num_computed[rj] = p0[sel] + j - 1
+            batch = self.builder.build(rj, [], copies=False)
+            d.cache, toks, q = d.propose(d.params, d.cache, batch.device)
+            ib.tokens[rj, p0[sel] + j] = np.asarray(toks)[:len(rj)]
+            for i, idx in enumerate(sel.tolist()):
+                self._q_rows[self._pending[idx][1].seq_id].append(offset + i)
+            probs.append(q)
+            offset += q.shape[0]
+        ib.num_computed[rows] = p0
+        self._q = probs[0] if len(probs) == 1 else jnp.concatenate(probs)
+        ids, pos, toks = [], [], []
+        for r, seq, k in self._pending:
+            nt = int(ib.num_tokens[r])
+            ids += [seq.seq_id] * k
+            pos += list(range(nt, nt + k))
+            toks += ib.tokens[r, nt:nt + k].tolist()
+            ib.num_tokens[r] = nt + k
+        self.bm.set_tokens(ids, pos, toks)
+        self._pending = []
+
+    def verify_inputs(self, batch):
+        """``(q, q_index)`` for the verify step: each verify slot's row of the drafts'
+        distributions (draft method), or ``(None, None)`` (point masses: n-gram)."""
+        if self.draft is None or not batch.verify:
+            return None, None
+        q_index = np.full(batch.device.smp.shape[1], -1, np.int32)
+        for seq, slot, k, _ in batch.verify:
+            q_index[slot:slot + k] = self._q_rows[seq.seq_id][:k]
+        return self._q, q_index
 
     def accept(self, seq, start: int, k: int, tokens: np.ndarray, accepted: np.ndarray, now: float,
                reader) -> None:

@@ -3,6 +3,8 @@ rejection rule exact in distribution, staged KV rolled back and never cached, no
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -143,7 +145,6 @@ def test_greedy_verify_accepts_exactly_the_argmax():
 @pytest.mark.parametrize("kw, err", [
     (dict(num_speculative_tokens=0), ValueError), (dict(method="medusa"), ValueError),
     (dict(ngram_min=3, ngram_max=2), ValueError), (dict(num_speculative_tokens=True), TypeError),
-    (dict(method="draft"), ValueError),
 ])
 def test_bad_configs_are_rejected(kw, err):
     with pytest.raises(err):
@@ -153,3 +154,60 @@ def test_bad_configs_are_rejected(kw, err):
 def test_engine_config_takes_only_a_speculative_config():
     with pytest.raises(TypeError, match="SpeculativeConfig"):
         EngineConfig(speculative={"num_speculative_tokens": 3})
+
+
+BUNDLED = dict(block_size=8, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=96,
+               attention_impl="xla", debug_checks=True)
+TEXT = ["def main():\n    print(", "import os\nimport sys\n", "The quick brown fox"]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_draft_model_greedy_output_is_identical(k):
+    """The bundled tiny target with tiny-draft proposing from its own cache (same tables)."""
+    want = [o.token_ids for o in Engine(EngineConfig(**BUNDLED, async_scheduling=False))
+            .generate(TEXT, GREEDY)]
+    spec = SpeculativeConfig(method="draft", model="tiny-draft", num_speculative_tokens=k)
+    engine = Engine(EngineConfig(**BUNDLED, speculative=spec))
+    assert [o.token_ids for o in engine.generate(TEXT, GREEDY)] == want
+    stats = engine.spec_decode_stats()
+    assert stats["draft_acceptance_rate"] > 0.5  # the pair is trained on the same corpus
+    assert engine.block_manager.num_used_blocks == 0 and engine.kv_stats()["num_staged_tokens"] == 0
+
+
+def test_draft_model_under_swap_preemption():
+    kw = dict(BUNDLED, num_blocks=14, preemption_mode="swap", max_model_len=64)
+    want = [o.token_ids for o in Engine(EngineConfig(**kw, async_scheduling=False))
+            .generate(TEXT * 2, GREEDY)]
+    spec = SpeculativeConfig(method="draft", num_speculative_tokens=3)
+    engine = Engine(EngineConfig(**kw, speculative=spec))
+    assert [o.token_ids for o in engine.generate(TEXT * 2, GREEDY)] == want
+    assert engine.kv_stats()["num_swap_outs"] > 0
+
+
+def test_rejection_rule_with_a_draft_distribution():
+    """Drafts drawn from q (not a point mass): the emitted token is still distributed as p
+    (chi-square, 7 degrees of freedom, false-alarm rate 0.1 %)."""
+    vocab, n = 8, 4000
+    p = np.array([0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02])
+    q = np.array([0.05, 0.05, 0.1, 0.3, 0.2, 0.1, 0.1, 0.1])
+    drafts = np.random.default_rng(0).choice(vocab, n, p=q).astype(np.int32)
+    rows = jnp.tile(jnp.asarray(np.log(p))[None], (n, 1))
+    ones = jnp.ones(n, jnp.float32)
+    tokens, accept = sampling.verify(
+        rows, ones, jnp.zeros(n, jnp.int32), ones, jnp.arange(n, dtype=jnp.int32),
+        jnp.zeros(n, jnp.int32), jnp.full(n, 5, jnp.int32), jnp.asarray(drafts),
+        jnp.asarray(q[None], jnp.float32), jnp.zeros(n, jnp.int32))
+    counts = np.bincount(np.asarray(tokens), minlength=vocab)
+    chi2 = float((((counts - n * p) ** 2) / (n * p)).sum())
+    assert chi2 < 24.32, (counts, chi2)
+    want_accept = float(np.minimum(p, q).sum())  # P(accept) = sum_x min(p(x), q(x))
+    assert abs(float(np.mean(np.asarray(accept))) - want_accept) < 0.03
+    naive = np.bincount(drafts, minlength=vocab)  # always accepting: distributed as q, caught
+    assert float((((naive - n * p) ** 2) / (n * p)).sum()) > 24.32
+
+
+def test_a_draft_with_another_vocabulary_is_refused():
+    fixture = str(Path(__file__).parent / "fixtures" / "hf" / "llama")
+    spec = SpeculativeConfig(method="draft", model="tiny-draft", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="vocab_size"):
+        Engine(EngineConfig(model=fixture, max_model_len=64, max_num_seqs=2, speculative=spec))
