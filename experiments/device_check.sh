@@ -6,12 +6,18 @@
 #            Triton-lowered Pallas kernel (does Pallas-on-Triton work here at all?), tree hash
 #   engine   experiments.engine_bench :gpu  -> $OUT/engine_bench_gpu.json (host ms per decode step
 #            at 256 then 64 running; the cheap, likely-to-succeed measurement goes first)
+#            and the same with the overlapped step off (engine_bench times both in every round)
 #   decode   experiments.kernel_bench :h200, decode only -> $OUT/kernel_bench_h200_decode.json
+#            (B=64 ctx 4096 bf16: read-only roofline, copy, pallas_gpu at the config's 4 splits and
+#            at the heuristic's choice, jax_gpu, the unmasked fallback, xla)
+#   grid     experiments.kernel_bench :h200, decode_grid only -> $OUT/kernel_bench_h200_grid.json
+#            (bf16 + fp32 x context 1k/4k/16k x B 1/8/64/256: pallas_gpu with the heuristic's
+#            splits vs jax_gpu on the same arrays, read / copy roofline per point)
 #   ragged   experiments.kernel_bench :h200, ragged only -> $OUT/kernel_bench_h200_ragged.json
-#            (two processes: a hung Triton compile in one op does not eat the other's time)
+#            (one process per stage: a hung Triton compile in one op does not eat another's time)
 #   summary  key numbers and every error's head to stdout and $OUT/summary.txt
 # Both benches write their JSON as they go, so a stage stopped by its limit still leaves results.
-# Outputs: at most 7 files directly under $OUT (env.txt, engine_bench.log, kernel_bench.log, three
+# Outputs: at most 8 files directly under $OUT (env.txt, engine_bench.log, kernel_bench.log, four
 # JSONs, summary.txt); logs over 15 MiB are cut to their first and last 7 MiB.
 #
 # On the device (repo root, .whl carried; .git does not travel, so pass the revision):
@@ -19,13 +25,16 @@
 # CPU dry run (smoke variants, JAX_PLATFORMS=cpu, about a minute here):
 #   DEVICE_CHECK_SMOKE=1 OUT=/tmp/devout PYTHON=.venv/bin/python bash experiments/device_check.sh
 # Knobs (env): OUT (default: a new temp dir), PYTHON (python3), GIT_REV, STAGES (default
-# "install env engine decode ragged"; summary always runs, install too while ml_collections is
-# missing), T_INSTALL T_ENV T_ENGINE T_DECODE
-# T_RAGGED (seconds), EB_FLAGS / KB_FLAGS (extra flags for the benches, word-split, e.g.
+# "install env engine decode grid ragged"; summary always runs, install too while ml_collections
+# is missing), T_INSTALL T_ENV T_ENGINE T_DECODE T_GRID T_RAGGED (seconds), EB_FLAGS / KB_FLAGS (extra flags for the benches, word-split, e.g.
 # KB_FLAGS="--config.repeats=5"), DEVICE_CHECK_SMOKE=1.
 #
-# Worst case 20 + 30 + 150 + 110 + 80 + 15 = 405 s (+ up to 10 s kill grace per stage that ignores
-# SIGTERM); seen on an H200: install/env ~8 s, engine 32-36 s (steady only), decode ~29 s, ragged ~50 s.
+# Worst case 20 + 30 + 120 + 90 + 120 + 80 + 15 (summary) = 475 s, 535 s if every stage also used
+# its 10 s kill grace: under 9 minutes, so a 15-minute loan has room for a start and a rerun.
+# Seen on an H200 (2026-11-30): install/env ~8 s, engine 32-36 s (steady, overlap not yet timed
+# on and off; expected ~50 s now), decode ~29 s (+ ~5 s now: the read roofline and one more
+# kernel variant), ragged ~50 s. Grid: estimated ~100 s (24 points, ~4 s of compiles each); its
+# JSON is rewritten after each point, bf16 first, so a cut keeps the finished points.
 set -u
 
 cd "$(dirname "$0")/.." || exit 1
@@ -48,10 +57,11 @@ else
 fi
 T_INSTALL=${T_INSTALL:-20}
 T_ENV=${T_ENV:-30}
-T_ENGINE=${T_ENGINE:-150}
-T_DECODE=${T_DECODE:-110}
+T_ENGINE=${T_ENGINE:-120}
+T_DECODE=${T_DECODE:-90}
+T_GRID=${T_GRID:-120}
 T_RAGGED=${T_RAGGED:-80}
-STAGES=${STAGES:-install env engine decode ragged}
+STAGES=${STAGES:-install env engine decode grid ragged}
 EB_FLAGS=${EB_FLAGS:-}
 KB_FLAGS=${KB_FLAGS:-}
 SITE=$(mktemp -d /tmp/device_check_site.XXXXXX)
@@ -171,6 +181,7 @@ KB_LOG="$OUT/kernel_bench.log"
 EB_JSON="$OUT/engine_bench_$EB_VARIANT.json"
 KB_DECODE="$OUT/kernel_bench_${KB_VARIANT}_decode.json"
 KB_RAGGED="$OUT/kernel_bench_${KB_VARIANT}_ragged.json"
+KB_GRID="$OUT/kernel_bench_${KB_VARIANT}_grid.json"
 echo "device_check: OUT=$OUT smoke=$SMOKE stages=[$STAGES] GIT_REV=${GIT_REV:-unset}"
 
 if want install || ! "$PYTHON" -c "import ml_collections" 2>/dev/null; then  # the benches need it
@@ -193,6 +204,12 @@ if want decode; then
     "--config=experiments/configs/kernel_bench.py:$KB_VARIANT" "--config.ops=('decode',)" \
     "--out=$KB_DECODE" $KB_FLAGS
 fi
+if want grid; then
+  # shellcheck disable=SC2086
+  run_stage grid "$T_GRID" "$KB_LOG" "$KB_GRID" "$PYTHON" -m experiments.kernel_bench \
+    "--config=experiments/configs/kernel_bench.py:$KB_VARIANT" "--config.ops=('decode_grid',)" \
+    "--out=$KB_GRID" $KB_FLAGS
+fi
 if want ragged; then
   # shellcheck disable=SC2086
   run_stage ragged "$T_RAGGED" "$KB_LOG" "$KB_RAGGED" "$PYTHON" -m experiments.kernel_bench \
@@ -214,10 +231,10 @@ SUMMARY="$OUT/summary.txt"
 {
   echo "===== device_check summary ($(date -u +%FT%TZ), $((SECONDS - T_START))s total)"
   echo "stages:$STATUS"
-  timeout 15 "$PYTHON" - "$ENV_TXT" "$EB_JSON" "$KB_DECODE" "$KB_RAGGED" <<'EOF' || echo "(summary script failed: rc=$?)"
+  timeout 15 "$PYTHON" - "$ENV_TXT" "$EB_JSON" "$KB_DECODE" "$KB_RAGGED" "$KB_GRID" <<'EOF' || echo "(summary script failed: rc=$?)"
 import json, os, sys
 
-env_txt, eb, kd, kr = sys.argv[1:5]
+env_txt, eb, kd, kr, kg = sys.argv[1:6]
 if os.path.exists(env_txt):
     keys = ("revision", "jax ", "devices", "device_kind", "memory bytes_limit", "import ok",
             "import FAILED", "ml_collections ", "jax_pallas_use_mosaic_gpu",
@@ -250,13 +267,21 @@ if d:
             json.dump(d, f, indent=2)
             f.write("\n")
     print(f"engine_bench ({prov.get('backend')}, {prov.get('devices')}):")
+    def f(r, key, spec=".3f"):
+        x = r.get(key)
+        return "n/a" if x is None else format(x, spec)
+
     for r in d.get("results", []):
-        print(f"  {r.get('mode', 'steady'):6s} running={r['num_running']:4d} step {r['median_step_ms']:.3f} ms device "
-              f"{r['median_device_ms']:.3f} host {r['median_host_ms']:.3f} (sched "
-              f"{r['median_schedule_ms']:.3f} prep {r['median_prepare_ms']:.3f} post "
-              f"{r['median_postprocess_ms']:.3f}) p90 host {r['p90_host_ms']:.3f} | isolated host "
-              f"{r['isolated_median_host_ms']:.3f} | {r['host_us_per_seq']:.2f} us/seq host | "
-              f"{r['output_tokens_per_s']:.0f} tok/s | compiles {r['num_compilations']}")
+        print(f"  {r.get('mode', 'steady'):6s} running={r.get('num_running')} | overlap on: step "
+              f"{f(r, 'median_step_ms')} ms host {f(r, 'median_host_ms')} (sched "
+              f"{f(r, 'median_schedule_ms')} prep {f(r, 'median_prepare_ms')} post "
+              f"{f(r, 'median_postprocess_ms')}) device wait {f(r, 'median_device_wait_ms')} p90 host "
+              f"{f(r, 'p90_host_ms')} | off: step {f(r, 'off_median_step_ms')} device "
+              f"{f(r, 'off_median_device_ms')} host {f(r, 'off_median_host_ms')} | overlap speedup "
+              f"{f(r, 'overlap_speedup')} step/max(dev,host) {f(r, 'step_over_max_device_host')} "
+              f"host hidden {f(r, 'host_share_hidden')} | isolated host "
+              f"{f(r, 'isolated_median_host_ms')} | {f(r, 'host_us_per_seq', '.2f')} us/seq | "
+              f"{f(r, 'output_tokens_per_s', '.0f')} tok/s | compiles {r.get('num_compilations')}")
 
 for path in (kd, kr):
     d = load(path)
@@ -278,6 +303,14 @@ for path in (kd, kr):
             print(f"    OP ERROR [{rec.get('error_stage')}] {rec['error'][:600]}")
         for name, err in rec.get("oracle_errors", {}).items():
             print(f"    oracle {name} ERROR {err['error'][:300]}")
+        rd = rec.get("read", {})
+        if "gbps" in rd:
+            print(f"    read: {rd['median_ms']:.3f} ms {rd['gbps']:.0f} GB/s read only "
+                  f"({100 * rd['frac_of_datasheet']:.0f}% of datasheet); XLA bytes accessed "
+                  f"{rd.get('xla_bytes_accessed')} of pool {rd.get('pool_bytes')}, single pass "
+                  f"{rd.get('single_pass')}")
+        if "error" in rd:
+            print(f"    read ERROR {rd['error'][:300]}")
         c = rec.get("copy", {})
         if "gbps" in c:
             print(f"    copy: {c['median_ms']:.3f} ms {c['gbps']:.0f} GB/s r+w "
@@ -305,14 +338,32 @@ for path in (kd, kr):
                 line = (f"    {label:<22} ok={r.get('correct')} err={e(r.get('max_abs_err'))} "
                         f"{r['median_ms']:.4f} ms first {r.get('first_call_s', 0):.1f}s")
                 if "achieved_gbps" in r:
-                    line += (f" {r['achieved_gbps']:.0f} GB/s {100 * r['fraction_of_peak']:.1f}% peak"
-                             f" {100 * r.get('fraction_of_copy', float('nan')):.1f}% copy")
+                    nan = float("nan")
+                    line += (f" {r['achieved_gbps']:.0f} GB/s {100 * r.get('frac_of_datasheet', nan):.1f}%"
+                             f" datasheet {100 * r.get('frac_of_copy', nan):.1f}% copy "
+                             f"{100 * r.get('frac_of_read_roofline', nan):.1f}% read")
                 if "ratio_to_dense" in r:  # the median of per-round ratios, then their range
                     line += f" paged/dense {r['ratio_to_dense']:.3f}"
                     rr = r.get("ratio_to_dense_rounds")
                     if rr:
                         line += f" [{rr['min']:.3f}, {rr['max']:.3f}] iqr {rr['iqr']:.3f}"
                 print(line)
+
+d = load(kg)
+if d:
+    g = d.get("decode_grid", {})
+    print(f"{os.path.basename(kg)}: complete={d.get('complete')} backend={d.get('backend')} "
+          f"points {len(g.get('points', []))}/{len(g.get('shapes', []))} in {g.get('op_s', 0):.0f}s "
+          f"(splits: {g.get('heuristic')})")
+    if "error" in g:
+        print(f"  GRID ERROR {g['error'][:600]}")
+    try:
+        from experiments.kernel_bench_lib import grid_line
+    except Exception as e:  # noqa: BLE001
+        grid_line = lambda p: json.dumps({k: p.get(k) for k in ("dtype", "context", "batch")})
+        print("  (grid_line unavailable:", type(e).__name__, e, ")")
+    for p in g.get("points", []):
+        print("  " + grid_line(p))
 EOF
   # Stages that timed out or crashed: where their logs ended.
   [ -f "$SITE/tails.txt" ] && cat "$SITE/tails.txt"

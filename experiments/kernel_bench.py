@@ -109,9 +109,9 @@ def run(config: ml_collections.ConfigDict, *, peak_gbps: float | None = None,
     op's timing), so a run killed by a time limit still leaves what it measured; ``complete``
     says whether it got to the end.
     """
-    unknown = set(config.ops) - {"decode", "ragged"}
+    unknown = set(config.ops) - {"decode", "ragged", "decode_grid"}
     if unknown:
-        raise ValueError(f"unknown ops {sorted(unknown)}; known: decode, ragged")
+        raise ValueError(f"unknown ops {sorted(unknown)}; known: decode, ragged, decode_grid")
     peak = float(peak_gbps or config.peak_gbps)
     rng = np.random.default_rng(config.seed)
     say = _progress(time.perf_counter())
@@ -137,6 +137,21 @@ def run(config: ml_collections.ConfigDict, *, peak_gbps: float | None = None,
 
     save()
     for op in config.ops:
+        if op == "decode_grid":  # many shapes, data made on the device (kernel_bench_lib)
+            t0 = time.perf_counter()
+
+            def grid_update(rec):
+                record["decode_grid"] = rec
+                save()
+
+            try:
+                record[op] = lib.bench_grid(config, peak_gbps=peak, on_update=grid_update,
+                                            progress=say)  # fmt: skip
+            except Exception as e:  # noqa: BLE001
+                record[op] = {**record.get(op, {"points": []}), **lib.error_record(e, "grid")}
+            record[op]["op_s"] = time.perf_counter() - t0
+            save()
+            continue
         say(f"{op}: building data")
         t0 = time.perf_counter()
         try:
@@ -192,6 +207,11 @@ def _print_op(op: str, rec: dict) -> None:
     if "error" in rec:
         print(f"  {op} ERROR {rec['error'][:300]}")
     copy = rec.get("copy", {})
+    read = rec.get("read", {})
+    if "gbps" in read:
+        print(f"  {'read (K+V pool)':<20} median={read['median_ms']:9.3f} ms  {read['gbps']:8.2f} GB/s"
+              f" read only ({100 * read['frac_of_datasheet']:5.1f}% datasheet; XLA bytes accessed "
+              f"{read.get('xla_bytes_accessed')}, single pass {read.get('single_pass')})")  # fmt: skip
     if "gbps" in copy:
         print(f"  {'copy (K+V pool)':<20} median={copy['median_ms']:9.3f} ms  {copy['gbps']:8.2f} GB/s"
               f" read+write ({100 * copy['fraction_of_peak']:5.1f}% peak)")  # fmt: skip
@@ -206,6 +226,8 @@ def _print_op(op: str, rec: dict) -> None:
             f"{r['achieved_gbps']:8.2f} GB/s "
             f"({100 * r['fraction_of_peak']:5.1f}% peak"
             + (f", {100 * r['fraction_of_copy']:5.1f}% copy" if "fraction_of_copy" in r else "")
+            + (f", {100 * r['frac_of_read_roofline']:5.1f}% read"
+               if "frac_of_read_roofline" in r else "")
             + ")"
             + (f"  paged/dense={_ratio(ratio)}" if ratio else "")
             + (f"  paged/dense[{lib.HEAD_MAJOR}]={_ratio(r['ratio_to_dense_head_major_rounds'])}"
@@ -228,6 +250,12 @@ def failures(record: dict) -> list[str]:
         rec = record.get(op, {})
         if "error" in rec:
             failed.append(f"{op}:*")
+        for p in rec.get("points", []):  # decode_grid
+            where = f"{op}[{p['dtype']},{p['context']},{p['batch']}]"
+            if "error" in p:
+                failed.append(f"{where}:*")
+            failed += [f"{where}:{name}" for name, r in p.get("impls", {}).items()
+                       if "error" in r or not r.get("correct", False)]  # fmt: skip
         failed += [f"{op}:{name}" for name, r in rec.get("impls", {}).items()
                    if "error" in r or not r.get("correct", False)]  # fmt: skip
     return failed

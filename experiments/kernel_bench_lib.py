@@ -129,7 +129,9 @@ def split_variant(name: str) -> tuple[str, str]:
 def kernel_config(name: str, config):
     """The tuning dataclass the bench passes to ``name`` (None for reference / JAX kernels).
 
-    Variant ``@unmasked`` selects the GPU-style kernels' null-page gather fallback.
+    Variant ``@unmasked`` selects the GPU-style kernels' null-page gather fallback, ``@heuristic``
+    leaves ``k_splits`` / ``pages_per_compute_block`` to the dispatcher's heuristic
+    (:func:`pallas_kernels.gpu_tuning.decode_splits`), as does a config value of 0.
     """
     impl, variant = split_variant(name)
     if impl == "xla":
@@ -143,10 +145,11 @@ def kernel_config(name: str, config):
         return TpuPagedConfig(
             pages_per_compute_block=config.tpu_pages_per_compute_block, strict_interpret=False
         )
+    heuristic = variant == "heuristic"  # both knobs from pallas_kernels.gpu_tuning
     return GpuPagedConfig(
-        pages_per_compute_block=config.gpu_pages_per_compute_block,
-        k_splits=config.gpu_k_splits, queries_per_block=config.gpu_queries_per_block,
-        masked_gather=variant != "unmasked",
+        pages_per_compute_block=None if heuristic else config.gpu_pages_per_compute_block or None,
+        k_splits=None if heuristic else config.gpu_k_splits or None,
+        queries_per_block=config.gpu_queries_per_block, masked_gather=variant != "unmasked",
     )  # fmt: skip
 
 
@@ -407,11 +410,62 @@ def copy_fn() -> Callable:
     return jax.jit(lambda k, v, z: (k + z, v + z))
 
 
+def read_fn() -> Callable:
+    """Reads the whole K/V pool once and writes two scalars: ``jnp.sum`` over each pool array in
+    its own dtype, accumulated in float32 (the convert fuses into the reduction, so nothing of pool
+    size is written): the read-only roofline on the very buffers the kernels read."""
+    return jax.jit(lambda k, v: (jnp.sum(k, dtype=jnp.float32), jnp.sum(v, dtype=jnp.float32)))
+
+
+def _cost(compiled) -> dict:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older JAX: one dict per computation
+        cost = cost[0] if cost else {}
+    return dict(cost or {})
+
+
+def read_pass_check(fn: Callable, k, v) -> dict:
+    """Whether :func:`read_fn` compiles to a single pass over the pool: XLA's own "bytes
+    accessed" for the compiled program (``compiled.cost_analysis()``) against the pool's bytes,
+    and the compiled HLO's fusions, none of which may produce a pool-sized array (a materialised
+    float32 copy would double the traffic). ``single_pass``: bytes accessed within 1 % (+4 KiB)
+    of the pool and no pool-sized intermediate."""
+    compiled = fn.lower(k, v).compile()
+    pool = int(k.nbytes + v.nbytes)
+    cost = _cost(compiled)
+    accessed = cost.get("bytes accessed")
+    hlo = compiled.as_text() or ""
+    entry = hlo[hlo.find("ENTRY"):] if "ENTRY" in hlo else hlo
+    dims = "[" + ",".join(map(str, k.shape)) + "]"
+    big = []  # non-parameter instructions of the entry computation with a pool-shaped result
+    for line in entry.splitlines()[1:]:
+        _, eq, rhs = line.partition(" = ")
+        if eq and "parameter(" not in rhs and dims in rhs.split(" ", 1)[0]:
+            big.append(line.strip()[:200])
+    ok = accessed is not None and pool <= accessed <= 1.01 * pool + 4096 and not big
+    return {"xla_bytes_accessed": None if accessed is None else float(accessed),
+            "pool_bytes": pool, "pool_sized_intermediates": big, "single_pass": bool(ok),
+            "entry_instructions": sum(1 for line in entry.splitlines() if " = " in line)}  # fmt: skip
+
+
+def roofline_fractions(entry: dict, *, read_gbps, copy_gbps, datasheet_gbps) -> None:
+    """Adds ``frac_of_read_roofline`` / ``frac_of_copy`` / ``frac_of_datasheet`` (achieved GB/s over
+    the read-only reduction's GB/s, the copy's read + write GB/s, and the datasheet figure) to a
+    timed implementation's ``entry``; a missing baseline leaves its field out."""
+    gbps = entry.get("achieved_gbps")
+    if not gbps:
+        return
+    for key, base in (("frac_of_read_roofline", read_gbps), ("frac_of_copy", copy_gbps),
+                      ("frac_of_datasheet", datasheet_gbps)):  # fmt: skip
+        if base:
+            entry[key] = gbps / base
+
+
 def timing_order(runs: dict, rec: dict) -> list[str]:
     """The order of :func:`interleaved_rounds`: the copy, then each implementation between its
     dense baseline (before it) and, for the "xla" family, the head-major baseline (after it), so
     every ratio's two sides are neighbours."""
-    order = ["copy"] if "copy" in runs else []
+    order = [name for name in ("read", "copy") if name in runs]
     for name, entry in rec["impls"].items():
         if name not in runs:
             continue
@@ -443,7 +497,9 @@ def bench_op(
     say = progress or (lambda msg: None)
     update = on_update or (lambda rec: None)
     sm_scale = config.heads.head_dim**-0.5
-    rec = {"shape": data["shape"], "bytes": data["bytes"], "impls": {}, "dense": {}}
+    datasheet = float(config.get("datasheet_gbps", 0.0) or peak_gbps)
+    rec = {"shape": data["shape"], "bytes": data["bytes"], "impls": {}, "dense": {},
+           "datasheet_gbps": datasheet}  # fmt: skip
     t0 = time.perf_counter()
     args = tuple(jnp.asarray(a) for a in data["args"])
     dense_args = tuple(jnp.asarray(a) for a in data["dense_args"])
@@ -466,6 +522,19 @@ def bench_op(
         runs["copy"] = copy
     except Exception as e:  # noqa: BLE001
         rec["copy"].update(error_record(e, "correctness"))
+    rec["read"] = {"bytes": pool_bytes}
+    t0 = time.perf_counter()
+    try:
+        read = (read_fn(), (args[1], args[2]))
+        rec["read"].update(read_pass_check(read[0], *read[1]))
+        jax.block_until_ready(read[0](*read[1]))
+        rec["read"]["first_call_s"] = time.perf_counter() - t0
+        rec["read"].update(quick_time(*read, quick, calls))
+        if "quick_median_ms" in rec["read"]:
+            rec["read"]["quick_gbps"] = pool_bytes / rec["read"]["quick_median_ms"] / 1e6
+        runs["read"] = read
+    except Exception as e:  # noqa: BLE001
+        rec["read"].update(error_record(e, "correctness"))
 
     oracle, rec["oracle"], rec["oracle_errors"] = None, None, {}
     for name in oracle_candidates(data, config):
@@ -555,8 +624,8 @@ def bench_op(
                                calls=calls)  # fmt: skip
 
     def entry_of(name):
-        if name == "copy":
-            return rec["copy"]
+        if name in ("copy", "read"):
+            return rec[name]
         return rec["dense"][name[6:]] if name.startswith("dense:") else rec["impls"][name]
 
     for name, e in errors.items():
@@ -568,16 +637,21 @@ def bench_op(
         ms = spread(1e3 * np.asarray(ts))
         entry.update(median_ms=ms["median"], min_ms=ms["min"], max_ms=ms["max"], iqr_ms=ms["iqr"],
                      rounds=len(ts), round_ms=[1e3 * t for t in ts])  # fmt: skip
-        if name == "copy":
-            entry["gbps"] = entry["bytes"] / median / 1e9  # read + write
+        if name in ("copy", "read"):
+            entry["gbps"] = entry["bytes"] / median / 1e9  # copy: read + write; read: read only
             entry["fraction_of_peak"] = entry["gbps"] / peak_gbps
+            entry["frac_of_datasheet"] = entry["gbps"] / datasheet
         elif not name.startswith("dense:"):
             entry["achieved_gbps"] = data["bytes"] / median / 1e9
             entry["fraction_of_peak"] = entry["achieved_gbps"] / peak_gbps
-    copy_gbps = rec["copy"].get("gbps")
+    copy_gbps, read_gbps = rec["copy"].get("gbps"), rec["read"].get("gbps")
+    if copy_gbps and read_gbps:
+        rec["copy"]["frac_of_read_roofline"] = copy_gbps / read_gbps
     for name, entry in rec["impls"].items():
         if copy_gbps and "achieved_gbps" in entry:
             entry["fraction_of_copy"] = entry["achieved_gbps"] / copy_gbps
+        roofline_fractions(entry, read_gbps=read_gbps, copy_gbps=copy_gbps,
+                           datasheet_gbps=datasheet)  # fmt: skip
         baselines = [("ratio_to_dense", entry.get("dense_impl"))]
         if entry.get("dense_impl") == "xla":
             baselines.append(("ratio_to_dense_head_major", HEAD_MAJOR))
@@ -613,3 +687,232 @@ def target_record(record: dict, config) -> dict | None:
             "ratio_min": spread_["min"], "ratio_max": spread_["max"], "ratio_iqr": spread_["iqr"],
             "rounds": spread_["rounds"]}  # fmt: skip
 
+
+
+# ---- the decode grid: many shapes, data made on the device, our kernel vs JAX's on each ----------
+
+
+def grid_shapes(config) -> list[tuple[str, int, int]]:
+    """``(dtype, context, batch)`` of every point of ``config.decode_grid`` (dtypes, then contexts,
+    then batches, in the order given: the cheap shapes of the first dtype come first)."""
+    g = config.decode_grid
+    return [(d, c, b) for d in g.dtypes for c in g.contexts for b in g.batches]
+
+
+def grid_splits(config, batch: int, context: int) -> tuple[int, int]:
+    """The decode kernel's ``(k_splits, pages_per_compute_block)`` at a grid point: the
+    :func:`pallas_kernels.gpu_tuning.decode_splits` heuristic on the device's SM count, or the
+    config's ``gpu_k_splits`` / ``gpu_pages_per_compute_block`` where ``decode_grid.use_heuristic``
+    is False."""
+    from pallas_kernels import gpu_tuning
+
+    h = config.heads
+    if not config.decode_grid.use_heuristic:
+        return config.gpu_k_splits, config.gpu_pages_per_compute_block
+    return gpu_tuning.decode_splits(batch, h.num_kv_heads, context, config.page_size,
+                                    gpu_tuning.device_sms())  # fmt: skip
+
+
+def build_decode_on_device(config, dtype: str, batch: int, context: int, seed: int) -> dict:
+    """Decode data generated on the device (host RNG would take minutes for the GBs of the large
+    grid points): ``batch`` sequences of ``context`` keys, pages shuffled over a pool of
+    ``batch * pages_per_seq + extra_pages`` pages, standard normal K/V and q in ``dtype``."""
+    h, page = config.heads, config.page_size
+    pps = -(-context // page)
+    num_pages = batch * pps + config.extra_pages
+    jdtype = jnp.dtype(dtype)
+
+    @jax.jit
+    def make(key):
+        kk, kv, kq, kp = jax.random.split(key, 4)
+        shape = (h.num_kv_heads, num_pages, page, h.head_dim)
+        k = jax.random.normal(kk, shape, jnp.float32).astype(jdtype)
+        v = jax.random.normal(kv, shape, jnp.float32).astype(jdtype)
+        q = jax.random.normal(kq, (batch, h.num_q_heads, h.head_dim), jnp.float32).astype(jdtype)
+        table = jax.random.permutation(kp, num_pages)[: batch * pps].reshape(batch, pps)
+        return q, k, v, jnp.full((batch,), context, jnp.int32), table.astype(jnp.int32)
+
+    args = jax.block_until_ready(make(jax.random.PRNGKey(seed)))
+    size = jdtype.itemsize
+    return {"args": args, "bytes": 2 * batch * context * h.num_kv_heads * h.head_dim * size
+            + 2 * batch * h.num_q_heads * h.head_dim * size}  # fmt: skip
+
+
+def grid_spot_check(args, seqs, sm_scale: float) -> np.ndarray:
+    """float64 numpy decode attention of sequences ``seqs``, fetching only their pages."""
+    q, k, v, lengths, table = args
+    rows = np.asarray(seqs, np.intp)
+    tab = np.asarray(table)[rows]
+    k_seq, v_seq = (np.asarray(x[:, tab.reshape(-1)]) for x in (k, v))  # [Hkv, n*pps, page, D]
+    local = np.arange(tab.size, dtype=np.int32).reshape(tab.shape)
+    return testing.paged_attention_np(np.asarray(q)[rows], k_seq, v_seq, np.asarray(lengths)[rows],
+                                      local, sm_scale=sm_scale)  # fmt: skip
+
+
+def grid_fn(impl: str, config, splits: int, ppb: int, sm_scale: float) -> Callable:
+    """One grid implementation with the grid point's splits: ours (``pallas_gpu`` /
+    ``interpret_gpu`` with explicit ``k_splits`` / ``pages_per_compute_block``, the same values
+    the dispatcher's heuristic would pick), JAX's (``jax_gpu`` / ``jax_gpu_interpret``, given the
+    same values), or any other ``pallas_kernels`` impl with its bench config."""
+    name, _ = split_variant(impl)
+    if name.startswith("jax_gpu"):
+        sub = config.copy_and_resolve_references()
+        with sub.unlocked():
+            sub.gpu_k_splits, sub.gpu_pages_per_compute_block = splits, ppb
+        return jax_paged_fn(name, sub, sm_scale)
+    if name in ("pallas_gpu", "interpret_gpu"):
+        cfg = GpuPagedConfig(k_splits=splits, pages_per_compute_block=ppb,
+                             masked_gather=not impl.endswith("@unmasked"))  # fmt: skip
+        return jax.jit(lambda *a: pk.paged_attention(*a, sm_scale=sm_scale, impl=name, config=cfg))
+    return paged_fn("decode", impl, config, sm_scale)
+
+
+def bench_grid_point(config, dtype: str, context: int, batch: int, *, datasheet_gbps: float,
+                     seed: int, progress=None) -> dict:  # fmt: skip
+    """One grid point: data on the device, each of ``decode_grid.impls`` checked (float64 spot
+    check of the first and last sequence, plus agreement with the first implementation), then the
+    read-only reduction, the copy and every implementation timed in ``decode_grid.repeats``
+    interleaved rounds. Each timing queues enough back-to-back calls to last about
+    ``decode_grid.min_timing_ms`` (at most ``calls_per_round``), from a quick first timing."""
+    say = progress or (lambda msg: None)
+    g = config.decode_grid
+    h = config.heads
+    sm_scale = h.head_dim**-0.5
+    splits, ppb = grid_splits(config, batch, context)
+    rec = {"dtype": dtype, "context": context, "batch": batch, "k_splits": splits,
+           "pages_per_compute_block": ppb, "ctas": batch * h.num_kv_heads * splits,
+           "impls": {}}  # fmt: skip
+    t0 = time.perf_counter()
+    data = build_decode_on_device(config, dtype, batch, context, seed)
+    args = data["args"]
+    rec["bytes"], rec["build_s"] = data["bytes"], time.perf_counter() - t0
+    pool_bytes = int(args[1].nbytes + args[2].nbytes)
+    rec["pool_bytes"] = pool_bytes
+    rtol = atol = 2e-2 if dtype == "bfloat16" else config.atol
+    seqs = sorted({0, batch - 1})
+    want = grid_spot_check(args, seqs, sm_scale)
+    runs, first_out = {}, None
+    base = [("read", read_fn(), (args[1], args[2]), pool_bytes),
+            ("copy", copy_fn(), (args[1], args[2], jnp.zeros((), args[1].dtype)), 2 * pool_bytes)]
+    for name, fn, a, nbytes in base:
+        try:
+            jax.block_until_ready(fn(*a))
+            runs[name] = (fn, a)
+            rec[name] = {"bytes": nbytes}
+        except Exception as e:  # noqa: BLE001
+            rec[name] = error_record(e, "correctness")
+    for impl in g.impls:
+        t1 = time.perf_counter()
+        try:
+            fn = grid_fn(impl, config, splits, ppb, sm_scale)
+            out = jax.block_until_ready(fn(*args))
+            got = np.asarray(out[np.asarray(seqs)], np.float64)
+            err = float(np.max(np.abs(got - want)))
+            ok = bool(np.all(np.isfinite(got))) and np.allclose(got, want, rtol=rtol, atol=atol)
+            entry = {"correct": ok, "max_abs_err": err, "first_call_s": time.perf_counter() - t1}
+            if first_out is None:
+                first_out = (impl, out)
+            else:
+                entry[f"max_abs_diff_vs_{first_out[0]}"] = float(jnp.max(jnp.abs(
+                    out.astype(jnp.float32) - first_out[1].astype(jnp.float32))))
+            rec["impls"][impl] = entry
+            runs[impl] = (fn, args)
+        except Exception as e:  # noqa: BLE001
+            rec["impls"][impl] = {**error_record(e, "correctness"),
+                                  "first_call_s": time.perf_counter() - t1}  # fmt: skip
+            say(f"grid {dtype} ctx={context} B={batch}: {impl} ERROR {str(e)[:200]}")
+    del first_out
+    errors: dict = {}
+    calls = {}
+    for name, (fn, a) in runs.items():  # one quick timing each, to size the back-to-back calls
+        try:
+            dt = _timed(fn, a, 1)
+            calls[name] = int(min(config.calls_per_round,
+                                  max(1, np.ceil(g.min_timing_ms / 1e3 / max(dt, 1e-9)))))
+        except Exception as e:  # noqa: BLE001
+            errors[name] = error_record(e, "timing")
+    runs = {n: r for n, r in runs.items() if n not in errors}
+    times = {}
+    for r in range(g.repeats):  # interleaved, alternating order, like interleaved_rounds
+        for name in list(runs) if r % 2 == 0 else list(runs)[::-1]:
+            if name in errors:
+                continue
+            try:
+                times.setdefault(name, []).append(_timed(*runs[name], calls[name]))
+            except Exception as e:  # noqa: BLE001
+                errors[name] = error_record(e, "timing")
+    for name, e in errors.items():
+        (rec[name] if name in ("read", "copy") else rec["impls"][name]).update(e)
+    for name, ts in times.items():
+        if name in errors:
+            continue
+        entry = rec[name] if name in ("read", "copy") else rec["impls"][name]
+        median = float(np.median(ts))
+        entry.update(median_ms=1e3 * median, min_ms=1e3 * float(np.min(ts)), calls=calls[name],
+                     rounds=len(ts))  # fmt: skip
+        if name in ("read", "copy"):
+            entry["gbps"] = entry["bytes"] / median / 1e9
+            entry["frac_of_datasheet"] = entry["gbps"] / datasheet_gbps
+        else:
+            entry["achieved_gbps"] = rec["bytes"] / median / 1e9
+    read_gbps, copy_gbps = rec["read"].get("gbps"), rec["copy"].get("gbps")
+    ref = rec["impls"].get(g.compare_to, {}).get("median_ms")
+    for name, entry in rec["impls"].items():
+        roofline_fractions(entry, read_gbps=read_gbps, copy_gbps=copy_gbps,
+                           datasheet_gbps=datasheet_gbps)  # fmt: skip
+        if ref and "median_ms" in entry:
+            entry[f"speedup_vs_{g.compare_to}"] = ref / entry["median_ms"]
+    rec["point_s"] = time.perf_counter() - t0
+    del data, args, runs
+    return rec
+
+
+def bench_grid(config, *, peak_gbps: float, on_update=None, progress=None) -> dict:
+    """Every point of :func:`grid_shapes` (:func:`bench_grid_point`), one after the other, each
+    point's failure recorded and the rest going on; ``on_update(rec)`` after every point."""
+    say = progress or (lambda msg: None)
+    update = on_update or (lambda rec: None)
+    datasheet = float(config.get("datasheet_gbps", 0.0) or peak_gbps)
+    rec = {"points": [], "datasheet_gbps": datasheet,
+           "shapes": [list(s) for s in grid_shapes(config)],
+           "heuristic": "pallas_kernels.gpu_tuning.decode_splits"
+           if config.decode_grid.use_heuristic else "config"}  # fmt: skip
+    for i, (dtype, context, batch) in enumerate(grid_shapes(config)):
+        t0 = time.perf_counter()
+        try:
+            point = bench_grid_point(config, dtype, context, batch, datasheet_gbps=datasheet,
+                                     seed=config.seed + i, progress=say)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: the next point may still fit
+            point = {"dtype": dtype, "context": context, "batch": batch, "impls": {},
+                     **error_record(e, "point")}  # fmt: skip
+        point.setdefault("point_s", time.perf_counter() - t0)
+        rec["points"].append(point)
+        say("grid " + grid_line(point))
+        update(rec)
+    return rec
+
+
+def grid_line(p: dict) -> str:
+    """One line per grid point for logs and the device-check summary."""
+    head = (f"{p['dtype']:>8} ctx={p['context']:>5} B={p['batch']:>3} splits={p.get('k_splits')} "
+            f"ppb={p.get('pages_per_compute_block')} ({p.get('point_s', 0):.1f}s)")  # fmt: skip
+    if "error" in p:
+        return head + f" POINT ERROR {p['error'][:200]}"
+    parts = [head]
+    for name in ("read", "copy"):
+        r = p.get(name, {})
+        parts.append(f"{name} {r['gbps']:.0f} GB/s" if "gbps" in r else f"{name} n/a")
+    for name, r in p.get("impls", {}).items():
+        if "error" in r:
+            parts.append(f"{name} ERROR [{r.get('error_stage')}] {r['error'][:150]}")
+            continue
+        s = f"{name} ok={r.get('correct')}"
+        if "median_ms" in r:
+            s += (f" {r['median_ms']:.4f} ms {r['achieved_gbps']:.0f} GB/s "
+                  f"{100 * r.get('frac_of_read_roofline', float('nan')):.0f}%read "
+                  f"{100 * r.get('frac_of_copy', float('nan')):.0f}%copy")  # fmt: skip
+        for k, val in r.items():
+            if k.startswith("speedup_vs_") and name != k[len("speedup_vs_"):]:
+                s += f" x{val:.2f} vs {k[len('speedup_vs_'):]}"
+        parts.append(s)
+    return " | ".join(parts)

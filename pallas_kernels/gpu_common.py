@@ -23,14 +23,20 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+DEFAULT_PAGES_PER_COMPUTE_BLOCK = 4  # where nothing chooses (ragged kernel, constraint checks)
+
+
 @dataclasses.dataclass(frozen=True)
 class GpuPagedConfig:
     """Tuning knobs of the GPU-style paged kernels.
 
     Attributes:
       pages_per_compute_block: pages per loop step (a power of two; raised so a block holds at
-        least 16 keys, clipped to the partition).
-      k_splits: partitions of each sequence's pages (decode only).
+        least 16 keys, clipped to the partition). None: the decode kernel takes
+        :func:`pallas_kernels.gpu_tuning.decode_splits`'s choice, the ragged kernel
+        ``DEFAULT_PAGES_PER_COMPUTE_BLOCK``.
+      k_splits: partitions of each sequence's pages (decode only). None: chosen by
+        :func:`pallas_kernels.gpu_tuning.decode_splits` from the shape and the device's SM count.
       queries_per_block: query tokens per ragged tile (raised so a tile has >= ``min_block_h`` rows).
       min_block_h: least rows of a query tile (Triton ``dot`` needs 16).
       num_warps, num_stages: Triton launch parameters.
@@ -38,8 +44,8 @@ class GpuPagedConfig:
         reads the null page instead (see :func:`load_pages`).
     """
 
-    pages_per_compute_block: int = 4
-    k_splits: int = 8
+    pages_per_compute_block: int | None = None
+    k_splits: int | None = None
     queries_per_block: int = 16
     min_block_h: int = 16
     num_warps: int = 4
@@ -50,6 +56,8 @@ class GpuPagedConfig:
         names = ("pages_per_compute_block", "k_splits", "queries_per_block", "min_block_h")
         for name in names + ("num_warps",):
             value = getattr(self, name)
+            if value is None and name in ("pages_per_compute_block", "k_splits"):
+                continue  # chosen per shape (see the attributes)
             if not isinstance(value, int) or not _pow2(value):
                 raise ValueError(f"{name}={value!r} must be a positive power of two")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
@@ -65,7 +73,8 @@ def check_gpu_constraints(shp: validation.PagedShape, config: GpuPagedConfig) ->
         )
     if not _pow2(head_dim) or head_dim < 16:
         raise ValueError(f"{head_dim=} must be a power of two >= 16 for the GPU-style kernel")
-    ppb = max(config.pages_per_compute_block, next_pow2(-(-16 // page_size)))
+    ppb = config.pages_per_compute_block or DEFAULT_PAGES_PER_COMPUTE_BLOCK
+    ppb = max(ppb, next_pow2(-(-16 // page_size)))
     return min(ppb, next_pow2(shp.pages_per_seq))
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import compat, gpu_common, softmax, validation
+from pallas_kernels import compat, gpu_common, gpu_tuning, softmax, validation
 from pallas_kernels.gpu_common import GpuPagedConfig, attend_pages, check_gpu_constraints, next_pow2
 
 
@@ -72,7 +72,9 @@ def paged_attention(
     config: GpuPagedConfig | None = None, interpret: bool = False,
 ):  # fmt: skip
     """GPU-style Pallas implementation of :func:`pallas_kernels.paged_attention` (same arguments;
-    ``config`` defaults to :class:`GpuPagedConfig`, ``interpret=True`` runs on CPU).
+    ``config`` defaults to :class:`GpuPagedConfig`, ``interpret=True`` runs on CPU). A
+    ``k_splits`` or ``pages_per_compute_block`` left None is chosen by
+    :func:`pallas_kernels.gpu_tuning.decode_splits` from the static shape.
 
     Raises:
       ValueError: shapes the kernel cannot tile (see module docstring).
@@ -82,8 +84,12 @@ def paged_attention(
     shp = validation.check_paged_attention(
         q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale, soft_cap=soft_cap
     )
-    ppb = check_gpu_constraints(shp, config)
     batch, hkv, d = q.shape[0], shp.num_kv_heads, shp.head_dim
+    config = gpu_tuning.resolve_decode_config(
+        config, batch=batch, num_kv_heads=hkv, pages_per_seq=shp.pages_per_seq,
+        page_size=shp.page_size,
+    )  # fmt: skip
+    ppb = check_gpu_constraints(shp, config)
     k_splits = min(config.k_splits, next_pow2(-(-shp.pages_per_seq // ppb)))
     ppp = ppb * next_pow2(-(-shp.pages_per_seq // (k_splits * ppb)))
     table = jnp.asarray(page_indices, jnp.int32)

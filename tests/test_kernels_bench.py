@@ -27,11 +27,17 @@ def test_smoke_config_end_to_end(tmp_path):
         assert set(impls) == set(record["config"][f"{op}_impls"])
         assert record[op]["oracle_check"]["correct"] and record[op]["oracle_check"]["seqs"]
         assert record[op]["copy"]["gbps"] > 0
+        read = record[op]["read"]  # the read-only roofline: one pass over the pool by XLA's count
+        assert read["gbps"] > 0 and read["single_pass"] and read["frac_of_datasheet"] > 0
+        assert read["pool_bytes"] <= read["xla_bytes_accessed"] <= 1.01 * read["pool_bytes"] + 4096
+        assert record[op]["datasheet_gbps"] == record["peak_gbps"]  # smoke: datasheet_gbps = 0
         for name, r in impls.items():
             assert r["correct"], (op, name, r)
             assert r["median_ms"] > 0 and r["quick_median_ms"] > 0
             assert r["achieved_gbps"] > 0 and r["ratio_to_dense"] > 0
-            assert r["fraction_of_copy"] > 0
+            assert r["fraction_of_copy"] > 0 and r["frac_of_copy"] == r["fraction_of_copy"]
+            assert r["frac_of_read_roofline"] == r["achieved_gbps"] / read["gbps"]
+            assert r["frac_of_datasheet"] == r["achieved_gbps"] / record["peak_gbps"]
         assert record[op]["dense"]["xla_head_major"]["correct"]
         assert impls["xla"]["ratio_to_dense_head_major"] > 0
         assert record[op]["bytes"] > 0
@@ -46,6 +52,15 @@ def test_smoke_config_end_to_end(tmp_path):
         xla_at = order.index("xla")
         assert order.index("dense:xla") == xla_at - 1
         assert order.index("dense:xla_head_major") == xla_at + 1
+    grid = record["decode_grid"]  # one tiny point: every grid impl checked, timed, compared
+    (point,) = grid["points"]
+    assert (point["dtype"], point["context"], point["batch"]) == ("float32", 40, 3)
+    assert point["k_splits"] == 2 and point["read"]["gbps"] > 0 and point["copy"]["gbps"] > 0
+    assert set(point["impls"]) == set(record["config"]["decode_grid"]["impls"])
+    for name, r in point["impls"].items():
+        assert r["correct"] and r["median_ms"] > 0 and r["frac_of_read_roofline"] > 0, (name, r)
+        assert r["speedup_vs_jax_gpu_interpret"] > 0 and r["frac_of_datasheet"] > 0
+    assert point["impls"]["xla"]["max_abs_diff_vs_interpret_gpu"] < 1e-4
     target = record["target"]
     assert target["statistic"].startswith("median over the timing rounds of the per-round ratio")
     assert target["ratio"] == record["decode"]["impls"]["xla"]["ratio_to_dense"]

@@ -80,6 +80,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.calls_per_round = 1  # back-to-back calls per timing, blocking on the last (see h200)
     c.warmup = 2
     c.peak_gbps = 20.0  # roughly one DDR channel pair; override per machine (--peak_gbps)
+    c.datasheet_gbps = 0.0  # the memory's datasheet figure for frac_of_datasheet (0: peak_gbps)
     c.rtol = 2e-4  # correctness check (float32 accumulate; looser for bf16 below)
     c.atol = 2e-4
     c.out = f"experiments/results/kernel_bench_{arg}.json"
@@ -104,6 +105,13 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.gpu_pages_per_compute_block = 4
     c.gpu_k_splits = 8
     c.gpu_queries_per_block = 16
+    # op "decode_grid": decode at every (dtype, context, batch), data made on the device, each
+    # point's kernel splits from the heuristic (pallas_kernels.gpu_tuning.decode_splits), checked
+    # (float64, first and last sequence) then timed against compare_to on the same arrays.
+    c.decode_grid = ml_collections.ConfigDict(dict(
+        dtypes=("float32",), contexts=(64,), batches=(1, 3), impls=("xla",), compare_to="xla",
+        repeats=3, min_timing_ms=2.0, use_heuristic=True,
+    ))  # fmt: skip
     if arg == "cpu":
         # The machine is shared: per-round paged/dense ratios spread widely under other load
         # (IQR ~0.35 seen with 4 other agents busy), so many rounds for a stable median (~2 min).
@@ -128,12 +136,22 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
         c.tpu_pages_per_compute_block = 2
         c.gpu_pages_per_compute_block = 2
         c.out = ""  # the test passes its own temporary path
+        c.ops = ("decode", "ragged", "decode_grid")
+        c.decode_grid.contexts = (40,)  # one point: the path, not the numbers
+        c.decode_grid.batches = (3,)
+        c.decode_grid.use_heuristic = False  # 2 splits (the heuristic gives 1 at this size)
+        c.decode_grid.impls = ("interpret_gpu", "jax_gpu_interpret", "xla")
+        c.decode_grid.compare_to = "jax_gpu_interpret"
+        c.decode_grid.repeats = 1
+        c.decode_grid.min_timing_ms = 0.0
         c.target_max_ratio = 1.25  # only exercises the target record; meaningless here
         c.note = "smoke: exercises every path on tiny shapes; timings are meaningless"
     elif arg == "h200":
         c.dtype = "bfloat16"
         c.rtol = c.atol = 2e-2
         c.peak_gbps = 4800.0  # H200 HBM3e; the JSON also gives each kernel's fraction of copy
+        c.datasheet_gbps = 4800.0  # H200 HBM3e datasheet bandwidth (frac_of_datasheet)
+        c.ops = ("decode", "ragged", "decode_grid")  # device_check.sh runs each in its own stage
         c.reference_bytes_limit = 32 << 30  # the reference oracle for both ops on the device
         c.repeats = 20
         # A decode step reads ~1 GB: ~0.25 ms at 4.3 TB/s, where one call's dispatch + sync
@@ -144,12 +162,27 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
         c.ragged = _ragged(128, 2048, 2, 256, 2048, 8)
         # "@unmasked": the null-page gather fallback, in case the masked gather does not lower.
         # Checked (and quick-timed) in this order: the kernel, the one to beat, the fallback.
-        c.decode_impls = ("pallas_gpu", "jax_gpu", "pallas_gpu@unmasked", "xla")
+        # "@heuristic": the same kernel with the dispatcher's split / block choice (2 x 8 here)
+        # beside the config's explicit 4 x 8.
+        c.decode_impls = ("pallas_gpu", "jax_gpu", "pallas_gpu@heuristic", "pallas_gpu@unmasked",
+                          "xla")  # fmt: skip
         c.ragged_impls = ("pallas_gpu", "pallas_gpu@unmasked", "xla")
         c.gpu_pages_per_compute_block = 8
         c.gpu_k_splits = 4  # H200, B=64 ctx 4096: 84% of copy bandwidth (8: 81%, 16: 77%)
         c.xla_block_tokens = 512  # fewer, wider loop steps on a GPU
         c.xla_items_per_group = 64
+        # Decode grid (its own device_check stage): 2 dtypes x 3 contexts x 4 batches = 24 points,
+        # pallas_gpu (heuristic splits) vs JAX's kernel (given the same splits). Estimate on an
+        # H200: ~2 s of Triton compiles per kernel per point (~4 s), data generation and the
+        # read / copy programs ~0.5 s, timing 5 rounds x (4 runs of >= 2 ms) ~0.1-0.5 s (the
+        # largest, fp32 B=256 ctx 16k, 17 GB of K/V, ~5 ms a call): ~100 s for all 24 points.
+        # Points run cheapest first within each dtype, bf16 before fp32, and the JSON is
+        # rewritten after each, so a cut-off run keeps the bf16 half.
+        c.decode_grid = ml_collections.ConfigDict(dict(
+            dtypes=("bfloat16", "float32"), contexts=(1024, 4096, 16384), batches=(1, 8, 64, 256),
+            impls=("pallas_gpu", "jax_gpu"), compare_to="jax_gpu", repeats=5, min_timing_ms=2.0,
+            use_heuristic=True,
+        ))  # fmt: skip
         c.note = "one H200; results of 2026-11-30 in experiments/results/h200/"
     else:
         raise ValueError(f"unknown variant {arg!r}; known: cpu, smoke, h200")
