@@ -134,5 +134,6 @@ def test_spec_decode_smoke(tmp_path):
     assert payload["evidence"] == "constructed" and {r["k"] for r in rows} == {1, 3}
     assert {r["batch"] for r in rows} == {1}
     code = [r for r in rows if r["prompts"] == "code" and r["batch"] == 1]
+    assert {r["method"] for r in rows} == {"ngram"}
     assert all(r["verify_rows"] > 0 and 0 <= r["alpha"] <= 1 for r in code)
     assert (tmp_path / "spec_decode.png").stat().st_size > 0
