@@ -39,6 +39,7 @@ __all__ = [
 # Categories of a pool, in report order. Every byte of the pool is in exactly one of them.
 CATEGORIES = (
     "effective_kv",
+    "staged",
     "shared",
     "tail_fragmentation",
     "cached_free",

@@ -15,7 +15,8 @@ def kv_stats(engine) -> dict:
         cached_free=bm.num_cached_blocks, free=bm.num_free_blocks,
         reserved=bm.num_quarantined_blocks,
         block_table_bytes=accounting.block_table_bytes(config.max_num_seqs, engine.pages_per_seq),
-        workspace_bytes=workspace_bytes(engine.model_config, config))
+        workspace_bytes=workspace_bytes(engine.model_config, config),
+        staged_positions=0 if engine.speculator is None else engine.speculator.num_staged)
     sched = engine.scheduler
     return {
         "kv_layout": config.kv_layout,

@@ -22,7 +22,9 @@ class MemoryLedger:
       layout: ``"paged"`` or ``"reservation"``.
       block_size: positions per block (``max_len`` for a reservation: one buffer is one block).
       num_blocks: physical blocks (buffers) in the pool, the null page included.
-      effective_kv: bytes of filled positions in blocks owned by one sequence.
+      effective_kv: bytes of filled positions in blocks owned by one sequence (verified tokens).
+      staged: bytes of positions holding speculative tokens not verified yet (lookahead slots of
+        a step in flight; 0 between steps).
       shared: bytes of filled positions in blocks with refcount > 1, stored and counted once.
       tail_fragmentation: bytes of unfilled positions in in-use blocks (or reserved buffers).
       cached_free: bytes of free blocks still holding reusable prefix-cache content.
@@ -52,6 +54,7 @@ class MemoryLedger:
     workspace_bytes: int
     filled_positions: int
     in_use_positions: int
+    staged: int = 0
 
     def __post_init__(self):
         # The whole point of the ledger: no byte of the pool unaccounted for, none counted twice.
@@ -109,6 +112,7 @@ class MemoryLedger:
         reserved: int = 0,
         block_table_bytes: int = 0,
         workspace_bytes: int = 0,
+        staged_positions: int = 0,
     ) -> MemoryLedger:
         """Ledger of a paged pool from per-block counts.
 
@@ -123,6 +127,8 @@ class MemoryLedger:
           reserved: blocks held back (quarantined or otherwise unavailable).
           block_table_bytes: bytes of block tables (outside the pool).
           workspace_bytes: bytes of attention/sampling workspace (outside the pool).
+          staged_positions: filled positions of blocks owned by one sequence that hold
+            speculative tokens not verified yet (counted as ``staged``, not ``effective_kv``).
 
         Raises:
           TypeError: a count is not an integer or ``used`` holds a non-pair.
@@ -152,12 +158,14 @@ class MemoryLedger:
         own = sum(filled for ref, filled in blocks if ref == 1)
         shared = sum(filled for ref, filled in blocks if ref > 1)
         filled = own + shared
+        staged = validate.integer("staged_positions", staged_positions, minimum=0, maximum=own)
         return cls(
+            staged=staged * per_token,
             spec=spec,
             layout="paged",
             block_size=block_size,
             num_blocks=num_blocks,
-            effective_kv=own * per_token,
+            effective_kv=(own - staged) * per_token,
             shared=shared * per_token,
             tail_fragmentation=(len(blocks) * block_size - filled) * per_token,
             cached_free=counts["cached_free"] * per_block,

@@ -158,6 +158,16 @@ def test_model_spec_is_frozen_and_validated():
 SPEC = ModelSpec(num_layers=2, num_kv_heads=2, head_dim=2, dtype="float32")
 
 
+def test_staged_positions_leave_effective_kv():
+    kw = dict(used=[(1, 4), (1, 1), (3, 2)], cached_free=2, free=3, reserved=1)
+    base = MemoryLedger.from_blocks(SPEC, 4, 10, **kw)
+    ledger = MemoryLedger.from_blocks(SPEC, 4, 10, staged_positions=3, **kw)
+    assert ledger.staged == 3 * 64 and ledger.effective_kv == base.effective_kv - 3 * 64
+    assert sum(ledger.categories().values()) == ledger.pool_bytes
+    with pytest.raises(ValueError, match="staged_positions"):
+        MemoryLedger.from_blocks(SPEC, 4, 10, staged_positions=6, **kw)  # more than owned
+
+
 def test_ledger_hand_computed():
     # 10 blocks of 4 positions (256 B each): null page, 3 in use, 2 cached, 3 free, 1 quarantined.
     ledger = MemoryLedger.from_blocks(
@@ -174,6 +184,7 @@ def test_ledger_hand_computed():
     assert SPEC.bytes_per_token == 64 and SPEC.bytes_per_block(4) == 256
     assert ledger.categories() == {
         "effective_kv": 5 * 64,
+        "staged": 0,  # no speculative positions in flight
         "shared": 2 * 64,
         "tail_fragmentation": (12 - 7) * 64,
         "cached_free": 2 * 256,
