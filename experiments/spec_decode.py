@@ -1,8 +1,9 @@
 """Speculative decoding (n-gram and draft-model proposals): acceptance, tokens per verify step,
 wall speed-up.
 
-For each method, each k (``num_speculative_tokens``) and each constructed prompt kind (code-like, prose-like;
-``evidence: constructed``), at batch 1: the acceptance rate alpha (accepted / proposed drafts),
+For each method, each k (``num_speculative_tokens``) and each constructed prompt kind (code-like,
+prose-like; ``evidence: constructed``), at batch 1: the acceptance rate alpha per judged draft
+(accepted / (accepted + rejections); vLLM's accepted / proposed is ``draft_acceptance_rate``),
 the mean tokens emitted per verify step beside the expectation (1 - alpha^(k+1)) / (1 - alpha) for
 k proposals accepted independently with probability alpha, the proposer's cost ratio c (time
 spent proposing per proposal, over one plain target step: host lookup for n-gram, the draft
@@ -133,7 +134,10 @@ def main(c, plan):
         proposed = after["num_draft_tokens"] - before["num_draft_tokens"]
         accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
         emitted = after["num_emitted_tokens"] - before["num_emitted_tokens"]
-        alpha = accepted / proposed if proposed else 0.0
+        rejected = after["num_rejections"] - before["num_rejections"]
+        # Per judged draft: the drafts after a rejection are never judged.
+        alpha = accepted / (accepted + rejected) if accepted + rejected else 0.0
+        rate = accepted / proposed if proposed else 0.0
         expected = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1.0
         step_s = float(np.median(walls)) / max(1, int(np.median(steps_p)))  # one target step
         # Per proposed token (a draft model's step makes one per sequence), per plain step.
@@ -141,6 +145,7 @@ def main(c, plan):
         predicted = expected / (k * cost + 1)
         rows.append({
             "method": m, "prompts": kind, "batch": b, "k": k, "alpha": alpha,
+            "draft_acceptance_rate": rate,
             "verify_rows": drafts, "proposal_fill": proposed / (k * drafts) if drafts else 0.0,
             "mean_emitted_per_verify": emitted / drafts if drafts else 0.0,
             "expected_emitted_per_verify": expected, "draft_cost_ratio_c": cost,

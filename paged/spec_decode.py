@@ -129,12 +129,16 @@ class NgramProposer:
 @dataclasses.dataclass
 class SpecStats:
     """Counters in vLLM's names: proposals made (``num_drafts``: verify rows), tokens proposed,
-    tokens accepted; and how many tokens each verify row emitted."""
+    tokens accepted; and how many tokens each verify row emitted, and how many rows rejected a
+    draft. ``per_token_acceptance`` is accepted / (accepted + rejections): the drafts after a
+    rejection are never judged, so this (not ``draft_acceptance_rate``) estimates the per-token
+    acceptance probability of the speculative-decoding analysis."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
+    num_rejections: int = 0  # verify rows that rejected one of their drafts
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -144,6 +148,8 @@ class SpecStats:
                                      if self.num_drafts else 0.0)
         d["mean_emitted_per_verify"] = (self.num_emitted_tokens / self.num_drafts
                                         if self.num_drafts else 0.0)
+        judged = self.num_accepted_tokens + self.num_rejections
+        d["per_token_acceptance"] = self.num_accepted_tokens / judged if judged else 0.0
         return d
 
 
@@ -278,6 +284,7 @@ class Speculator:
         self.stats.num_drafts += 1
         self.stats.num_draft_tokens += k
         self.stats.num_accepted_tokens += a
+        self.stats.num_rejections += a < k
         cut = len(emitted)
         for i, t in enumerate(emitted):  # nothing after a stop may reach the sequence
             if reader.stops(seq, t, start + 2 + i):
