@@ -151,6 +151,29 @@ class EngineConfig:
             return self.num_blocks
         return self.max_num_seqs * self.max_blocks_per_seq + 1
 
+    def pool_geometry(self) -> tuple[int, int]:
+        """``(page_size, num_pages)`` of the KV pool, null page included: blocks of
+        ``block_size`` (paged), or one page of ``max_model_len`` positions per request slot
+        (contiguous).
+
+        Raises:
+          ValueError: the pool cannot hold one request of ``max_model_len`` tokens.
+        """
+        if self.kv_layout == "paged":
+            num_pages = self.pool_blocks()
+            if (num_pages - 1) * self.block_size < self.max_model_len:
+                raise ValueError(
+                    f"num_blocks={num_pages} (block_size={self.block_size}) cannot hold one "
+                    f"request of max_model_len={self.max_model_len}: need at least "
+                    f"{self.max_blocks_per_seq + 1} blocks including the null page")
+            return self.block_size, num_pages
+        slots = self.contiguous_slots()
+        if slots < 1:
+            raise ValueError(
+                f"the pool ({self.pool_blocks()} blocks of {self.block_size}) cannot reserve "
+                f"one contiguous buffer of max_model_len={self.max_model_len}")
+        return self.max_model_len, slots + 1
+
     def contiguous_slots(self) -> int:
         """Fixed-reservation buffers that fit in the same pool bytes (at most ``max_num_seqs``)."""
         positions = (self.pool_blocks() - 1) * self.block_size

@@ -112,3 +112,14 @@ def make_draft_fns(model_config: LlamaConfig, attention_impl: str):
         return cache, tokens, probs
 
     return forward, propose
+
+
+def compile_shapes(step, params, cache: KVCache, prev, shapes, empty) -> KVCache:
+    """Runs ``step`` once on an all-padding batch (``empty(*shape)``) of each shape, so that no
+    request pays for a compilation; returns the (donated, unchanged) cache."""
+    tokens = None
+    for shape in shapes:
+        cache, tokens = step(params, cache, empty(*shape), prev)
+    if tokens is not None:
+        jax.block_until_ready(tokens)
+    return cache

@@ -29,20 +29,20 @@ from paged import kv_cache as kc
 from paged.batch import BatchBuilder, InFlight
 from paged.block_manager import BlockManager
 from paged.config import EngineConfig, engine_config
-from paged.device_step import apply_copies, make_step_fn
+from paged.device_step import apply_copies, compile_shapes, make_step_fn
 from paged.input_batch import InputBatch
 from paged.kv_stats import kv_stats
 from paged.metrics import StepTiming
 from paged.models.config import LlamaConfig
 from paged.models.tokenizer import ByteTokenizer
-from paged.outputs import CompletionOutput, RequestOutput, check_outputs, state_of
+from paged.outputs import CompletionOutput, RequestOutput, check_outputs, collect_outputs, state_of
 from paged.progress import progress as progress_bar
 from paged.readback import StepReader
-from paged.request_checks import check_request
+from paged.request_checks import check_prompts, check_request
 from paged.sampling import SamplingParams
 from paged.scheduler import Scheduler, SchedulerOutput
 from paged.sequence import SeqStatus, Sequence
-from paged.spec_decode import DraftModel, Speculator
+from paged.spec_decode import Speculator, load_draft
 
 log = logging.getLogger(__name__)
 
@@ -89,20 +89,7 @@ class Engine:
         if model_config.vocab_size < self.tokenizer.vocab_size:
             raise ValueError(f"model vocab_size={model_config.vocab_size} < tokenizer's "
                              f"{self.tokenizer.vocab_size}")
-        if config.kv_layout == "paged":
-            page_size, num_pages = config.block_size, config.pool_blocks()
-            if (num_pages - 1) * page_size < config.max_model_len:
-                raise ValueError(
-                    f"num_blocks={num_pages} (block_size={page_size}) cannot hold one request of "
-                    f"max_model_len={config.max_model_len}: need at least "
-                    f"{config.max_blocks_per_seq + 1} blocks including the null page")
-        else:  # contiguous: one page of max_model_len positions per request slot
-            slots = config.contiguous_slots()
-            if slots < 1:
-                raise ValueError(
-                    f"the pool ({config.pool_blocks()} blocks of {config.block_size}) cannot reserve "
-                    f"one contiguous buffer of max_model_len={config.max_model_len}")
-            page_size, num_pages = config.max_model_len, slots + 1
+        page_size, num_pages = config.pool_geometry()
         self.page_size = page_size
         self.pages_per_seq = -(-config.max_model_len // page_size)
         host_blocks = 0
@@ -128,7 +115,7 @@ class Engine:
         self.async_scheduling = config.async_scheduling and config.speculative is None
         self.speculator = None if config.speculative is None else Speculator(
             config.speculative, self.batch, self.block_manager, config.max_num_batched_tokens,
-            self._draft_model(config, model_config, num_pages, page_size, host_blocks),
+            load_draft(config, model_config, num_pages, page_size, host_blocks),
             self._builder)
         sharding = None
         if mesh is not None:
@@ -169,24 +156,6 @@ class Engine:
         self.num_steps = 0
         self.last_timing = StepTiming()
         self._reader = StepReader(self)
-
-    @staticmethod
-    def _draft_model(config, model_config, num_pages, page_size, host_blocks):
-        """The draft model of ``speculative.method == "draft"`` (checked against the target)."""
-        spec = config.speculative
-        if spec is None or spec.method != "draft":
-            return None
-        from paged.models.registry import load_any
-
-        draft_config, draft_params, _ = load_any(spec.model, dtype=config.dtype)
-        if draft_config.vocab_size != model_config.vocab_size:
-            raise ValueError(f"draft model {spec.model!r} has vocab_size="
-                             f"{draft_config.vocab_size}, the target {model_config.vocab_size}")
-        if draft_config.max_seq_len < config.max_model_len:
-            raise ValueError(f"draft model {spec.model!r} serves max_seq_len="
-                             f"{draft_config.max_seq_len} < max_model_len={config.max_model_len}")
-        return DraftModel(draft_config, draft_params, num_pages, page_size, config.dtype,
-                          config.attention_impl, host_blocks)
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | SequenceT[int],
@@ -399,29 +368,11 @@ class Engine:
                                  f"{self.batch.num_rows} input-batch rows")
 
     # --- outputs ------------------------------------------------------------------------
-    def _outputs(self, ended: list[str], decode: list[Sequence] = (),
-                 made: list = (), touched=()) -> list[RequestOutput]:
-        """The step's outputs: ``ended`` requests, then the decodes' (``made``; ``None``: made
-        now; ``False``: none), then the ``touched`` ones; each request once. Finished requests are
-        forgotten."""
-        outs = [self._final_output(r) for r in ended]
-        done = set()  # requests whose output was made here
+    def _outputs(self, ended: list[str], decode: list[Sequence] = (), made: list = (),
+                 touched=()) -> list[RequestOutput]:
         if self.config.debug_checks:  # outputs made on the batched path equal the general ones
             check_outputs(made, self._request_output)
-        if None in made or False in made:
-            for seq, out in zip(decode, made):
-                if out is False:
-                    continue
-                if out is None:
-                    if seq.request_id in done or seq.request_id not in self._requests:
-                        continue
-                    done.add(seq.request_id)
-                    out = self._final_output(seq.request_id)
-                outs.append(out)
-        else:
-            outs += made
-        outs += [self._final_output(r) for r in touched if r not in done and r in self._requests]
-        return outs
+        return collect_outputs(ended, decode, made, touched, self._final_output, self._requests)
 
     def _final_output(self, request_id: str) -> RequestOutput:
         """The request's output now; a finished request is forgotten (reported once)."""
@@ -450,22 +401,8 @@ class Engine:
         All or nothing: every prompt and params is checked (as ``add_request`` checks them)
         before the first is added, so one bad prompt raises with the engine unchanged.
         """
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(prompts, SequenceT):
-            raise TypeError(f"prompts must be a str or a sequence of prompts, got "
-                            f"{type(prompts).__name__}")
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-        base = f"gen{self._num_requests}-"
-        ids = [f"{base}{i}" for i in range(len(prompts))]
-        checked = []
-        for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params_list)):
-            try:
-                checked.append(check_request(self, rid, prompt, p, None, None, None))
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"prompts[{i}]: {e}") from None
+        checked = check_prompts(self, prompts, params)
+        ids = [request[0] for request in checked]
         for request in checked:
             self._add_checked(*request)
         done: dict[str, RequestOutput] = {}
@@ -486,11 +423,11 @@ class Engine:
         """
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() must run before requests are added")
-        b = self._builder
         before = self._trace_count()
-        for shape in b.all_shapes(self.config.max_num_batched_tokens, self.config.max_num_seqs):
-            self.cache, tokens = self._step_fn(self.params, self.cache, b.empty(*shape), self._no_prev)
-        np.asarray(tokens)
+        self.cache = compile_shapes(self._step_fn, self.params, self.cache, self._no_prev,
+                                    self._builder.all_shapes(self.config.max_num_batched_tokens,
+                                                             self.config.max_num_seqs),
+                                    self._builder.empty)
         return self._trace_count() - before
 
     # --- introspection ------------------------------------------------------------------

@@ -150,3 +150,25 @@ def check_outputs(made, request_output: Callable[[str], RequestOutput]) -> None:
         if out:
             want = request_output(out.request_id)
             assert output_fields(out) == output_fields(want), (out, want)
+
+
+def collect_outputs(ended, decode, made, touched, final_output, requests) -> list:
+    """A step's outputs: the ``ended`` requests', then the decodes' (``made[i]``: made already;
+    ``None``: made now, once per request; ``False``: none), then the ``touched`` requests'; each
+    request once. ``final_output(request_id)`` makes one (and forgets a finished request)."""
+    outs = [final_output(r) for r in ended]
+    done = set()  # requests whose output was made here
+    if None in made or False in made:
+        for seq, out in zip(decode, made):
+            if out is False:
+                continue
+            if out is None:
+                if seq.request_id in done or seq.request_id not in requests:
+                    continue
+                done.add(seq.request_id)
+                out = final_output(seq.request_id)
+            outs.append(out)
+    else:
+        outs += made
+    outs += [final_output(r) for r in touched if r not in done and r in requests]
+    return outs

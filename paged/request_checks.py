@@ -53,3 +53,25 @@ def encode(engine, prompt) -> list[int]:
     if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, SequenceT | np.ndarray):
         raise TypeError(f"prompt must be str or a sequence of token ids, got {type(prompt).__name__}")
     return validate.token_ids("prompt", prompt, limit=engine.model_config.vocab_size)
+
+
+def check_prompts(engine, prompts, params) -> list[tuple]:
+    """``Engine.generate``'s checks, all before any request is added: each prompt and params as
+    ``check_request`` checks them (errors name ``prompts[i]``); returns their checked tuples, with
+    request ids ``gen<n>-<i>``."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, SequenceT):
+        raise TypeError(f"prompts must be a str or a sequence of prompts, got "
+                        f"{type(prompts).__name__}")
+    params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(params_list) != len(prompts):
+        raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
+    base = f"gen{engine._num_requests}-"
+    checked = []
+    for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+        try:
+            checked.append(check_request(engine, f"{base}{i}", prompt, p, None, None, None))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"prompts[{i}]: {e}") from None
+    return checked

@@ -305,3 +305,21 @@ class Speculator:
             ib.num_blocks[r] = -1  # its table row is refreshed at the next build
         self.bm.mark_computed(seq.seq_id, n_new - 1)
         reader.check_stop(seq, emitted[-1], n_new, now)
+
+
+def load_draft(config, model_config, num_pages, page_size, host_blocks):
+    """The draft model of ``speculative.method == "draft"`` (checked against the target)."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft":
+        return None
+    from paged.models.registry import load_any
+
+    draft_config, draft_params, _ = load_any(spec.model, dtype=config.dtype)
+    if draft_config.vocab_size != model_config.vocab_size:
+        raise ValueError(f"draft model {spec.model!r} has vocab_size="
+                         f"{draft_config.vocab_size}, the target {model_config.vocab_size}")
+    if draft_config.max_seq_len < config.max_model_len:
+        raise ValueError(f"draft model {spec.model!r} serves max_seq_len="
+                         f"{draft_config.max_seq_len} < max_model_len={config.max_model_len}")
+    return DraftModel(draft_config, draft_params, num_pages, page_size, config.dtype,
+                      config.attention_impl, host_blocks)

@@ -408,7 +408,7 @@ class _Job:
             while not self.done:
                 try:
                     item = await asyncio.wait_for(queue.get(), timeout=1.0)
-                except asyncio.TimeoutError:
+                except asyncio.TimeoutError:  # noqa: UP041  (not the builtin before 3.11)
                     if await request.is_disconnected():
                         return Response(status_code=499)
                     continue
