@@ -26,6 +26,7 @@ CASES = [
     ("engine_bench", "smoke", "engine.block_size_=8", "engine.block_size", "steps=0", "steps"),
     ("fragmentation", "smoke", "max_lenn=64", "max_len", "block_sizes=(0,)", "block_sizes"),
     ("train_tiny", "smoke", "stepz=3", "steps", "warmup_steps=9", "warmup_steps"),
+    ("spec_decode", "smoke", "max_tokenz=3", "max_tokens", "ks=(0,)", "ks"),
     ("calibrate", "smoke", "stepz=3", "steps", "steps=0", "steps"),
     ("sim_validate", "smoke", "duration=3", "duration_s", "duration_s=0", "duration_s"),
     ("fleet", "smoke", "kv_gbb=3", "kv_gb", "rate_hi=-1", "rate_hi"),

@@ -1,0 +1,77 @@
+"""Config of `experiments/fleet.py`: what-if capacity studies on a modelled H200, in simulation.
+
+Launch::
+
+    python -m experiments.fleet
+    python -m experiments.fleet --config=experiments/configs/fleet.py:smoke
+    python -m experiments.fleet --config.studies="('replicas',)" --config.models="('Qwen2.5-7B',)"
+
+Every result is ``evidence: simulated``: the real scheduler and block manager drive a roofline
+step-time model (``paged.sim.RooflineStepModel``) of one H200 per replica serving a model of the
+given dimensions (no weights). Capacity = the highest request rate whose run finishes every
+request within ``max_time_factor`` times its arrival span with p99 TTFT and p99 TPOT within the SLO,
+found by bracketing then ``bisect_steps`` bisections of the rate.
+
+Studies (``studies``): ``block_size``, ``batched_tokens`` (``max_num_batched_tokens``),
+``preemption`` (recompute vs swap), each at ``tight_kv_gb`` of KV memory so memory binds;
+``replicas`` (replica counts x router policies) on a multi-tenant shared-prefix workload at
+``kv_gb`` per replica; ``speed`` (simulator wall time against the number of requests at the largest
+replica count).
+"""
+
+import ml_collections
+
+from experiments.configs.engine_fields import engine_config_dict
+
+
+def get_config(arg: str = "default") -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.models = ("Llama-3-8B", "Qwen2.5-7B")
+    c.bandwidth = "copy"  # "copy": measured 3.1 TB/s; "datasheet": 4.8 TB/s
+    c.studies = ("block_size", "batched_tokens", "preemption", "replicas", "speed")
+    c.ttft_slo_ms = 1000.0
+    c.tpot_slo_ms = 50.0
+    c.kind = "sharegpt"
+    c.duration_s = 30.0  # offered load per point: rate * duration_s requests (capped)
+    c.max_requests = 100_000
+    c.replica_duration_s = 5.0  # offered load per point in the replicas study
+    c.replica_models = ("Llama-3-8B",)  # of ``models``, those the replicas and speed studies run
+    c.max_time_factor = 2.0  # a point must finish by max_time_factor * duration_s + 30 s
+    c.rate_lo = 4.0  # per replica, first bracket
+    c.rate_hi = 64.0
+    c.bisect_steps = 3
+    c.replica_bisect_steps = 2
+    c.kv_gb = 20.0  # KV memory per replica in the replicas study
+    c.tight_kv_gb = 6.0  # KV memory in the block-size, batched-token and preemption studies
+    c.block_sizes = (8, 16, 32, 64, 128)
+    c.batched_tokens = (512, 1024, 2048, 4096, 8192)
+    c.replicas = (1, 4, 16, 64)
+    c.routers = ("round_robin", "least_loaded", "prefix_aware")
+    c.load_threshold = 16
+    c.num_prefixes = 512  # tenants / conversations, each with its own shared prefix
+    c.prefix_len = 768
+    c.speed_requests = (1000, 3000, 10_000)
+    c.speed_rate_per_replica = 8.0
+    c.seed = 0
+    c.output_dir = ""
+    c.engine = engine_config_dict(max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048,
+                                  dtype="bfloat16", async_scheduling=False)
+    if arg == "smoke":
+        c.models = ("Llama-3-8B",)
+        c.duration_s = 2.0
+        c.max_requests = 400
+        c.replica_duration_s = 2.0
+        c.rate_lo = 4.0
+        c.rate_hi = 32.0
+        c.bisect_steps = 1
+        c.block_sizes = (16, 64)
+        c.batched_tokens = (512, 2048)
+        c.replicas = (1, 4)
+        c.num_prefixes = 8
+        c.prefix_len = 256
+        c.speed_requests = (100, 300)
+        c.engine.max_model_len = 1024
+        c.engine.max_num_seqs = 64
+    elif arg != "default":
+        raise ValueError(f"unknown variant {arg!r}; known: default, smoke")
+    return c

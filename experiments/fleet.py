@@ -1,0 +1,279 @@
+"""What-if study: serving capacity on modelled H200s, in simulation (``evidence: simulated``).
+
+The simulator (``paged.sim``) runs the real scheduler, block manager, input batch and read-back
+per replica; the device is ``RooflineStepModel(H200, model)``: weights and KV bytes over the
+bandwidth, FLOPs over the FLOP rate, plus the host time measured on the H200 machine (figures
+and their sources in ``paged.sim.step_model.H200``). Models are dimensions only (Llama-3-8B,
+Qwen2.5-7B), bfloat16 weights and KV.
+
+Capacity under the SLO (``capacity``): the highest request rate at which every request finishes
+(by ``max_time_factor * duration_s + 30`` simulated seconds) with p99 TTFT and p99 TPOT within the
+SLO; found by bracketing ``[rate_lo, rate_hi]`` (for more replicas: half to 1.5 times the smallest
+count's capacity per replica, times the count) and bisecting ``bisect_steps`` times (the same
+requests at every rate: one seed, arrivals scaled). Studies: block size,
+``max_num_batched_tokens``, preemption mode (each at ``tight_kv_gb`` of KV), replicas x router on a
+multi-tenant workload (``num_prefixes`` shared prefixes of ``prefix_len`` tokens, one per tenant,
+tenants uniform), and the simulator's own speed (wall time per simulated request against N).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import types
+
+import numpy as np
+
+from experiments import common
+from paged.routing import POLICIES, Router
+from paged.sim import EVIDENCE, H200, RooflineStepModel, Simulator, check_not_mixed
+from paged.sim.step_model import H200_DATASHEET_BW, MODELS
+from paged.workload import (
+    BOS_ID,
+    Workload,
+    make_workload,
+    synthetic_prompt,
+)
+
+STUDIES = ("block_size", "batched_tokens", "preemption", "replicas", "speed")
+
+
+def check(c) -> dict:
+    unknown = sorted((set(c.models) | set(c.replica_models)) - set(MODELS))
+    if unknown or not c.models:
+        raise ValueError(f"models={tuple(c.models)}: unknown {unknown}; known: {sorted(MODELS)}")
+    if c.bandwidth not in ("copy", "datasheet"):
+        raise ValueError(f"bandwidth={c.bandwidth!r} must be 'copy' (measured 3.1 TB/s) or "
+                         "'datasheet' (4.8 TB/s)")
+    bad = sorted(set(c.studies) - set(STUDIES))
+    if bad or not c.studies:
+        raise ValueError(f"studies={tuple(c.studies)}: unknown {bad}; known: {STUDIES}")
+    bad = sorted(set(c.routers) - set(POLICIES))
+    if bad:
+        raise ValueError(f"routers={tuple(c.routers)}: unknown {bad}; known: {POLICIES}")
+    common.check_positive(ttft_slo_ms=c.ttft_slo_ms, tpot_slo_ms=c.tpot_slo_ms,
+                          duration_s=c.duration_s, replica_duration_s=c.replica_duration_s, max_time_factor=c.max_time_factor,
+                          rate_lo=c.rate_lo, rate_hi=c.rate_hi, kv_gb=c.kv_gb,
+                          tight_kv_gb=c.tight_kv_gb, speed_rate_per_replica=c.speed_rate_per_replica)
+    if c.rate_hi <= c.rate_lo:
+        raise ValueError(f"rate_hi={c.rate_hi} must exceed rate_lo={c.rate_lo}")
+    for key in ("block_sizes", "batched_tokens", "replicas", "speed_requests"):
+        vals = tuple(c[key])
+        if not vals or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals):
+            raise ValueError(f"{key}={vals!r} must be a non-empty tuple of ints >= 1")
+    if max(c.replicas) > 1024:
+        raise ValueError(f"replicas={tuple(c.replicas)}: at most 1024")
+    base = common.make_engine_config(c.engine, model="sim")
+    if c.prefix_len + 2 > base.max_model_len:
+        raise ValueError(f"prefix_len={c.prefix_len} leaves no room in max_model_len="
+                         f"{base.max_model_len}")
+    for b in c.block_sizes:
+        dataclasses.replace(base, block_size=b)
+    for t in c.batched_tokens:
+        dataclasses.replace(base, max_num_batched_tokens=t)
+    return {"base": base}
+
+
+def device(c):
+    return H200 if c.bandwidth == "copy" else dataclasses.replace(
+        H200, mem_bandwidth=H200_DATASHEET_BW, source=H200.source + "; bandwidth overridden: "
+        "datasheet 4.8 TB/s")
+
+
+def engine_for(base, model, kv_gb: float, **overrides):
+    cfg = dataclasses.replace(base, **overrides)
+    return dataclasses.replace(cfg, num_blocks=model.num_blocks(kv_gb * 1e9, cfg.block_size))
+
+
+def tenant_workload(c, num: int, rate: float, max_model_len: int) -> Workload:
+    """ShareGPT-like requests, each behind one of ``num_prefixes`` tenant prefixes (uniform)."""
+    base = make_workload(c.kind, num, rate, max_model_len=max_model_len, seed=c.seed,
+                         shared_prefix_len=c.prefix_len)
+    rng = np.random.default_rng(c.seed + 7)
+    prefixes = [(BOS_ID,) + synthetic_prompt(c.prefix_len, rng=rng) for _ in range(c.num_prefixes)]
+    who = rng.integers(0, c.num_prefixes, len(base))
+    reqs = tuple(dataclasses.replace(r, prompt_token_ids=prefixes[g] + r.prompt_token_ids[c.prefix_len + 1:])
+                 for r, g in zip(base.requests, who.tolist()))
+    meta = {**base.meta, "tenants": {"num_prefixes": c.num_prefixes, "prefix_len": c.prefix_len,
+                                     "assignment": "uniform", "seed": c.seed + 7}}
+    return dataclasses.replace(base, name=f"tenants-{num}", requests=reqs, meta=meta)
+
+
+def plain_workload(c, num: int, rate: float, max_model_len: int) -> Workload:
+    return make_workload(c.kind, num, rate, max_model_len=max_model_len, seed=c.seed)
+
+
+def meets(summary, c) -> bool:
+    if summary["completed"] != summary["num_requests"]:
+        return False
+    ttft, tpot = summary.get("p99_ttft_ms"), summary.get("p99_tpot_ms")
+    return ttft is not None and ttft <= c.ttft_slo_ms and (tpot is None or tpot <= c.tpot_slo_ms)
+
+
+def run_point(c, cfg, sm, make_wl, rate, replicas=1, router="least_loaded") -> dict:
+    num = max(2, min(c.max_requests, round(rate * c.duration_s)))
+    w = make_wl(c, num, rate, cfg.max_model_len)
+    sim = Simulator(cfg, sm, num_replicas=replicas, router=Router(router, c.load_threshold),
+                    model_config=sm.model, build_device=False)
+    res = sim.run(w, max_time_s=c.max_time_factor * w.duration_s + 30.0,
+                  ttft_slo_ms=c.ttft_slo_ms, tpot_slo_ms=c.tpot_slo_ms)
+    s = res.summary
+    keep = ("completed", "num_requests", "request_throughput", "output_throughput",
+            "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "request_goodput",
+            "engine_preemptions", "prefix_cache_hit_tokens", "prefix_cache_hit_rate",
+            "peak_used_blocks", "kv_num_blocks", "num_engine_steps")
+    return {"rate": rate, "meets_slo": meets(s, c), "evidence": s["evidence"],
+            "summary": {k: s.get(k) for k in keep}, "routed": res.routed, "router": res.router,
+            "wall_s": res.wall_s, "sim_s": res.sim_s}
+
+
+def capacity(c, run) -> tuple[float | None, list[dict]]:
+    """Bracket then bisect the highest rate ``run(rate)`` meets the SLO at."""
+    points = []
+
+    def ok(rate):
+        p = run(rate)
+        points.append(p)
+        return p["meets_slo"]
+
+    lo, hi = c.rate_lo, c.rate_hi
+    for _ in range(4):
+        if ok(lo):
+            break
+        hi, lo = lo, lo / 4
+    else:
+        return None, points
+    for _ in range(3):
+        if not ok(hi):
+            break
+        lo, hi = hi, hi * 2
+    else:
+        return lo, points  # every rate tried met the SLO: the highest of them
+    for _ in range(c.bisect_steps):
+        mid = math.sqrt(lo * hi)
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, points
+
+
+def _sweep(c, label, model, sm, arms, make_wl, replicas=1, bracket=None, duration_s=None):
+    out = []
+    run_c = c if duration_s is None else _with(c, duration_s=duration_s)
+    for name, cfg, router in arms:
+        t = time.perf_counter()
+        cap, points = capacity(_scaled(c, replicas, bracket), lambda r, cfg=cfg, router=router:
+                               run_point(run_c, cfg, sm, make_wl, r, replicas=replicas,
+                                         router=router))
+        n = sum(p["summary"]["num_requests"] for p in points)
+        wall = time.perf_counter() - t
+        print(f"  {model.name:11s} {label:15s} {name:22s} capacity {_f(cap)} req/s"
+              f"  ({len(points)} runs, {n} simulated requests, {wall:.1f} s)", flush=True)
+        out.append({"arm": name, "replicas": replicas, "router": router,
+                    "engine": dataclasses.asdict(cfg), "capacity_rps": cap, "points": points,
+                    "simulated_requests": n, "wall_s": wall})
+    return out
+
+
+def _scaled(c, replicas, bracket=None):
+    """The rate bracket for ``replicas`` replicas: the per-replica bracket (``bracket``, else
+    ``rate_lo .. rate_hi``) times the count; ``replica_bisect_steps`` bisections with a bracket."""
+    lo, hi = bracket or (c.rate_lo, c.rate_hi)
+    return types.SimpleNamespace(rate_lo=lo * replicas, rate_hi=hi * replicas,
+                                 bisect_steps=c.replica_bisect_steps if bracket else c.bisect_steps)
+
+
+class _with:
+    """``c`` with some keys replaced (attribute reads fall through to ``c``)."""
+
+    def __init__(self, c, **changes):
+        self._c, self._changes = c, changes
+
+    def __getattr__(self, name):
+        return self._changes[name] if name in self._changes else getattr(self._c, name)
+
+
+def speed(c, cfg, sm, replicas: int) -> list[dict]:
+    rows = []
+    rate = c.speed_rate_per_replica * replicas
+    for n in c.speed_requests:
+        w = plain_workload(c, n, rate, cfg.max_model_len)
+        sim = Simulator(cfg, sm, num_replicas=replicas, router=Router("least_loaded"),
+                        model_config=sm.model, build_device=False)
+        res = sim.run(w)
+        s = res.summary
+        tokens = s["total_output_tokens"]
+        rows.append({"num_requests": n, "replicas": replicas, "rate": rate, "wall_s": res.wall_s,
+                     "us_per_request": 1e6 * res.wall_s / n,
+                     "requests_per_wall_s": n / res.wall_s,
+                     "output_tokens": tokens, "us_per_output_token": 1e6 * res.wall_s / tokens,
+                     "num_steps": res.num_steps, "us_per_step": 1e6 * res.wall_s / res.num_steps,
+                     "sim_s": res.sim_s, "completed": s["completed"], "evidence": s["evidence"]})
+        r = rows[-1]
+        print(f"  speed {replicas} replicas  N={n:7d}  wall {r['wall_s']:7.2f} s  "
+              f"{r['us_per_request']:8.1f} us/request  {r['requests_per_wall_s']:8.0f} req/s  "
+              f"{r['us_per_output_token']:.2f} us/token  {r['us_per_step']:.0f} us/step", flush=True)
+    return rows
+
+
+def main(c, plan):
+    out_dir = common.output_dir(c, "fleet")
+    base, dev = plan["base"], device(c)
+    results = {}
+    for name in c.models:
+        model = MODELS[name]
+        res = results[name] = {}
+        def tight(model=model, **o):
+            return engine_for(base, model, c.tight_kv_gb, **o)
+
+        sm = RooflineStepModel(dev, model, block_size=base.block_size)
+        if "block_size" in c.studies:
+            arms = [(f"block_size={b}", tight(block_size=b), "least_loaded") for b in c.block_sizes]
+            res["block_size"] = []
+            for arm in arms:  # the model counts CoW pages by the arm's block size
+                bsm = RooflineStepModel(dev, model, block_size=arm[1].block_size)
+                res["block_size"] += _sweep(c, "block_size", model, bsm, [arm], plain_workload)
+        if "batched_tokens" in c.studies:
+            arms = [(f"max_num_batched_tokens={t}", tight(max_num_batched_tokens=t), "least_loaded")
+                    for t in c.batched_tokens]
+            res["batched_tokens"] = _sweep(c, "batched_tokens", model, sm, arms, plain_workload)
+        if "preemption" in c.studies:
+            arms = [(f"preemption_mode={m}", tight(preemption_mode=m), "least_loaded")
+                    for m in ("recompute", "swap")]
+            res["preemption"] = _sweep(c, "preemption", model, sm, arms, plain_workload)
+        if "replicas" in c.studies and name in c.replica_models:
+            cfg = engine_for(base, model, c.kv_gb)
+            res["replicas"] = []
+            bracket = None
+            for n in sorted(c.replicas):
+                routers = c.routers if n > 1 else ("least_loaded",)
+                arms = [(f"{n}x {r}", cfg, r) for r in routers]
+                res["replicas"] += _sweep(c, "replicas", model, sm, arms, tenant_workload,
+                                          replicas=n, bracket=bracket,
+                                          duration_s=c.replica_duration_s)
+                caps = [a["capacity_rps"] for a in res["replicas"][-len(arms):] if a["capacity_rps"]]
+                if bracket is None and caps:  # later counts search around the per-replica figure
+                    per = max(caps) / n
+                    bracket = (0.5 * per, 1.5 * per)
+        if "speed" in c.studies and name in c.replica_models:
+            res["speed"] = speed(c, engine_for(base, model, c.kv_gb), sm, max(c.replicas))
+    labels = [{"evidence": p["evidence"]} for m in results.values() for k, v in m.items()
+              if k != "speed" for a in v for p in a["points"]]
+    labels += [{"evidence": r["evidence"]} for m in results.values() for r in m.get("speed", [])]
+    label = check_not_mixed(labels) if labels else EVIDENCE
+    path = common.write_json(out_dir / "fleet.json", {
+        "study": "fleet", "evidence": label, "device": dataclasses.asdict(dev),
+        "models": {n: dataclasses.asdict(MODELS[n]) for n in c.models},
+        "slo": {"p99_ttft_ms": c.ttft_slo_ms, "p99_tpot_ms": c.tpot_slo_ms},
+        "results": results, "config": c.to_dict(), "provenance": common.provenance()})
+    print(f"wrote {path}")
+
+
+def _f(v) -> str:
+    return "-" if v is None else f"{v:8.2f}"
+
+
+if __name__ == "__main__":
+    common.run("fleet", main, check)

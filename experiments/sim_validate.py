@@ -1,0 +1,297 @@
+"""Validation: the same constructed workloads through the real engine and through the simulator.
+
+The real side is ``experiments/serving.py``'s real-time driver (``run_arm``) on a fresh engine per
+point (engines with one model share their compiled step). The simulated side is
+``paged.sim.Simulator`` with the same ``EngineConfig`` and the linear step-time model fitted on
+this machine by ``experiments/calibrate.py`` (and, with ``model_idle_wake``, the driver's measured
+wake-up lateness when the engine is idle: ``Simulator(idle_wake_s=...)``). Side by side per point: p50 / p99 TTFT and TPOT,
+request and output throughput, preemptions and peak KV blocks, each with the simulator's relative
+error ``(sim - real) / real``; per workload, the saturation rate of each. The real results are
+``constructed`` (a real engine on a constructed workload), the simulated ones ``simulated``; they
+sit in separate fields and are compared, never pooled.
+
+Two simulated variants: ``sim`` (the fitted model) and ``sim_noisy`` (the fitted model times
+a ratio drawn from the calibration's measured / predicted spread, ``paged.sim.NoisyStepModel``;
+only with a serving-mode calibration, which stores that spread).
+
+With ``leave_one_out``, two more: ``sim_loo`` / ``sim_loo_noisy``, fitted (plain least squares,
+calibrate's serving features) on the real steps of every *other* point of this run, recorded
+while they ran: the same stretch of machine load, never the point's own steps. On a machine other
+work shares, step times drift with that work; these variants separate that drift from the
+simulator's own error.
+
+Goal (``goal_p50`` / ``goal_p99``): within 10 % on p50 and 20 % on p99 below saturation, and the
+same saturation rate within one grid step. The output says which points met it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import ml_collections
+
+from experiments import common, serving
+from paged.sim import (
+    NoisyStepModel,
+    Simulator,
+    check_not_mixed,
+    fit_linear,
+    load_model_json,
+)
+from paged.sim.step_model import ratio_quantiles
+from paged.workload import make_workload
+
+METRICS = (("p50_ttft_ms", "median_ttft_ms", "p50"), ("p99_ttft_ms", "p99_ttft_ms", "p99"),
+           ("p50_tpot_ms", "median_tpot_ms", "p50"), ("p99_tpot_ms", "p99_tpot_ms", "p99"),
+           ("request_throughput", "request_throughput", "rate"),
+           ("output_throughput", "output_throughput", "rate"),
+           ("preemptions", "engine_preemptions", "count"),
+           ("peak_used_blocks", "peak_used_blocks", "count"))
+
+
+def check(c) -> dict:
+    common.check_model(c.model)
+    engine_config = common.make_engine_config(c.engine, model=c.model)
+    if engine_config.async_scheduling:
+        raise ValueError("engine.async_scheduling=True: the simulator models serial steps; "
+                         "set it to False")
+    common.check_positive(duration_s=c.duration_s, max_drain_s=c.max_drain_s,
+                          saturated_ttft_ms=c.saturated_ttft_ms, goal_p50=c.goal_p50,
+                          goal_p99=c.goal_p99)
+    if c.calibration and not os.path.isfile(c.calibration):
+        raise ValueError(f"calibration={c.calibration!r}: no such file (run experiments.calibrate, "
+                         "or set calibration='' to calibrate now)")
+    if not c.calibration and c.calibrate_grid not in ("smoke", "default", "serving"):
+        raise ValueError(f"calibrate_grid={c.calibrate_grid!r} must be 'smoke', 'default' or "
+                         "'serving' (a calibrate.py variant)")
+    points = []
+    for i, entry in enumerate(c.workloads):
+        try:
+            name, kind, prefix, rates = entry
+        except (TypeError, ValueError):
+            raise ValueError(f"workloads[{i}]={entry!r} must be (name, kind, shared_prefix_len, "
+                             "rates)") from None
+        if not rates:
+            raise ValueError(f"workloads[{i}] ({name}) has no rates")
+        for rate in rates:
+            common.check_positive(**{f"workloads[{i}].rate": rate})
+            w = make_workload(kind, max(2, round(rate * c.duration_s)), float(rate),
+                              max_model_len=engine_config.max_model_len, seed=c.seed,
+                              shared_prefix_len=int(prefix))
+            points.append({"workload": str(name), "rate": float(rate), "wl": w})
+    if not points:
+        raise ValueError("workloads=() names no workload")
+    return {"engine": engine_config, "points": points}
+
+
+def step_model(c, engine_config, model, out_dir):
+    """The calibrated model: from ``c.calibration``, or fitted now on this machine."""
+    if c.calibration:
+        data = json.loads(Path(c.calibration).read_text())
+        _check_calibration(data, engine_config, c.model)
+        return load_model_json(data), {"source": c.calibration, "fit": data["model"].get("fit"),
+                                       "sleep_overshoot_s": data.get("sleep_overshoot_s", 0.0)}
+    from experiments import calibrate
+    from experiments.configs import calibrate as cal_config
+
+    g = cal_config.get_config(c.calibrate_grid)
+    g.engine = ml_collections.ConfigDict(c.engine.to_dict())
+    g.engine.enable_prefix_caching = False
+    g.model = c.model
+    g.context_lens = tuple(x for x in g.context_lens if x + g.steps + 4 < engine_config.max_model_len)
+    g.decode_batch_sizes = tuple(b for b in g.decode_batch_sizes if b <= engine_config.max_num_seqs)
+    plan = calibrate.check(g)
+    g.serving_duration_s = min(g.serving_duration_s, c.duration_s)
+    cal_engine = plan["engine"]
+    if g.mode == "serving":  # serving periods: the validation's own engine settings
+        cal_engine = engine_config
+    sm, payload = calibrate.calibrate(g, cal_engine, model)
+    common.write_json(out_dir / "calibration.json", calibrate.thin(dict(payload), g.keep_points))
+    return sm, {"source": f"calibrated now ({c.calibrate_grid} variant): "
+                          f"{out_dir / 'calibration.json'}",
+                "fit": {k: v for k, v in sm.fit.items() if k != "residuals_s"},
+                "sleep_overshoot_s": payload["sleep_overshoot_s"]}
+
+
+def _check_calibration(data, engine_config, model_name) -> None:
+    cal = data.get("engine_config", {})
+    for key in ("max_num_seqs", "max_num_batched_tokens", "block_size", "min_token_bucket",
+                "min_seq_bucket", "attention_impl", "dtype"):
+        if key in cal and cal[key] != getattr(engine_config, key):
+            print(f"note: calibration measured {key}={cal[key]!r}, this run uses "
+                  f"{getattr(engine_config, key)!r}")
+    if data.get("model_name") not in (None, model_name):
+        print(f"note: calibration measured model {data.get('model_name')!r}, this run {model_name!r}")
+
+
+def rel(sim, real):
+    if sim is None or real is None:
+        return None
+    if real == 0:
+        return 0.0 if sim == 0 else None
+    return (sim - real) / real
+
+
+def saturated(summary, c) -> bool:
+    ttft = summary.get("p99_ttft_ms")
+    return summary["completed"] < summary["num_requests"] or ttft is None or \
+        ttft > c.saturated_ttft_ms
+
+
+def run_real(c, engine_config, model, point) -> tuple[dict, list]:
+    """The real run of one point; also records each step's shape and period
+    (``experiments.calibrate.ServingRecorder``) for the leave-one-out fits."""
+    from experiments.calibrate import ServingRecorder
+
+    w = point["wl"]
+    engine = serving.build_engine(engine_config, model)
+    rec = ServingRecorder(engine)
+    t0 = time.perf_counter()
+    try:
+        real = serving.run_arm(f"{point['workload']}@{point['rate']:g}", engine, w,
+                               max_wall_s=w.duration_s + c.max_drain_s, progress=False)
+    finally:
+        rec.close()
+    rs = real.summary
+    row = {"workload": point["workload"], "rate": point["rate"], "num_requests": len(w),
+           "load_average": os.getloadavg()[0], "real_wall_s": time.perf_counter() - t0,
+           "real_saturated": saturated(rs, c), "real": {name: rs.get(key) for name, key, _ in METRICS},
+           "real_evidence": rs["evidence"], "real_steps": len(rec.rows)}
+    return row, rec.rows
+
+
+def run_sims(c, engine_config, model, models, point, row, wake_s: float) -> None:
+    """Each simulated variant of ``models`` (name -> model factory) on the point's requests."""
+    w = point["wl"]
+    for variant, make in models.items():
+        sim = Simulator(engine_config, make(), model_config=model[0], idle_wake_s=wake_s).run(
+            w, max_time_s=w.duration_s + c.max_drain_s)
+        ss = sim.summary
+        row[variant] = {name: ss.get(key) for name, key, _ in METRICS}
+        row[f"{variant}_rel_error"] = {name: rel(ss.get(key), row["real"][name])
+                                       for name, key, _ in METRICS}
+        row[f"{variant}_saturated"] = saturated(ss, c)
+        row[f"{variant}_wall_s"] = sim.wall_s
+        row[f"{variant}_evidence"] = ss["evidence"]
+
+
+def loo_models(c, steps_by_point: list, i: int) -> dict:
+    """Models fitted on the real steps of every point except ``i`` (leave one out): measured in
+    the same stretch of time as the point itself, never on the point's own steps."""
+    from experiments.configs import calibrate as cal_config
+
+    feats = tuple(cal_config.get_config("serving").serving_features)
+    rows = [r for j, rs in enumerate(steps_by_point) if j != i for r in rs]
+    shapes, times = [r[0] for r in rows], [r[1] for r in rows]
+    try:
+        m = fit_linear(shapes, times, feats, weights="absolute")
+    except ValueError:  # e.g. no step followed a pause: fit without that term
+        try:
+            m = fit_linear(shapes, times, tuple(f for f in feats if f != "after_idle"),
+                           weights="absolute")
+        except ValueError as e:
+            print(f"note: no leave-one-out fit for point {i}: {e}")
+            return {}
+    q = ratio_quantiles(times, [m.time(sh) for sh in shapes])
+    return {"sim_loo": lambda: m,
+            "sim_loo_noisy": lambda: NoisyStepModel(m, q, seed=c.seed)}
+
+
+def judge(rows, c, variant: str = "sim") -> dict:
+    """Per workload: saturation rates and whether ``variant``'s errors below the real
+    saturation meet the goal."""
+    out = {}
+    for name in dict.fromkeys(r["workload"] for r in rows):
+        pts = sorted((r for r in rows if r["workload"] == name), key=lambda r: r["rate"])
+        rates = [r["rate"] for r in pts]
+        sat_real = next((i for i, r in enumerate(pts) if r["real_saturated"]), None)
+        sat_sim = next((i for i, r in enumerate(pts) if r[f"{variant}_saturated"]), None)
+        below = [r for i, r in enumerate(pts) if sat_real is None or i < sat_real]
+        worst = {}
+        for metric, _, _ in METRICS[:4]:
+            errs = [abs(r[f"{variant}_rel_error"][metric]) for r in below
+                    if r[f"{variant}_rel_error"][metric] is not None]
+            worst[metric] = max(errs) if errs else None
+        ok_p50 = all(worst[m] is not None and worst[m] <= c.goal_p50
+                     for m in ("p50_ttft_ms", "p50_tpot_ms")) if below else None
+        ok_p99 = all(worst[m] is not None and worst[m] <= c.goal_p99
+                     for m in ("p99_ttft_ms", "p99_tpot_ms")) if below else None
+        # Within one grid step; "never saturated" counts as the step past the grid's end.
+        a = len(pts) if sat_real is None else sat_real
+        b = len(pts) if sat_sim is None else sat_sim
+        out[name] = {"rates": rates,
+                     "saturation_rate_real": None if sat_real is None else rates[sat_real],
+                     "saturation_rate_sim": None if sat_sim is None else rates[sat_sim],
+                     "points_below_saturation": len(below),
+                     "worst_abs_rel_error_below_saturation": worst,
+                     "meets_p50_goal": ok_p50, "meets_p99_goal": ok_p99,
+                     "saturation_within_one_step": abs(a - b) <= 1}
+    return out
+
+
+def main(c, plan):
+    out_dir = common.output_dir(c, "sim_validate")
+    model = common.load_model(c.model)
+    sm, cal = step_model(c, plan["engine"], model, out_dir)
+    models = {"sim": lambda: sm}
+    quantiles = (cal.get("fit") or {}).get("ratio_quantiles")
+    if quantiles:  # the calibration's measured spread, one seeded generator per point
+        models["sim_noisy"] = lambda: NoisyStepModel(sm, quantiles, seed=c.seed)
+    wake = cal["sleep_overshoot_s"] if c.model_idle_wake else 0.0
+    rows, steps = [], []
+    bar = common.Progress(len(plan["points"]), "[sim_validate real]", unit="point")
+    for point in plan["points"]:
+        row, st = run_real(c, plan["engine"], model, point)
+        rows.append(row)
+        steps.append(st)
+        bar.update()
+    bar.close()
+    for i, (point, row) in enumerate(zip(plan["points"], rows)):
+        variants = dict(models)
+        if c.leave_one_out and len(rows) > 1:
+            variants.update(loo_models(c, steps, i))
+        run_sims(c, plan["engine"], model, variants, point, row, wake)
+        for v in variants:
+            e = row[f"{v}_rel_error"]
+            print(f"  {row['workload']:16s} {row['rate']:6.1f}/s  load {row['load_average']:4.1f}  "
+                  f"{v:13s} " + "  ".join(f"{m} {_f(row['real'][m])}/{_f(row[v][m])} ({_p(e[m])})"
+                                          for m, _, _ in METRICS[:4])
+                  + f"  sat {row['real_saturated']}/{row[v + '_saturated']}", flush=True)
+    names = [k[:-len("_evidence")] for k in rows[0] if k.endswith("_evidence") and k != "real_evidence"]
+    check_not_mixed([{"evidence": r["real_evidence"]} for r in rows])
+    for v in names:
+        check_not_mixed([{"evidence": r[f"{v}_evidence"]} for r in rows])
+    verdict = {v: judge(rows, c, v) for v in names}
+    for v, per in verdict.items():
+        for name, j in per.items():
+            print(f"{v:13s} {name}: saturation real {j['saturation_rate_real']} sim "
+                  f"{j['saturation_rate_sim']}; worst |error| below saturation "
+                  f"{({k: _pa(x) for k, x in j['worst_abs_rel_error_below_saturation'].items()})}; "
+                  f"p50 goal {j['meets_p50_goal']}, p99 goal {j['meets_p99_goal']}, "
+                  f"saturation within one step {j['saturation_within_one_step']}")
+    path = common.write_json(out_dir / "sim_validate.json", {
+        "study": "sim_validate",
+        "evidence": {"real": rows[0]["real_evidence"], "sim": rows[0]["sim_evidence"]},
+        "variants": names, "step_models": {v: m().describe() for v, m in models.items()},
+        "calibration": cal, "idle_wake_s": wake, "points": rows, "verdict": verdict,
+        "config": c.to_dict(), "cpu_count": os.cpu_count(), "provenance": common.provenance()})
+    print(f"wrote {path}")
+
+
+def _f(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _pa(v) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
+def _p(v) -> str:
+    return "-" if v is None else f"{100 * v:+.0f}%"
+
+
+if __name__ == "__main__":
+    common.run("sim_validate", main, check)

@@ -1,0 +1,215 @@
+"""Request routing over data-parallel replicas: round robin, least loaded, prefix aware.
+
+A ``Router`` picks, for each new request, the replica that serves it. It never reads device
+memory: a replica exposes its queue sizes (``num_waiting``, ``num_running``) and a host-side query
+of how many leading prompt tokens its prefix cache already holds (``cached_prefix_tokens``).
+Anything with those three members is a replica (the simulator's ``SimReplica``; an engine wrapped
+by ``EngineReplica``).
+
+Policies:
+
+* ``round_robin``: replicas in turn.
+* ``least_loaded``: the smallest ``num_waiting + num_running``; ties go to the replica after the
+  last one picked (so an idle fleet is filled in turn, not replica 0 first).
+* ``prefix_aware``: the replica whose cache holds the longest prefix of the prompt wins, unless
+  its load exceeds the least-loaded replica's by more than ``load_threshold`` requests; ties
+  between equally long hits, and prompts no replica holds (cold), go to the least loaded. This is
+  the rule of SGLang's cache-aware load balancer (cache affinity first, load balance when the
+  imbalance passes a threshold).
+
+``cached_prefix_tokens(block_manager, tokens)`` answers the prefix query for a ``BlockManager``
+without side effects: it walks the prompt's full blocks through the manager's prefix-cache index
+exactly as admission does (same digest function, full-key and content-version checks), but
+touches no pool state, no admission memo and no counters. ``PrefixProbe`` shares the digests of
+one prompt across replicas whose managers use the same block size, hash function and salt, so a
+fleet of N replicas hashes each prompt once, not N times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+
+
+class Replica(Protocol):
+    """What a router reads from a replica (host-side state only)."""
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: bytes | None = None,
+                             probe: PrefixProbe | None = None) -> int: ...
+
+
+# --- the prefix query ------------------------------------------------------------------------
+def _parts(bm):
+    """The block manager's prefix-cache index, digest function and block versions (read only).
+
+    These are the manager's internals: ``BlockManager`` has no public side-effect-free "longest
+    cached prefix" query (``can_allocate`` returns a bool and stores an admission memo). The
+    method a replica would need is ``BlockManager.cached_prefix_tokens(token_ids, *,
+    cache_salt=None) -> int``; until it exists this reads the same objects admission reads.
+    """
+    keyer = bm._keyer
+    return keyer.enabled, keyer.index, keyer.hash_fn, keyer.versions, keyer.block_size
+
+
+class PrefixProbe:
+    """One prompt's block digests, computed once and shared by every replica probed.
+
+    The digests are kept for one (block size, digest function, salt); probing a replica whose
+    manager differs in any of them starts over.
+    """
+
+    __slots__ = ("conf", "digests", "tokens")
+
+    def __init__(self, token_ids: Sequence[int]):
+        self.tokens = token_ids
+        self.conf = None
+        self.digests: list = []
+
+    def digest(self, i: int, parent_digest, ids: tuple[int, ...], conf: tuple):
+        """Digest of block ``i`` under ``conf = (block_size, hash_fn, salt)``."""
+        if conf != self.conf:
+            self.conf, self.digests = conf, []
+        ds = self.digests
+        if i < len(ds) and ds[i][0] == parent_digest:
+            return ds[i][1]
+        d = conf[1](parent_digest, ids, conf[2])
+        if i == len(ds):
+            ds.append((parent_digest, d))
+        return d
+
+
+def cached_prefix_tokens(bm, token_ids: Sequence[int], cache_salt: bytes | None = None,
+                         probe: PrefixProbe | None = None) -> int:
+    """Leading prompt tokens ``bm``'s prefix cache holds now (a multiple of the block size,
+    never the block holding the final token, as admission counts hits). No side effects.
+
+    Args:
+      bm: a ``paged.block_manager.BlockManager``.
+      token_ids: the prompt's token ids.
+      cache_salt: the full salt of the prompt's keys (``None``: the manager's own).
+      probe: digests to share across replicas (a ``PrefixProbe`` of the same prompt).
+    """
+    enabled, index, hash_fn, versions, B = _parts(bm)
+    if not enabled:
+        return 0
+    salt = bm.cache_salt if cache_salt is None else cache_salt
+    conf = (B, hash_fn, salt)
+    key_of, find = index.key, index.find
+    parent = None
+    n = 0
+    tokens = token_ids
+    for i in range((len(tokens) - 1) // B):
+        ids = tuple(tokens[i * B:(i + 1) * B])
+        pd = None if parent is None else parent.digest
+        digest = probe.digest(i, pd, ids, conf) if probe is not None else hash_fn(pd, ids, salt)
+        b = find(digest, parent, ids, salt, versions)
+        if b is None:
+            break
+        parent = key_of[b]
+        n += B
+    return n
+
+
+class EngineReplica:
+    """A ``paged.Engine`` seen as a router's replica (host state only)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + len(self.engine.scheduler.swapped)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    def cached_prefix_tokens(self, token_ids, cache_salt=None, probe=None) -> int:
+        return cached_prefix_tokens(self.engine.block_manager, token_ids, cache_salt, probe)
+
+
+# --- the router ------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Router:
+    """Picks a replica per request.
+
+    Attributes:
+      policy: one of ``POLICIES``.
+      load_threshold: ``prefix_aware`` only: the prefix winner is kept while its load is at most
+        the least-loaded replica's plus this many requests (waiting + running).
+      num_routed: requests routed so far, per decision kind (for reports).
+    """
+
+    policy: str = "least_loaded"
+    load_threshold: int = 16
+    num_routed: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r} must be one of {POLICIES}")
+        if isinstance(self.load_threshold, bool) or not isinstance(self.load_threshold, int) \
+                or self.load_threshold < 0:
+            raise ValueError(f"load_threshold={self.load_threshold!r} must be an int >= 0")
+        self._next = 0
+
+    def _count(self, kind: str) -> None:
+        self.num_routed[kind] = self.num_routed.get(kind, 0) + 1
+
+    def _least_loaded(self, loads: list[int]) -> int:
+        n = len(loads)
+        low = min(loads)
+        start = self._next
+        for k in range(n):
+            i = (start + k) % n
+            if loads[i] == low:
+                return i
+        raise AssertionError("unreachable")
+
+    def route(self, token_ids: Sequence[int], replicas: Sequence[Replica],
+              cache_salt: bytes | None = None) -> int:
+        """The index of the replica that serves a request with prompt ``token_ids``.
+
+        Raises:
+          ValueError: no replicas.
+        """
+        n = len(replicas)
+        if not n:
+            raise ValueError("no replicas to route to")
+        if n == 1:
+            self._count("only")
+            return 0
+        if self.policy == "round_robin":
+            i = self._next % n
+            self._count("round_robin")
+        else:
+            loads = [r.num_waiting + r.num_running for r in replicas]
+            i = self._least_loaded(loads)
+            kind = "least_loaded"
+            if self.policy == "prefix_aware":
+                probe = PrefixProbe(token_ids)
+                hits = [r.cached_prefix_tokens(token_ids, cache_salt, probe) for r in replicas]
+                best = max(hits)
+                if best == 0:
+                    kind = "cold"
+                else:
+                    tied = [j for j in range(n) if hits[j] == best]
+                    j = min(tied, key=lambda j: (loads[j], (j - self._next) % n))
+                    if loads[j] - loads[i] <= self.load_threshold:
+                        i, kind = j, "prefix"
+                    else:
+                        kind = "overloaded"
+            self._count(kind)
+        self._next = (i + 1) % n
+        return i
+
+
+__all__ = ["POLICIES", "EngineReplica", "PrefixProbe", "Replica", "Router", "cached_prefix_tokens"]

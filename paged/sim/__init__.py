@@ -1,0 +1,39 @@
+"""Discrete-event simulation of serving: the real scheduler and block manager, a modelled device.
+
+* ``paged.sim.step_model``: ``StepShape`` and the ``StepTimeModel`` interface (fitted linear,
+  analytic roofline, replay of recorded steps).
+* ``paged.sim.replica``: ``SimReplica``, an engine replica running the real host code
+  (``Scheduler``, ``BlockManager``, ``InputBatch``, ``BatchBuilder``, ``StepReader`` and the
+  engine's request bookkeeping) with the device step replaced by the model.
+* ``paged.sim.simulator``: ``Simulator``, the event loop over replicas behind a
+  ``paged.routing.Router``; results are labelled ``evidence: "simulated"``.
+"""
+
+from paged.sim.replica import SimReplica, light_batch, pseudo_tokens
+from paged.sim.simulator import (
+    EVIDENCE,
+    SimResult,
+    Simulator,
+    check_not_mixed,
+    simulate,
+)
+from paged.sim.step_model import (
+    H200,
+    LLAMA3_8B,
+    QWEN25_7B,
+    DeviceSpec,
+    LinearStepModel,
+    ModelDims,
+    NoisyStepModel,
+    ReplayStepModel,
+    RooflineStepModel,
+    StepShape,
+    StepTimeModel,
+    fit_linear,
+    load_model_json,
+)
+
+__all__ = ["EVIDENCE", "H200", "LLAMA3_8B", "QWEN25_7B", "DeviceSpec", "LinearStepModel",
+           "ModelDims", "NoisyStepModel", "ReplayStepModel", "RooflineStepModel", "SimReplica", "SimResult",
+           "Simulator", "StepShape", "StepTimeModel", "check_not_mixed", "fit_linear",
+           "light_batch", "load_model_json", "pseudo_tokens", "simulate"]

@@ -1,0 +1,286 @@
+"""The discrete-event loop: arrivals, routing, serial steps per replica, in simulated time.
+
+Events are kept in a ``heapq`` (step ends) beside two sorted streams (arrivals, aborts); there are
+no threads and nothing sleeps. At each event time ``t``, in this order (the order of the real-time
+driver ``experiments/serving.py``, which adds every arrival due before it calls ``step()``):
+
+1. replicas whose step ends at ``t`` read it back (``SimReplica.finish``);
+2. requests arriving at or before ``t`` are routed (``paged.routing.Router``) and added;
+3. aborts due at ``t`` are applied;
+4. every replica that is free and has work begins its next step at ``t`` (a replica that was
+   idle when a request reached it begins ``idle_wake_s`` later, if that is set).
+
+A request's output length is forced: ``SamplingParams(max_tokens=output_len, ignore_eos=True)``.
+Every result is labelled ``evidence: "simulated"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from paged import metrics
+from paged.config import EngineConfig
+from paged.routing import Router
+from paged.sampling import SamplingParams
+from paged.sim.replica import SimReplica
+from paged.sim.step_model import StepTimeModel
+from paged.workload import Workload
+
+EVIDENCE = "simulated"
+STATUS = {"stop": "finished", "length": "finished", "abort": "aborted", "timeout": "timeout"}
+
+
+@dataclasses.dataclass
+class SimResult:
+    """A simulated run.
+
+    Attributes:
+      records: one ``RequestRecord`` per request, in workload order (simulated seconds).
+      summary: ``paged.metrics.summarize`` of them plus fleet counters; ``evidence`` is
+        ``"simulated"``.
+      replicas: ``SimReplica.stats()`` per replica.
+      routed: requests routed to each replica.
+      router: decisions per kind (``Router.num_routed``).
+      wall_s: wall time of the simulation itself.
+      sim_s: simulated time at the end.
+      num_steps: steps over all replicas.
+      schedule: per replica, its schedule log (``record_schedule=True``), else None.
+    """
+
+    records: list
+    summary: dict
+    replicas: list
+    routed: list
+    router: dict
+    wall_s: float
+    sim_s: float
+    num_steps: int
+    schedule: list | None = None
+    evidence: str = EVIDENCE
+
+    def to_json(self, *, with_records: bool = False) -> dict:
+        out = {"evidence": self.evidence, "summary": self.summary, "replicas": self.replicas,
+               "routed": self.routed, "router": self.router, "wall_s": self.wall_s,
+               "sim_s": self.sim_s, "num_steps": self.num_steps}
+        if with_records:
+            out["records"] = [r.as_dict() for r in self.records]
+        return out
+
+
+def record_of(out, prompt_len: int) -> metrics.RequestRecord:
+    """A finished request's ``RequestOutput`` as a ``RequestRecord`` (simulated times)."""
+    status = STATUS.get(out.finish_reason, "aborted")
+    return metrics.RequestRecord(
+        request_id=out.request_id, status=status, arrival_s=out.arrival_time,
+        first_scheduled_s=out.first_scheduled_time, first_token_s=out.first_token_time,
+        finish_s=out.finish_time, token_times=tuple(out.token_times), prompt_len=prompt_len,
+        output_len=len(out.token_ids), num_preemptions=out.num_preemptions,
+        num_cached_tokens=out.num_cached_tokens)
+
+
+class Simulator:
+    """Replicas of one engine configuration behind a router, in simulated time.
+
+    Args:
+      config: every replica's ``EngineConfig``.
+      step_model: one ``StepTimeModel`` shared by the replicas, or a callable ``index -> model``
+        (a model with state, such as ``ReplayStepModel``, needs one per replica).
+      num_replicas: >= 1.
+      router: a ``paged.routing.Router`` (default least loaded).
+      model_config: passed to each ``SimReplica`` (vocabulary, prefix-cache salt).
+      build_device: build the real padded device batch every step (``SimReplica``).
+      record_schedule: keep each replica's schedule log.
+      idle_wake_s: an idle replica starts the step for a new arrival this much later (a
+        real-time driver sleeping until the arrival wakes late; ``experiments/calibrate.py``
+        measures it as ``sleep_overshoot_s``). 0: at once.
+    """
+
+    def __init__(self, config: EngineConfig, step_model: StepTimeModel | Callable[[int], StepTimeModel],
+                 *, num_replicas: int = 1, router: Router | None = None, model_config=None,
+                 build_device: bool = True, record_schedule: bool = False,
+                 idle_wake_s: float = 0.0):
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ValueError(f"num_replicas={num_replicas!r} must be an int >= 1")
+        make = step_model if callable(step_model) and not isinstance(step_model, StepTimeModel) \
+            else (lambda i: step_model)
+        if not (idle_wake_s >= 0 and math.isfinite(idle_wake_s)):
+            raise ValueError(f"idle_wake_s={idle_wake_s!r} must be finite and >= 0")
+        self.idle_wake_s = float(idle_wake_s)
+        self.config = config
+        self.router = router or Router("least_loaded")
+        self.replicas = [SimReplica(config, make(i), model_config=model_config,
+                                    build_device=build_device, record_schedule=record_schedule,
+                                    name=f"replica{i}") for i in range(num_replicas)]
+
+    def run(self, workload: Workload, *, aborts: Mapping[str, float] | None = None,
+            timeout_s: float | None = None, max_time_s: float = math.inf,
+            ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
+            on_progress: Callable[[int], None] | None = None) -> SimResult:
+        """Serves ``workload`` (arrival offsets are simulated seconds from 0).
+
+        Args:
+          workload: the requests.
+          aborts: request id -> simulated time at which the client aborts it.
+          timeout_s: per-request timeout (default the config's ``request_timeout_s``).
+          max_time_s: simulated time limit: requests unfinished then are aborted, later arrivals
+            rejected (all stay in the records).
+          ttft_slo_ms, tpot_slo_ms: SLO for goodput.
+          on_progress: called with the number of requests finished so far, now and then.
+        """
+        wall0 = time.perf_counter()
+        specs = list(workload.requests)
+        spec_of = {r.request_id: r for r in specs}
+        abort_list = sorted((t, rid) for rid, t in (aborts or {}).items())
+        reps, router = self.replicas, self.router
+        routed = [0] * len(reps)
+        where: dict[str, int] = {}
+        records: dict[str, metrics.RequestRecord] = {}
+        heap: list[tuple[float, int, int, bool]] = []  # (time, order, replica, is a step end)
+        busy = [False] * len(reps)
+        wake = self.idle_wake_s
+        order = 0
+        i = j = 0
+        n = len(specs)
+        inf = math.inf
+        t = 0.0
+        last_progress = 0
+
+        def collect(outs):
+            for out in outs:
+                if out.finished:
+                    rid = out.request_id
+                    records[rid] = record_of(out, spec_of[rid].prompt_len)
+
+        while True:
+            t_arr = specs[i].arrival_s if i < n else inf
+            t_ab = abort_list[j][0] if j < len(abort_list) else inf
+            t_step = heap[0][0] if heap else inf
+            t = min(t_arr, t_ab, t_step)
+            if t == inf or t > max_time_s:
+                break
+            ready = []
+            while heap and heap[0][0] == t:
+                _, _, r, step_end = heapq.heappop(heap)
+                if step_end:
+                    collect(reps[r].finish(t))
+                busy[r] = False
+                ready.append(r)
+            while i < n and specs[i].arrival_s <= t:
+                spec = specs[i]
+                i += 1
+                prompt = spec.engine_prompt()
+                if len(reps) > 1:
+                    ids = reps[0].tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+                    r = router.route(ids, reps)
+                else:
+                    r = 0
+                params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, n=spec.n,
+                                        ignore_eos=True)
+                try:
+                    reps[r].add_request(spec.request_id, prompt, params, arrival_time=spec.arrival_s,
+                                        timeout_s=timeout_s)
+                except ValueError:
+                    records[spec.request_id] = _rejected(spec, spec.arrival_s)
+                    continue
+                routed[r] += 1
+                where[spec.request_id] = r
+                if not busy[r]:
+                    if wake:  # idle: it wakes up a little later
+                        busy[r] = True
+                        order += 1
+                        heapq.heappush(heap, (t + wake, order, r, False))
+                    else:
+                        ready.append(r)
+            while j < len(abort_list) and abort_list[j][0] <= t:
+                rid = abort_list[j][1]
+                j += 1
+                if rid in where:
+                    reps[where[rid]].abort(rid, t)
+                    if not busy[where[rid]]:
+                        ready.append(where[rid])
+            for r in dict.fromkeys(ready):
+                if busy[r]:
+                    continue
+                rep = reps[r]
+                while rep.has_unfinished_requests() or rep._aborted:
+                    dur, outs = rep.begin(t)
+                    collect(outs)
+                    if dur is not None:
+                        order += 1
+                        heapq.heappush(heap, (t + dur, order, r, True))
+                        busy[r] = True
+                        break
+            if on_progress is not None and len(records) - last_progress >= 256:
+                last_progress = len(records)
+                on_progress(last_progress)
+        end = min(t, max_time_s) if t != inf else max(
+            [r.finish_s for r in records.values() if r.finish_s is not None], default=0.0)
+        self._stop(records, specs, spec_of, where, end)
+        recs = [records[s.request_id] for s in specs]
+        first = specs[0].arrival_s
+        last = max([r.finish_s for r in recs if r.finish_s is not None], default=first)
+        summary = metrics.summarize(recs, duration_s=max(last - first, 1e-9),
+                                    ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms,
+                                    evidence=EVIDENCE)
+        stats = [rep.stats() for rep in reps]
+        steps = sum(s["num_steps"] for s in stats)
+        summary.update(
+            num_engine_steps=steps, engine_preemptions=sum(s["num_preemptions"] for s in stats),
+            prefix_cache_hit_tokens=sum(s["prefix_cache_hit_tokens"] for s in stats),
+            peak_used_blocks=max(s["peak_used_blocks"] for s in stats),
+            kv_block_size=stats[0]["block_size"], kv_num_blocks=stats[0]["num_blocks"],
+            num_replicas=len(reps), workload_evidence=workload.evidence)
+        if on_progress is not None:
+            on_progress(len(records))
+        return SimResult(records=recs, summary=summary, replicas=stats, routed=routed,
+                         router=dict(router.num_routed), wall_s=time.perf_counter() - wall0,
+                         sim_s=end, num_steps=steps,
+                         schedule=[rep.schedule_log for rep in reps]
+                         if reps[0].schedule_log is not None else None)
+
+    def _stop(self, records, specs, spec_of, where, now) -> None:
+        """The time limit: abort what is unfinished, reject what never arrived."""
+        for rep in self.replicas:
+            if rep.in_step:
+                rep._inflight = None
+            for rid in rep.unfinished_request_ids():
+                if rid not in records:
+                    rep.abort(rid, now)
+            if rep._aborted:
+                for out in rep._outputs(sorted(rep._aborted)):
+                    if out.finished:
+                        records[out.request_id] = record_of(out, spec_of[out.request_id].prompt_len)
+                rep._aborted = set()
+        for spec in specs:
+            if spec.request_id not in records:
+                records[spec.request_id] = _rejected(spec, max(now, spec.arrival_s))
+
+
+def _rejected(spec, now: float) -> metrics.RequestRecord:
+    return metrics.RequestRecord(
+        request_id=spec.request_id, status="rejected", arrival_s=spec.arrival_s,
+        first_scheduled_s=None, first_token_s=None, finish_s=None, token_times=(),
+        prompt_len=spec.prompt_len, output_len=0)
+
+
+def simulate(config: EngineConfig, step_model, workload: Workload, **kw) -> SimResult:
+    """``Simulator(config, step_model, ...).run(workload, ...)``: keyword arguments go to the
+    one that takes them."""
+    init = {k: kw.pop(k) for k in ("num_replicas", "router", "model_config", "build_device",
+                                   "record_schedule", "idle_wake_s") if k in kw}
+    return Simulator(config, step_model, **init).run(workload, **kw)
+
+
+def check_not_mixed(results: Sequence[Mapping]) -> str:
+    """The one evidence label of ``results`` (dicts with ``"evidence"``); ValueError if a
+    simulated result sits with a real or constructed one (``paged.workload.check_same_evidence``)."""
+    from paged.workload import check_same_evidence
+
+    return check_same_evidence(results)
+
+
+__all__ = ["EVIDENCE", "SimResult", "Simulator", "check_not_mixed", "record_of", "simulate"]

@@ -1,0 +1,277 @@
+"""The simulator runs the real host code: deterministic, replays a real run's schedule exactly,
+exercises preemption / swap / abort / timeout, keeps its evidence label apart; the fit and the
+router behave as documented."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from paged import Engine, EngineConfig, SamplingParams, metrics
+from paged import workload as wl
+from paged.block_manager import BlockManager
+from paged.routing import Router, cached_prefix_tokens
+from paged.sim import (
+    H200,
+    LLAMA3_8B,
+    LinearStepModel,
+    ReplayStepModel,
+    RooflineStepModel,
+    Simulator,
+    StepShape,
+    check_not_mixed,
+    fit_linear,
+    simulate,
+)
+from tests.engine_utils import small_model
+
+MODEL = LinearStepModel({"const": 2e-3, "tokens": 2e-5, "seqs": 1e-5, "kv_read": 1e-7})
+
+
+def _config(**kw) -> EngineConfig:
+    base = {"max_model_len": 128, "max_num_seqs": 8, "max_num_batched_tokens": 64,
+            "block_size": 8, "async_scheduling": False}
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def _workload(num=24, rate=40.0, seed=0, **kw):
+    return wl.make_workload("sharegpt", num, rate, max_model_len=128, seed=seed, **kw)
+
+
+def _key(res):
+    return [(r.request_id, r.status, r.first_token_s, r.finish_s, r.output_len, r.token_times,
+             r.num_preemptions, r.num_cached_tokens) for r in res.records]
+
+
+def test_deterministic_and_light_batch_equals_real_build():
+    w = _workload(num=30, rate=200.0)
+    a = simulate(_config(num_blocks=20), MODEL, w, record_schedule=True)
+    b = simulate(_config(num_blocks=20), MODEL, w, record_schedule=True)
+    c = simulate(_config(num_blocks=20), MODEL, w, record_schedule=True, build_device=False)
+    assert _key(a) == _key(b) == _key(c)
+    assert a.schedule == b.schedule == c.schedule
+    assert a.summary["completed"] == 30 and a.summary["engine_preemptions"] > 0
+    assert all(r.output_len == s.output_len for r, s in zip(a.records, w.requests))
+    assert a.summary["evidence"] == "simulated"
+
+
+def _record_real_run(engine: Engine, workload: wl.Workload):
+    """Runs the real engine serially; the clock advances by each step's measured wall time
+    (arrivals are admitted against it, an idle engine jumps to the next arrival). Returns the
+    step durations and, per step, the requests run with their tokens and the preempted ones."""
+    log = []
+    inner = engine.scheduler.schedule
+
+    def schedule(now):
+        out = inner(now)
+        if not out.is_empty:
+            ib = engine.batch
+            ran = [(ib.seqs[r].request_id, 1) for r in out.decode_rows.tolist()]
+            ran += [(it.seq.request_id, it.num_new_tokens) for it in out.scheduled]
+            log.append((ran, [s.request_id for s in out.preempted]))
+        return out
+
+    engine.scheduler.schedule = schedule
+    specs = list(workload.requests)
+    clock, i, durations, starts = 0.0, 0, [], []
+    while i < len(specs) or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests():
+            clock = max(clock, specs[i].arrival_s)
+        while i < len(specs) and specs[i].arrival_s <= clock:
+            r = specs[i]
+            engine.add_request(r.request_id, r.engine_prompt(),
+                               SamplingParams(max_tokens=r.output_len, temperature=0.0,
+                                              ignore_eos=True), arrival_time=r.arrival_s)
+            i += 1
+        n = len(log)
+        t = time.perf_counter()
+        engine.step()
+        d = time.perf_counter() - t
+        if len(log) > n:  # a step ran
+            starts.append(clock)
+            durations.append(d)
+            clock = clock + d
+    return durations, starts, log
+
+
+def test_replaying_a_real_runs_step_times_reproduces_its_schedule():
+    cfg = _config(num_blocks=20, min_token_bucket=64, min_seq_bucket=8)  # one compiled shape
+    model_config, params = small_model()
+    engine = Engine(cfg, model_config=model_config, params=params)
+    w = _workload(num=16, rate=400.0, seed=3)
+    durations, starts, real_log = _record_real_run(engine, w)
+    assert engine.scheduler.num_preemptions > 0  # the pool is small: preemption is replayed too
+    res = Simulator(cfg, ReplayStepModel(durations), model_config=model_config,
+                    record_schedule=True).run(w)
+    sim_log = res.schedule[0]
+    assert [(ran, pre) for _, ran, pre in sim_log] == real_log
+    assert [t for t, _, _ in sim_log] == starts
+    assert res.summary["completed"] == 16
+
+
+def test_preemption_swap_abort_and_timeout_paths():
+    w = _workload(num=30, rate=200.0, seed=1)
+    swap = simulate(_config(num_blocks=20, preemption_mode="swap"), MODEL, w)
+    assert swap.replicas[0]["num_swap_outs"] > 0
+    assert swap.summary["completed"] == 30
+    rec = simulate(_config(num_blocks=20), MODEL, w)
+    assert rec.summary["engine_preemptions"] > 0 and rec.replicas[0]["num_swap_outs"] == 0
+    ids = [r.request_id for r in w.requests]
+    late = w.requests[5].arrival_s + 0.004  # while it runs
+    res = simulate(_config(), MODEL, w, aborts={ids[0]: 0.001, ids[5]: late, "unknown": 0.0})
+    by_id = {r.request_id: r for r in res.records}
+    assert by_id[ids[0]].status == "aborted" and by_id[ids[5]].status == "aborted"
+    assert res.summary["completed"] == 28
+    short = simulate(_config(), MODEL, w, timeout_s=0.05)
+    assert short.summary["num_timeout"] > 0
+    assert short.summary["num_timeout"] + short.summary["completed"] == 30
+    cut = simulate(_config(), MODEL, w, max_time_s=0.05)
+    assert cut.summary["completed"] < 30
+    assert {r.status for r in cut.records} <= {"finished", "aborted", "rejected"}
+
+
+def test_simulated_results_never_mix_with_real_or_constructed():
+    res = simulate(_config(), MODEL, _workload(num=4))
+    sim = res.summary
+    assert sim["evidence"] == "simulated" and sim["workload_evidence"] == "constructed"
+    assert check_not_mixed([sim, sim]) == "simulated"
+    for other in ("real", "constructed"):
+        with pytest.raises(ValueError, match="must not mix"):
+            check_not_mixed([sim, {"evidence": other, "name": other}])
+        with pytest.raises(ValueError, match="must not mix"):
+            wl.check_same_evidence([{"evidence": other}, sim])
+    real_like = metrics.summarize(res.records, duration_s=1.0, evidence="real")
+    with pytest.raises(ValueError, match="must not mix"):
+        check_not_mixed([real_like, sim])
+
+
+def test_fit_rejects_a_grid_too_small_and_recovers_coefficients():
+    rng = np.random.default_rng(0)
+    shapes = [StepShape(num_tokens=int(t), num_seqs=int(s), kv_read=int(k))
+              for t, s, k in zip(rng.integers(1, 256, 12), rng.integers(1, 32, 12),
+                                 rng.integers(10, 5000, 12))]
+    truth = LinearStepModel({"const": 1e-3, "tokens": 3e-5, "seqs": 2e-5, "kv_read": 4e-7})
+    times = [truth.time(s) for s in shapes]
+    with pytest.raises(ValueError, match="too small"):
+        fit_linear(shapes[:5], times[:5])
+    flat = [StepShape(num_tokens=s.num_tokens, num_seqs=4, kv_read=s.kv_read) for s in shapes]
+    with pytest.raises(ValueError, match="rank"):
+        fit_linear(flat, times)  # "seqs" never varies: const and seqs are not separable
+    m = fit_linear(shapes, times)
+    for k, v in truth.coef.items():
+        assert m.coef[k] == pytest.approx(v, rel=1e-6)
+    assert m.fit["max_abs_rel_error"] < 1e-9
+    assert LinearStepModel.from_json(m.to_json()).coef == m.coef
+
+
+def test_roofline_decode_is_bandwidth_bound():
+    r = RooflineStepModel(H200, LLAMA3_8B)
+    one = r.time(StepShape(num_tokens=1, num_seqs=1, num_decode=1, kv_read=100, num_samples=1))
+    # ~16 GB of weights at 3.1 TB/s: about 5 ms, plus host and launch.
+    assert 4.5e-3 < one < 6.5e-3
+    big = r.time(StepShape(num_tokens=256, num_seqs=256, num_decode=256, kv_read=256 * 1000,
+                           num_samples=256))
+    assert big > one
+
+
+class _Fake:
+    def __init__(self, waiting, running, hit):
+        self.num_waiting, self.num_running, self.hit = waiting, running, hit
+
+    def cached_prefix_tokens(self, token_ids, cache_salt=None, probe=None):
+        return self.hit
+
+
+def test_router_policies():
+    rr = Router("round_robin")
+    reps = [_Fake(0, 0, 0) for _ in range(3)]
+    assert [rr.route([1, 2], reps) for _ in range(4)] == [0, 1, 2, 0]
+    ll = Router("least_loaded")
+    assert ll.route([1], [_Fake(2, 3, 0), _Fake(0, 1, 0), _Fake(4, 0, 0)]) == 1
+    idle = [_Fake(0, 0, 0) for _ in range(3)]
+    assert [ll.route([1], idle) for _ in range(3)] == [2, 0, 1]  # ties rotate
+    pa = Router("prefix_aware", load_threshold=4)
+    # The holder of the longest prefix wins while it is within the threshold of the least loaded.
+    assert pa.route([1], [_Fake(0, 1, 0), _Fake(2, 3, 64), _Fake(0, 2, 32)]) == 1
+    # Past the threshold (load 10 vs 1): the least loaded.
+    assert pa.route([1], [_Fake(0, 1, 0), _Fake(5, 5, 64), _Fake(0, 2, 32)]) == 0
+    # Cold prompt: the least loaded.
+    assert pa.route([1], [_Fake(3, 0, 0), _Fake(0, 1, 0), _Fake(0, 2, 0)]) == 1
+    # Equal hits: the less loaded holder.
+    assert pa.route([1], [_Fake(0, 0, 0), _Fake(0, 5, 64), _Fake(0, 2, 64)]) == 2
+    assert pa.num_routed == {"prefix": 2, "overloaded": 1, "cold": 1}
+    with pytest.raises(ValueError):
+        Router("random")
+
+
+def test_cached_prefix_query_is_side_effect_free_and_matches_admission():
+    bm = BlockManager(32, 4, cache_salt="m")
+    prompt = list(range(1, 19))  # 18 tokens: 4 full blocks
+    bm.allocate("a", prompt)
+    bm.mark_computed("a", 18)
+    query = prompt[:13] + [99, 98, 97]  # shares 3 full blocks (12 tokens)
+    before = (bm.stats(), bm._keyer.index.generation)
+    assert cached_prefix_tokens(bm, query) == 12
+    assert cached_prefix_tokens(bm, prompt) == 16
+    assert cached_prefix_tokens(bm, query, cache_salt=b"other") == 0
+    assert (bm.stats(), bm._keyer.index.generation) == before
+    assert bm.allocate("b", query) == 12
+
+
+def test_prefix_aware_routing_keeps_shared_prefixes_together():
+    w = wl.make_workload("alpaca", 64, 200.0, max_model_len=128, seed=2, shared_prefix_len=32)
+    hits = {}
+    for policy in ("round_robin", "prefix_aware"):
+        res = simulate(_config(), MODEL, w, num_replicas=4, router=Router(policy))
+        assert sum(res.routed) == 64 and res.summary["completed"] == 64
+        hits[policy] = res.summary["prefix_cache_hit_tokens"]
+    assert hits["prefix_aware"] > hits["round_robin"]
+
+
+def test_fleet_smoke_runs_and_labels_everything_simulated(tmp_path):
+    import json
+
+    from experiments import fleet
+    from experiments.configs import fleet as fleet_config
+
+    c = fleet_config.get_config("smoke")
+    c.studies = ("block_size", "replicas", "speed")
+    c.block_sizes = (16,)
+    c.replicas = (1, 2)
+    c.routers = ("round_robin", "prefix_aware")
+    c.max_requests = 120
+    c.bisect_steps = 0
+    c.speed_requests = (40, 80)
+    c.output_dir = str(tmp_path)
+    fleet.main(c, fleet.check(c))
+    payload = json.loads((tmp_path / "fleet.json").read_text())
+    assert payload["evidence"] == "simulated"
+    res = payload["results"]["Llama-3-8B"]
+    assert [a["arm"] for a in res["replicas"]] == ["1x least_loaded", "2x round_robin",
+                                                   "2x prefix_aware"]
+    assert all(p["evidence"] == "simulated" for a in res["replicas"] for p in a["points"])
+    assert [r["num_requests"] for r in res["speed"]] == [40, 80]
+
+
+@pytest.mark.slow
+def test_calibrate_and_sim_validate_smoke(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for study in ("calibrate", "sim_validate"):
+        proc = subprocess.run([sys.executable, "-m", f"experiments.{study}",
+                               f"--config=experiments/configs/{study}.py:smoke",
+                               f"--config.output_dir={tmp_path / study}"], cwd=root,
+                              capture_output=True, text=True, timeout=600, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    cal = json.loads((tmp_path / "calibrate" / "calibration.json").read_text())
+    assert set(cal["model"]["coef"]) == {"const", "tokens", "seqs", "kv_read"}
+    val = json.loads((tmp_path / "sim_validate" / "sim_validate.json").read_text())
+    assert val["evidence"] == {"real": "constructed", "sim": "simulated"}
+    assert val["points"][0]["sim_rel_error"]["p50_ttft_ms"] is not None
