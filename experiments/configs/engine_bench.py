@@ -37,8 +37,8 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         max_num_batched_tokens=None,
     )
     c.warmup_steps = 3  # decode steps after all prompts are in, before timing
-    c.steps = 40  # timed decode steps per round (then as many with the device call stubbed)
-    c.rounds = 3
+    c.steps = 32  # timed steps per block; each round: overlap on, off, device stubbed (3 blocks)
+    c.rounds = 4  # even: the on/off order alternates (A B, B A)
     c.churn_running = (256,)  # the churn regime (see engine_bench.py); () to skip
     c.churn_prompt_len = (8, 64)  # uniform [low, high) prompt lengths, BOS included
     c.churn_max_tokens = (16, 256)  # uniform [low, high) output lengths
