@@ -572,7 +572,13 @@ def run(c: ml_collections.ConfigDict, *, command: str = "") -> dict:
         record[f"meets_target_p50_cpu_{api}"] = (
             bool(cpu["n"]) and cpu["p50_us"] <= c.target_us_per_decode_step)
     record["wall_s"] = time.time() - t0
-    out = Path(c.out)
+    if c.out:
+        out = Path(c.out)
+    else:  # nothing under version control by default: results/block_manager_bench/<UTC time>/
+        from experiments.common import results_dir
+
+        out = results_dir("block_manager_bench") / "block_manager_bench.json"
+        c.out = str(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1, sort_keys=False) + "\n")
     return record

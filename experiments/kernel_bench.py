@@ -265,6 +265,10 @@ def main(argv) -> None:
     del argv
     config = _CONFIG.value
     out = _OUT.value or config.out
+    if not out:  # nothing under version control by default: results/kernel_bench/<UTC time>/
+        from experiments.common import results_dir
+
+        out = str(results_dir("kernel_bench") / "kernel_bench.json")
     record = run(config, peak_gbps=_PEAK.value, out=out)
     if out:
         print(f"wrote {out}")

@@ -53,7 +53,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     # its BlockManager replays the same trace interleaved with ours. Empty: skipped.
     c.nanovllm_path = ""
     c.versus_apis = ("batch", "engine")  # our decode calls in the comparison (see _Ours)
-    c.out = "experiments/results/block_manager_bench.json"
+    c.out = ""  # "" = results/block_manager_bench/<UTC timestamp>/ (git-ignored)
     if arg == "smoke":
         c.num_requests = 200
         c.output_mean = 24.0

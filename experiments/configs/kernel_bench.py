@@ -8,7 +8,8 @@ Launch (from the repo root)::
 
 Variants:
   ``cpu``   the CPU target shape (B=32, context 1024, Hq=32, Hkv=8, D=128, float32): "xla" paged vs
-            dense contiguous, interleaved; writes experiments/results/kernel_bench_cpu.json.
+            dense contiguous, interleaved; writes results/kernel_bench/<UTC timestamp>/ unless
+            ``--out`` names a file (the committed figures: experiments/results/kernel_bench_cpu.json).
   ``smoke`` tiny shapes, every implementation including the interpret-mode kernels and JAX's own
             Pallas kernels; a test runs it end to end (timings meaningless).
   ``h200``  one H200: bfloat16, longer contexts, compiled GPU-style Pallas vs "xla" vs JAX's GPU
@@ -83,7 +84,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     c.datasheet_gbps = 0.0  # the memory's datasheet figure for frac_of_datasheet (0: peak_gbps)
     c.rtol = 2e-4  # correctness check (float32 accumulate; looser for bf16 below)
     c.atol = 2e-4
-    c.out = f"experiments/results/kernel_bench_{arg}.json"
+    c.out = ""  # "" = results/kernel_bench/<UTC timestamp>/kernel_bench.json (git-ignored)
     c.ops = ("decode", "ragged")  # in this order; e.g. --config.ops="('ragged',)"
     c.reference_bytes_limit = 2 << 30  # above: the "xla" path is the oracle (see docstring)
     c.oracle_check_seqs = 4  # sequences whose oracle output float64 numpy checks (0: none)
