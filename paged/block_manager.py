@@ -262,6 +262,21 @@ class BlockManager:
         """
         return self._tables.block_usage()
 
+    def cached_prefix_tokens(self, token_ids: Sequence[int], *,
+                             cache_salt: bytes | str | None = None, probe=None) -> int:
+        """Leading tokens of ``token_ids`` the prefix cache holds now: a multiple of the block
+        size, never the block holding the final token (as admission counts hits). No side
+        effects: no pool state, admission memo or counter changes (a router's query).
+
+        Args:
+          token_ids: a prompt's token ids.
+          cache_salt: the salt of the prompt's keys (``None``: the manager's own).
+          probe: a ``paged.routing.PrefixProbe`` of the same prompt, to hash it once across
+            several managers.
+        """
+        salt = self.cache_salt if cache_salt is None else as_salt(cache_salt)
+        return len(self._keyer.match(token_ids, salt, probe)) * self.block_size
+
     # --- allocation ------------------------------------------------------------------------
     def can_allocate(self, prompt_token_ids: Sequence[int], *,
                      cache_salt: bytes | str | None = None) -> bool:

@@ -17,10 +17,10 @@ Policies:
   the rule of SGLang's cache-aware load balancer (cache affinity first, load balance when the
   imbalance passes a threshold).
 
-``cached_prefix_tokens(block_manager, tokens)`` answers the prefix query for a ``BlockManager``
-without side effects: it walks the prompt's full blocks through the manager's prefix-cache index
-exactly as admission does (same digest function, full-key and content-version checks), but
-touches no pool state, no admission memo and no counters. ``PrefixProbe`` shares the digests of
+``BlockManager.cached_prefix_tokens(tokens)`` answers the prefix query without side effects: it
+walks the prompt's full blocks through the manager's prefix-cache index exactly as admission does
+(same digest function, full-key and content-version checks), but touches no pool state, no
+admission memo and no counters. ``PrefixProbe`` shares the digests of
 one prompt across replicas whose managers use the same block size, hash function and salt, so a
 fleet of N replicas hashes each prompt once, not N times.
 """
@@ -48,18 +48,6 @@ class Replica(Protocol):
 
 
 # --- the prefix query ------------------------------------------------------------------------
-def _parts(bm):
-    """The block manager's prefix-cache index, digest function and block versions (read only).
-
-    These are the manager's internals: ``BlockManager`` has no public side-effect-free "longest
-    cached prefix" query (``can_allocate`` returns a bool and stores an admission memo). The
-    method a replica would need is ``BlockManager.cached_prefix_tokens(token_ids, *,
-    cache_salt=None) -> int``; until it exists this reads the same objects admission reads.
-    """
-    keyer = bm._keyer
-    return keyer.enabled, keyer.index, keyer.hash_fn, keyer.versions, keyer.block_size
-
-
 class PrefixProbe:
     """One prompt's block digests, computed once and shared by every replica probed.
 
@@ -89,34 +77,8 @@ class PrefixProbe:
 
 def cached_prefix_tokens(bm, token_ids: Sequence[int], cache_salt: bytes | None = None,
                          probe: PrefixProbe | None = None) -> int:
-    """Leading prompt tokens ``bm``'s prefix cache holds now (a multiple of the block size,
-    never the block holding the final token, as admission counts hits). No side effects.
-
-    Args:
-      bm: a ``paged.block_manager.BlockManager``.
-      token_ids: the prompt's token ids.
-      cache_salt: the full salt of the prompt's keys (``None``: the manager's own).
-      probe: digests to share across replicas (a ``PrefixProbe`` of the same prompt).
-    """
-    enabled, index, hash_fn, versions, B = _parts(bm)
-    if not enabled:
-        return 0
-    salt = bm.cache_salt if cache_salt is None else cache_salt
-    conf = (B, hash_fn, salt)
-    key_of, find = index.key, index.find
-    parent = None
-    n = 0
-    tokens = token_ids
-    for i in range((len(tokens) - 1) // B):
-        ids = tuple(tokens[i * B:(i + 1) * B])
-        pd = None if parent is None else parent.digest
-        digest = probe.digest(i, pd, ids, conf) if probe is not None else hash_fn(pd, ids, salt)
-        b = find(digest, parent, ids, salt, versions)
-        if b is None:
-            break
-        parent = key_of[b]
-        n += B
-    return n
+    """``bm.cached_prefix_tokens`` (a ``BlockManager``'s side-effect-free prefix query)."""
+    return bm.cached_prefix_tokens(token_ids, cache_salt=cache_salt, probe=probe)
 
 
 class EngineReplica:

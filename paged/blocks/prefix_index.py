@@ -264,19 +264,25 @@ class PrefixKeyer:
         self.enabled = enabled
         self.debug = debug
 
-    def match(self, tokens: list[int], salt: bytes) -> list[tuple[int, BlockKey]]:
+    def match(self, tokens: list[int], salt: bytes, probe=None) -> list[tuple[int, BlockKey]]:
         """(block, key) of the indexed blocks serving the longest prefix of full blocks of
-        ``tokens``, never the block holding the final token."""
+        ``tokens``, never the block holding the final token. Read only.
+
+        ``probe`` (a ``paged.routing.PrefixProbe`` of the same tokens) shares the block digests
+        across managers of the same block size, digest function and salt.
+        """
         if not self.enabled:
             return []
         B, find, hash_fn, versions = self.block_size, self.index.find, self.hash_fn, self.versions
         key_of = self.index.key
+        conf = (B, hash_fn, salt)
         hits = []
         parent = None
         for i in range((len(tokens) - 1) // B):
             ids = tuple(tokens[i * B:(i + 1) * B])
-            b = find(hash_fn(None if parent is None else parent.digest, ids, salt), parent, ids,
-                     salt, versions)
+            pd = None if parent is None else parent.digest
+            digest = hash_fn(pd, ids, salt) if probe is None else probe.digest(i, pd, ids, conf)
+            b = find(digest, parent, ids, salt, versions)
             if b is None:
                 break
             parent = key_of[b]
