@@ -14,6 +14,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_IMPLS = ("auto", "xla", "reference", "pallas", "pallas_tpu", "pallas_gpu", "interpret",
                    "interpret_tpu", "interpret_gpu")
 DTYPES = ("float32", "bfloat16")
+ROUTERS = ("prefix_aware", "round_robin", "least_loaded")  # paged.routing.POLICIES
 
 
 # Impl names that need a particular backend (the others run everywhere, CPU included).
@@ -87,6 +88,18 @@ class EngineConfig:
       speculative: ``SpeculativeConfig`` to speculate (propose and verify several tokens per
         decode and step; ``paged.spec_decode``), ``None`` not to. With it the steps run serially
         (``async_scheduling`` is not used: proposals need the last step's tokens on the host).
+      data_parallel_size: engine replicas (D), each with its own devices, KV pool, block manager,
+        scheduler and input batch; a router sends each request to one of them
+        (``paged.data_parallel``). The pool settings (``num_blocks``, ``max_num_seqs``, ...) are
+        per replica.
+      tensor_parallel_size: devices per replica (T): KV heads, attention projections and the MLP
+        are sharded over them (``paged.placement``). D x T devices are used, from
+        ``jax.devices()`` unless the engine is given ``devices=``.
+      router: how a request picks its replica when D > 1: "prefix_aware" (the replica holding
+        the longest cached prefix, unless its load exceeds the least-loaded one's by more than
+        ``router_load_threshold``), "round_robin" or "least_loaded" (``paged.routing``).
+      router_load_threshold: ``prefix_aware`` only: the load gap (waiting + running requests)
+        up to which cache affinity wins over balance.
     """
 
     model: str = "tiny"
@@ -112,6 +125,10 @@ class EngineConfig:
     min_seq_bucket: int = 1
     async_scheduling: bool = True
     speculative: SpeculativeConfig | None = None
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    router: str = "prefix_aware"
+    router_load_threshold: int = 16
 
     def __post_init__(self):
         # Integers reach int32 device arrays (positions, page ids), hence the upper bound.
@@ -122,6 +139,10 @@ class EngineConfig:
                          allow_none=True)
         validate.integer("num_host_blocks", self.num_host_blocks, minimum=0, allow_none=True)
         validate.integer("quarantine_steps", self.quarantine_steps, minimum=0)
+        validate.integer("data_parallel_size", self.data_parallel_size, minimum=1, maximum=4096)
+        validate.integer("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=4096)
+        validate.integer("router_load_threshold", self.router_load_threshold, minimum=0)
+        validate.one_of("router", self.router, ROUTERS)
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks={self.num_blocks} must be >= 2 (block 0 is the null page)")
         validate.integer("seed", self.seed, minimum=0)

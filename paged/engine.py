@@ -21,6 +21,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence as SequenceT
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -36,6 +37,7 @@ from paged.metrics import StepTiming
 from paged.models.config import LlamaConfig
 from paged.models.tokenizer import ByteTokenizer
 from paged.outputs import CompletionOutput, RequestOutput, check_outputs, collect_outputs, state_of
+from paged.placement import AXIS, Placement, split_devices
 from paged.progress import progress as progress_bar
 from paged.readback import StepReader
 from paged.request_checks import check_prompts, check_request
@@ -46,7 +48,22 @@ from paged.spec_decode import Speculator, load_draft
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompletionOutput", "Engine", "RequestOutput", "StepTiming"]
+
+class PendingStep(NamedTuple):
+    """A step between ``Engine.dispatch_step`` and ``Engine.finish_step``."""
+
+    timing: StepTiming
+    ended: list  # request ids that timed out or were aborted: reported first
+    sched: SchedulerOutput
+    done: InFlight | None  # the step to read back (dispatched by the previous call)
+    launched: InFlight | None  # the step this call dispatched (None: nothing to run)
+
+__all__ = ["CompletionOutput", "Engine", "PendingStep", "RequestOutput", "StepTiming"]
+
+
+def derive_seed(engine_seed: int, request_index: int) -> int:
+    """The sampling seed of the ``request_index``-th unseeded request of an engine."""
+    return int(np.random.SeedSequence([engine_seed, request_index]).generate_state(1)[0] % 2**31)
 
 
 class Engine:
@@ -56,19 +73,35 @@ class Engine:
       config: engine settings.
       model_config, params: a model to serve instead of the bundled ``config.model`` (tests use
         random weights this way). Both or neither.
-      mesh: optional device mesh with a ``"model"`` axis: KV pages are sharded on the KV-head axis
-        (tensor parallel); one block manager serves all shards.
+      devices: the devices to run on (default ``jax.devices()``): the first
+        ``tensor_parallel_size`` of them, or D x T of them for ``data_parallel_size = D > 1``
+        (then ``Engine(...)`` builds a ``paged.data_parallel.DataParallelEngine``: the same API
+        over D replicas).
+      mesh: instead of ``devices``, a device mesh with a ``"model"`` axis to shard over (tensor
+        parallel, ``paged.placement``); one block manager serves all shards.
 
     Raises:
       TypeError: ``config`` is not an ``EngineConfig`` (or ``None``: the defaults).
       ValueError: a pool too small for one ``max_model_len`` request, an ``attention_impl`` that
-        cannot run on this backend (``paged.config.check_attention_impl``), or inconsistent
-        arguments.
+        cannot run on this backend (``paged.config.check_attention_impl``), D x T more than the
+        devices, KV heads not divisible by T, or inconsistent arguments.
     """
 
+    def __new__(cls, config: EngineConfig | None = None, *args, **kwargs):
+        if cls is Engine and isinstance(config, EngineConfig) and config.data_parallel_size > 1:
+            from paged.data_parallel import DataParallelEngine
+
+            return super().__new__(DataParallelEngine)  # Python then runs its __init__
+        return super().__new__(cls)
+
     def __init__(self, config: EngineConfig | None = None, *, model_config: LlamaConfig | None = None,
-                 params=None, mesh: jax.sharding.Mesh | None = None):
+                 params=None, mesh: jax.sharding.Mesh | None = None, devices=None):
         config = engine_config(config, jax.default_backend())
+        if config.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={config.data_parallel_size}: build it with "
+                             f"Engine(config) (a DataParallelEngine), not a subclass")
+        if mesh is not None and devices is not None:
+            raise ValueError("pass devices or mesh, not both")
         if (model_config is None) != (params is None):
             raise ValueError("pass both model_config and params, or neither")
         tokenizer = ByteTokenizer()
@@ -111,33 +144,34 @@ class Engine:
                                      debug=config.debug_checks)
         self.scheduler = Scheduler(config, self.block_manager, self.batch)
         self._inflight: InFlight | None = None  # the step dispatched and not read back yet
+        if mesh is not None:
+            if AXIS not in mesh.axis_names:
+                raise ValueError(f"mesh axes {mesh.axis_names} must include 'model' (KV heads)")
+            if model_config.num_kv_heads % mesh.shape[AXIS]:
+                raise ValueError(f"num_kv_heads={model_config.num_kv_heads} is not divisible by "
+                                 f"the mesh's model axis ({mesh.shape[AXIS]})")
+            self.placement = Placement(mesh)
+        else:
+            self.placement = Placement.on(split_devices(
+                jax.devices() if devices is None else devices, 1, config.tensor_parallel_size,
+                model_config.num_kv_heads)[0])
+        placement = self.placement
         # May be switched between steps; speculation proposes from the last step's tokens.
         self.async_scheduling = config.async_scheduling and config.speculative is None
         self.speculator = None if config.speculative is None else Speculator(
             config.speculative, self.batch, self.block_manager, config.max_num_batched_tokens,
-            load_draft(config, model_config, num_pages, page_size, host_blocks),
+            load_draft(config, model_config, num_pages, page_size, host_blocks, placement),
             self._builder)
-        sharding = None
-        if mesh is not None:
-            if "model" not in mesh.axis_names:
-                raise ValueError(f"mesh axes {mesh.axis_names} must include 'model' (KV heads)")
-            if model_config.num_kv_heads % mesh.shape["model"]:
-                raise ValueError(f"num_kv_heads={model_config.num_kv_heads} must be divisible by "
-                                 f"the mesh's model axis ({mesh.shape['model']})")
-            spec = jax.sharding.PartitionSpec(None, "model")
-            sharding = jax.sharding.NamedSharding(mesh, spec)
         self.cache = kc.KVCache.create(
             model_config.num_layers, model_config.num_kv_heads, num_pages, page_size,
-            model_config.head_dim, config.dtype, sharding=sharding)
+            model_config.head_dim, config.dtype, sharding=placement.kv)
         self._host_k = self._host_v = None
         if host_blocks:
             shape = (model_config.num_layers, model_config.num_kv_heads, host_blocks, page_size,
                      model_config.head_dim)
             self._host_k = np.zeros(shape, np.dtype(self.cache.dtype))
             self._host_v = np.zeros(shape, np.dtype(self.cache.dtype))
-        replicated = None if mesh is None else jax.sharding.NamedSharding(
-            mesh, jax.sharding.PartitionSpec())
-        self.params = jax.device_put(params, replicated)
+        self.params = placement.put_params(params)
         out_size = kc.next_pow2(max(config.max_num_seqs, config.min_seq_bucket))
         # The plain step, and variants that also return log-probabilities and/or verify drafts.
         fns = {v: make_step_fn(model_config, config.attention_impl, out_size, *v)
@@ -145,7 +179,7 @@ class Engine:
         self._step_fn = fns[False, False][0]
         self._variants = {v: f for v, (f, _) in fns.items()}
         self._trace_count = lambda: sum(count() for _, count in fns.values())
-        self._no_prev = jax.device_put(np.zeros(out_size, np.int32), replicated)
+        self._no_prev = placement.put(np.zeros(out_size, np.int32))
         self._traces_at_start = self._trace_count()
         self._requests: dict[str, list[Sequence]] = {}
         self._num_deadlines = 0  # unfinished requests with a timeout (skip the scan when 0)
@@ -154,7 +188,9 @@ class Engine:
         self._num_requests = 0
         self._steps_without_progress = 0
         self.num_steps = 0
+        self.num_requests_served = 0  # finished requests reported (any finish reason)
         self.last_timing = StepTiming()
+        self._pending = False  # between dispatch_step() and finish_step()
         self._reader = StepReader(self)
 
     # --- requests -----------------------------------------------------------------------
@@ -198,13 +234,14 @@ class Engine:
                                         timeout_s, cache_salt))
 
     def _add_checked(self, request_id, token_ids, params, arrival_time, timeout_s,
-                     cache_salt) -> None:
-        """Adds a request that ``check_request`` accepted (cannot fail)."""
+                     cache_salt, *, seed: int | None = None) -> None:
+        """Adds a request that ``check_request`` accepted (cannot fail). ``seed``: the seed of
+        an unseeded request (default: derived from the engine's seed and request count)."""
         now = time.perf_counter() if arrival_time is None else arrival_time
-        seed = params.seed
-        if seed is None:
-            seed = int(np.random.SeedSequence([self.config.seed, self._num_requests]).generate_state(1)[0]
-                       % 2**31)
+        if params.seed is not None:
+            seed = params.seed
+        elif seed is None:
+            seed = derive_seed(self.config.seed, self._num_requests)
         seq_id = self._new_seq_id()
         if params.prompt_logprobs is not None:  # a prefix-cache hit would skip scored positions
             salt = self.block_manager.cache_salt if cache_salt is None else cache_salt
@@ -231,6 +268,11 @@ class Engine:
         self._aborted.add(request_id)  # its final output comes with the next step
         return True
 
+    @property
+    def cache_salt(self) -> bytes:
+        """The salt of every prefix-cache key (model, weights, dtype); tenants' salts extend it."""
+        return self.block_manager.cache_salt
+
     def unfinished_request_ids(self) -> list[str]:
         """Requests added and not yet reported finished."""
         return [r for r, seqs in self._requests.items() if r not in self._aborted]
@@ -256,6 +298,16 @@ class Engine:
         to run only reads back). Order: requests that timed out or were aborted since the last
         call (by id), then the others in batch order (decodes in row order, then the other items).
         """
+        return self.finish_step(self.dispatch_step())
+
+    def dispatch_step(self) -> PendingStep:
+        """The first half of ``step()``: schedules, builds and dispatches the next device call
+        without waiting for any device result. ``finish_step`` must follow before the next
+        ``dispatch_step`` (or ``step``) of this engine. A host loop over several engines
+        (data-parallel replicas) dispatches all of them before it finishes any, so their devices
+        run concurrently."""
+        if self._pending:
+            raise RuntimeError("dispatch_step() twice without finish_step()")
         timing = StepTiming()
         t0 = time.perf_counter()
         ended = sorted(self._expire(t0) | self._aborted)  # reported first
@@ -266,16 +318,7 @@ class Engine:
         t1 = time.perf_counter()
         timing.schedule = t1 - t0
         done, launched = self._inflight, None
-        if sched.is_empty:
-            made, touched, decode = self._read_back(done, None, timing) if done else ([], {}, [])
-            self._inflight = None
-            # The step's copies (swap, CoW) belong to it: pages they touch stay held until it ends.
-            step_id = self.block_manager.begin_step()
-            self._prepare_device(sched)
-            self.block_manager.step_completed(step_id)
-            if done is None:
-                self._guard_progress(sched)
-        else:
+        if not sched.is_empty:
             self._steps_without_progress = 0
             step_id = self.block_manager.begin_step()
             self._prepare_device(sched)
@@ -299,6 +342,27 @@ class Engine:
             timing.prepare = time.perf_counter() - t1
             timing.num_seqs, timing.num_tokens = batch.num_seqs, batch.num_tokens
             self.num_steps += 1
+        self._pending = True
+        return PendingStep(timing, ended, sched, done, launched)
+
+    def finish_step(self, pending: PendingStep) -> list[RequestOutput]:
+        """The second half of ``step()``: waits for the step to read back (the previous one with
+        ``async_scheduling``, else the one just dispatched), applies its tokens and returns the
+        outputs."""
+        if not self._pending:
+            raise RuntimeError("finish_step() without dispatch_step()")
+        self._pending = False
+        timing, ended, sched, done, launched = pending
+        if launched is None:  # nothing dispatched: read back, then the step's copies
+            made, touched, decode = self._read_back(done, None, timing) if done else ([], {}, [])
+            self._inflight = None
+            # The step's copies (swap, CoW) belong to it: pages they touch stay held until it ends.
+            step_id = self.block_manager.begin_step()
+            self._prepare_device(sched)
+            self.block_manager.step_completed(step_id)
+            if done is None:
+                self._guard_progress(sched)
+        else:
             made, touched, decode = [], {}, []
             if done is not None:
                 made, touched, decode = self._read_back(done, launched, timing)
@@ -378,6 +442,7 @@ class Engine:
         """The request's output now; a finished request is forgotten (reported once)."""
         out = self._request_output(request_id)
         if out.finished:
+            self.num_requests_served += 1
             seqs = self._requests.pop(request_id)
             self._num_deadlines -= seqs[0].deadline is not None
         return out

@@ -34,6 +34,7 @@ def kv_stats(engine) -> dict:
         "num_running": len(sched.running),
         "num_waiting": len(sched.waiting),
         "num_swapped": len(sched.swapped),
+        "num_requests_served": engine.num_requests_served,
         "block_manager": stats,
         "ledger": ledger.as_dict(),
     }

@@ -40,7 +40,7 @@ def check_request(engine, request_id, prompt, params, arrival_time, timeout_s,
             raise ValueError(f"cache_salt={cache_salt!r} must be non-empty (None: no salt)")
         raw = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
         # The model's salt first, so a tenant's keys never match another model's either.
-        cache_salt = engine.block_manager.cache_salt + b"|tenant:" + raw
+        cache_salt = engine.cache_salt + b"|tenant:" + raw
     return request_id, token_ids, params, arrival_time, timeout_s, cache_salt
 
 

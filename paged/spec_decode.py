@@ -80,16 +80,20 @@ class DraftModel:
     """
 
     def __init__(self, model_config, params, num_pages: int, page_size: int, dtype: str,
-                 attention_impl: str, host_blocks: int = 0):
+                 attention_impl: str, host_blocks: int = 0, placement=None):
         import jax
 
         from paged import kv_cache as kc
         from paged.device_step import make_draft_fns
 
         self.config = model_config
-        self.params = jax.device_put(params)
+        if placement is not None and model_config.num_kv_heads % placement.size:
+            raise ValueError(f"draft num_kv_heads={model_config.num_kv_heads} is not divisible "
+                             f"by tensor_parallel_size={placement.size}")
+        self.params = jax.device_put(params) if placement is None else placement.put_params(params)
         self.cache = kc.KVCache.create(model_config.num_layers, model_config.num_kv_heads,
-                                       num_pages, page_size, model_config.head_dim, dtype)
+                                       num_pages, page_size, model_config.head_dim, dtype,
+                                       sharding=None if placement is None else placement.kv)
         self.forward, self.propose = make_draft_fns(model_config, attention_impl)
         self.host_k = self.host_v = None
         if host_blocks:
@@ -307,7 +311,7 @@ class Speculator:
         reader.check_stop(seq, emitted[-1], n_new, now)
 
 
-def load_draft(config, model_config, num_pages, page_size, host_blocks):
+def load_draft(config, model_config, num_pages, page_size, host_blocks, placement=None):
     """The draft model of ``speculative.method == "draft"`` (checked against the target)."""
     spec = config.speculative
     if spec is None or spec.method != "draft":
@@ -322,4 +326,4 @@ def load_draft(config, model_config, num_pages, page_size, host_blocks):
         raise ValueError(f"draft model {spec.model!r} serves max_seq_len="
                          f"{draft_config.max_seq_len} < max_model_len={config.max_model_len}")
     return DraftModel(draft_config, draft_params, num_pages, page_size, config.dtype,
-                      config.attention_impl, host_blocks)
+                      config.attention_impl, host_blocks, placement)

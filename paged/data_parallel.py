@@ -1,0 +1,205 @@
+"""Data-parallel replicas behind one ``Engine`` API.
+
+``Engine(EngineConfig(data_parallel_size=D, tensor_parallel_size=T))`` builds a
+``DataParallelEngine``: D replicas, each an ``Engine`` on its own T devices (``paged.placement``)
+with its own KV pool, block manager, scheduler and input batch, and a ``paged.routing.Router``
+that sends each new request to one of them. The router reads only host state: each replica's
+queue sizes and its prefix-cache index (``BlockManager.cached_prefix_tokens``).
+
+One ``step()`` dispatches every replica's next device call (``Engine.dispatch_step``) before it
+waits on any (``Engine.finish_step``, replica order). JAX dispatch is asynchronous, so the D
+devices compute concurrently while the host moves on to the next replica. What the host still
+serialises: each replica's scheduling, batch build and dispatch, then each replica's read-back
+(sampled tokens, stops, outputs), one replica after the other on one Python thread. With
+``async_scheduling`` a replica's read-back waits for the step dispatched in the previous call,
+which ran while the host served the other replicas; without it, for the step just dispatched.
+
+Requests keep their engine-wide identity: request ids are unique across replicas, and an unseeded
+request's seed derives from the engine's seed and its arrival order over the whole engine (as in a
+single engine), so which replica serves a request does not change its samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+
+from paged.config import EngineConfig, engine_config
+from paged.engine import Engine, derive_seed
+from paged.metrics import StepTiming
+from paged.placement import split_devices
+from paged.request_checks import check_request
+from paged.routing import EngineReplica, Router
+from paged.spec_decode import SpecStats
+
+log = logging.getLogger(__name__)
+
+# kv_stats() keys that describe the geometry (equal across replicas), not amounts to add up.
+_SAME = frozenset({"kv_layout", "layout", "dtype", "block_size", "bytes_per_block"})
+
+
+class DataParallelEngine(Engine):
+    """``Engine``'s API over ``config.data_parallel_size`` replicas (see the module docstring).
+
+    Attributes:
+      replicas: the replica engines, in device order (replica i runs on devices
+        ``[i * T, (i + 1) * T)`` of the device list).
+      router: the ``paged.routing.Router`` choosing each request's replica.
+
+    Raises:
+      ValueError: D x T more than the devices, KV heads not divisible by T, a ``mesh=`` (it names
+        one replica's devices), or anything a single engine refuses.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, model_config=None, params=None,
+                 mesh=None, devices=None):
+        config = engine_config(config, jax.default_backend())
+        if mesh is not None:
+            raise ValueError("mesh= places one replica; with data_parallel_size > 1 pass devices=")
+        if (model_config is None) != (params is None):
+            raise ValueError("pass both model_config and params, or neither")
+        if model_config is None:  # loaded once, placed by each replica
+            from paged.models.registry import load_any
+
+            model_config, params, _ = load_any(config.model, dtype=config.dtype,
+                                               max_model_len=config.max_model_len)
+        groups = split_devices(jax.devices() if devices is None else devices,
+                               config.data_parallel_size, config.tensor_parallel_size,
+                               model_config.num_kv_heads)
+        one = dataclasses.replace(config, data_parallel_size=1)
+        self.config = config
+        self.replicas: list[Engine] = [
+            Engine(one, model_config=model_config, params=params, devices=g) for g in groups]
+        first = self.replicas[0]
+        self.model_config, self.tokenizer, self.page_size = (
+            first.model_config, first.tokenizer, first.page_size)
+        self.router = Router(config.router, config.router_load_threshold)
+        self._views = [EngineReplica(r) for r in self.replicas]
+        self._requests: dict[str, int] = {}  # unfinished or unreported request -> its replica
+        self._num_requests = 0
+        self.num_steps = 0
+        self.last_timing = StepTiming()
+        self._trace_count = first._trace_count
+        self._traces_at_start = self._trace_count()
+
+    # --- requests -----------------------------------------------------------------------
+    @property
+    def cache_salt(self) -> bytes:
+        return self.replicas[0].cache_salt
+
+    def add_request(self, request_id, prompt, params=None, *, arrival_time=None, timeout_s=None,
+                    cache_salt=None) -> None:
+        """``Engine.add_request``: checked, then routed to one replica."""
+        self._add_checked(*check_request(self, request_id, prompt, params, arrival_time,
+                                        timeout_s, cache_salt))
+
+    def _add_checked(self, request_id, token_ids, params, arrival_time, timeout_s, cache_salt,
+                     *, seed=None) -> None:
+        i = self.router.route(token_ids, self._views, cache_salt)
+        if seed is None:
+            seed = derive_seed(self.config.seed, self._num_requests)
+        self.replicas[i]._add_checked(request_id, token_ids, params, arrival_time, timeout_s,
+                                      cache_salt, seed=seed)
+        self._requests[request_id] = i
+        self._num_requests += 1
+
+    def replica_of(self, request_id: str) -> int | None:
+        """The replica serving an unfinished (or finished and unreported) request."""
+        return self._requests.get(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """``Engine.abort`` on the request's replica (its blocks are freed there)."""
+        i = self._requests.get(request_id)
+        if i is None:
+            log.warning("abort(%r): no unfinished request with this id", request_id)
+            return False
+        return self.replicas[i].abort(request_id)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return [r for e in self.replicas for r in e.unfinished_request_ids()]
+
+    def has_unfinished_requests(self) -> bool:
+        return any(e.has_unfinished_requests() for e in self.replicas)
+
+    def has_step_in_flight(self) -> bool:
+        return any(e.has_step_in_flight() for e in self.replicas)
+
+    # --- the step -----------------------------------------------------------------------
+    def step(self):
+        """One step of every replica: all dispatch, then all read back. Outputs are grouped by
+        replica (replica order), each group ordered as ``Engine.step`` orders it."""
+        pending = [e.dispatch_step() for e in self.replicas]
+        outputs = []
+        for e, p in zip(self.replicas, pending):
+            outputs += e.finish_step(p)
+        for out in outputs:
+            if out.finished:
+                self._requests.pop(out.request_id, None)
+        self.num_steps += any(p.launched is not None for p in pending)
+        timing = StepTiming()
+        for e in self.replicas:
+            t = e.last_timing
+            for f in ("schedule", "prepare", "device", "postprocess", "num_seqs", "num_tokens"):
+                setattr(timing, f, getattr(timing, f) + getattr(t, f))
+        self.last_timing = timing
+        return outputs
+
+    def dispatch_step(self):
+        raise NotImplementedError("a DataParallelEngine steps all replicas at once: use step()")
+
+    finish_step = dispatch_step
+
+    def warmup(self) -> int:
+        """``Engine.warmup`` on every replica (each compiles for its own devices); returns the
+        number of step shapes."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("warmup() must run before requests are added")
+        return max(e.warmup() for e in self.replicas)
+
+    # --- introspection ------------------------------------------------------------------
+    @property
+    def num_compilations(self) -> int:
+        return self._trace_count() - self._traces_at_start
+
+    def spec_decode_stats(self) -> dict:
+        total = SpecStats()
+        for e in self.replicas:
+            if e.speculator is not None:
+                for f in dataclasses.fields(SpecStats):
+                    setattr(total, f.name, getattr(total, f.name) + getattr(e.speculator.stats, f.name))
+        return total.as_dict()
+
+    def kv_stats(self) -> dict:
+        """The replicas' ``kv_stats()`` added up, and ``replicas``: each replica's own (with its
+        ``num_running``, ``num_waiting`` and ``num_requests_served``). Geometry (block size,
+        dtype, layout) is the replicas' common value; ``position_utilization`` is the average
+        weighted by in-use blocks."""
+        per = [e.kv_stats() for e in self.replicas]
+        merged = _merge(per)
+        used = [d["num_used_blocks"] for d in per]
+        utils = [d["ledger"]["position_utilization"] for d in per]
+        merged["ledger"]["position_utilization"] = (
+            None if not sum(used) else
+            sum(u * n for u, n in zip(utils, used) if u is not None) / sum(used))
+        merged["data_parallel_size"] = len(self.replicas)
+        merged["replicas"] = per
+        return merged
+
+
+def _merge(dicts: list[dict]) -> dict:
+    """Numeric leaves summed; dicts merged recursively; other values kept from the first."""
+    out = {}
+    for key, first in dicts[0].items():
+        values = [d[key] for d in dicts]
+        if isinstance(first, dict):
+            out[key] = _merge(values)
+        elif key in _SAME or isinstance(first, bool) or not isinstance(first, (int, float)):
+            out[key] = first
+        else:
+            out[key] = sum(values)
+    return out
+
+
+__all__ = ["DataParallelEngine"]

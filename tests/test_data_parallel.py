@@ -1,0 +1,151 @@
+"""Data-parallel replicas and tensor parallel through ``EngineConfig`` (``paged.data_parallel``).
+
+The multi-device checks run in one subprocess with four forced host devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=4`` must be set before JAX starts); the
+argument checks run here on the one CPU device.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from engine_utils import small_model
+from paged import Engine, EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = r"""
+import sys
+sys.path.insert(0, "tests")
+import jax
+from engine_utils import prompts, small_model
+from paged import Engine, EngineConfig, SamplingParams
+from paged.data_parallel import DataParallelEngine
+
+assert len(jax.devices()) == 4, jax.devices()
+cfg, params = small_model()
+# One token bucket and one sequence bucket: each replica compiles one step shape per device.
+base = dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+            attention_impl="xla", debug_checks=True, min_token_bucket=32, min_seq_bucket=4)
+sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+shared = [256] + list(range(1, 25))  # three full blocks of 8
+batch = prompts(5, seed=2) + [shared + [40 + i] for i in range(3)]
+
+
+def run(conf, reqs=batch, p=sp):
+    engine = Engine(conf, model_config=cfg, params=params)
+    return engine, [o.token_ids for o in engine.generate(reqs, p)]
+
+
+_, single = run(EngineConfig(**base))
+# Two admitted sequences per replica outgrow 8 blocks while they decode.
+longer, grow = prompts(8, seed=3, min_len=17, max_len=24), SamplingParams(
+    max_tokens=22, temperature=0.0, ignore_eos=True)
+_, tight_single = run(EngineConfig(**base, num_blocks=9), longer, grow)
+for d, t in ((4, 1), (2, 2)):
+    engine, got = run(EngineConfig(**base, data_parallel_size=d, tensor_parallel_size=t))
+    assert isinstance(engine, DataParallelEngine) and len(engine.replicas) == d
+    assert got == single, (d, t, got, single)
+    pages = [r.cache.k_pages.sharding for r in engine.replicas]
+    assert all(len(s.device_set) == t for s in pages), pages
+    assert len(set().union(*(s.device_set for s in pages))) == d * t  # no device shared
+    q = engine.replicas[0].params["params"]["layers_0"]["attn"]["q_proj"].sharding
+    assert (tuple(q.spec)[1:2] == ("model",)) == (t > 1), q
+    stats = engine.kv_stats()
+    per = stats["replicas"]
+    assert sum(r["num_requests_served"] for r in per) == len(batch) == stats["num_requests_served"]
+    assert all(r["num_requests_served"] > 0 for r in per), per  # every replica served
+    assert stats["num_free_blocks"] == sum(r["num_free_blocks"] for r in per)
+    assert stats["block_size"] == 8 and stats["data_parallel_size"] == d
+    # Preemption: a pool of 8 usable blocks per replica cannot hold its share at once.
+    engine, got = run(EngineConfig(**base, num_blocks=9, data_parallel_size=d,
+                                   tensor_parallel_size=t, preemption_mode="swap" if t > 1 else "recompute"),
+                      longer, grow)
+    assert got == tight_single, (d, t, got, tight_single)
+    print(d, t, "preemptions", engine.kv_stats()["num_preemptions"], flush=True)
+    assert engine.kv_stats()["num_preemptions"] > 0
+
+# Routing: after a warm-up that puts each system prompt on one replica, prefix-aware routing
+# sends every follow-up where its prompt is cached; round robin spreads them.
+systems = [[256] + [10 * s + 1] * 24 for s in range(4)]
+hits = {}
+for policy in ("prefix_aware", "round_robin"):
+    engine = Engine(EngineConfig(**base, data_parallel_size=4, router=policy),
+                    model_config=cfg, params=params)
+    engine.generate(systems, sp)
+    warm = engine.kv_stats()["prefix_cache_hit_tokens"]
+    for wave in range(3):
+        engine.generate([systems[(i + wave) % 4] + [100 + i, wave] for i in range(4)], sp)
+    hits[policy] = engine.kv_stats()["prefix_cache_hit_tokens"] - warm
+print("hits", hits, flush=True)
+assert hits["prefix_aware"] == 12 * 24, hits  # every follow-up hits its 3 blocks
+assert hits["prefix_aware"] >= 2 * hits["round_robin"], hits
+
+# Abort and timeout free blocks on the replica that held them; nothing is lost or leaked.
+engine = Engine(EngineConfig(**base, data_parallel_size=2, router="round_robin"),
+                model_config=cfg, params=params)
+free0 = [r.block_manager.num_free_blocks for r in engine.replicas]
+long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+engine.add_request("a", batch[0], long)
+engine.add_request("b", batch[1], long, timeout_s=0.05)
+assert (engine.replica_of("a"), engine.replica_of("b")) == (0, 1)
+engine.step(); engine.step()
+assert all(r.block_manager.num_free_blocks < f for r, f in zip(engine.replicas, free0))
+assert engine.abort("a") and not engine.abort("nope")
+import time
+time.sleep(0.06)
+outs = {}
+while engine.has_unfinished_requests() or engine.has_step_in_flight():
+    outs.update((o.request_id, o) for o in engine.step() if o.finished)
+assert outs["a"].outputs[0].finish_reason == "abort", outs["a"]
+assert outs["b"].outputs[0].finish_reason == "timeout", outs["b"]
+for _ in range(3):
+    engine.step()  # the quarantine window passes
+assert [r.block_manager.num_free_blocks + r.block_manager.num_cached_blocks
+        for r in engine.replicas] == free0
+assert engine.replica_of("a") is None
+print("DP_OK")
+"""
+
+
+def test_replicas_and_tensor_parallel_give_the_single_device_tokens():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0 and "DP_OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(data_parallel_size=2), r"data_parallel_size=2 x tensor_parallel_size=1 = 2 devices, "
+                                 r"but only 1"),
+    (dict(tensor_parallel_size=3), r"3 devices, but only 1"),
+])
+def test_too_many_devices_is_refused(kw, match):
+    cfg, params = small_model()
+    with pytest.raises(ValueError, match=match):
+        Engine(EngineConfig(max_model_len=64, **kw), model_config=cfg, params=params)
+
+
+def test_kv_heads_must_divide_by_tensor_parallel_size():
+    cfg, params = small_model()  # 2 KV heads
+    devices = jax.devices() * 3  # enough entries for the count check to pass
+    with pytest.raises(ValueError, match=r"num_kv_heads=2 is not divisible by "
+                                         r"tensor_parallel_size=3"):
+        Engine(EngineConfig(max_model_len=64, tensor_parallel_size=3), model_config=cfg,
+               params=params, devices=devices)
+
+
+@pytest.mark.parametrize("kw, err", [
+    (dict(data_parallel_size=0), ValueError), (dict(tensor_parallel_size=True), TypeError),
+    (dict(router="random"), ValueError), (dict(router_load_threshold=-1), ValueError),
+])
+def test_bad_parallel_settings(kw, err):
+    with pytest.raises(err):
+        EngineConfig(**kw)
