@@ -1,0 +1,282 @@
+"""What the HTTP router knows about each backend: routed prefixes, in-flight requests, load.
+
+The router never sees a backend's prefix cache. Like SGLang's cache-aware router it keeps an
+approximate picture instead: every prompt it routes is inserted into the chosen backend's
+`PrefixTree` (a character-level radix tree with an LRU bound on the characters it holds), and a
+new prompt's hit on a backend is the longest prefix of it that tree holds. The picture is wrong
+when the backend evicted those blocks, when other clients reach the backend directly, or after
+the backend restarts; it only steers, outputs never depend on it.
+
+Load comes from two sources: the requests this router has open on the backend (``in_flight``,
+exact for this router's traffic and updated at once) and the backend's own gauges
+``paged:num_requests_waiting`` / ``paged:num_requests_running`` scraped from its ``/metrics``
+every few seconds (every client's traffic, but stale). A backend's load is the larger of the two.
+
+`Backend` has the `paged.routing.Replica` members (``num_waiting``, ``num_running``,
+``cached_prefix_tokens``), so `paged.routing.Router` makes the decision here exactly as it does
+in-process over engines and in the simulator.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+
+# The first token-id character: token ids map to code points above the Basic Multilingual Plane
+# (one character per token), after a marker so that a token-id prompt never shares a prefix with
+# a text prompt.
+_ID_BASE = 0x10000
+_ID_MARK = "\x01"
+_SALT_MARK = "\x02"
+
+
+def prompt_key(body: dict, endpoint: str) -> str:
+    """The routing key of a request body: the text whose prefixes the trees hold.
+
+    Completions: the prompt (the first one of a list); a token-id prompt becomes one character per
+    id. Chat: each message as ``<|role|>\\ncontent\\n`` (text parts of a content list joined), the
+    server's plain template; only prefix consistency matters, not the backend's exact rendering.
+    A string ``cache_salt`` in the body starts the key, so that differently salted requests share
+    nothing. Anything unexpected gives ``""`` (no prefix: routed as cold).
+    """
+    key = ""
+    if endpoint == "chat":
+        msgs = body.get("messages")
+        if isinstance(msgs, list):
+            parts = []
+            for m in msgs:
+                if not isinstance(m, dict):
+                    break
+                content = m.get("content")
+                if isinstance(content, list):
+                    content = "".join(p.get("text", "") for p in content
+                                      if isinstance(p, dict) and p.get("type") == "text"
+                                      and isinstance(p.get("text"), str))
+                text = content if isinstance(content, str) else ""
+                parts.append(f"<|{m.get('role')}|>\n{text}\n")
+            key = "".join(parts)
+    else:
+        p = body.get("prompt")
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            p = p[0]
+        if isinstance(p, str):
+            key = p
+        elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                         and 0 <= t < 0x10FFFF - _ID_BASE for t in p):
+            key = _ID_MARK + "".join(chr(_ID_BASE + t) for t in p)
+    salt = body.get("cache_salt")
+    if isinstance(salt, str) and salt and key:
+        key = f"{_SALT_MARK}{salt}{_SALT_MARK}{key}"
+    return key
+
+
+# --- the approximate prefix tree ---------------------------------------------------------------
+class _Node:
+    __slots__ = ("children", "edge", "last", "parent")
+
+    def __init__(self, edge: str, parent: _Node | None):
+        self.edge, self.parent = edge, parent
+        self.children: dict[str, _Node] = {}
+        self.last = 0
+
+
+def _common_len(edge: str, key: str, pos: int) -> int:
+    """Length of the common prefix of ``edge`` and ``key[pos:]`` (startswith, binary search)."""
+    lo, hi = 0, min(len(edge), len(key) - pos)
+    if key.startswith(edge[:hi], pos):
+        return hi
+    hi -= 1
+    while lo < hi:  # the answer is in [lo, hi]
+        mid = (lo + hi + 1) // 2
+        if key.startswith(edge[:mid], pos):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class PrefixTree:
+    """A radix tree of the prompts routed to one backend, bounded to ``max_chars`` characters.
+
+    ``insert`` marks every node on the prompt's path as used now; when the tree holds more than
+    ``max_chars`` characters the least recently used leaves are dropped until it holds at most
+    90% of that (a leaf whose parent is left childless makes the parent a leaf in turn).
+    """
+
+    def __init__(self, max_chars: int = 1 << 22):
+        if isinstance(max_chars, bool) or not isinstance(max_chars, int) or max_chars < 1:
+            raise ValueError(f"max_chars={max_chars!r} must be an int >= 1")
+        self.max_chars = max_chars
+        self.root = _Node("", None)
+        self.num_chars = 0
+        self._clock = 0
+
+    def match(self, key: str) -> int:
+        """Characters of the longest prefix of ``key`` the tree holds (no side effects)."""
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            n = _common_len(child.edge, key, pos)
+            pos += n
+            if n < len(child.edge):
+                break
+            node = child
+        return pos
+
+    def insert(self, key: str) -> None:
+        """Adds ``key`` (its path becomes the most recently used) and evicts past the bound."""
+        self._clock += 1
+        now = self._clock
+        node, pos = self.root, 0
+        node.last = now
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                leaf = _Node(key[pos:], node)
+                leaf.last = now
+                node.children[key[pos]] = leaf
+                self.num_chars += len(key) - pos
+                break
+            n = _common_len(child.edge, key, pos)
+            if n < len(child.edge):  # split the edge at n
+                mid = _Node(child.edge[:n], node)
+                node.children[key[pos]] = mid
+                child.edge = child.edge[n:]
+                child.parent = mid
+                mid.children[child.edge[0]] = child
+                mid.last = child.last
+                child = mid
+            child.last = now
+            node, pos = child, pos + n
+        if self.num_chars > self.max_chars:
+            self._evict(int(self.max_chars * 0.9))
+
+    def _leaves(self) -> list[_Node]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node is not self.root:
+                out.append(node)
+        return out
+
+    def _evict(self, target: int) -> None:
+        while self.num_chars > target:
+            leaves = sorted(self._leaves(), key=lambda n: n.last)
+            if not leaves:
+                break
+            for leaf in leaves:
+                if self.num_chars <= target:
+                    break
+                parent = leaf.parent
+                del parent.children[leaf.edge[0]]
+                self.num_chars -= len(leaf.edge)
+
+    def __len__(self) -> int:
+        return self.num_chars
+
+
+# --- a backend -------------------------------------------------------------------------------
+_GAUGE = re.compile(r"^(paged:num_requests_(?:waiting|running))(?:\{[^}]*\})? (\S+)$", re.M)
+
+
+def parse_load(metrics_text: str) -> tuple[int, int] | None:
+    """``(waiting, running)`` from a ``paged.server``'s ``/metrics`` text; None if absent."""
+    found = {m.group(1): m.group(2) for m in _GAUGE.finditer(metrics_text)}
+    try:
+        return (int(float(found["paged:num_requests_waiting"])),
+                int(float(found["paged:num_requests_running"])))
+    except (KeyError, ValueError):
+        return None
+
+
+class Backend:
+    """One ``paged.server`` behind the router: its URL, health, load and routed prefixes.
+
+    Attributes:
+      url: base URL, no trailing slash (``http://host:port``).
+      up: False after a connection to it failed; the next successful scrape sets it again.
+      in_flight: requests this router forwarded to it that have not finished (streams included
+        until their last byte is relayed).
+      scraped_waiting, scraped_running: the backend's gauges at the last scrape (0 before one).
+      scraped_at: ``time.monotonic()`` of the last successful scrape (None: never).
+      last_error: the last connection error, for ``/health`` and logs.
+      prefix_granularity: a hit is reported in whole multiples of this many characters (a real
+        prefix cache holds whole blocks only, so a few shared characters are no hit).
+    """
+
+    def __init__(self, url: str, *, max_tree_chars: int = 1 << 22, prefix_granularity: int = 16):
+        if prefix_granularity < 1:
+            raise ValueError(f"prefix_granularity={prefix_granularity!r} must be >= 1")
+        self.url = url.rstrip("/")
+        self.tree = PrefixTree(max_tree_chars)
+        self.prefix_granularity = prefix_granularity
+        self.up = True
+        self.in_flight = 0
+        self.scraped_waiting = self.scraped_running = 0
+        self.scraped_at: float | None = None
+        self.last_error: str | None = None
+        self.num_requests = 0
+        self.num_errors = 0
+
+    # --- the Replica protocol (paged.routing) -----------------------------------------------
+    @property
+    def load(self) -> int:
+        """The larger of this router's open requests and the backend's scraped waiting + running."""
+        return max(self.in_flight, self.scraped_waiting + self.scraped_running)
+
+    @property
+    def num_waiting(self) -> int:
+        return min(self.scraped_waiting, self.load)
+
+    @property
+    def num_running(self) -> int:
+        return self.load - self.num_waiting
+
+    def cached_prefix_tokens(self, token_ids: Sequence, cache_salt: bytes | None = None,
+                             probe=None) -> int:
+        """The approximate hit of routing key ``token_ids`` (a `prompt_key` string): characters of
+        its longest prefix routed here before, rounded down to ``prefix_granularity``. The salt
+        is part of the key already; ``probe`` (digests of a real cache) does not apply."""
+        if not isinstance(token_ids, str) or not token_ids:
+            return 0
+        g = self.prefix_granularity
+        return self.tree.match(token_ids) // g * g
+
+    # --- bookkeeping ----------------------------------------------------------------------------
+    def routed(self, key: str) -> None:
+        """A request with routing key ``key`` is being forwarded here."""
+        self.in_flight += 1
+        self.num_requests += 1
+        if key:
+            self.tree.insert(key)
+
+    def finished(self) -> None:
+        self.in_flight = max(self.in_flight - 1, 0)
+
+    def failed(self, error: str) -> None:
+        """A connection to the backend failed: it takes no requests until a scrape succeeds, and
+        its prefix tree starts over (a server that went away comes back with an empty cache)."""
+        self.up = False
+        self.tree = PrefixTree(self.tree.max_chars)
+        self.num_errors += 1
+        self.last_error = error
+
+    def scraped(self, load: tuple[int, int] | None) -> None:
+        self.up, self.last_error = True, None
+        if load is not None:
+            self.scraped_waiting, self.scraped_running = load
+        self.scraped_at = time.monotonic()
+
+    def state(self) -> dict:
+        return {"url": self.url, "up": self.up, "in_flight": self.in_flight,
+                "waiting": self.scraped_waiting, "running": self.scraped_running,
+                "tree_chars": self.tree.num_chars, "requests": self.num_requests,
+                "errors": self.num_errors, "last_error": self.last_error}
+
+
+__all__ = ["Backend", "PrefixTree", "parse_load", "prompt_key"]
