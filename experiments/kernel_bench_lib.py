@@ -857,7 +857,7 @@ def bench_grid_point(config, dtype: str, context: int, batch: int, *, datasheet_
             entry["achieved_gbps"] = rec["bytes"] / median / 1e9
     read_gbps, copy_gbps = rec["read"].get("gbps"), rec["copy"].get("gbps")
     ref = rec["impls"].get(g.compare_to, {}).get("median_ms")
-    for name, entry in rec["impls"].items():
+    for entry in rec["impls"].values():
         roofline_fractions(entry, read_gbps=read_gbps, copy_gbps=copy_gbps,
                            datasheet_gbps=datasheet_gbps)  # fmt: skip
         if ref and "median_ms" in entry:

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from paged import kv_cache as kc
+from paged import multihost
 from paged.batch import BatchBuilder, InFlight
 from paged.block_manager import BlockManager
 from paged.config import EngineConfig, engine_config
@@ -156,6 +157,13 @@ class Engine:
                 jax.devices() if devices is None else devices, 1, config.tensor_parallel_size,
                 model_config.num_kv_heads)[0])
         placement = self.placement
+        self._leader = self._follower = None  # a multi-process engine's role (paged.multihost)
+        if multihost.spans_processes(placement.devices):
+            multihost.check_config(config)
+            if jax.process_index() == 0:
+                self._leader = multihost.Leader(self.pages_per_seq)
+            else:
+                self._follower = jax.process_index()
         # May be switched between steps; speculation proposes from the last step's tokens.
         self.async_scheduling = config.async_scheduling and config.speculative is None
         self.speculator = None if config.speculative is None else Speculator(
@@ -176,10 +184,14 @@ class Engine:
         # The plain step, and variants that also return log-probabilities and/or verify drafts.
         fns = {v: make_step_fn(model_config, config.attention_impl, out_size, *v)
                for v in itertools.product((False, True), repeat=2)}
-        self._step_fn = fns[False, False][0]
-        self._variants = {v: f for v, (f, _) in fns.items()}
+        self._variants_raw = {v: f for v, (f, _) in fns.items()}
+        self._variants = dict(self._variants_raw)
         self._trace_count = lambda: sum(count() for _, count in fns.values())
         self._no_prev = placement.put(np.zeros(out_size, np.int32))
+        if self._leader is not None:  # every device call is announced to the other processes
+            self._variants = {v: self._leader.wrap(f, v, self._no_prev)
+                              for v, f in self._variants_raw.items()}
+        self._step_fn = self._variants[False, False]
         self._traces_at_start = self._trace_count()
         self._requests: dict[str, list[Sequence]] = {}
         self._num_deadlines = 0  # unfinished requests with a timeout (skip the scan when 0)
@@ -308,6 +320,9 @@ class Engine:
         run concurrently."""
         if self._pending:
             raise RuntimeError("dispatch_step() twice without finish_step()")
+        if self._follower is not None:
+            raise RuntimeError(f"process {self._follower} follows process 0: call "
+                               f"paged.multihost.follow(engine), not step()")
         timing = StepTiming()
         t0 = time.perf_counter()
         ended = sorted(self._expire(t0) | self._aborted)  # reported first
@@ -418,6 +433,8 @@ class Engine:
                 f"free blocks={self.block_manager.num_allocatable_blocks}); the pool is too small")
 
     def _prepare_device(self, sched: SchedulerOutput) -> None:
+        if self._leader is not None:
+            self._leader.copies(sched, self._freed_pages)
         draft = None if self.speculator is None else self.speculator.draft
         if draft is not None:  # the same copies on the draft's cache (no poison: see DraftModel)
             draft.cache = apply_copies(draft.cache, sched, draft.host_k, draft.host_v, [])

@@ -13,7 +13,10 @@ from paged.sampling import SamplingParams
 def check_request(engine, request_id, prompt, params, arrival_time, timeout_s,
                    cache_salt) -> tuple:
     """``Engine.add_request``'s checks, with no side effect: returns (request id, token ids,
-    params, arrival time, timeout, full cache salt), or raises TypeError / ValueError."""
+    params, arrival time, timeout, full cache salt), or raises TypeError / ValueError
+    (RuntimeError on a follower process of a multi-process engine: requests go to process 0)."""
+    if getattr(engine, "_follower", None) is not None:
+        raise RuntimeError(f"process {engine._follower} follows process 0: add requests there")
     request_id = validate.string("request_id", request_id)
     if request_id in engine._requests:
         raise ValueError(f"duplicate request_id={request_id!r}")

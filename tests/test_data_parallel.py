@@ -14,8 +14,8 @@ from pathlib import Path
 
 import jax
 import pytest
-
 from engine_utils import small_model
+
 from paged import Engine, EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
