@@ -19,7 +19,10 @@ tenants uniform), and the simulator's own speed (wall time per simulated request
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
+import os
 import time
 import types
 
@@ -196,25 +199,49 @@ class _with:
 
 
 def speed(c, cfg, sm, replicas: int) -> list[dict]:
+    """Wall time per simulated request at each ``speed_requests`` size (fast-forward on, as in
+    every study), and, with ``speed_compare_stepping``, the smallest size stepped one step per
+    host pass too: the same records (compared), the wall time it takes."""
+    def digest(res):
+        return hashlib.sha256(json.dumps([r.as_dict() for r in res.records],
+                                         default=str).encode()).hexdigest()[:16]
+
     rows = []
     rate = c.speed_rate_per_replica * replicas
-    for n in c.speed_requests:
+    sizes = [(n, True) for n in c.speed_requests]
+    if c.speed_compare_stepping:
+        sizes.insert(0, (min(c.speed_requests), False))
+    for n, ff in sizes:
         w = plain_workload(c, n, rate, cfg.max_model_len)
         sim = Simulator(cfg, sm, num_replicas=replicas, router=Router("least_loaded"),
-                        model_config=sm.model, build_device=False)
+                        model_config=sm.model, build_device=False, fast_forward=ff)
         res = sim.run(w)
         s = res.summary
         tokens = s["total_output_tokens"]
+        fast = sum(r["num_fast_forward_steps"] for r in res.replicas)
         rows.append({"num_requests": n, "replicas": replicas, "rate": rate, "wall_s": res.wall_s,
+                     "fast_forward": ff, "fast_forward_steps": fast,
                      "us_per_request": 1e6 * res.wall_s / n,
-                     "requests_per_wall_s": n / res.wall_s,
+                     "requests_per_wall_s": n / res.wall_s, "cpu_s": res.cpu_s,
+                     "us_cpu_per_request": 1e6 * res.cpu_s / n,
+                     "requests_per_cpu_s": n / res.cpu_s,
                      "output_tokens": tokens, "us_per_output_token": 1e6 * res.wall_s / tokens,
                      "num_steps": res.num_steps, "us_per_step": 1e6 * res.wall_s / res.num_steps,
+                     "records_sha256": digest(res), "load_average": os.getloadavg()[0],
                      "sim_s": res.sim_s, "completed": s["completed"], "evidence": s["evidence"]})
         r = rows[-1]
-        print(f"  speed {replicas} replicas  N={n:7d}  wall {r['wall_s']:7.2f} s  "
-              f"{r['us_per_request']:8.1f} us/request  {r['requests_per_wall_s']:8.0f} req/s  "
-              f"{r['us_per_output_token']:.2f} us/token  {r['us_per_step']:.0f} us/step", flush=True)
+        print(f"  speed {replicas} replicas  N={n:7d}  {'fast-forward' if ff else 'stepping    '}"
+              f"  wall {r['wall_s']:7.2f} s  {r['us_per_request']:8.1f} us/request  "
+              f"{r['requests_per_wall_s']:8.0f} req/s (CPU {r['cpu_s']:.2f} s: "
+              f"{r['requests_per_cpu_s']:.0f} req/CPU-s)  {r['us_per_output_token']:.2f} us/token  "
+              f"{r['us_per_step']:.1f} us/step  ({fast / res.num_steps:.0%} of steps fast-forwarded)",
+              flush=True)
+    if c.speed_compare_stepping:
+        same = rows[0]["records_sha256"] == rows[1]["records_sha256"]
+        print(f"  stepping and fast-forward give {'the same' if same else 'DIFFERENT'} records; "
+              f"speed-up {rows[0]['wall_s'] / rows[1]['wall_s']:.1f}x", flush=True)
+        if not same:
+            raise RuntimeError("fast-forward changed the simulated records")
     return rows
 
 

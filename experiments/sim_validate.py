@@ -14,6 +14,20 @@ Two simulated variants: ``sim`` (the fitted model) and ``sim_noisy`` (the fitted
 a ratio drawn from the calibration's measured / predicted spread, ``paged.sim.NoisyStepModel``;
 only with a serving-mode calibration, which stores that spread).
 
+With ``paired_calibration`` (the default), two more: ``sim_paired`` / ``sim_paired_noisy``,
+fitted (plain least squares, calibrate's serving features) on a calibration run made right before
+the point's real run: the same workload kind, shared prefix, rate and engine, other requests
+(seed ``seed + 1000 + point index``), so it measures the step periods in the same stretch of
+machine load and the same engine regime (how busy the engine keeps the cores), never the point's
+own steps. On a shared CPU the machine's load drifts within minutes and a step of the same
+shape takes 2-3x longer when it is high, so one calibration for the whole grid (``sim``) carries
+that drift into every point; the paired one is the per-point calibration a user would make before
+asking a what-if of this machine.
+
+Diagnostic ``sim_self`` (with ``self_fit``): fitted on the point's own real steps (in sample, not
+a validation): the error left when the step-time model is as good as a shape-only fit can be,
+i.e. the simulator's own (scheduling, queueing, timing) error.
+
 With ``leave_one_out``, two more: ``sim_loo`` / ``sim_loo_noisy``, fitted (plain least squares,
 calibrate's serving features) on the real steps of every *other* point of this run, recorded
 while they ran: the same stretch of machine load, never the point's own steps. On a machine other
@@ -81,7 +95,8 @@ def check(c) -> dict:
             w = make_workload(kind, max(2, round(rate * c.duration_s)), float(rate),
                               max_model_len=engine_config.max_model_len, seed=c.seed,
                               shared_prefix_len=int(prefix))
-            points.append({"workload": str(name), "rate": float(rate), "wl": w})
+            points.append({"workload": str(name), "rate": float(rate), "wl": w, "kind": kind,
+                           "prefix": int(prefix)})
     if not points:
         raise ValueError("workloads=() names no workload")
     return {"engine": engine_config, "points": points}
@@ -163,6 +178,47 @@ def run_real(c, engine_config, model, point) -> tuple[dict, list]:
     return row, rec.rows
 
 
+def paired_models(c, engine_config, model, point, index: int) -> tuple[dict, dict]:
+    """A calibration run just before the point's real run: same kind, prefix, rate and engine,
+    other requests (seed ``seed + 1000 + index``); the models fitted on its step periods."""
+    from experiments.calibrate import ServingRecorder
+    from experiments.configs import calibrate as cal_config
+
+    w0 = point["wl"]
+    w = make_workload(point["kind"], len(w0), point["rate"], max_model_len=engine_config.max_model_len,
+                      seed=c.seed + 1000 + index, shared_prefix_len=point["prefix"])
+    engine = serving.build_engine(engine_config, model)
+    rec = ServingRecorder(engine)
+    try:
+        serving.run_arm(f"calibrate {point['workload']}@{point['rate']:g}", engine, w,
+                        max_wall_s=w.duration_s + c.max_drain_s, progress=False)
+    finally:
+        rec.close()
+    feats = tuple(cal_config.get_config("serving").serving_features)
+    info = {"seed": c.seed + 1000 + index, "num_steps": len(rec.rows),
+            "load_average": os.getloadavg()[0]}
+    m = _fit_rows(rec.rows, feats)
+    if m is None:
+        return {}, info
+    shapes, times = [r[0] for r in rec.rows], [r[1] for r in rec.rows]
+    q = ratio_quantiles(times, [m.time(sh) for sh in shapes])
+    info.update(coef=m.coef, rms_rel_error=m.fit["rms_rel_error"])
+    return {"sim_paired": lambda: m,
+            "sim_paired_noisy": lambda: NoisyStepModel(m, q, seed=c.seed)}, info
+
+
+def _fit_rows(rows, feats):
+    """``fit_linear`` (absolute) of recorded (shape, period) rows; without ``after_idle`` if no
+    step followed a pause; ``None`` if the rows cannot determine a fit."""
+    shapes, times = [r[0] for r in rows], [r[1] for r in rows]
+    for f in (feats, tuple(x for x in feats if x != "after_idle")):
+        try:
+            return fit_linear(shapes, times, f, weights="absolute")
+        except ValueError:
+            continue
+    return None
+
+
 def run_sims(c, engine_config, model, models, point, row, wake_s: float) -> None:
     """Each simulated variant of ``models`` (name -> model factory) on the point's requests."""
     w = point["wl"]
@@ -241,16 +297,30 @@ def main(c, plan):
     if quantiles:  # the calibration's measured spread, one seeded generator per point
         models["sim_noisy"] = lambda: NoisyStepModel(sm, quantiles, seed=c.seed)
     wake = cal["sleep_overshoot_s"] if c.model_idle_wake else 0.0
-    rows, steps = [], []
+    rows, steps, paired = [], [], []
     bar = common.Progress(len(plan["points"]), "[sim_validate real]", unit="point")
-    for point in plan["points"]:
+    for i, point in enumerate(plan["points"]):
+        pm = {}
+        if c.paired_calibration:
+            pm, info = paired_models(c, plan["engine"], model, point, i)
         row, st = run_real(c, plan["engine"], model, point)
+        if c.paired_calibration:
+            row["paired_calibration"] = info
         rows.append(row)
         steps.append(st)
+        paired.append(pm)
         bar.update()
     bar.close()
+    from experiments.configs import calibrate as cal_config
+
+    feats = tuple(cal_config.get_config("serving").serving_features)
     for i, (point, row) in enumerate(zip(plan["points"], rows)):
         variants = dict(models)
+        variants.update(paired[i])
+        if c.self_fit:
+            m_self = _fit_rows(steps[i], feats)
+            if m_self is not None:
+                variants["sim_self"] = lambda m=m_self: m
         if c.leave_one_out and len(rows) > 1:
             variants.update(loo_models(c, steps, i))
         run_sims(c, plan["engine"], model, variants, point, row, wake)
@@ -260,7 +330,8 @@ def main(c, plan):
                   f"{v:13s} " + "  ".join(f"{m} {_f(row['real'][m])}/{_f(row[v][m])} ({_p(e[m])})"
                                           for m, _, _ in METRICS[:4])
                   + f"  sat {row['real_saturated']}/{row[v + '_saturated']}", flush=True)
-    names = [k[:-len("_evidence")] for k in rows[0] if k.endswith("_evidence") and k != "real_evidence"]
+    names = [k[:-len("_evidence")] for k in rows[0] if k.endswith("_evidence") and k != "real_evidence"
+             and all(k in r for r in rows)]  # variants every point has
     check_not_mixed([{"evidence": r["real_evidence"]} for r in rows])
     for v in names:
         check_not_mixed([{"evidence": r[f"{v}_evidence"]} for r in rows])

@@ -133,6 +133,57 @@ def test_preemption_swap_abort_and_timeout_paths():
     assert {r.status for r in cut.records} <= {"finished", "aborted", "rejected"}
 
 
+def _ff_pair(cfg, w, model=MODEL, num_replicas=1, policy="least_loaded", idle_wake_s=0.0,
+             **run_kw):
+    """The same run stepped and fast-forwarded: records, schedules, counters and block-manager
+    statistics must be equal."""
+    out = []
+    for ff in (False, True):
+        sim = Simulator(cfg, model, num_replicas=num_replicas, router=Router(policy),
+                        build_device=False, record_schedule=True, fast_forward=ff,
+                        idle_wake_s=idle_wake_s)
+        res = sim.run(w, **run_kw)
+        out.append((res, [r.block_manager.stats() for r in sim.replicas],
+                    sum(r.num_fast_steps for r in sim.replicas)))
+    (a, bm_a, ff_a), (b, bm_b, ff_b) = out
+    assert ff_a == 0 and ff_b > 0  # the fast path ran
+    assert _key(a) == _key(b)
+    assert a.schedule == b.schedule
+    assert bm_a == bm_b
+    drop = ("num_fast_forward_steps",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in a.replicas] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in b.replicas]
+    assert a.routed == b.routed and a.router == b.router
+    return a
+
+
+def test_fast_forward_gives_the_schedule_of_stepping():
+    w = _workload(num=40, rate=60.0, seed=2, shared_prefix_len=16)
+    ids = [r.request_id for r in w.requests]
+    # Preemption with prefix caching (recomputed requests meet their own cached blocks).
+    res = _ff_pair(_config(num_blocks=24, enable_prefix_caching=True), w)
+    assert res.summary["engine_preemptions"] > 0 and res.summary["prefix_cache_hit_tokens"] > 0
+    _ff_pair(_config(num_blocks=20, preemption_mode="swap"), w)
+    # Aborts mid-stretch, the time limit mid-stretch, a late idle wake-up.
+    _ff_pair(_config(), w, aborts={rid: 0.2 + 0.03 * i for i, rid in enumerate(ids[::4])})
+    # An abort just after an arrival cut a stretch short: the step in flight resumes without
+    # the request that came after it began.
+    _ff_pair(_config(), w, aborts={ids[i]: w.requests[i + 1].arrival_s + 1e-4
+                                   for i in range(0, 39, 3)})
+    _ff_pair(_config(), w, max_time_s=0.61)
+    _ff_pair(_config(), _workload(num=20, rate=10.0, seed=4), idle_wake_s=0.001)
+    # Routers, prefix-aware among them (it reads every block manager).
+    for policy in ("round_robin", "least_loaded", "prefix_aware"):
+        _ff_pair(_config(enable_prefix_caching=True), w, num_replicas=3, policy=policy)
+    # The roofline's decode times equal its per-step times, bit for bit.
+    rm = RooflineStepModel(H200, LLAMA3_8B, block_size=8)
+    _ff_pair(_config(), _workload(num=30, rate=200.0, seed=5), model=rm, num_replicas=2)
+    assert rm.decode_times(7, 900, 5, 8, 8) == [
+        rm.time(StepShape(num_tokens=7, num_seqs=7, num_decode=7, kv_read=900 + 7 * j,
+                          attn_pairs=900 + 7 * j, num_samples=7, padded_tokens=8, padded_seqs=8))
+        for j in range(5)]
+
+
 def test_simulated_results_never_mix_with_real_or_constructed():
     res = simulate(_config(), MODEL, _workload(num=4))
     sim = res.summary
@@ -253,7 +304,10 @@ def test_fleet_smoke_runs_and_labels_everything_simulated(tmp_path):
     assert [a["arm"] for a in res["replicas"]] == ["1x least_loaded", "2x round_robin",
                                                    "2x prefix_aware"]
     assert all(p["evidence"] == "simulated" for a in res["replicas"] for p in a["points"])
-    assert [r["num_requests"] for r in res["speed"]] == [40, 80]
+    speed = res["speed"]  # the smallest size stepped too: the same records
+    assert [(r["num_requests"], r["fast_forward"]) for r in speed] == [(40, False), (40, True),
+                                                                        (80, True)]
+    assert speed[0]["records_sha256"] == speed[1]["records_sha256"]
 
 
 @pytest.mark.slow

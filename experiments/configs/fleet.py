@@ -15,8 +15,9 @@ found by bracketing then ``bisect_steps`` bisections of the rate.
 Studies (``studies``): ``block_size``, ``batched_tokens`` (``max_num_batched_tokens``),
 ``preemption`` (recompute vs swap), each at ``tight_kv_gb`` of KV memory so memory binds;
 ``replicas`` (replica counts x router policies) on a multi-tenant shared-prefix workload at
-``kv_gb`` per replica; ``speed`` (simulator wall time against the number of requests at the largest
-replica count).
+``kv_gb`` per replica; ``speed`` (simulator wall and CPU time against the number of requests at the
+largest replica count; with ``speed_compare_stepping`` the smallest size is also run one step per
+host pass, and its records must equal fast-forward's).
 """
 
 import ml_collections
@@ -50,7 +51,8 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.load_threshold = 16
     c.num_prefixes = 512  # tenants / conversations, each with its own shared prefix
     c.prefix_len = 768
-    c.speed_requests = (1000, 3000, 10_000)
+    c.speed_requests = (1000, 10_000, 100_000)
+    c.speed_compare_stepping = True  # also step the smallest size one step per pass (same records)
     c.speed_rate_per_replica = 8.0
     c.seed = 0
     c.output_dir = ""

@@ -32,6 +32,10 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
                    ("alpaca", "alpaca", 0, (32.0, 64.0, 128.0, 256.0, 512.0)),
                    ("sharegpt_prefix", "sharegpt", 64, (8.0, 16.0, 32.0, 64.0, 128.0)))
     c.leave_one_out = True  # also simulate with models fitted on the other points' real steps
+    # Before each point's real run, a calibration run of the same kind and rate (other requests):
+    # the sim_paired variants are fitted on it (same stretch of machine load).
+    c.paired_calibration = True
+    c.self_fit = True  # diagnostic sim_self: fitted on the point's own real steps (in sample)
     c.model_idle_wake = True  # the simulator models the driver's measured sleep overshoot
     c.duration_s = 6.0  # offered load per point
     c.max_drain_s = 30.0  # wall limit per point beyond the last arrival
@@ -47,6 +51,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.calibrate_grid = "smoke"
         c.workloads = (("alpaca", "alpaca", 0, (20.0,)),)
         c.duration_s = 0.4
+        c.paired_calibration = False
         c.max_drain_s = 20.0
         c.engine.max_model_len = 128
         c.engine.max_num_seqs = 4

@@ -231,7 +231,7 @@ class SeqTables:
         need = self.grow_need(seq, m)
         if need > len(pool.free) + len(pool.lru):
             return None
-        fresh = pool.take(need)
+        fresh = pool.take(need) if need else []  # take(0) changes nothing
         pairs = []
         if len(seq.tokens) % self.block_size:
             last = seq.table[-1]

@@ -4,7 +4,8 @@
   analytic roofline, replay of recorded steps).
 * ``paged.sim.replica``: ``SimReplica``, an engine replica running the real host code
   (``Scheduler``, ``BlockManager``, ``InputBatch``, ``BatchBuilder``, ``StepReader`` and the
-  engine's request bookkeeping) with the device step replaced by the model.
+  engine's request bookkeeping) with the device step replaced by the model; stretches of pure
+  decode steps are planned and applied in bulk where that is exact (fast-forward).
 * ``paged.sim.simulator``: ``Simulator``, the event loop over replicas behind a
   ``paged.routing.Router``; results are labelled ``evidence: "simulated"``.
 """

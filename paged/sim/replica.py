@@ -23,9 +23,26 @@ modelled.
 (the serving code path, numpy only); ``False`` builds only what ``commit`` and ``StepReader.read``
 use (``light_batch``: same decodes, positions, samples, items and stop candidates), which is
 faster for large fleets. The tests check that both give the same schedule.
+
+Fast-forward (``fast_forward=True``, with ``build_device=False`` and a stateless step model): when
+a step would be a pure decode step of every running sequence (nothing waiting or swapped, no
+abort or deadline pending, every row a steady decoder with n == 1 and no stop ids), the schedule
+of the next steps is known until one of them samples a sequence's last token or the pool could
+run short: ``plan(now)`` computes that stretch's step times (the model's time of each step's
+``StepShape``, the same float sums as stepping) without running it. ``advance_to(t)`` then applies
+the steps that ended by ``t`` with the real calls each would make (``append_decode_slots``,
+``begin_step`` / ``step_completed``, ``mark_computed_many`` at block ends; the input-batch rows
+written in bulk) and begins the step in flight at ``t`` on the ordinary path. Outputs of
+unfinished requests (which the simulator drops) are not made. The simulator calls it at the
+stretch's end, when a request or an abort reaches the replica mid-stretch, before a router reads
+the block manager (``prefix_aware``) and at the time limit; the state it leaves is the state
+stepping leaves (tests compare records, schedules and counters).
 """
 
 from __future__ import annotations
+
+import collections
+from bisect import bisect_left, bisect_right
 
 import numpy as np
 
@@ -35,10 +52,12 @@ from paged.config import EngineConfig
 from paged.engine import Engine
 from paged.input_batch import HAS_STOP_IDS, LIMIT, SAMPLE_INDEX, SEED, InputBatch
 from paged.models.tokenizer import ByteTokenizer
+from paged.outputs import state_of
 from paged.readback import StepReader
 from paged.request_checks import check_request
 from paged.routing import cached_prefix_tokens
 from paged.scheduler import Scheduler, SchedulerOutput
+from paged.sequence import UNKNOWN
 from paged.sim.step_model import StepShape, StepTimeModel
 
 
@@ -76,6 +95,7 @@ class SimReplica:
       token_salt: mixed into the pseudo-tokens (a different "model").
       record_schedule: keep, per step, ``(start time, [(request id, tokens)], [preempted ids])``.
       name: for reports.
+      fast_forward: allow ``plan`` / ``advance_to`` (module docstring); used only where exact.
     """
 
     # The engine's own request bookkeeping, unchanged.
@@ -92,7 +112,7 @@ class SimReplica:
 
     def __init__(self, config: EngineConfig, step_model: StepTimeModel, *, model_config=None,
                  build_device: bool = True, token_salt: int = 0, record_schedule: bool = False,
-                 name: str = "replica"):
+                 name: str = "replica", fast_forward: bool = True):
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         if not isinstance(step_model, StepTimeModel):
@@ -135,6 +155,7 @@ class SimReplica:
         self._aborted: set[str] = set()
         self._next_seq_id = 0
         self._num_requests = 0
+        self.num_requests_served = 0  # Engine._final_output counts them
         self._steps_without_progress = 0
         self.num_steps = 0
         self.build_device = bool(build_device)
@@ -144,6 +165,19 @@ class SimReplica:
         self._inflight = None
         self._idle = True  # no unfinished request after the last step (or none yet)
         self._reader = StepReader(self)
+        self._stretch: _Stretch | None = None
+        self.version = 0  # bumped whenever a planned stretch is planned or cut
+        self.num_fast_steps = 0  # steps applied by fast-forward
+        self.fast_forward = bool(
+            fast_forward and not self.build_device and not config.debug_checks
+            and getattr(step_model, "stateless", False) and config.policy == "decode-first"
+            and config.scheduling == "continuous"
+            and all(not 0 <= e < 256 for e in self._reader.eos_ids))
+
+    @property
+    def cache_salt(self) -> bytes:
+        """The model's prefix-cache salt (``request_checks`` prepends it to a tenant's)."""
+        return self.block_manager.cache_salt
 
     # --- what a router reads -----------------------------------------------------------------
     @property
@@ -176,6 +210,214 @@ class SimReplica:
     @property
     def in_step(self) -> bool:
         return self._inflight is not None
+
+    @property
+    def in_stretch(self) -> bool:
+        return self._stretch is not None
+
+    # --- fast-forward ----------------------------------------------------------------------------
+    def plan(self, now: float, max_steps: int = 128) -> float | None:
+        """Plans a stretch of pure decode steps from ``now`` if the next steps surely are ones
+        (module docstring); returns the stretch's end time, or ``None`` (step normally)."""
+        if not self.fast_forward or self._inflight is not None or self._aborted \
+                or self._num_deadlines or self._stretch is not None:
+            return None
+        sched, ib, cfg = self.scheduler, self.batch, self.config
+        n = ib.num_rows
+        if sched.waiting or sched.swapped or not n or n != len(sched.running) \
+                or n > cfg.max_num_seqs or n > cfg.max_num_batched_tokens:
+            return None
+        nt, nc, ns = ib.num_tokens[:n], ib.num_computed[:n], ib.num_slots[:n]
+        ints = ib.ints[:n]
+        if not ((nt - nc == 1) & (nc >= ib.num_prompt[:n]) & (ns == nc) & ~ib.hold[:n]).all() \
+                or ints[:, HAS_STOP_IDS].any():
+            return None
+        # Step j samples position nt + j; it ends a sequence when nt + j + 1 >= its limit.
+        k = min(int((ints[:, LIMIT] - nt).min()) - 1, max_steps)
+        if k < 2:
+            return None
+        seqs = ib.seqs[:n]
+        if any(q.params.n != 1 for q in seqs):
+            return None
+        first = ib.tokens[np.arange(n), nc]
+        if (first == UNKNOWN).any():
+            return None
+        steps = np.arange(k)
+        # New blocks: step j starts one for each row whose slot ns + j is a block's first.
+        page = self.page_size
+        starts_block = (ns[:, None] + steps) % page == 0
+        need = np.cumsum(starts_block.sum(axis=0))
+        short = np.flatnonzero(need > self.block_manager.num_allocatable_blocks)
+        if len(short):
+            k = int(short[0])
+            if k < 2:
+                return None
+            steps, starts_block = steps[:k], starts_block[:, :k]
+        # Steps before this one take only free blocks: no cached block is evicted.
+        over = np.flatnonzero(need[:k] > self.block_manager.num_free_blocks)
+        evict_from = int(over[0]) if len(over) else k
+        tp, sp, _ = self._builder.buckets(n, n, n)
+        durs = self.step_model.decode_times(n, int(nc.sum()) + n, k, tp, sp, int(self._idle))
+        t = now
+        starts = []
+        for d in durs:  # the begin times stepping reaches: each end is begin + duration
+            starts.append(t)
+            t = t + d
+        ends = starts[1:] + [t]
+        toks = np.empty((n, k + 1), np.int64)
+        toks[:, 0] = first
+        toks[:, 1:] = pseudo_tokens(ints[:, SEED][:, None], ints[:, SAMPLE_INDEX][:, None],
+                                    nt[:, None].astype(np.int64) + steps, self.token_salt)
+        # Step j's schedule starts a block for the rows whose slot ns + j is a block's first;
+        # its readback keys the blocks its decodes filled (decode position nt + j = ns + j + 1 a
+        # multiple of the page size): the same rows one step earlier.
+        js, rs = np.nonzero(starts_block.T)
+        allocs: dict[int, list[int]] = {}
+        for j, r in zip(js.tolist(), rs.tolist()):
+            allocs.setdefault(j, []).append(r)
+        fills = {j - 1: rows for j, rows in allocs.items() if j}
+        last = (nt + k - 1) % page == 0  # the stretch's last step fills a block too
+        if last.any():
+            fills[k - 1] = np.flatnonzero(last).tolist()
+        self._stretch = _Stretch(n, k, nt.astype(np.int64).copy(), starts, ends, durs, toks,
+                                 allocs, fills, evict_from)
+        self.version += 1
+        self._steps_without_progress = 0
+        return t
+
+    def advance_to(self, t: float, *, begin_at_t: bool = False) -> float | None:
+        """Ends the planned stretch at time ``t``: the steps that ended by ``t`` are applied; the
+        one begun before ``t`` (or at ``t``, with ``begin_at_t``) begins on the ordinary path.
+
+        Returns:
+          That step's end time, or ``None`` (no step in flight: free at ``t``).
+        """
+        st = self._stretch
+        if st is None:
+            return None
+        self._apply(st, min(bisect_right(st.ends, t), st.k))
+        self._stretch = None
+        self.version += 1
+        if st.done == st.k:
+            return None
+        s = st.starts[st.done]
+        if s < t or (begin_at_t and s == t):
+            # Requests that came after the stretch was cut short (``truncate``) arrived after
+            # this step began: it is scheduled without them.
+            sched = self.scheduler
+            late, sched.waiting = sched.waiting, collections.deque()
+            try:
+                dur, outs = self.begin(s)
+            finally:
+                sched.waiting = late
+            if dur is None or outs:
+                raise RuntimeError(f"{self.name}: the fast-forwarded step did not resume")
+            return s + dur
+        return None
+
+    def prefix_query_unchanged(self, token_ids, t: float) -> bool:
+        """Whether ``cached_prefix_tokens(token_ids)`` answers at ``t`` what it answers now,
+        mid-stretch, without applying the stretch: the steps begun before ``t`` take only free
+        blocks (no cached block is evicted), and no block the stretch keys can extend the prompt's
+        hit. A block a decode fills holds one of the row's sampled tokens, so its key matches a
+        prompt only if the prompt continues the row's prompt with the row's first sampled token;
+        a prompt that differs from every row at that position is unaffected."""
+        st = self._stretch
+        if st is None:
+            return True
+        if bisect_left(st.starts, t) > st.evict_from:
+            return False
+        if st.firsts is None:
+            ib, n = self.batch, st.n
+            lens = ib.num_prompt[:n]
+            st.firsts = list(zip(lens.tolist(), ib.tokens[np.arange(n), lens].tolist()))
+        m = len(token_ids)
+        return not any(L < m and token_ids[L] == tok for L, tok in st.firsts)
+
+    def truncate(self, t: float) -> float | None:
+        """A request reaches the replica at ``t`` mid-stretch: the stretch stops after the step
+        in flight at ``t`` (scheduled before the request came, so unchanged by it); nothing is
+        applied yet. Adding a request touches neither the block manager nor the input batch.
+
+        Returns:
+          The stretch's new end, or ``None`` when no step is in flight at ``t`` (the steps that
+          ended by ``t`` are applied; the replica is free).
+        """
+        st = self._stretch
+        m = bisect_right(st.ends, t)
+        if m < st.k and st.starts[m] < t:
+            st.k = m + 1
+            self.version += 1
+            return st.ends[m]
+        return self.advance_to(t)
+
+    def _apply(self, st: _Stretch, upto: int) -> None:
+        """Applies planned steps ``st.done .. upto - 1`` as stepping would have run them.
+
+        The block manager hears the same calls in the same order wherever order can matter:
+        each block a step starts (row order within the step), each step's ``begin_step`` /
+        ``step_completed``, each step's ``mark_computed_many`` of the blocks it filled. A row's
+        slots between two of those are appended in one ``append_slots`` call (appending slots
+        into a block that has room touches nothing but the sequence's own tail)."""
+        j0 = st.done
+        m = upto - j0
+        if m <= 0:
+            return
+        ib, bm, sched = self.batch, self.block_manager, self.scheduler
+        n = st.n
+        ids = ib.ids
+        nt0 = st.nt0
+        append, begin_step, completed = bm.append_slots, bm.begin_step, bm.step_completed
+        mark = bm.mark_computed_many
+        log = self.schedule_log
+        busy = self.busy_s
+        durs, allocs, fills = st.durs, st.allocs, st.fills
+        fed = st.toks[:, :upto].tolist()  # row r's step j feeds fed[r][j]
+        pend = [j0] * n  # row r's slots are appended up to (not including) step pend[r]
+        nt = nt0.tolist()
+
+        def grow(r, upto_j):
+            copies = append(ids[r], fed[r][pend[r]:upto_j])
+            if copies is None or copies:
+                raise RuntimeError(f"{self.name}: a fast-forwarded decode step needed "
+                                   f"{'blocks' if copies is None else 'copies'}")
+            pend[r] = upto_j
+
+        for j in range(j0, upto):
+            a = allocs.get(j)
+            if a is not None:
+                for r in a:
+                    grow(r, j + 1)
+            if log is not None:
+                log.append((st.starts[j], [(q.request_id, 1) for q in ib.seqs[:n]], []))
+            completed(begin_step())
+            f = fills.get(j)
+            if f is not None:
+                for r in f:
+                    if pend[r] <= j:
+                        grow(r, j + 1)
+                mark([ids[r] for r in f], [nt[r] + j for r in f])
+            busy += durs[j]
+        for r in range(n):
+            if pend[r] < upto:
+                grow(r, upto)
+        self.busy_s = busy
+        sched.num_fast_decode_steps += m
+        self.num_steps += m
+        self.num_fast_steps += m
+        rows = np.arange(n)
+        cols = nt0[:, None] + np.arange(j0, upto)
+        ib.tokens[rows[:, None], cols] = st.toks[:, j0 + 1:upto + 1]
+        ib.times[rows[:, None], cols] = np.asarray(st.ends[j0:upto])
+        ib.num_slots[:n] += m
+        ib.num_computed[:n] += m
+        ib.num_tokens[:n] = nt0 + upto
+        ib.last_slot[:n] = rows
+        text = self._reader.text
+        for q in ib.seqs[:n]:
+            if q.out_state is None:
+                q.out_state = state_of([q], False, None, text)
+        st.done = upto
 
     # --- the step ------------------------------------------------------------------------------
     def begin(self, now: float):
@@ -254,10 +496,26 @@ class SimReplica:
         bm = self.block_manager.stats()
         sched = self.scheduler
         return {"name": self.name, "num_steps": self.num_steps, "busy_s": self.busy_s,
+                "num_fast_forward_steps": self.num_fast_steps,
                 "num_preemptions": sched.num_preemptions, "num_swap_outs": sched.num_swap_outs,
                 "prefix_cache_hit_tokens": bm.get("hit_tokens", 0),
                 "peak_used_blocks": bm["peak_used_blocks"], "num_blocks": self.num_pages,
                 "block_size": self.page_size}
+
+
+class _Stretch:
+    """A planned run of pure decode steps (``SimReplica.plan``)."""
+
+    __slots__ = ("allocs", "done", "durs", "ends", "evict_from", "fills", "firsts", "k", "n", "nt0",
+                 "starts", "toks")
+
+    def __init__(self, n, k, nt0, starts, ends, durs, toks, allocs, fills, evict_from):
+        self.n, self.k, self.nt0 = n, k, nt0
+        self.starts, self.ends, self.durs = starts, ends, durs
+        self.toks, self.allocs, self.fills = toks, allocs, fills
+        self.evict_from = evict_from
+        self.firsts = None  # (prompt length, first sampled token) per row, when first needed
+        self.done = 0
 
 
 def step_shape(ib: InputBatch, builder: BatchBuilder, sched: SchedulerOutput, *,

@@ -10,6 +10,14 @@ driver ``experiments/serving.py``, which adds every arrival due before it calls 
 4. every replica that is free and has work begins its next step at ``t`` (a replica that was
    idle when a request reached it begins ``idle_wake_s`` later, if that is set).
 
+A replica that would begin a pure decode step instead plans a stretch of them
+(``SimReplica.plan``) and has one heap event at the stretch's end. An arrival routed to it
+mid-stretch shortens the stretch to the step in flight (``SimReplica.truncate``); an abort, the
+time limit, and a router that reads the block managers (``prefix_aware``) unless the stretch
+cannot change the answer (``SimReplica.prefix_query_unchanged``) apply it up to that moment
+(``SimReplica.advance_to``); either way each replica's state at every event is the state
+stepping reaches (``tests/test_sim.py`` compares records, schedules and block-manager counters).
+
 A request's output length is forced: ``SamplingParams(max_tokens=output_len, ignore_eos=True)``.
 Every result is labelled ``evidence: "simulated"``.
 """
@@ -17,6 +25,7 @@ Every result is labelled ``evidence: "simulated"``.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import heapq
 import math
 import time
@@ -46,6 +55,8 @@ class SimResult:
       routed: requests routed to each replica.
       router: decisions per kind (``Router.num_routed``).
       wall_s: wall time of the simulation itself.
+      cpu_s: CPU time of this process during it (on a machine other jobs share, the wall time
+        also holds the time they took the cores).
       sim_s: simulated time at the end.
       num_steps: steps over all replicas.
       schedule: per replica, its schedule log (``record_schedule=True``), else None.
@@ -61,11 +72,12 @@ class SimResult:
     num_steps: int
     schedule: list | None = None
     evidence: str = EVIDENCE
+    cpu_s: float | None = None
 
     def to_json(self, *, with_records: bool = False) -> dict:
         out = {"evidence": self.evidence, "summary": self.summary, "replicas": self.replicas,
                "routed": self.routed, "router": self.router, "wall_s": self.wall_s,
-               "sim_s": self.sim_s, "num_steps": self.num_steps}
+               "sim_s": self.sim_s, "num_steps": self.num_steps, "cpu_s": self.cpu_s}
         if with_records:
             out["records"] = [r.as_dict() for r in self.records]
         return out
@@ -97,12 +109,15 @@ class Simulator:
       idle_wake_s: an idle replica starts the step for a new arrival this much later (a
         real-time driver sleeping until the arrival wakes late; ``experiments/calibrate.py``
         measures it as ``sleep_overshoot_s``). 0: at once.
+      fast_forward: let replicas plan stretches of pure decode steps and apply them in bulk
+        (``SimReplica.plan``; only with ``build_device=False`` and a stateless step model); the
+        results are those of stepping.
     """
 
     def __init__(self, config: EngineConfig, step_model: StepTimeModel | Callable[[int], StepTimeModel],
                  *, num_replicas: int = 1, router: Router | None = None, model_config=None,
                  build_device: bool = True, record_schedule: bool = False,
-                 idle_wake_s: float = 0.0):
+                 idle_wake_s: float = 0.0, fast_forward: bool = True):
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas={num_replicas!r} must be an int >= 1")
         make = step_model if callable(step_model) and not isinstance(step_model, StepTimeModel) \
@@ -114,9 +129,25 @@ class Simulator:
         self.router = router or Router("least_loaded")
         self.replicas = [SimReplica(config, make(i), model_config=model_config,
                                     build_device=build_device, record_schedule=record_schedule,
-                                    name=f"replica{i}") for i in range(num_replicas)]
+                                    name=f"replica{i}", fast_forward=fast_forward)
+                         for i in range(num_replicas)]
 
-    def run(self, workload: Workload, *, aborts: Mapping[str, float] | None = None,
+    def run(self, workload: Workload, **kw) -> SimResult:
+        """Serves ``workload``; see ``_run`` for the arguments. Python's cyclic garbage collector
+        is paused meanwhile (the run makes no reference cycles worth collecting, and its passes
+        over the growing records made the wall time grow faster than the request count)."""
+        enabled = gc.isenabled()
+        gc.disable()
+        cpu0 = time.process_time()
+        try:
+            res = self._run(workload, **kw)
+        finally:
+            if enabled:
+                gc.enable()
+        res.cpu_s = time.process_time() - cpu0
+        return res
+
+    def _run(self, workload: Workload, *, aborts: Mapping[str, float] | None = None,
             timeout_s: float | None = None, max_time_s: float = math.inf,
             ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
             on_progress: Callable[[int], None] | None = None) -> SimResult:
@@ -139,7 +170,9 @@ class Simulator:
         routed = [0] * len(reps)
         where: dict[str, int] = {}
         records: dict[str, metrics.RequestRecord] = {}
-        heap: list[tuple[float, int, int, bool]] = []  # (time, order, replica, is a step end)
+        # (time, order, replica, kind, version): kind 0 wake-up, 1 step end, 2 end of a planned
+        # decode stretch (``SimReplica.plan``; stale when the replica's version moved on).
+        heap: list[tuple[float, int, int, int, int]] = []
         busy = [False] * len(reps)
         wake = self.idle_wake_s
         order = 0
@@ -148,12 +181,26 @@ class Simulator:
         inf = math.inf
         t = 0.0
         last_progress = 0
+        reads_blocks = len(reps) > 1 and router.policy == "prefix_aware"
+        stretching: set[int] = set()  # replicas with a planned stretch
 
         def collect(outs):
             for out in outs:
                 if out.finished:
                     rid = out.request_id
                     records[rid] = record_of(out, spec_of[rid].prompt_len)
+
+        def cut(r, now, ready):
+            """Replica ``r``'s state at ``now`` mid-stretch: the step in flight resumes."""
+            nonlocal order
+            stretching.discard(r)
+            end = reps[r].advance_to(now)
+            if end is None:  # its last step ended at ``now``: as a step end at ``now``
+                busy[r] = False
+                ready.append(r)
+            else:
+                order += 1
+                heapq.heappush(heap, (end, order, r, 1, reps[r].version))
 
         while True:
             t_arr = specs[i].arrival_s if i < n else inf
@@ -164,9 +211,16 @@ class Simulator:
                 break
             ready = []
             while heap and heap[0][0] == t:
-                _, _, r, step_end = heapq.heappop(heap)
-                if step_end:
-                    collect(reps[r].finish(t))
+                _, _, r, kind, version = heapq.heappop(heap)
+                rep = reps[r]
+                if version != rep.version:
+                    continue
+                if kind == 1:
+                    collect(rep.finish(t))
+                elif kind == 2:
+                    stretching.discard(r)
+                    if rep.advance_to(t) is not None:
+                        raise RuntimeError(f"{rep.name}: a stretch ended with a step in flight")
                 busy[r] = False
                 ready.append(r)
             while i < n and specs[i].arrival_s <= t:
@@ -175,9 +229,22 @@ class Simulator:
                 prompt = spec.engine_prompt()
                 if len(reps) > 1:
                     ids = reps[0].tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+                    if reads_blocks and stretching:  # the router reads every block manager
+                        for r in sorted(stretching):
+                            if not reps[r].prefix_query_unchanged(ids, t):
+                                cut(r, t, ready)
                     r = router.route(ids, reps)
                 else:
                     r = 0
+                if r in stretching:  # it stops after the step in flight
+                    end = reps[r].truncate(t)
+                    if end is None:
+                        stretching.discard(r)
+                        busy[r] = False
+                        ready.append(r)
+                    else:
+                        order += 1
+                        heapq.heappush(heap, (end, order, r, 2, reps[r].version))
                 params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, n=spec.n,
                                         ignore_eos=True)
                 try:
@@ -192,31 +259,43 @@ class Simulator:
                     if wake:  # idle: it wakes up a little later
                         busy[r] = True
                         order += 1
-                        heapq.heappush(heap, (t + wake, order, r, False))
+                        heapq.heappush(heap, (t + wake, order, r, 0, reps[r].version))
                     else:
                         ready.append(r)
             while j < len(abort_list) and abort_list[j][0] <= t:
                 rid = abort_list[j][1]
                 j += 1
                 if rid in where:
-                    reps[where[rid]].abort(rid, t)
-                    if not busy[where[rid]]:
-                        ready.append(where[rid])
+                    r = where[rid]
+                    if r in stretching:
+                        cut(r, t, ready)
+                    reps[r].abort(rid, t)
+                    if not busy[r]:
+                        ready.append(r)
             for r in dict.fromkeys(ready):
                 if busy[r]:
                     continue
                 rep = reps[r]
                 while rep.has_unfinished_requests() or rep._aborted:
+                    end = rep.plan(t)
+                    if end is not None:
+                        order += 1
+                        heapq.heappush(heap, (end, order, r, 2, rep.version))
+                        busy[r] = True
+                        stretching.add(r)
+                        break
                     dur, outs = rep.begin(t)
                     collect(outs)
                     if dur is not None:
                         order += 1
-                        heapq.heappush(heap, (t + dur, order, r, True))
+                        heapq.heappush(heap, (t + dur, order, r, 1, rep.version))
                         busy[r] = True
                         break
             if on_progress is not None and len(records) - last_progress >= 256:
                 last_progress = len(records)
                 on_progress(last_progress)
+        for r in sorted(stretching):  # the time limit: the state at max_time_s
+            reps[r].advance_to(max_time_s, begin_at_t=True)
         end = min(t, max_time_s) if t != inf else max(
             [r.finish_s for r in records.values() if r.finish_s is not None], default=0.0)
         self._stop(records, specs, spec_of, where, end)
@@ -271,7 +350,7 @@ def simulate(config: EngineConfig, step_model, workload: Workload, **kw) -> SimR
     """``Simulator(config, step_model, ...).run(workload, ...)``: keyword arguments go to the
     one that takes them."""
     init = {k: kw.pop(k) for k in ("num_replicas", "router", "model_config", "build_device",
-                                   "record_schedule", "idle_wake_s") if k in kw}
+                                   "record_schedule", "idle_wake_s", "fast_forward") if k in kw}
     return Simulator(config, step_model, **init).run(workload, **kw)
 
 

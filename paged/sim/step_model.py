@@ -98,9 +98,26 @@ class StepTimeModel:
     """Seconds one engine step takes (host and device), from its shape."""
 
     name = "abstract"
+    # True when ``time`` is a pure function of the shape (no draws, no replay position): the
+    # simulator may then compute a stretch's step times before it knows whether all of them run.
+    stateless = False
 
     def time(self, shape: StepShape) -> float:
         raise NotImplementedError
+
+    def decode_times(self, n: int, kv0: int, k: int, padded_tokens: int, padded_seqs: int,
+                     after_idle: int = 0) -> list[float]:
+        """The times of ``k`` consecutive pure decode steps of ``n`` sequences, the first reading
+        ``kv0`` KV positions (each later one ``n`` more); only the first may follow a pause.
+        Equal to ``time`` of each step's ``StepShape`` (a subclass may compute it faster)."""
+        out = []
+        for j in range(k):
+            kv = kv0 + j * n
+            out.append(float(self.time(StepShape(
+                num_tokens=n, num_seqs=n, num_decode=n, num_prefill_tokens=0, kv_read=kv,
+                attn_pairs=kv, num_samples=n, padded_tokens=padded_tokens,
+                padded_seqs=padded_seqs, after_idle=after_idle if j == 0 else 0))))
+        return out
 
     def describe(self) -> dict:
         return {"name": self.name}
@@ -122,6 +139,7 @@ class LinearStepModel(StepTimeModel):
     floor_s: float = 1e-6
     fit: Mapping | None = None
     name = "linear"
+    stateless = True  # the same shape always takes the same time (fast-forward may plan ahead)
 
     def __post_init__(self):
         unknown = sorted(set(self.coef) - set(FEATURES))
@@ -343,6 +361,24 @@ class RooflineStepModel(StepTimeModel):
     model: ModelDims
     block_size: int = 16
     name = "roofline"
+    stateless = True
+
+    def decode_times(self, n, kv0, k, padded_tokens, padded_seqs, after_idle=0):
+        # ``time`` of each step, the same integer and float operations in the same order.
+        m, d = self.model, self.device
+        kvb = m.kv_bytes_per_token
+        w = m.weight_bytes
+        per_token = 2 * m.matmul_params * n + 2 * m.d_model * m.vocab_size * n
+        attn = 4 * m.num_layers * m.num_heads * m.head_dim
+        bw, fs, launch = d.mem_bandwidth, d.flop_s, d.launch_s
+        host = d.host_s[0] + d.host_s[1] * n
+        out = []
+        for j in range(k):
+            kv = kv0 + j * n
+            moved = w + kvb * (kv + n) + 2 * kvb * self.block_size * 0
+            flops = per_token + attn * kv
+            out.append(host + (launch + max(moved / bw, flops / fs)))
+        return out
 
     def time(self, s: StepShape) -> float:
         m, d = self.model, self.device
