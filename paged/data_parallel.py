@@ -188,17 +188,23 @@ class DataParallelEngine(Engine):
         return merged
 
 
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _merge(dicts: list[dict]) -> dict:
-    """Numeric leaves summed; dicts merged recursively; other values kept from the first."""
+    """Numeric leaves summed (a None, a replica with no value yet, skipped); dicts merged
+    recursively; other values kept from the first."""
     out = {}
     for key, first in dicts[0].items():
         values = [d[key] for d in dicts]
         if isinstance(first, dict):
             out[key] = _merge(values)
-        elif key in _SAME or isinstance(first, bool) or not isinstance(first, (int, float)):
-            out[key] = first
+        elif (key not in _SAME and any(_number(v) for v in values)
+              and all(v is None or _number(v) for v in values)):
+            out[key] = sum(v for v in values if v is not None)
         else:
-            out[key] = sum(values)
+            out[key] = first
     return out
 
 

@@ -30,6 +30,8 @@ CASES = [
     ("calibrate", "smoke", "stepz=3", "steps", "steps=0", "steps"),
     ("sim_validate", "smoke", "duration=3", "duration_s", "duration_s=0", "duration_s"),
     ("fleet", "smoke", "kv_gbb=3", "kv_gb", "rate_hi=-1", "rate_hi"),
+    ("routing", "smoke", "data_parallel_siz=4", "data_parallel_size", "host_bench.steps=0",
+     "host_bench.steps"),
 ]
 
 
@@ -91,7 +93,7 @@ def test_every_engine_field_is_a_config_key(tmp_path):
 
     names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
     for study in ("serve", "ablate", "capacity", "block_size_sweep", "prefix_sharing",
-                  "engine_bench"):
+                  "engine_bench", "routing"):
         for variant in ("default", "smoke"):
             c = importlib.import_module(f"experiments.configs.{study}").get_config(variant)
             assert set(c.engine.keys()) == names, (study, variant)
