@@ -106,9 +106,16 @@ def sample(
     sample_index: jax.Array,  # i32[N]
     position: jax.Array,  # i32[N]: position of the token being sampled
 ) -> jax.Array:  # i32[N]
-    """Greedy / temperature / top-k / top-p sampling, one independent key per row (traceable)."""
-    return jax.vmap(_sample_one)(logits.astype(jnp.float32), temperature, top_k, top_p, seed,
-                                 sample_index, position)
+    """Greedy / temperature / top-k / top-p sampling, one independent key per row (traceable).
+
+    A batch whose every row is greedy (temperature 0; padding rows are) takes the argmax alone:
+    the same tokens without a vocabulary sort and a random draw per row.
+    """
+    logits = logits.astype(jnp.float32)
+    return jax.lax.cond(
+        jnp.all(temperature <= 0), lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
+        lambda: jax.vmap(_sample_one)(logits, temperature, top_k, top_p, seed, sample_index,
+                                      position))
 
 
 def logprobs(logits: jax.Array, tokens: jax.Array, k: int = MAX_LOGPROBS):
@@ -158,15 +165,29 @@ def verify(logits, temperature, top_k, top_p, seed, sample_index, position, draf
     """``sample`` for verify rows: per slot, the emitted token and whether its draft
     (``draft`` i32[N], -1 where none) was accepted, by the speculative rejection rule. ``q``
     (f32[M, V]) and ``q_index`` (i32[N], -1: a point mass at the draft) give each slot's draft
-    distribution; without them every draft is a point mass (n-gram proposals)."""
+    distribution; without them every draft is a point mass (n-gram proposals).
+
+    A batch whose every row is greedy takes the rule's greedy form directly: p is a point mass at
+    the argmax, so a draft is accepted exactly when it is the argmax, and the emitted token is the
+    argmax either way (the same tokens and accept bits, without sorts and draws).
+    """
     vocab = logits.shape[-1]
-    point = jax.nn.one_hot(jnp.maximum(draft, 0), vocab, dtype=jnp.float32)
-    if q is None:
-        qs = point
-    else:
-        qs = jnp.where((q_index >= 0)[:, None], q[jnp.maximum(q_index, 0)], point)
-    return jax.vmap(_verify_one)(logits.astype(jnp.float32), temperature, top_k, top_p, seed,
-                                 sample_index, position, draft, qs)
+    logits = logits.astype(jnp.float32)
+
+    def greedy():
+        top = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return top, (draft >= 0) & (draft == top)
+
+    def general():
+        point = jax.nn.one_hot(jnp.maximum(draft, 0), vocab, dtype=jnp.float32)
+        if q is None:
+            qs = point
+        else:
+            qs = jnp.where((q_index >= 0)[:, None], q[jnp.maximum(q_index, 0)], point)
+        return jax.vmap(_verify_one)(logits, temperature, top_k, top_p, seed, sample_index,
+                                     position, draft, qs)
+
+    return jax.lax.cond(jnp.all(temperature <= 0), greedy, general)
 
 
 def draft_sample(logits, temperature, top_k, top_p, seed, sample_index, position):

@@ -51,3 +51,30 @@ def test_stacked_layer_read_equals_slice(op):
         call(k, v, layer=3)
     with pytest.raises(ValueError, match="stacked cache"):
         call(k[0], v[0], layer=0)
+
+
+def test_all_greedy_batches_take_the_argmax_path_with_the_same_results():
+    """The greedy fast paths of ``sample`` and ``verify`` equal the general rule row by row."""
+    from paged import sampling
+
+    rng = np.random.default_rng(0)
+    n, vocab = 12, 50
+    logits = rng.normal(size=(n, vocab)).astype(np.float32) * 3
+    zeros_f, zeros_i = np.zeros(n, np.float32), np.zeros(n, np.int32)
+    args = (logits, zeros_f, zeros_i, np.ones(n, np.float32), zeros_i + 7, zeros_i,
+            np.arange(n, dtype=np.int32))
+    top = logits.argmax(-1)
+    draft = np.where(np.arange(n) % 3 == 0, top, (top + 1) % vocab).astype(np.int32)
+    draft[1] = -1  # no proposal
+    general_sample = jax.jit(jax.vmap(sampling._sample_one))(*args)
+    np.testing.assert_array_equal(jax.jit(sampling.sample)(*args), general_sample)
+    np.testing.assert_array_equal(general_sample, top)
+    q = jax.nn.softmax(rng.normal(size=(n, vocab)).astype(np.float32))  # a draft's distribution
+    for qs, q_index in ((None, None), (q, np.where(np.arange(n) % 2 == 0, np.arange(n), -1))):
+        tokens, accept = jax.jit(sampling.verify)(*args, draft, qs, q_index)
+        point = jax.nn.one_hot(np.maximum(draft, 0), vocab)
+        full = point if qs is None else np.where((q_index >= 0)[:, None], q, point)
+        g_tokens, g_accept = jax.jit(jax.vmap(sampling._verify_one))(*args, draft, full)
+        np.testing.assert_array_equal(tokens, g_tokens)
+        np.testing.assert_array_equal(accept, g_accept)
+        np.testing.assert_array_equal(accept, (draft >= 0) & (draft == top))
