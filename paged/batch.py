@@ -131,6 +131,13 @@ class BatchBuilder:
         return sorted({self.buckets(t, s, s) for t in pow2s(max_tokens)
                        for s in pow2s(min(max_seqs, t))})
 
+    def verify_shapes(self, max_tokens: int, max_seqs: int) -> list[tuple[int, int, int]]:
+        """The buckets of steps with verify rows: each verify row samples every one of its
+        tokens, so sample slots range from the sequence bucket up to the token bucket."""
+        pow2s = lambda n: [1 << i for i in range(next_pow2(n).bit_length())]
+        return sorted({self.buckets(t, s, n) for t in pow2s(max_tokens)
+                       for s in pow2s(min(max_seqs, t)) for n in pow2s(t)})
+
     def empty(self, t_pad: int, s_pad: int, n_pad: int) -> DeviceBatch:
         """An all-padding batch of the given shape (compiles the step without touching real KV):
         tokens write the null page, sequences have no keys, samples are greedy."""

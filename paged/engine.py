@@ -501,15 +501,21 @@ class Engine:
         Serving studies call it so no request pays for a compilation. Shapes: token buckets from
         ``min_token_bucket`` to ``max_num_batched_tokens`` times sequence buckets from
         ``min_seq_bucket`` to ``max_num_seqs`` (sample slots = sequence bucket; parallel sampling
-        may still add a shape). Returns the number of shapes compiled.
+        may still add a shape). With n-gram speculation also the verify step's shapes (sample
+        slots from the sequence bucket up to the token bucket); a draft model's own calls still
+        compile on first use. Returns the number of shapes compiled.
         """
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() must run before requests are added")
         before = self._trace_count()
+        budget = (self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.cache = compile_shapes(self._step_fn, self.params, self.cache, self._no_prev,
-                                    self._builder.all_shapes(self.config.max_num_batched_tokens,
-                                                             self.config.max_num_seqs),
-                                    self._builder.empty)
+                                    self._builder.all_shapes(*budget), self._builder.empty)
+        if self.speculator is not None and self.speculator.draft is None:
+            verify = self._variants[False, True]
+            self.cache = compile_shapes(
+                lambda *a: verify(*a, None, None)[:2], self.params, self.cache, self._no_prev,
+                self._builder.verify_shapes(*budget), self._builder.empty)
         return self._trace_count() - before
 
     # --- introspection ------------------------------------------------------------------

@@ -115,3 +115,20 @@ def test_timeout_under_speculation_frees_its_blocks(monkeypatch, n):
     assert [c.token_ids for c in u.outputs] == want["r1"] and u.finish_reason == "length"
     engine.block_manager.evict_cached()
     assert engine.block_manager.num_used_blocks == 0 and _free(engine) == free
+
+
+def test_warmup_compiles_the_verify_shapes():
+    """After ``warmup()`` an n-gram speculating engine serves without compiling anything."""
+    cfg, params = small_model()
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    engine = Engine(EngineConfig(block_size=8, max_num_seqs=2, max_num_batched_tokens=8,
+                                 max_model_len=64, attention_impl="xla", min_token_bucket=8,
+                                 min_seq_bucket=2, speculative=spec),
+                    model_config=cfg, params=params)
+    assert engine.warmup() > 1
+    before = engine.num_compilations
+    rep = [256] + [5, 6, 7, 8] * 4  # repeats: the n-gram proposer has drafts to verify
+    engine.generate([rep, rep[:9]], SamplingParams(max_tokens=12, temperature=0.0,
+                                                   ignore_eos=True))
+    assert engine.spec_decode_stats()["num_drafts"] > 0
+    assert engine.num_compilations == before
