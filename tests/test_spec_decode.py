@@ -19,6 +19,9 @@ def _engine(k: int | None, **kw) -> Engine:
     base = dict(block_size=8, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=96,
                 attention_impl="xla", debug_checks=True)
     base.update(kw)
+    # One token and one sequence bucket: few step shapes to compile (bucketing is tested apart).
+    base.setdefault("min_token_bucket", base["max_num_batched_tokens"])
+    base.setdefault("min_seq_bucket", base["max_num_seqs"])
     spec = None if k is None else SpeculativeConfig(num_speculative_tokens=k)
     return Engine(EngineConfig(**base, speculative=spec), model_config=cfg, params=params)
 
