@@ -21,6 +21,9 @@ def _engine(overlap: bool, **overrides) -> Engine:
     base = dict(block_size=8, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
                 attention_impl="xla", async_scheduling=overlap)
     base.update(overrides)
+    # One token and one sequence bucket: few step shapes to compile (bucketing is tested apart).
+    base.setdefault("min_token_bucket", base["max_num_batched_tokens"])
+    base.setdefault("min_seq_bucket", base["max_num_seqs"])
     return Engine(EngineConfig(**base), model_config=cfg, params=params)
 
 
