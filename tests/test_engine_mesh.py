@@ -20,7 +20,7 @@ from paged import Engine, EngineConfig, SamplingParams
 assert len(jax.devices()) == 4, jax.devices()
 cfg, params = small_model()
 conf = EngineConfig(block_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
-                    attention_impl="xla", debug_checks=True)
+                    attention_impl="xla", debug_checks=True, min_token_bucket=32, min_seq_bucket=4)
 batch = prompts(3, seed=2)
 sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 single = [o.token_ids for o in Engine(conf, model_config=cfg, params=params).generate(batch, sp)]
