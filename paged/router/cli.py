@@ -27,20 +27,14 @@ import sys
 import typing
 import urllib.parse
 
+from paged import cli_lines
 from paged.routing import POLICIES
 
 PROG = "paged.router"
-USAGE_EXIT = 2
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # noqa: D401  (argparse hook)
-        fail(message)
 
 
 def fail(message: str) -> typing.NoReturn:
-    print(f"{PROG}: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
-    sys.exit(USAGE_EXIT)
+    cli_lines.fail(PROG, message)
 
 
 def _names(name: str) -> list[str]:
@@ -72,7 +66,7 @@ def check_url(url: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(prog=f"python -m {PROG}", allow_abbrev=False,
+    p = cli_lines.OneLineParser(prog=f"python -m {PROG}", name=PROG, allow_abbrev=False,
                        description="Prefix-aware router over several paged.server instances.")
     p.add_argument(*_names("backend"), action="append", default=[], metavar="URL",
                    help="a paged.server's base URL (repeat for each backend)")

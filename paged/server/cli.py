@@ -30,20 +30,14 @@ import sys
 import types
 import typing
 
+from paged import cli_lines
 from paged.config import EngineConfig
 
 PROG = "paged.server"
-USAGE_EXIT = 2
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # noqa: D401  (argparse hook)
-        fail(message)
 
 
 def fail(message: str) -> typing.NoReturn:
-    print(f"{PROG}: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
-    sys.exit(USAGE_EXIT)
+    cli_lines.fail(PROG, message)
 
 
 def _parse_bool(text: str) -> bool:
@@ -86,7 +80,7 @@ def _flag_names(name: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(prog=f"python -m {PROG}", allow_abbrev=False,
+    p = cli_lines.OneLineParser(prog=f"python -m {PROG}", name=PROG, allow_abbrev=False,
                        description="OpenAI-compatible server over one paged.Engine.")
     server = p.add_argument_group("server")
     server.add_argument(*_flag_names("host"), default="127.0.0.1")
