@@ -25,7 +25,7 @@ import sys
 sys.path.insert(0, "tests")
 import jax
 from engine_utils import prompts, small_model
-from paged import Engine, EngineConfig, SamplingParams
+from paged import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from paged.data_parallel import DataParallelEngine
 
 assert len(jax.devices()) == 4, jax.devices()
@@ -70,6 +70,22 @@ for d, t in ((4, 1), (2, 2)):
     assert got == tight_single, (d, t, got, tight_single)
     print(d, t, "preemptions", engine.kv_stats()["num_preemptions"], flush=True)
     assert engine.kv_stats()["num_preemptions"] > 0
+
+# Seeds are engine-wide (not per replica), so sampled tokens do not depend on routing either;
+# speculation and parallel sampling compose with replicas.
+mixed = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=2),
+         SamplingParams(max_tokens=8, temperature=0.8, seed=3, n=2),
+         SamplingParams(max_tokens=8, temperature=0.8)]
+rep = [p * 3 for p in prompts(3, seed=3, min_len=4, max_len=9)]
+samples = lambda e: [[c.token_ids for c in o.outputs] for o in e.generate(rep, mixed)]
+want = samples(Engine(EngineConfig(**base), model_config=cfg, params=params))
+spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+engine = Engine(EngineConfig(**base, data_parallel_size=2), model_config=cfg, params=params)
+assert samples(engine) == want
+engine = Engine(EngineConfig(**base, data_parallel_size=2, speculative=spec), model_config=cfg,
+                params=params)
+got = samples(engine)
+assert got[0] == want[0] and engine.spec_decode_stats()["num_drafts"] > 0  # greedy: identical
 
 # Routing: after a warm-up that puts each system prompt on one replica, prefix-aware routing
 # sends every follow-up where its prompt is cached; round robin spreads them. Nothing here is
