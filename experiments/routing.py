@@ -48,6 +48,8 @@ from __future__ import annotations
 
 import os
 
+# The imports below come after the flag on purpose: JAX reads XLA_FLAGS when it starts.
+# ruff: noqa: E402
 FORCED_DEVICES = 4
 DEVICE_FLAG = f"--xla_force_host_platform_device_count={FORCED_DEVICES}"
 if __name__ == "__main__" and "XLA_FLAGS" not in os.environ:  # before JAX starts
