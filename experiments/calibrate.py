@@ -30,7 +30,7 @@ import numpy as np
 
 from experiments import common
 from paged import Engine, SamplingParams
-from paged.sim.replica import step_shape
+from paged.sim.batches import step_shape
 from paged.sim.step_model import FEATURES, StepShape, fit_linear, ratio_quantiles
 
 

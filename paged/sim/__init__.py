@@ -10,7 +10,8 @@
   ``paged.routing.Router``; results are labelled ``evidence: "simulated"``.
 """
 
-from paged.sim.replica import SimReplica, light_batch, pseudo_tokens
+from paged.sim.batches import light_batch, pseudo_tokens
+from paged.sim.replica import SimReplica
 from paged.sim.simulator import (
     EVIDENCE,
     SimResult,

@@ -1,0 +1,85 @@
+"""What a simulated step reads and samples, without a device: its shape for the step-time model
+(``step_shape``, which the engine's calibration measures with too), the parts of a ``StepBatch``
+that ``BatchBuilder.commit`` and ``StepReader.read`` use (``light_batch``), and deterministic
+pseudo-tokens in place of a model's samples (``pseudo_tokens``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paged.batch import BatchBuilder, StepBatch
+from paged.input_batch import HAS_STOP_IDS, LIMIT, InputBatch
+from paged.scheduler import SchedulerOutput
+from paged.sim.step_model import StepShape
+
+
+def pseudo_tokens(seeds, sample_index, positions, salt: int = 0) -> np.ndarray:
+    """Deterministic byte tokens, i64[n]: an integer mix of (seed, sample index, position, salt);
+    int64 products wrap, which numpy does the same way everywhere."""
+    x = (np.asarray(seeds, np.int64) * 40503 + np.asarray(positions, np.int64) * 2654435761
+         + np.asarray(sample_index, np.int64) * 97 + salt)
+    x ^= x >> 15
+    x *= 0x2C1B3C6D
+    x ^= x >> 12
+    return x & 255
+
+
+def step_shape(ib: InputBatch, builder: BatchBuilder, sched: SchedulerOutput, *,
+               after_idle: bool = False) -> StepShape:
+    """The shape of the step ``sched`` describes, read from the input batch before the step is
+    committed (``BatchBuilder.commit`` moves the computed counts on). The engine's steps are
+    measured with the same function (``experiments/calibrate.py``)."""
+    rows = sched.decode_rows
+    nd = len(rows)
+    kv = int(ib.num_computed[rows].sum()) + nd if nd else 0
+    pairs = kv
+    t = dec = samples = nd
+    prefill = 0
+    for item in sched.scheduled:
+        q, n = item.seq, item.num_new_tokens
+        c = q.num_computed_tokens
+        t += n
+        kv += c + n
+        pairs += n * c + n * (n + 1) // 2
+        if n == 1 and c >= q.num_prompt_tokens:
+            dec += 1
+        else:
+            prefill += n
+        if c + n == q.num_tokens:
+            samples += q.params.n if q.sample_index == 0 and q.num_output_tokens == 0 else 1
+    s = nd + len(sched.scheduled)
+    tp, sp, _ = builder.buckets(t, s, samples)
+    return StepShape(num_tokens=t, num_seqs=s, num_decode=dec, num_prefill_tokens=prefill,
+                     kv_read=kv, attn_pairs=pairs, num_samples=samples, padded_tokens=tp,
+                     padded_seqs=sp, swap_blocks=len(sched.swap_in) + len(sched.swap_out),
+                     copy_blocks=len(sched.copies), after_idle=int(after_idle))
+
+
+def light_batch(ib: InputBatch, sched: SchedulerOutput) -> StepBatch:
+    """The parts of ``BatchBuilder.build``'s ``StepBatch`` that ``commit`` and ``StepReader.read``
+    use, without the padded device arrays (serial steps: no token is fed from a step in flight).
+    """
+    rows = sched.decode_rows
+    nd = len(rows)
+    decode = list(ib.seqs) if nd == ib.num_rows else [ib.seqs[r] for r in rows.tolist()]
+    samples, ends = [], []
+    slot = nd
+    t = nd
+    for item in sched.scheduled:
+        q, n = item.seq, item.num_new_tokens
+        c = q.num_computed_tokens
+        ends.append(c + n)
+        t += n
+        if c + n == q.num_tokens:
+            count = q.params.n if q.sample_index == 0 and q.num_output_tokens == 0 else 1
+            samples.append((q, slot, count, c + n))
+            slot += count
+    decode_pos = ib.num_tokens[rows].astype(np.int64)
+    ints = ib.ints[rows]
+    stop_any = np.flatnonzero((decode_pos + 1 >= ints[:, LIMIT]) | (ints[:, HAS_STOP_IDS] != 0))
+    return StepBatch(device=None, num_tokens=t, num_seqs=nd + len(sched.scheduled), decode=decode,
+                     decode_pos=decode_pos, samples=samples, items=list(sched.scheduled),
+                     item_ends=ends, stop_any=stop_any, decode_rows=rows, epoch=ib.epoch)
+
+
+__all__ = ["light_batch", "pseudo_tokens", "step_shape"]
