@@ -12,6 +12,7 @@ step's output.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import flax
 import jax
@@ -104,6 +105,16 @@ class InFlight:
     batch: StepBatch
     tokens: jax.Array  # i32[out_size] on device: its samples
     extras: tuple | None = None  # log-probabilities on device, if the batch asked for them
+
+
+class PendingStep(NamedTuple):
+    """A step between ``Engine.dispatch_step`` and ``Engine.finish_step``."""
+
+    timing: object  # paged.metrics.StepTiming
+    ended: list  # request ids that timed out or were aborted: reported first
+    sched: object  # paged.scheduler.SchedulerOutput
+    done: InFlight | None  # the step to read back (dispatched by the previous call)
+    launched: InFlight | None  # the step this call dispatched (None: nothing to run)
 
 
 class BatchBuilder:

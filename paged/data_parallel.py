@@ -27,10 +27,10 @@ import logging
 import jax
 
 from paged.config import EngineConfig, engine_config
-from paged.engine import Engine, derive_seed
+from paged.engine import Engine
 from paged.metrics import StepTiming
 from paged.placement import split_devices
-from paged.request_checks import check_request
+from paged.request_checks import check_request, derive_seed
 from paged.routing import EngineReplica, Router
 from paged.spec_decode import SpecStats
 

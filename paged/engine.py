@@ -21,14 +21,13 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence as SequenceT
-from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from paged import kv_cache as kc
 from paged import multihost
-from paged.batch import BatchBuilder, InFlight
+from paged.batch import BatchBuilder, InFlight, PendingStep
 from paged.block_manager import BlockManager
 from paged.config import EngineConfig, engine_config
 from paged.device_step import apply_copies, compile_shapes, make_step_fn
@@ -38,10 +37,10 @@ from paged.metrics import StepTiming
 from paged.models.config import LlamaConfig
 from paged.models.tokenizer import ByteTokenizer
 from paged.outputs import CompletionOutput, RequestOutput, check_outputs, collect_outputs, state_of
-from paged.placement import AXIS, Placement, split_devices
+from paged.placement import Placement
 from paged.progress import progress as progress_bar
 from paged.readback import StepReader
-from paged.request_checks import check_prompts, check_request
+from paged.request_checks import check_prompts, check_request, derive_seed
 from paged.sampling import SamplingParams
 from paged.scheduler import Scheduler, SchedulerOutput
 from paged.sequence import SeqStatus, Sequence
@@ -50,21 +49,7 @@ from paged.spec_decode import Speculator, load_draft
 log = logging.getLogger(__name__)
 
 
-class PendingStep(NamedTuple):
-    """A step between ``Engine.dispatch_step`` and ``Engine.finish_step``."""
-
-    timing: StepTiming
-    ended: list  # request ids that timed out or were aborted: reported first
-    sched: SchedulerOutput
-    done: InFlight | None  # the step to read back (dispatched by the previous call)
-    launched: InFlight | None  # the step this call dispatched (None: nothing to run)
-
 __all__ = ["CompletionOutput", "Engine", "PendingStep", "RequestOutput", "StepTiming"]
-
-
-def derive_seed(engine_seed: int, request_index: int) -> int:
-    """The sampling seed of the ``request_index``-th unseeded request of an engine."""
-    return int(np.random.SeedSequence([engine_seed, request_index]).generate_state(1)[0] % 2**31)
 
 
 class Engine:
@@ -101,8 +86,6 @@ class Engine:
         if config.data_parallel_size > 1:
             raise ValueError(f"data_parallel_size={config.data_parallel_size}: build it with "
                              f"Engine(config) (a DataParallelEngine), not a subclass")
-        if mesh is not None and devices is not None:
-            raise ValueError("pass devices or mesh, not both")
         if (model_config is None) != (params is None):
             raise ValueError("pass both model_config and params, or neither")
         tokenizer = ByteTokenizer()
@@ -145,25 +128,10 @@ class Engine:
                                      debug=config.debug_checks)
         self.scheduler = Scheduler(config, self.block_manager, self.batch)
         self._inflight: InFlight | None = None  # the step dispatched and not read back yet
-        if mesh is not None:
-            if AXIS not in mesh.axis_names:
-                raise ValueError(f"mesh axes {mesh.axis_names} must include 'model' (KV heads)")
-            if model_config.num_kv_heads % mesh.shape[AXIS]:
-                raise ValueError(f"num_kv_heads={model_config.num_kv_heads} is not divisible by "
-                                 f"the mesh's model axis ({mesh.shape[AXIS]})")
-            self.placement = Placement(mesh)
-        else:
-            self.placement = Placement.on(split_devices(
-                jax.devices() if devices is None else devices, 1, config.tensor_parallel_size,
-                model_config.num_kv_heads)[0])
-        placement = self.placement
-        self._leader = self._follower = None  # a multi-process engine's role (paged.multihost)
-        if multihost.spans_processes(placement.devices):
-            multihost.check_config(config)
-            if jax.process_index() == 0:
-                self._leader = multihost.Leader(self.pages_per_seq)
-            else:
-                self._follower = jax.process_index()
+        self.placement = placement = Placement.for_replica(
+            model_config.num_kv_heads, config.tensor_parallel_size, mesh=mesh, devices=devices)
+        # A multi-process engine's role (paged.multihost): process 0 leads, the others follow.
+        self._leader, self._follower = multihost.role(placement, config, self.pages_per_seq)
         # May be switched between steps; speculation proposes from the last step's tokens.
         self.async_scheduling = config.async_scheduling and config.speculative is None
         self.speculator = None if config.speculative is None else Speculator(

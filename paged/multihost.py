@@ -61,6 +61,18 @@ def check_config(config) -> None:
                          "processes")
 
 
+def role(placement, config, pages_per_seq: int):
+    """``(leader, follower)`` of an engine on ``placement``: ``(Leader, None)`` on process 0 of a
+    multi-process engine, ``(None, process index)`` on the others, ``(None, None)`` when the
+    devices are all this process's. Refused settings raise ``ValueError`` (``check_config``)."""
+    if not spans_processes(placement.devices):
+        return None, None
+    check_config(config)
+    if jax.process_index() == 0:
+        return Leader(pages_per_seq), None
+    return None, jax.process_index()
+
+
 def _broadcast(tree, is_source: bool):
     from jax.experimental import multihost_utils
 
@@ -161,4 +173,5 @@ def stop_followers(engine) -> None:
     engine._leader.stop()
 
 
-__all__ = ["Leader", "check_config", "follow", "initialize", "spans_processes", "stop_followers"]
+__all__ = ["Leader", "check_config", "follow", "initialize", "role", "spans_processes",
+           "stop_followers"]

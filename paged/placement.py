@@ -65,6 +65,28 @@ class Placement:
     def on(cls, devices: Sequence) -> Placement:
         return cls(Mesh(np.array(list(devices), dtype=object), (AXIS,)))
 
+    @classmethod
+    def for_replica(cls, num_kv_heads: int, tensor_parallel_size: int, *, mesh: Mesh | None = None,
+                    devices: Sequence | None = None) -> Placement:
+        """One replica's placement: ``mesh`` as given (it must have a ``"model"`` axis), else the
+        first ``tensor_parallel_size`` of ``devices`` (default ``jax.devices()``).
+
+        Raises:
+          ValueError: too few devices, a mesh without a model axis, or KV heads that its size
+            does not divide.
+        """
+        if mesh is None:
+            return cls.on(split_devices(jax.devices() if devices is None else devices, 1,
+                                        tensor_parallel_size, num_kv_heads)[0])
+        if devices is not None:
+            raise ValueError("pass devices or mesh, not both")
+        if AXIS not in mesh.axis_names:
+            raise ValueError(f"mesh axes {mesh.axis_names} must include 'model' (KV heads)")
+        if num_kv_heads % mesh.shape[AXIS]:
+            raise ValueError(f"num_kv_heads={num_kv_heads} is not divisible by the mesh's model "
+                             f"axis ({mesh.shape[AXIS]})")
+        return cls(mesh)
+
     @property
     def size(self) -> int:
         return self.mesh.shape[AXIS]

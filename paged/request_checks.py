@@ -10,6 +10,11 @@ from paged import validate
 from paged.sampling import SamplingParams
 
 
+def derive_seed(engine_seed: int, request_index: int) -> int:
+    """The sampling seed of the ``request_index``-th unseeded request of an engine."""
+    return int(np.random.SeedSequence([engine_seed, request_index]).generate_state(1)[0] % 2**31)
+
+
 def check_request(engine, request_id, prompt, params, arrival_time, timeout_s,
                    cache_salt) -> tuple:
     """``Engine.add_request``'s checks, with no side effect: returns (request id, token ids,
