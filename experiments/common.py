@@ -229,6 +229,16 @@ def check_unset(engine, keys, by: str) -> None:
 
 
 # --- outputs ---------------------------------------------------------------------------------------
+def named_pair(item, where: str, what: str) -> tuple[str, dict]:
+    """``(name, dict)`` from a config's ``(name, {key: value})`` entry; ``ValueError`` naming
+    ``where`` (e.g. ``rows[2]``) and ``what`` the dict holds otherwise."""
+    try:
+        name, values = item
+        return name, dict(values)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}={item!r} must be a (name, {{{what}: value}}) pair") from None
+
+
 def utc_stamp() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 

@@ -187,12 +187,7 @@ def check(c) -> dict:
     ecfg = common.make_engine_config(c.engine, model=c.model)
     workloads = []
     for i, row in enumerate(c.rows):
-        try:
-            label, overrides = row
-            overrides = dict(overrides)
-        except (TypeError, ValueError):
-            raise ValueError(f"rows[{i}]={row!r} must be a (label, {{make_workload argument: "
-                             "value}) pair") from None
+        label, overrides = common.named_pair(row, f"rows[{i}]", "make_workload argument")
         try:
             workloads.append((label, overrides, build_workload(c, overrides)))
         except (ValueError, TypeError) as e:

@@ -186,12 +186,7 @@ def check_arms(c, by: str = "config.arms") -> list[tuple[str, EngineConfig]]:
     """``(name, EngineConfig)`` per arm of ``config.arms`` (``(name, {field: value})`` pairs)."""
     arms = []
     for i, arm in enumerate(c.arms):
-        try:
-            name, overrides = arm
-            overrides = dict(overrides)
-        except (TypeError, ValueError):
-            raise ValueError(f"{by}[{i}]={arm!r} must be a (name, {{engine field: value}}) "
-                             "pair") from None
+        name, overrides = common.named_pair(arm, f"{by}[{i}]", "engine field")
         arms.append((str(name), overrides))
     if not arms:
         raise ValueError(f"{by}=() names no arm")
