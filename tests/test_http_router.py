@@ -111,6 +111,25 @@ def _metric(base: str, name: str, labels: str = "") -> float:
     return float(m.group(1))
 
 
+def _wait_idle(base: str, backends: list[str], timeout: float = 10.0) -> None:
+    """Until the router's scraped load shows every backend idle (scrapes lag by one interval, so
+    requests sent straight to a backend can still count against it for a moment)."""
+    names = ("paged_router:backend_num_requests_running", "paged_router:backend_num_requests_waiting")
+    deadline = time.monotonic() + timeout
+    def busy() -> bool:  # a figure not scraped yet counts as busy
+        text = httpx.get(base + "/metrics").text
+        for n in names:
+            for u in backends:
+                m = re.search(rf'^{re.escape(n)}{{backend="{re.escape(u)}"}} (\S+)$', text, re.M)
+                if m is None or float(m.group(1)):
+                    return True
+        return False
+
+    while busy():
+        assert time.monotonic() < deadline, "backends never looked idle to the router"
+        time.sleep(0.05)
+
+
 # --- units: the routing key, the prefix tree, a backend as a replica ---------------------------
 def test_prefix_tree_match_split_and_lru_eviction():
     t = PrefixTree(max_chars=100)
@@ -193,6 +212,7 @@ def test_greedy_through_the_router_equals_a_server_directly(fleet):
     want = {p: direct.completions.create(model="tiny", prompt=p, max_tokens=MAX_TOKENS,
                                          temperature=0).choices[0].text for p in PROMPTS}
     for policy, r in fleet["routers"].items():
+        _wait_idle(r["base"], fleet["backends"])  # the direct requests' load has been scraped
         used = set()
         for p in PROMPTS:
             text, backend = _complete(r["base"], p)
