@@ -30,6 +30,7 @@ import dataclasses
 import itertools
 import math
 import numbers
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -77,9 +78,9 @@ class RequestRecord:
             raise ValueError(f"status={self.status!r} must be one of {STATUSES}")
         for name in ("prompt_len", "output_len", "num_preemptions", "num_cached_tokens"):
             _check_count(name, getattr(self, name))
-        times = tuple(float(t) for t in self.token_times)
+        times = tuple(map(float, self.token_times))
         object.__setattr__(self, "token_times", times)
-        if any(b < a for a, b in itertools.pairwise(times)):
+        if any(map(operator.gt, times, times[1:])):  # some later time b < an earlier a
             raise ValueError(f"request {self.request_id!r}: token_times={times} not "
                              "non-decreasing")
         self._check_order()
@@ -138,7 +139,8 @@ class RequestRecord:
     @property
     def itl_s(self) -> tuple[float, ...]:
         """Gaps between consecutive output tokens."""
-        return tuple(b - a for a, b in itertools.pairwise(self.token_times))
+        times = self.token_times
+        return tuple(map(operator.sub, times[1:], times))
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""

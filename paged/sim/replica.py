@@ -258,19 +258,8 @@ class SimReplica:
         toks[:, 0] = first
         toks[:, 1:] = pseudo_tokens(ints[:, SEED][:, None], ints[:, SAMPLE_INDEX][:, None],
                                     nt[:, None].astype(np.int64) + steps, self.token_salt)
-        # Step j's schedule starts a block for the rows whose slot ns + j is a block's first;
-        # its readback keys the blocks its decodes filled (decode position nt + j = ns + j + 1 a
-        # multiple of the page size): the same rows one step earlier.
-        js, rs = np.nonzero(starts_block.T)
-        allocs: dict[int, list[int]] = {}
-        for j, r in zip(js.tolist(), rs.tolist()):
-            allocs.setdefault(j, []).append(r)
-        fills = {j - 1: rows for j, rows in allocs.items() if j}
-        last = (nt + k - 1) % page == 0  # the stretch's last step fills a block too
-        if last.any():
-            fills[k - 1] = np.flatnonzero(last).tolist()
         self._stretch = _Stretch(n, k, nt.astype(np.int64).copy(), starts, ends, durs, toks,
-                                 allocs, fills, evict_from)
+                                 evict_from)
         self.version += 1
         self._steps_without_progress = 0
         return t
@@ -344,53 +333,28 @@ class SimReplica:
     def _apply(self, st: _Stretch, upto: int) -> None:
         """Applies planned steps ``st.done .. upto - 1`` as stepping would have run them.
 
-        The block manager hears the same calls in the same order wherever order can matter:
-        each block a step starts (row order within the step), each step's ``begin_step`` /
-        ``step_completed``, each step's ``mark_computed_many`` of the blocks it filled. A row's
-        slots between two of those are appended in one ``append_slots`` call (appending slots
-        into a block that has room touches nothing but the sequence's own tail)."""
+        The block manager's calls of those steps (each step's decode append, ``begin_step`` /
+        ``step_completed`` and ``mark_computed_many`` of the blocks it filled) are made in one
+        ``BlockManager.run_decode_steps``, which leaves the state they leave; the input-batch
+        rows are written in bulk."""
         j0 = st.done
         m = upto - j0
         if m <= 0:
             return
-        ib, bm, sched = self.batch, self.block_manager, self.scheduler
+        ib, sched = self.batch, self.scheduler
         n = st.n
-        ids = ib.ids
         nt0 = st.nt0
-        append, begin_step, completed = bm.append_slots, bm.begin_step, bm.step_completed
-        mark = bm.mark_computed_many
+        if not self.block_manager.run_decode_steps(ib.ids[:n], st.toks[:, j0:upto]):
+            raise RuntimeError(f"{self.name}: a fast-forwarded decode run needed more blocks "
+                               "than the pool had")
         log = self.schedule_log
+        if log is not None:
+            ran = [(q.request_id, 1) for q in ib.seqs[:n]]
+            for j in range(j0, upto):
+                log.append((st.starts[j], list(ran), []))
         busy = self.busy_s
-        durs, allocs, fills = st.durs, st.allocs, st.fills
-        fed = st.toks[:, :upto].tolist()  # row r's step j feeds fed[r][j]
-        pend = [j0] * n  # row r's slots are appended up to (not including) step pend[r]
-        nt = nt0.tolist()
-
-        def grow(r, upto_j):
-            copies = append(ids[r], fed[r][pend[r]:upto_j])
-            if copies is None or copies:
-                raise RuntimeError(f"{self.name}: a fast-forwarded decode step needed "
-                                   f"{'blocks' if copies is None else 'copies'}")
-            pend[r] = upto_j
-
-        for j in range(j0, upto):
-            a = allocs.get(j)
-            if a is not None:
-                for r in a:
-                    grow(r, j + 1)
-            if log is not None:
-                log.append((st.starts[j], [(q.request_id, 1) for q in ib.seqs[:n]], []))
-            completed(begin_step())
-            f = fills.get(j)
-            if f is not None:
-                for r in f:
-                    if pend[r] <= j:
-                        grow(r, j + 1)
-                mark([ids[r] for r in f], [nt[r] + j for r in f])
-            busy += durs[j]
-        for r in range(n):
-            if pend[r] < upto:
-                grow(r, upto)
+        for d in st.durs[j0:upto]:
+            busy += d
         self.busy_s = busy
         sched.num_fast_decode_steps += m
         self.num_steps += m
@@ -496,13 +460,12 @@ class SimReplica:
 class _Stretch:
     """A planned run of pure decode steps (``SimReplica.plan``)."""
 
-    __slots__ = ("allocs", "done", "durs", "ends", "evict_from", "fills", "firsts", "k", "n", "nt0",
-                 "starts", "toks")
+    __slots__ = ("done", "durs", "ends", "evict_from", "firsts", "k", "n", "nt0", "starts", "toks")
 
-    def __init__(self, n, k, nt0, starts, ends, durs, toks, allocs, fills, evict_from):
+    def __init__(self, n, k, nt0, starts, ends, durs, toks, evict_from):
         self.n, self.k, self.nt0 = n, k, nt0
         self.starts, self.ends, self.durs = starts, ends, durs
-        self.toks, self.allocs, self.fills = toks, allocs, fills
+        self.toks = toks
         self.evict_from = evict_from
         self.firsts = None  # (prompt length, first sampled token) per row, when first needed
         self.done = 0
