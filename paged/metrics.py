@@ -222,7 +222,7 @@ def summarize(records: Iterable[RequestRecord], *, duration_s: float,
 
     done = [r for r in records if r.status == "finished"]
     tpots = [r.tpot_s for r in done if r.tpot_s is not None]
-    itls = [g for r in done for g in r.itl_s]
+    itls = list(itertools.chain.from_iterable(r.itl_s for r in done))
     in_tok = sum(r.prompt_len for r in done)
     out_tok = sum(r.output_len for r in done)
     cached = sum(r.num_cached_tokens for r in done)

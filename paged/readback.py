@@ -38,6 +38,9 @@ class StepReader:
         self.eos_ids = tuple(t for t in self.eos_ids if t >= 0)  # every token that ends generation
         self.max_model_len = engine.config.max_model_len
         self.text = engine.tokenizer.decode
+        # False: only finished requests get outputs (a simulator drops the others); the decodes'
+        # outputs are then made per request, for those that finished, and none for the rest.
+        self.make_outputs = True
 
     def read(self, batch: StepBatch, tokens: np.ndarray, now: float, nxt: StepBatch | None,
              extras: tuple | None = None) -> tuple[list[RequestOutput | None | bool], dict[str, None]]:
@@ -146,6 +149,11 @@ class StepReader:
                 self.check_stop(s, int(new[i]), ends[i], now)
                 if s.finished:
                     stopped.append(i)  # its output is made per request, finished
+        if not self.make_outputs:
+            made = [False] * len(decode)
+            for i in stopped:
+                made[i] = None
+            return made
         states = [s.out_state for s in decode]  # None: made per request, or refreshed
         if None in states:
             text = self.text

@@ -91,18 +91,23 @@ def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, ba
         seq.tokens.extend(rows[r])
         seq.room = (room - m) % B
     n0 = [len(seq.tokens) - m for seq in batch]
+    owed = 0  # steps up to here not begun / completed yet (nothing happened in them)
     j = 0
     for e in sorted(starts.keys() | fills.keys()):
-        _steps(fence, pool, e - j)
+        owed += e - j
         s = starts.get(e)
-        if s is not None:
+        if s is not None:  # step e's schedule takes its blocks after step e - 1 completed
+            _steps(fence, pool, owed)
+            owed = 0
             for r, b in zip(s, pool.take(len(s))):
                 batch[r].table.append(b)
             if pool.died:
                 pool.flush()
-        _steps(fence, pool, 1)
+        owed += 1
         f = fills.get(e)
-        if f is not None:
+        if f is not None:  # its readback keys the blocks it filled, after it completed
+            _steps(fence, pool, owed)
+            owed = 0
             keying = []
             for r in f:
                 seq = batch[r]
@@ -113,7 +118,7 @@ def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, ba
             if keying:
                 keyer.key_computed(keying)
         j = e + 1
-    _steps(fence, pool, m - j)
+    _steps(fence, pool, owed + m - j)
 
 
 def _steps(fence: StepFence, pool, k: int) -> None:

@@ -17,7 +17,8 @@ unchanged: ``_add_checked``, ``_expire``, ``_finish_request``, ``_outputs``, ``_
 Steps are serial, as ``EngineConfig(async_scheduling=False)``: ``begin(now)`` schedules, builds
 and commits a step and returns its duration; ``finish(now + duration)`` reads it back
 (``StepReader.read``), which stamps the step's tokens with the finish time. Overlap is not
-modelled.
+modelled. Only requests that finished get outputs (``StepReader.make_outputs = False``): the
+simulator keeps those and nothing else.
 
 ``build_device=True`` builds the real padded ``DeviceBatch`` with ``BatchBuilder.build`` each step
 (the serving code path, numpy only); ``False`` builds only what ``commit`` and ``StepReader.read``
@@ -30,10 +31,10 @@ abort or deadline pending, every row a steady decoder with n == 1 and no stop id
 of the next steps is known until one of them samples a sequence's last token or the pool could
 run short: ``plan(now)`` computes that stretch's step times (the model's time of each step's
 ``StepShape``, the same float sums as stepping) without running it. ``advance_to(t)`` then applies
-the steps that ended by ``t`` with the real calls each would make (``append_decode_slots``,
-``begin_step`` / ``step_completed``, ``mark_computed_many`` at block ends; the input-batch rows
-written in bulk) and begins the step in flight at ``t`` on the ordinary path. Outputs of
-unfinished requests (which the simulator drops) are not made. The simulator calls it at the
+the steps that ended by ``t`` in one ``BlockManager.run_decode_steps`` (which leaves the state
+their ``append_decode_slots``, ``begin_step`` / ``step_completed`` and ``mark_computed_many``
+calls leave; the input-batch rows written in bulk) and begins the step in flight at ``t`` on the
+ordinary path. The simulator calls it at the
 stretch's end, when a request or an abort reaches the replica mid-stretch, before a router reads
 the block manager (``prefix_aware``) and at the time limit; the state it leaves is the state
 stepping leaves (tests compare records, schedules and counters).
@@ -52,7 +53,6 @@ from paged.config import EngineConfig
 from paged.engine import Engine
 from paged.input_batch import HAS_STOP_IDS, LIMIT, SAMPLE_INDEX, SEED, InputBatch
 from paged.models.tokenizer import ByteTokenizer
-from paged.outputs import state_of
 from paged.readback import StepReader
 from paged.request_checks import check_request
 from paged.routing import cached_prefix_tokens
@@ -155,6 +155,7 @@ class SimReplica:
         self._inflight = None
         self._idle = True  # no unfinished request after the last step (or none yet)
         self._reader = StepReader(self)
+        self._reader.make_outputs = False  # the simulator keeps finished requests' outputs only
         self._stretch: _Stretch | None = None
         self.version = 0  # bumped whenever a planned stretch is planned or cut
         self.num_fast_steps = 0  # steps applied by fast-forward
@@ -217,14 +218,14 @@ class SimReplica:
         if sched.waiting or sched.swapped or not n or n != len(sched.running) \
                 or n > cfg.max_num_seqs or n > cfg.max_num_batched_tokens:
             return None
-        nt, nc, ns = ib.num_tokens[:n], ib.num_computed[:n], ib.num_slots[:n]
-        ints = ib.ints[:n]
-        if not ((nt - nc == 1) & (nc >= ib.num_prompt[:n]) & (ns == nc) & ~ib.hold[:n]).all() \
-                or ints[:, HAS_STOP_IDS].any():
-            return None
+        nt, ints = ib.num_tokens[:n], ib.ints[:n]
         # Step j samples position nt + j; it ends a sequence when nt + j + 1 >= its limit.
         k = min(int((ints[:, LIMIT] - nt).min()) - 1, max_steps)
-        if k < 2:
+        if k < 2:  # (checked first: the step before a sequence's last token is the common miss)
+            return None
+        nc, ns = ib.num_computed[:n], ib.num_slots[:n]
+        if not ((nt - nc == 1) & (nc >= ib.num_prompt[:n]) & (ns == nc) & ~ib.hold[:n]).all() \
+                or ints[:, HAS_STOP_IDS].any():
             return None
         seqs = ib.seqs[:n]
         if any(q.params.n != 1 for q in seqs):
@@ -367,10 +368,6 @@ class SimReplica:
         ib.num_computed[:n] += m
         ib.num_tokens[:n] = nt0 + upto
         ib.last_slot[:n] = rows
-        text = self._reader.text
-        for q in ib.seqs[:n]:
-            if q.out_state is None:
-                q.out_state = state_of([q], False, None, text)
         st.done = upto
 
     # --- the step ------------------------------------------------------------------------------
@@ -419,6 +416,8 @@ class SimReplica:
         self._inflight = None
         self.block_manager.step_completed(batch.step_id)
         made, touched = self._reader.read(batch, tokens, now, None)
+        reqs = self._requests
+        touched = [r for r in touched if r in reqs and all(q.finished for q in reqs[r])]
         self._idle = not self.scheduler.has_unfinished()
         if self.config.debug_checks:
             self.block_manager.check_invariants()
