@@ -119,11 +119,17 @@ class ServingRecorder:
     time from its ``schedule`` call to the next step's when the engine had work left after it
     (the period then holds the driver's own work between steps: admitting arrivals, recording
     outputs), else the step's own wall time (the driver sleeps after it). A step that follows
-    such a pause is marked ``after_idle``. That period is what a simulated step lasts."""
+    such a pause is marked ``after_idle``. That period is what a simulated step lasts.
+
+    It also records, for each request added while the engine had nothing to do, how late the
+    driver added it (``admit_late``: ``add_request`` time minus the arrival time): the wake-up
+    from its sleep plus the loop's own work before admission, which a simulated idle replica
+    pays as ``Simulator(idle_wake_s=...)``."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self.rows = []  # (shape, period)
+        self.admit_late = []  # seconds, requests that arrived to an idle engine
         self._last = None  # (shape, start) of the previous step, if the engine stayed busy
         self._idle = True
         self._pending = None
@@ -151,21 +157,32 @@ class ServingRecorder:
                 self._idle = not busy
             return outs
 
+        inner_add = engine.add_request
+
+        def add_request(request_id, prompt, params=None, *, arrival_time=None, **kw):
+            t = time.perf_counter()
+            if arrival_time is not None and not engine.has_unfinished_requests():
+                self.admit_late.append(t - arrival_time)
+            return inner_add(request_id, prompt, params, arrival_time=arrival_time, **kw)
+
         engine.scheduler.schedule = schedule
         engine.step = step
+        engine.add_request = add_request
 
     def close(self) -> None:
         del self.engine.scheduler.schedule
         del self.engine.step
+        del self.engine.add_request
 
 
-def measure_serving(c, engine_config, model) -> list[dict]:
+def measure_serving(c, engine_config, model) -> tuple[list[dict], list[float]]:
     """Step periods of real-time serving runs (``serving_workloads``: kind, shared prefix, rate),
-    on workloads drawn with ``seed + 1000`` (not the requests a validation then serves)."""
+    on workloads drawn with ``seed + 1000`` (not the requests a validation then serves), and the
+    admission lateness of requests that found the engine idle (``ServingRecorder.admit_late``)."""
     from experiments import serving
     from paged.workload import make_workload
 
-    points = []
+    points, late = [], []
     for kind, prefix, rate in c.serving_workloads:
         w = make_workload(kind, max(2, round(rate * c.serving_duration_s)), float(rate),
                           max_model_len=engine_config.max_model_len, seed=c.seed + 1000,
@@ -179,7 +196,8 @@ def measure_serving(c, engine_config, model) -> list[dict]:
             rec.close()
         points += [_point("serving", shape, period, 0.0, shape.num_seqs, f"{kind}@{rate:g}")
                    for shape, period in rec.rows]
-    return points
+        late += rec.admit_late
+    return points, late
 
 
 def _prompt(rng, n: int) -> list[int]:
@@ -337,7 +355,7 @@ def calibrate(c, engine_config, model) -> tuple:
 def _calibrate_serving(c, engine_config, model) -> tuple:
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    points = measure_serving(c, engine_config, model)
+    points, late = measure_serving(c, engine_config, model)
     measure_s = time.perf_counter() - t0
     load_after = os.getloadavg()
     shapes, times = [p["_shape"] for p in points], [p["wall_s"] for p in points]
@@ -350,10 +368,14 @@ def _calibrate_serving(c, engine_config, model) -> tuple:
         p["predicted_s"] = model_fit.time(p.pop("_shape"))
     fit = model_fit.fit
     wake = sleep_overshoot()
+    admit = float(np.median(late)) if late else None
     q = fit["ratio_quantiles"]
     print(f"calibration (serving): {len(points)} step periods in {measure_s:.1f} s, "
           f"measured/predicted p1 {q[2]:.2f} p50 {q[128]:.2f} p99 {q[-3]:.2f}, load average {load_before[0]:.1f} -> {load_after[0]:.1f}")
     print("fit  t = " + " + ".join(f"{v:.3e}*{k}" for k, v in model_fit.coef.items()))
+    if admit is not None:
+        print(f"     idle admission lateness (median of {len(late)}) {admit * 1e3:.3f} ms, "
+              f"sleep overshoot {wake * 1e3:.3f} ms")
     print(f"     rms rel error {fit['rms_rel_error']:.3f}, median |rel| "
           f"{fit['median_abs_rel_error']:.3f}, max |rel| {fit['max_abs_rel_error']:.3f}")
     fit["residuals_s"] = fit["residuals_s"][:0]  # per-point predictions are in ``points``
@@ -363,7 +385,8 @@ def _calibrate_serving(c, engine_config, model) -> tuple:
         "model": model_fit.to_json(), "engine_config": dict(engine_config.__dict__),
         "model_name": c.model, "load_average_before": load_before,
         "load_average_after": load_after, "cpu_count": os.cpu_count(), "measure_s": measure_s,
-        "points": points, "sleep_overshoot_s": wake, "config": c.to_dict(),
+        "points": points, "sleep_overshoot_s": wake, "idle_admit_late_s": admit,
+        "idle_admit_late_count": len(late), "config": c.to_dict(),
         "provenance": common.provenance()}
     return model_fit, payload
 

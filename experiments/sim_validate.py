@@ -3,8 +3,9 @@
 The real side is ``experiments/serving.py``'s real-time driver (``run_arm``) on a fresh engine per
 point (engines with one model share their compiled step). The simulated side is
 ``paged.sim.Simulator`` with the same ``EngineConfig`` and the linear step-time model fitted on
-this machine by ``experiments/calibrate.py`` (and, with ``model_idle_wake``, the driver's measured
-wake-up lateness when the engine is idle: ``Simulator(idle_wake_s=...)``). Side by side per point: p50 / p99 TTFT and TPOT,
+this machine by ``experiments/calibrate.py`` (and, with ``model_idle_wake``, the driver's
+admission lateness when the engine is idle, measured in the run each model was fitted on:
+``Simulator(idle_wake_s=...)``). Side by side per point: p50 / p99 TTFT and TPOT,
 request and output throughput, preemptions and peak KV blocks, each with the simulator's relative
 error ``(sim - real) / real``; per workload, the saturation rate of each. The real results are
 ``constructed`` (a real engine on a constructed workload), the simulated ones ``simulated``; they
@@ -23,6 +24,13 @@ own steps. On a shared CPU the machine's load drifts within minutes and a step o
 shape takes 2-3x longer when it is high, so one calibration for the whole grid (``sim``) carries
 that drift into every point; the paired one is the per-point calibration a user would make before
 asking a what-if of this machine.
+
+With ``repeat_real`` (the default), ``real_repeat``: the real engine serves the same requests a
+second time, right after the first run, and is scored against the first exactly as the simulated
+variants are (evidence ``constructed``, not simulated). Its errors are the noise floor of this
+machine: a simulator cannot be shown closer to the real engine than the real engine is to
+itself, and on a shared CPU the p99 of a few hundred requests moves by tens of per cent between
+two runs of the same requests.
 
 Diagnostic ``sim_self`` (with ``self_fit``): fitted on the point's own real steps (in sample, not
 a validation): the error left when the step-time model is as good as a shape-only fit can be,
@@ -46,6 +54,7 @@ import time
 from pathlib import Path
 
 import ml_collections
+import numpy as np
 
 from experiments import common, serving
 from paged.sim import (
@@ -108,7 +117,8 @@ def step_model(c, engine_config, model, out_dir):
         data = json.loads(Path(c.calibration).read_text())
         _check_calibration(data, engine_config, c.model)
         return load_model_json(data), {"source": c.calibration, "fit": data["model"].get("fit"),
-                                       "sleep_overshoot_s": data.get("sleep_overshoot_s", 0.0)}
+                                       "sleep_overshoot_s": data.get("sleep_overshoot_s", 0.0),
+                                       "idle_admit_late_s": data.get("idle_admit_late_s")}
     from experiments import calibrate
     from experiments.configs import calibrate as cal_config
 
@@ -128,7 +138,8 @@ def step_model(c, engine_config, model, out_dir):
     return sm, {"source": f"calibrated now ({c.calibrate_grid} variant): "
                           f"{out_dir / 'calibration.json'}",
                 "fit": {k: v for k, v in sm.fit.items() if k != "residuals_s"},
-                "sleep_overshoot_s": payload["sleep_overshoot_s"]}
+                "sleep_overshoot_s": payload["sleep_overshoot_s"],
+                "idle_admit_late_s": payload.get("idle_admit_late_s")}
 
 
 def _check_calibration(data, engine_config, model_name) -> None:
@@ -156,7 +167,7 @@ def saturated(summary, c) -> bool:
         ttft > c.saturated_ttft_ms
 
 
-def run_real(c, engine_config, model, point) -> tuple[dict, list]:
+def run_real(c, engine_config, model, point) -> tuple[dict, list, list]:
     """The real run of one point; also records each step's shape and period
     (``experiments.calibrate.ServingRecorder``) for the leave-one-out fits."""
     from experiments.calibrate import ServingRecorder
@@ -175,7 +186,24 @@ def run_real(c, engine_config, model, point) -> tuple[dict, list]:
            "load_average": os.getloadavg()[0], "real_wall_s": time.perf_counter() - t0,
            "real_saturated": saturated(rs, c), "real": {name: rs.get(key) for name, key, _ in METRICS},
            "real_evidence": rs["evidence"], "real_steps": len(rec.rows)}
-    return row, rec.rows
+    row["idle_admit_late_s"] = _median(rec.admit_late)
+    return row, rec.rows, rec.admit_late
+
+
+def _median(xs):
+    return float(np.median(xs)) if len(xs) else None
+
+
+def add_repeat(row: dict, again: dict) -> None:
+    """The real engine run again on the same requests, as the ``real_repeat`` variant: its
+    relative difference from the first run is the noise floor of every error in the row."""
+    row["real_repeat"] = again["real"]
+    row["real_repeat_rel_error"] = {name: rel(again["real"][name], row["real"][name])
+                                    for name, _, _ in METRICS}
+    row["real_repeat_saturated"] = again["real_saturated"]
+    row["real_repeat_evidence"] = again["real_evidence"]
+    row["real_repeat_load_average"] = again["load_average"]
+    row["real_repeat_wall_s"] = again["real_wall_s"]
 
 
 def paired_models(c, engine_config, model, point, index: int) -> tuple[dict, dict]:
@@ -196,7 +224,7 @@ def paired_models(c, engine_config, model, point, index: int) -> tuple[dict, dic
         rec.close()
     feats = tuple(cal_config.get_config("serving").serving_features)
     info = {"seed": c.seed + 1000 + index, "num_steps": len(rec.rows),
-            "load_average": os.getloadavg()[0]}
+            "load_average": os.getloadavg()[0], "idle_admit_late_s": _median(rec.admit_late)}
     m = _fit_rows(rec.rows, feats)
     if m is None:
         return {}, info
@@ -219,11 +247,13 @@ def _fit_rows(rows, feats):
     return None
 
 
-def run_sims(c, engine_config, model, models, point, row, wake_s: float) -> None:
-    """Each simulated variant of ``models`` (name -> model factory) on the point's requests."""
+def run_sims(c, engine_config, model, models, point, row, wakes: dict) -> None:
+    """Each simulated variant of ``models`` (name -> model factory) on the point's requests, an
+    idle replica waking ``wakes[variant]`` seconds late."""
     w = point["wl"]
     for variant, make in models.items():
-        sim = Simulator(engine_config, make(), model_config=model[0], idle_wake_s=wake_s).run(
+        sim = Simulator(engine_config, make(), model_config=model[0],
+                        idle_wake_s=wakes[variant]).run(
             w, max_time_s=w.duration_s + c.max_drain_s)
         ss = sim.summary
         row[variant] = {name: ss.get(key) for name, key, _ in METRICS}
@@ -296,18 +326,26 @@ def main(c, plan):
     quantiles = (cal.get("fit") or {}).get("ratio_quantiles")
     if quantiles:  # the calibration's measured spread, one seeded generator per point
         models["sim_noisy"] = lambda: NoisyStepModel(sm, quantiles, seed=c.seed)
-    wake = cal["sleep_overshoot_s"] if c.model_idle_wake else 0.0
-    rows, steps, paired = [], [], []
+    # An idle engine admits an arrival this late: measured in the calibration's serving runs
+    # (a grid calibration has only the sleep overshoot), per point below for the paired, self and
+    # leave-one-out variants (in the runs their models were fitted on).
+    wake_of = (lambda x, fallback: fallback if x is None else x) if c.model_idle_wake \
+        else (lambda x, fallback: 0.0)
+    wake = wake_of(cal.get("idle_admit_late_s"), cal["sleep_overshoot_s"])
+    rows, steps, paired, lates = [], [], [], []
     bar = common.Progress(len(plan["points"]), "[sim_validate real]", unit="point")
     for i, point in enumerate(plan["points"]):
         pm = {}
         if c.paired_calibration:
             pm, info = paired_models(c, plan["engine"], model, point, i)
-        row, st = run_real(c, plan["engine"], model, point)
+        row, st, late = run_real(c, plan["engine"], model, point)
         if c.paired_calibration:
             row["paired_calibration"] = info
+        if c.repeat_real:
+            add_repeat(row, run_real(c, plan["engine"], model, point)[0])
         rows.append(row)
         steps.append(st)
+        lates.append(late)
         paired.append(pm)
         bar.update()
     bar.close()
@@ -323,8 +361,18 @@ def main(c, plan):
                 variants["sim_self"] = lambda m=m_self: m
         if c.leave_one_out and len(rows) > 1:
             variants.update(loo_models(c, steps, i))
-        run_sims(c, plan["engine"], model, variants, point, row, wake)
+        wakes = dict.fromkeys(variants, wake)
         for v in variants:
+            if v.startswith("sim_paired"):
+                wakes[v] = wake_of(row.get("paired_calibration", {}).get("idle_admit_late_s"), wake)
+            elif v == "sim_self":
+                wakes[v] = wake_of(row["idle_admit_late_s"], wake)
+            elif v.startswith("sim_loo"):
+                wakes[v] = wake_of(_median([x for j, ls in enumerate(lates) if j != i for x in ls]),
+                                   wake)
+        row["idle_wake_s"] = wakes
+        run_sims(c, plan["engine"], model, variants, point, row, wakes)
+        for v in [*variants, *(["real_repeat"] if "real_repeat" in row else [])]:
             e = row[f"{v}_rel_error"]
             print(f"  {row['workload']:16s} {row['rate']:6.1f}/s  load {row['load_average']:4.1f}  "
                   f"{v:13s} " + "  ".join(f"{m} {_f(row['real'][m])}/{_f(row[v][m])} ({_p(e[m])})"
@@ -335,7 +383,7 @@ def main(c, plan):
     check_not_mixed([{"evidence": r["real_evidence"]} for r in rows])
     for v in names:
         check_not_mixed([{"evidence": r[f"{v}_evidence"]} for r in rows])
-    verdict = {v: judge(rows, c, v) for v in names}
+    verdict = {v: judge(rows, c, v) for v in names}  # real_repeat: the real engine's own floor
     for v, per in verdict.items():
         for name, j in per.items():
             print(f"{v:13s} {name}: saturation real {j['saturation_rate_real']} sim "
@@ -345,7 +393,9 @@ def main(c, plan):
                   f"saturation within one step {j['saturation_within_one_step']}")
     path = common.write_json(out_dir / "sim_validate.json", {
         "study": "sim_validate",
-        "evidence": {"real": rows[0]["real_evidence"], "sim": rows[0]["sim_evidence"]},
+        "evidence": {"real": rows[0]["real_evidence"], "sim": rows[0]["sim_evidence"],
+                     **({"real_repeat": rows[0]["real_repeat_evidence"]}
+                        if "real_repeat_evidence" in rows[0] else {})},
         "variants": names, "step_models": {v: m().describe() for v, m in models.items()},
         "calibration": cal, "idle_wake_s": wake, "points": rows, "verdict": verdict,
         "config": c.to_dict(), "cpu_count": os.cpu_count(), "provenance": common.provenance()})

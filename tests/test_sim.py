@@ -327,5 +327,8 @@ def test_calibrate_and_sim_validate_smoke(tmp_path):
     cal = json.loads((tmp_path / "calibrate" / "calibration.json").read_text())
     assert set(cal["model"]["coef"]) == {"const", "tokens", "seqs", "kv_read"}
     val = json.loads((tmp_path / "sim_validate" / "sim_validate.json").read_text())
-    assert val["evidence"] == {"real": "constructed", "sim": "simulated"}
+    assert val["evidence"] == {"real": "constructed", "sim": "simulated",
+                               "real_repeat": "constructed"}
     assert val["points"][0]["sim_rel_error"]["p50_ttft_ms"] is not None
+    assert val["points"][0]["real_repeat_rel_error"]["p50_ttft_ms"] is not None
+    assert "real_repeat" in val["verdict"]

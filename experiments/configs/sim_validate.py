@@ -35,8 +35,9 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     # Before each point's real run, a calibration run of the same kind and rate (other requests):
     # the sim_paired variants are fitted on it (same stretch of machine load).
     c.paired_calibration = True
+    c.repeat_real = True  # real_repeat: the same requests through the real engine again
     c.self_fit = True  # diagnostic sim_self: fitted on the point's own real steps (in sample)
-    c.model_idle_wake = True  # the simulator models the driver's measured sleep overshoot
+    c.model_idle_wake = True  # an idle simulated replica admits as late as the real driver did
     c.duration_s = 6.0  # offered load per point
     c.max_drain_s = 30.0  # wall limit per point beyond the last arrival
     c.saturated_ttft_ms = 2000.0
