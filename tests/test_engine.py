@@ -237,3 +237,30 @@ def test_pallas_interpret_matches_xla(impl):
                                      debug_checks=True), model_config=cfg, params=params)
         runs[attention_impl] = _tokens(engine, batch, params_)
     assert runs[impl] == runs["xla"]
+
+
+def test_readback_without_decode_outputs_keeps_every_finished_output(batch):
+    """``StepReader.make_outputs = False`` (the simulator's setting): decodes of unfinished
+    requests get no output, and each finished request's output is the one a normal engine makes
+    (parallel samples and forks included)."""
+    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0.8, seed=i, n=1 + i % 2)
+              for i in range(len(batch))]
+
+    def run(make_outputs: bool):
+        engine = _engine(async_scheduling=False)
+        engine._reader.make_outputs = make_outputs
+        for i, (p, sp) in enumerate(zip(batch, params)):
+            engine.add_request(f"r{i}", p, sp)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        _assert_no_leak(engine)
+        return outs
+
+    def finished(outs):
+        return {o.request_id: [(s.index, s.token_ids, s.finish_reason) for s in o.outputs]
+                for o in outs if o.finished}
+
+    full, lean = run(True), run(False)
+    assert finished(lean) == finished(full) and len(finished(full)) == len(batch)
+    assert sum(not o.finished for o in lean) < sum(not o.finished for o in full)
