@@ -32,6 +32,12 @@ machine: a simulator cannot be shown closer to the real engine than the real eng
 itself, and on a shared CPU the p99 of a few hundred requests moves by tens of per cent between
 two runs of the same requests.
 
+Per point, the real run's p50 and p99 of TTFT and TPOT also get a 95 % percentile-bootstrap
+interval over its requests (``real_ci``), and every variant says whether its figure lies inside
+(``<variant>_in_real_ci``; counted below saturation in the verdict): the sampling uncertainty
+of the real measurement itself, apart from the machine's run-to-run drift that ``real_repeat``
+shows.
+
 Diagnostic ``sim_self`` (with ``self_fit``): fitted on the point's own real steps (in sample, not
 a validation): the error left when the step-time model is as good as a shape-only fit can be,
 i.e. the simulator's own (scheduling, queueing, timing) error.
@@ -153,6 +159,39 @@ def _check_calibration(data, engine_config, model_name) -> None:
         print(f"note: calibration measured model {data.get('model_name')!r}, this run {model_name!r}")
 
 
+# metric -> (per-request value, percentile) for the bootstrap intervals of the real run
+CI_METRICS = {"p50_ttft_ms": ("ttft", 50), "p99_ttft_ms": ("ttft", 99),
+              "p50_tpot_ms": ("tpot", 50), "p99_tpot_ms": ("tpot", 99)}
+
+
+def bootstrap_ci(records, seed: int, *, n: int = 1000, level: float = 0.95) -> dict:
+    """Percentile-bootstrap interval of each ``CI_METRICS`` figure of a real run: the requests
+    resampled with replacement ``n`` times (the figures as ``metrics.summarize`` computes them:
+    finished requests; TPOT of those with more than one output token). ``None`` below 2 values.
+    It says how far the run's own p50 / p99 could have moved with other requests of the same
+    kind, which a simulator's figure is then compared with."""
+    done = [r for r in records if r.status == "finished"]
+    vals = {"ttft": np.array([r.ttft_s * 1e3 for r in done]),
+            "tpot": np.array([r.tpot_s * 1e3 for r in done if r.tpot_s is not None])}
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, (kind, q) in CI_METRICS.items():
+        x = vals[kind]
+        if len(x) < 2:
+            out[name] = None
+            continue
+        stats = np.percentile(x[rng.integers(0, len(x), (n, len(x)))], q, axis=1)
+        out[name] = [float(np.quantile(stats, (1 - level) / 2)),
+                     float(np.quantile(stats, 1 - (1 - level) / 2))]
+    return out
+
+
+def in_ci(values: dict, ci: dict) -> dict:
+    """Per ``CI_METRICS`` figure: whether ``values[name]`` lies in the real run's interval."""
+    return {name: bool(ci.get(name) is not None and values.get(name) is not None
+                       and ci[name][0] <= values[name] <= ci[name][1]) for name in CI_METRICS}
+
+
 def rel(sim, real):
     if sim is None or real is None:
         return None
@@ -187,6 +226,7 @@ def run_real(c, engine_config, model, point) -> tuple[dict, list, list]:
            "real_saturated": saturated(rs, c), "real": {name: rs.get(key) for name, key, _ in METRICS},
            "real_evidence": rs["evidence"], "real_steps": len(rec.rows)}
     row["idle_admit_late_s"] = _median(rec.admit_late)
+    row["real_ci"] = bootstrap_ci(real.records, c.seed)
     return row, rec.rows, rec.admit_late
 
 
@@ -201,6 +241,7 @@ def add_repeat(row: dict, again: dict) -> None:
     row["real_repeat_rel_error"] = {name: rel(again["real"][name], row["real"][name])
                                     for name, _, _ in METRICS}
     row["real_repeat_saturated"] = again["real_saturated"]
+    row["real_repeat_in_real_ci"] = in_ci(again["real"], row["real_ci"])
     row["real_repeat_evidence"] = again["real_evidence"]
     row["real_repeat_load_average"] = again["load_average"]
     row["real_repeat_wall_s"] = again["real_wall_s"]
@@ -260,6 +301,7 @@ def run_sims(c, engine_config, model, models, point, row, wakes: dict) -> None:
         row[f"{variant}_rel_error"] = {name: rel(ss.get(key), row["real"][name])
                                        for name, key, _ in METRICS}
         row[f"{variant}_saturated"] = saturated(ss, c)
+        row[f"{variant}_in_real_ci"] = in_ci(row[variant], row["real_ci"])
         row[f"{variant}_wall_s"] = sim.wall_s
         row[f"{variant}_evidence"] = ss["evidence"]
 
@@ -313,6 +355,8 @@ def judge(rows, c, variant: str = "sim") -> dict:
                      "saturation_rate_sim": None if sat_sim is None else rates[sat_sim],
                      "points_below_saturation": len(below),
                      "worst_abs_rel_error_below_saturation": worst,
+                     "in_real_ci_below_saturation": {
+                         m: sum(r[f"{variant}_in_real_ci"][m] for r in below) for m in CI_METRICS},
                      "meets_p50_goal": ok_p50, "meets_p99_goal": ok_p99,
                      "saturation_within_one_step": abs(a - b) <= 1}
     return out
@@ -390,7 +434,9 @@ def main(c, plan):
                   f"{j['saturation_rate_sim']}; worst |error| below saturation "
                   f"{({k: _pa(x) for k, x in j['worst_abs_rel_error_below_saturation'].items()})}; "
                   f"p50 goal {j['meets_p50_goal']}, p99 goal {j['meets_p99_goal']}, "
-                  f"saturation within one step {j['saturation_within_one_step']}")
+                  f"saturation within one step {j['saturation_within_one_step']}; in the real "
+                  f"run's 95% interval at {j['in_real_ci_below_saturation']} of "
+                  f"{j['points_below_saturation']} points")
     path = common.write_json(out_dir / "sim_validate.json", {
         "study": "sim_validate",
         "evidence": {"real": rows[0]["real_evidence"], "sim": rows[0]["sim_evidence"],
