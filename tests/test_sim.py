@@ -332,3 +332,34 @@ def test_calibrate_and_sim_validate_smoke(tmp_path):
     assert val["points"][0]["sim_rel_error"]["p50_ttft_ms"] is not None
     assert val["points"][0]["real_repeat_rel_error"]["p50_ttft_ms"] is not None
     assert "real_repeat" in val["verdict"]
+
+
+def test_bootstrap_interval_of_a_real_percentile():
+    """``sim_validate.bootstrap_ci``: the interval holds the sample's own percentile, shrinks as
+    the sample grows, covers the population percentile about 95 % of the time, and a figure far
+    outside the spread is outside it; deterministic for a seed."""
+    from experiments.sim_validate import bootstrap_ci, in_ci
+
+    def records(ttfts):
+        return [metrics.RequestRecord(
+            request_id=f"r{i}", status="finished", arrival_s=0.0, first_scheduled_s=0.0,
+            first_token_s=t, finish_s=t + 0.01, token_times=(t, t + 0.01), prompt_len=4,
+            output_len=2) for i, t in enumerate(ttfts)]
+
+    rng = np.random.default_rng(0)
+    small = records(rng.exponential(0.003, 100))
+    ci = bootstrap_ci(small, seed=1)
+    own = float(np.percentile([r.ttft_s * 1e3 for r in small], 50))
+    assert ci["p50_ttft_ms"][0] <= own <= ci["p50_ttft_ms"][1]
+    assert ci == bootstrap_ci(small, seed=1)
+    assert in_ci({"p50_ttft_ms": own, "p99_ttft_ms": 1e9}, ci) == {
+        "p50_ttft_ms": True, "p99_ttft_ms": False, "p50_tpot_ms": False, "p99_tpot_ms": False}
+    big = bootstrap_ci(records(rng.exponential(0.003, 1600)), seed=1)
+    width = lambda c: c["p50_ttft_ms"][1] - c["p50_ttft_ms"][0]
+    assert width(big) < 0.5 * width(ci)  # ~1/sqrt(16) of it
+    true_p50 = 3.0 * np.log(2)  # ms, exponential with mean 3 ms
+    hits = sum(lo <= true_p50 <= hi for lo, hi in (
+        bootstrap_ci(records(rng.exponential(0.003, 200)), seed=s, n=400)["p50_ttft_ms"]
+        for s in range(100)))
+    assert 85 <= hits <= 100  # nominal 95 %
+    assert bootstrap_ci(records([0.001]), seed=0)["p50_ttft_ms"] is None
