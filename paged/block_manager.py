@@ -42,8 +42,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from paged.blocks import decode_run
 from paged.blocks.admission import Admission, as_salt
-from paged.blocks.decode_run import blocks_needed, check_run, run_decode_steps
 from paged.blocks.fence import StepFence
 from paged.blocks.invariants import check_invariants
 from paged.blocks.pool import STATE_NAMES, BlockPool
@@ -354,34 +354,16 @@ class BlockManager:
         return pairs
 
     def run_decode_steps(self, seq_ids: Sequence, token_ids: Sequence[Sequence[int]]) -> bool:
-        """``m = len(token_ids[i])`` steady decode steps of the sequences ``seq_ids`` in one call.
-
-        The state afterwards is that of ``m`` rounds of ``append_decode_slots(seq_ids,
-        [t[j] for t in token_ids])``, ``step_completed(begin_step())`` and ``mark_computed_many``
-        of the sequences whose new slot completed a block (``paged.blocks.decode_run``): block
-        ids, refcounts, the LRU and free-queue order, quarantine releases, prefix-cache keys and
-        counters included. For a simulator that knows the next ``m`` steps are pure decodes.
-
-        Returns:
-          ``True``, or ``False`` when the pool's allocatable blocks now cannot supply the run
-          (nothing changed).
-
-        Raises:
-          ValueError: unknown, swapped-out or repeated sequence ids; rows of different lengths
-            or bad (or unknown) token ids; a shared partly filled tail (its first append would
-            copy it); all before any state change.
-        """
-        batch, rows = check_run(self._tables, seq_ids, token_ids)
-        need = blocks_needed(self._tables, batch, len(rows[0]) if rows else 0)
-        if need is None:
-            raise ValueError("a sequence's partly filled tail block is shared: its next append "
-                             "copies it (use append_decode_slots)")
-        if need > self._pool.num_allocatable:
-            return False
-        run_decode_steps(self._tables, self._progress, self._fence, batch, rows)
-        if self.debug:
+        """``m = len(token_ids[i])`` steady decode steps of ``seq_ids`` in one call (a simulator
+        that knows the next steps are pure decodes): the state of ``m`` rounds of
+        ``append_decode_slots``, ``step_completed(begin_step())`` and ``mark_computed_many`` of
+        the blocks each step filled, ids, LRU order, quarantine and keys included. ``False``
+        (nothing changed) if the pool cannot supply it; ``ValueError`` for a bad call, before
+        any change (``paged.blocks.decode_run.run``)."""
+        done = decode_run.run(self._tables, self._progress, self._fence, seq_ids, token_ids)
+        if done and self.debug:
             self.check_invariants()
-        return True
+        return done
 
     def set_tokens(self, seq_ids: Sequence, positions: Sequence[int],
                    token_ids: Sequence[int]) -> None:

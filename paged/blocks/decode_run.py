@@ -25,6 +25,27 @@ from paged.blocks.tables import TOKEN_LIMIT, Seq, SeqTables
 _INT = {int}
 
 
+def run(tables: SeqTables, progress: Progress, fence: StepFence, seq_ids: Sequence,
+        token_ids: Sequence) -> bool:
+    """Checks the call, then runs the steps; ``False`` (nothing changed) when the pool cannot
+    supply them.
+
+    Raises:
+      ValueError: unknown, swapped-out or repeated sequence ids; rows of different lengths or bad
+        (or unknown) token ids; a shared partly filled tail (its first append would copy it); all
+        before any state change.
+    """
+    batch, rows = check_run(tables, seq_ids, token_ids)
+    need = blocks_needed(tables, batch, len(rows[0]) if rows else 0)
+    if need is None:
+        raise ValueError("a sequence's partly filled tail block is shared: its next append "
+                         "copies it (use append_decode_slots)")
+    if need > tables.pool.num_allocatable:
+        return False
+    run_decode_steps(tables, progress, fence, batch, rows)
+    return True
+
+
 def check_run(tables: SeqTables, seq_ids: Sequence, token_ids: Sequence) -> tuple[list[Seq], list]:
     """The Seqs and the token rows as lists, or ValueError (no state touched)."""
     if not isinstance(seq_ids, list | tuple):
