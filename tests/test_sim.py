@@ -172,6 +172,10 @@ def test_fast_forward_gives_the_schedule_of_stepping():
                                    for i in range(0, 39, 3)})
     _ff_pair(_config(), w, max_time_s=0.61)
     _ff_pair(_config(), _workload(num=20, rate=10.0, seed=4), idle_wake_s=0.001)
+    # A stretch that finishes every running request leaves the replica idle: the next step is
+    # priced as one after a pause.
+    idle = LinearStepModel({**MODEL.coef, "after_idle": 3e-3})
+    _ff_pair(_config(), _workload(num=20, rate=10.0, seed=4), model=idle)
     # Routers, prefix-aware among them (it reads every block manager).
     for policy in ("round_robin", "least_loaded", "prefix_aware"):
         _ff_pair(_config(enable_prefix_caching=True), w, num_replicas=3, policy=policy)

@@ -28,13 +28,15 @@ faster for large fleets. The tests check that both give the same schedule.
 Fast-forward (``fast_forward=True``, with ``build_device=False`` and a stateless step model): when
 a step would be a pure decode step of every running sequence (nothing waiting or swapped, no
 abort or deadline pending, every row a steady decoder with n == 1 and no stop ids), the schedule
-of the next steps is known until one of them samples a sequence's last token or the pool could
-run short: ``plan(now)`` computes that stretch's step times (the model's time of each step's
-``StepShape``, the same float sums as stepping) without running it. ``advance_to(t)`` then applies
-the steps that ended by ``t`` in one ``BlockManager.run_decode_steps`` (which leaves the state
-their ``append_decode_slots``, ``begin_step`` / ``step_completed`` and ``mark_computed_many``
-calls leave; the input-batch rows written in bulk) and begins the step in flight at ``t`` on the
-ordinary path. The simulator calls it at the
+of the next steps is known up to the first one that samples a sequence's last token (included)
+or until the pool could run short: ``plan(now)`` computes that stretch's step times (the model's
+time of each step's ``StepShape``, the same float sums as stepping) without running it.
+``advance_to(t)`` then applies the steps that ended by ``t`` in one
+``BlockManager.run_decode_steps`` (which leaves the state their ``append_decode_slots``,
+``begin_step`` / ``step_completed`` and ``mark_computed_many`` calls leave; the input-batch rows
+written in bulk), runs the last step's readback if it ended (``StepReader``'s stop checks; the
+finished requests' outputs wait in ``take_outputs``) and begins the step in flight at ``t`` on
+the ordinary path. The simulator calls it at the
 stretch's end, when a request or an abort reaches the replica mid-stretch, before a router reads
 the block manager (``prefix_aware``) and at the time limit; the state it leaves is the state
 stepping leaves (tests compare records, schedules and counters).
@@ -157,6 +159,7 @@ class SimReplica:
         self._reader = StepReader(self)
         self._reader.make_outputs = False  # the simulator keeps finished requests' outputs only
         self._stretch: _Stretch | None = None
+        self._ready: list = []  # outputs of requests a stretch finished, for ``take_outputs``
         self.version = 0  # bumped whenever a planned stretch is planned or cut
         self.num_fast_steps = 0  # steps applied by fast-forward
         self.fast_forward = bool(
@@ -219,9 +222,12 @@ class SimReplica:
                 or n > cfg.max_num_seqs or n > cfg.max_num_batched_tokens:
             return None
         nt, ints = ib.num_tokens[:n], ib.ints[:n]
-        # Step j samples position nt + j; it ends a sequence when nt + j + 1 >= its limit.
-        k = min(int((ints[:, LIMIT] - nt).min()) - 1, max_steps)
-        if k < 2:  # (checked first: the step before a sequence's last token is the common miss)
+        # Step j samples position nt + j; it ends a sequence when nt + j + 1 >= its limit. The
+        # stretch runs to the first step that ends one (included: ``_apply`` finishes it).
+        k = last = int((ints[:, LIMIT] - nt).min())
+        if k > max_steps:
+            k = max_steps
+        if k < 2:  # (checked first)
             return None
         nc, ns = ib.num_computed[:n], ib.num_slots[:n]
         if not ((nt - nc == 1) & (nc >= ib.num_prompt[:n]) & (ns == nc) & ~ib.hold[:n]).all() \
@@ -260,7 +266,7 @@ class SimReplica:
         toks[:, 1:] = pseudo_tokens(ints[:, SEED][:, None], ints[:, SAMPLE_INDEX][:, None],
                                     nt[:, None].astype(np.int64) + steps, self.token_salt)
         self._stretch = _Stretch(n, k, nt.astype(np.int64).copy(), starts, ends, durs, toks,
-                                 evict_from)
+                                 evict_from, k == last)
         self.version += 1
         self._steps_without_progress = 0
         return t
@@ -326,7 +332,8 @@ class SimReplica:
         st = self._stretch
         m = bisect_right(st.ends, t)
         if m < st.k and st.starts[m] < t:
-            st.k = m + 1
+            if m + 1 < st.k:
+                st.k, st.finishes = m + 1, False
             self.version += 1
             return st.ends[m]
         return self.advance_to(t)
@@ -369,6 +376,33 @@ class SimReplica:
         ib.num_tokens[:n] = nt0 + upto
         ib.last_slot[:n] = rows
         st.done = upto
+        if upto == st.k and st.finishes:
+            self._finish_last(st)
+
+    def _finish_last(self, st: _Stretch) -> None:
+        """The readback of the stretch's last step, which samples some sequences' last token:
+        ``StepReader.read``'s stop checks of a pure decode step (its candidates: the rows whose
+        token reached their limit), then the finished requests' outputs (kept for the
+        simulator, ``take_outputs``)."""
+        ib, n, k = self.batch, st.n, st.k
+        decode = ib.seqs[:n]
+        ends = st.nt0 + k  # each row's token count after the step
+        now = st.ends[k - 1]
+        made = [False] * n
+        check = self._reader.check_stop
+        for i in np.flatnonzero(ends >= ib.ints[:n, LIMIT]).tolist():
+            s = decode[i]
+            check(s, int(st.toks[i, k]), int(ends[i]), now)
+            if s.finished:
+                made[i] = None
+        self._idle = not self.scheduler.has_unfinished()
+        self._ready += self._outputs([], decode, made, ())
+
+    def take_outputs(self) -> list:
+        """The outputs of requests that finished in an applied stretch (``advance_to``),
+        once."""
+        out, self._ready = self._ready, []
+        return out
 
     # --- the step ------------------------------------------------------------------------------
     def begin(self, now: float):
@@ -459,10 +493,12 @@ class SimReplica:
 class _Stretch:
     """A planned run of pure decode steps (``SimReplica.plan``)."""
 
-    __slots__ = ("done", "durs", "ends", "evict_from", "firsts", "k", "n", "nt0", "starts", "toks")
+    __slots__ = ("done", "durs", "ends", "evict_from", "finishes", "firsts", "k", "n", "nt0",
+                 "starts", "toks")
 
-    def __init__(self, n, k, nt0, starts, ends, durs, toks, evict_from):
+    def __init__(self, n, k, nt0, starts, ends, durs, toks, evict_from, finishes):
         self.n, self.k, self.nt0 = n, k, nt0
+        self.finishes = finishes  # its last step samples some sequence's last token
         self.starts, self.ends, self.durs = starts, ends, durs
         self.toks = toks
         self.evict_from = evict_from

@@ -195,6 +195,7 @@ class Simulator:
             nonlocal order
             stretching.discard(r)
             end = reps[r].advance_to(now)
+            collect(reps[r].take_outputs())
             if end is None:  # its last step ended at ``now``: as a step end at ``now``
                 busy[r] = False
                 ready.append(r)
@@ -221,6 +222,7 @@ class Simulator:
                     stretching.discard(r)
                     if rep.advance_to(t) is not None:
                         raise RuntimeError(f"{rep.name}: a stretch ended with a step in flight")
+                    collect(rep.take_outputs())
                 busy[r] = False
                 ready.append(r)
             while i < n and specs[i].arrival_s <= t:
@@ -238,6 +240,7 @@ class Simulator:
                     r = 0
                 if r in stretching:  # it stops after the step in flight
                     end = reps[r].truncate(t)
+                    collect(reps[r].take_outputs())
                     if end is None:
                         stretching.discard(r)
                         busy[r] = False
@@ -296,6 +299,7 @@ class Simulator:
                 on_progress(last_progress)
         for r in sorted(stretching):  # the time limit: the state at max_time_s
             reps[r].advance_to(max_time_s, begin_at_t=True)
+            collect(reps[r].take_outputs())
         end = min(t, max_time_s) if t != inf else max(
             [r.finish_s for r in records.values() if r.finish_s is not None], default=0.0)
         self._stop(records, specs, spec_of, where, end)
