@@ -39,7 +39,8 @@ from paged.workload import (
     synthetic_prompt,
 )
 
-STUDIES = ("block_size", "batched_tokens", "preemption", "replicas", "speed")
+STUDIES = ("block_size", "batched_tokens", "preemption", "replicas", "speed", "point")
+WORKLOADS = ("tenants", "plain")
 
 
 def check(c) -> dict:
@@ -59,6 +60,14 @@ def check(c) -> dict:
                           duration_s=c.duration_s, replica_duration_s=c.replica_duration_s, max_time_factor=c.max_time_factor,
                           rate_lo=c.rate_lo, rate_hi=c.rate_hi, kv_gb=c.kv_gb,
                           tight_kv_gb=c.tight_kv_gb, speed_rate_per_replica=c.speed_rate_per_replica)
+    common.check_positive(point_rate=c.point_rate)
+    if isinstance(c.point_replicas, bool) or not isinstance(c.point_replicas, int) \
+            or not 1 <= c.point_replicas <= 1024:
+        raise ValueError(f"point_replicas={c.point_replicas!r} must be an int in [1, 1024]")
+    if c.point_router not in POLICIES:
+        raise ValueError(f"point_router={c.point_router!r}: known: {POLICIES}")
+    if c.point_workload not in WORKLOADS:
+        raise ValueError(f"point_workload={c.point_workload!r}: known: {WORKLOADS}")
     if c.rate_hi <= c.rate_lo:
         raise ValueError(f"rate_hi={c.rate_hi} must exceed rate_lo={c.rate_lo}")
     for key in ("block_sizes", "batched_tokens", "replicas", "speed_requests"):
@@ -245,6 +254,31 @@ def speed(c, cfg, sm, replicas: int) -> list[dict]:
     return rows
 
 
+def point(c, cfg, sm) -> dict:
+    """One what-if: ``point_replicas`` replicas behind ``point_router`` at ``point_rate`` req/s
+    (``rate * duration_s`` requests, at most ``max_requests``) of the ``point_workload``."""
+    make_wl = tenant_workload if c.point_workload == "tenants" else plain_workload
+    p = run_point(c, cfg, sm, make_wl, c.point_rate, replicas=c.point_replicas,
+                  router=c.point_router)
+    s = p["summary"]
+    p.update(replicas=c.point_replicas, router_policy=c.point_router, workload=c.point_workload,
+             block_size=cfg.block_size, num_blocks_per_replica=cfg.num_blocks)
+    hit = s["prefix_cache_hit_rate"]
+    print(f"  {sm.model.name}: {c.point_replicas} x H200, {c.point_router}, "
+          f"block_size={cfg.block_size}, {c.point_rate:g} req/s ({c.point_workload}): "
+          f"{s['completed']}/{s['num_requests']} finished; TTFT p50 / p99 {_ms(s['median_ttft_ms'])}"
+          f" / {_ms(s['p99_ttft_ms'])} ms; TPOT p50 / p99 {_ms(s['median_tpot_ms'])} / "
+          f"{_ms(s['p99_tpot_ms'])} ms; {s['output_throughput'] or 0:.0f} output tok/s; "
+          f"prefix hit rate {'-' if hit is None else f'{hit:.0%}'}; "
+          f"{'meets' if p['meets_slo'] else 'misses'} the SLO (p99 TTFT <= {c.ttft_slo_ms:g} ms, "
+          f"p99 TPOT <= {c.tpot_slo_ms:g} ms); simulated in {p['wall_s']:.1f} s", flush=True)
+    return p
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
 def main(c, plan):
     out_dir = common.output_dir(c, "fleet")
     base, dev = plan["base"], device(c)
@@ -286,9 +320,12 @@ def main(c, plan):
                     bracket = (0.5 * per, 1.5 * per)
         if "speed" in c.studies and name in c.replica_models:
             res["speed"] = speed(c, engine_for(base, model, c.kv_gb), sm, max(c.replicas))
+        if "point" in c.studies:
+            res["point"] = point(c, engine_for(base, model, c.kv_gb), sm)
     labels = [{"evidence": p["evidence"]} for m in results.values() for k, v in m.items()
-              if k != "speed" for a in v for p in a["points"]]
+              if k not in ("speed", "point") for a in v for p in a["points"]]
     labels += [{"evidence": r["evidence"]} for m in results.values() for r in m.get("speed", [])]
+    labels += [{"evidence": m["point"]["evidence"]} for m in results.values() if "point" in m]
     label = check_not_mixed(labels) if labels else EVIDENCE
     path = common.write_json(out_dir / "fleet.json", {
         "study": "fleet", "evidence": label, "device": dataclasses.asdict(dev),

@@ -293,7 +293,8 @@ def test_fleet_smoke_runs_and_labels_everything_simulated(tmp_path):
     from experiments.configs import fleet as fleet_config
 
     c = fleet_config.get_config("smoke")
-    c.studies = ("block_size", "replicas", "speed")
+    c.studies = ("block_size", "replicas", "speed", "point")
+    c.point_replicas, c.point_rate = 3, 40.0
     c.block_sizes = (16,)
     c.replicas = (1, 2)
     c.routers = ("round_robin", "prefix_aware")
@@ -312,6 +313,20 @@ def test_fleet_smoke_runs_and_labels_everything_simulated(tmp_path):
     assert [(r["num_requests"], r["fast_forward"]) for r in speed] == [(40, False), (40, True),
                                                                         (80, True)]
     assert speed[0]["records_sha256"] == speed[1]["records_sha256"]
+    point = res["point"]  # one what-if: 3 prefix-aware replicas at 40 req/s of tenant requests
+    assert point["evidence"] == "simulated" and point["replicas"] == 3
+    assert sum(point["routed"]) == point["summary"]["num_requests"] == 80
+    assert point["summary"]["completed"] == 80 and point["summary"]["prefix_cache_hit_rate"] > 0
+    for bad in ({"point_router": "nearest"}, {"point_replicas": 0}, {"point_workload": "chat"},
+                {"point_rate": -1.0}):
+        with pytest.raises(ValueError):
+            fleet.check(_set(fleet_config.get_config("smoke"), **bad))
+
+
+def _set(c, **kw):
+    for k, v in kw.items():
+        setattr(c, k, v)
+    return c
 
 
 @pytest.mark.slow

@@ -17,7 +17,13 @@ Studies (``studies``): ``block_size``, ``batched_tokens`` (``max_num_batched_tok
 ``replicas`` (replica counts x router policies) on a multi-tenant shared-prefix workload at
 ``kv_gb`` per replica; ``speed`` (simulator wall and CPU time against the number of requests at the
 largest replica count; with ``speed_compare_stepping`` the smallest size is also run one step per
-host pass, and its records must equal fast-forward's).
+host pass, and its records must equal fast-forward's); ``point`` (one what-if, not among the
+defaults: p50 / p99 TTFT and TPOT, throughput and prefix hits of ``point_replicas`` replicas behind
+``point_router`` at ``point_rate`` req/s), for example::
+
+    python -m experiments.fleet --config.studies="('point',)" --config.models="('Llama-3-8B',)" \\
+        --config.point_rate=500 --config.point_replicas=64 --config.point_router=prefix_aware \\
+        --config.engine.block_size=16
 """
 
 import ml_collections
@@ -29,7 +35,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.models = ("Llama-3-8B", "Qwen2.5-7B")
     c.bandwidth = "copy"  # "copy": measured 3.1 TB/s; "datasheet": 4.8 TB/s
-    c.studies = ("block_size", "batched_tokens", "preemption", "replicas", "speed")
+    c.studies = ("block_size", "batched_tokens", "preemption", "replicas", "speed")  # or "point"
     c.ttft_slo_ms = 1000.0
     c.tpot_slo_ms = 50.0
     c.kind = "sharegpt"
@@ -54,6 +60,12 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.speed_requests = (1000, 10_000, 100_000)
     c.speed_compare_stepping = True  # also step the smallest size one step per pass (same records)
     c.speed_rate_per_replica = 8.0
+    # ``point``: one what-if, e.g. 64 replicas at 500 req/s behind the prefix-aware router (not in
+    # the default ``studies``; block size and the rest from ``engine``, KV memory ``kv_gb``).
+    c.point_rate = 500.0  # req/s over the whole fleet
+    c.point_replicas = 64
+    c.point_router = "prefix_aware"
+    c.point_workload = "tenants"  # "tenants" (the replicas study's shared prefixes) or "plain"
     c.seed = 0
     c.output_dir = ""
     c.engine = engine_config_dict(max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048,
