@@ -222,7 +222,9 @@ def summarize(records: Iterable[RequestRecord], *, duration_s: float,
 
     done = [r for r in records if r.status == "finished"]
     tpots = [r.tpot_s for r in done if r.tpot_s is not None]
-    itls = list(itertools.chain.from_iterable(r.itl_s for r in done))
+    gaps = [r.itl_s for r in records]  # (once: the pooled ITLs and vLLM's per-request arrays)
+    itls = list(itertools.chain.from_iterable(
+        g for r, g in zip(records, gaps, strict=True) if r.status == "finished"))
     in_tok = sum(r.prompt_len for r in done)
     out_tok = sum(r.output_len for r in done)
     cached = sum(r.num_cached_tokens for r in done)
@@ -243,19 +245,23 @@ def summarize(records: Iterable[RequestRecord], *, duration_s: float,
         "num_preemptions": sum(r.num_preemptions for r in records),
         "total_cached_tokens": cached,
         "prefix_cache_hit_rate": cached / in_tok if in_tok else None,
-        **per_request_arrays(records),
+        **per_request_arrays(records, gaps),
     }
     return out
 
 
-def per_request_arrays(records: Sequence[RequestRecord]) -> dict[str, list]:
-    """vLLM's per-request result arrays, one entry per record (module docstring)."""
+def per_request_arrays(records: Sequence[RequestRecord],
+                       itls: Sequence[Sequence[float]] | None = None) -> dict[str, list]:
+    """vLLM's per-request result arrays, one entry per record (module docstring); ``itls``:
+    each record's ``itl_s``, if computed already."""
     done = [r.status == "finished" for r in records]
+    if itls is None:
+        itls = [r.itl_s for r in records]
     return {
         "input_lens": [r.prompt_len for r in records],
         "output_lens": [r.output_len if ok else 0 for r, ok in zip(records, done, strict=True)],
         "ttfts": [r.ttft_s if r.ttft_s is not None else 0.0 for r in records],
-        "itls": [list(r.itl_s) for r in records],
+        "itls": [list(g) for g in itls],
         "errors": ["" if ok else r.status for r, ok in zip(records, done, strict=True)],
     }
 
