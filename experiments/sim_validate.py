@@ -42,6 +42,10 @@ Diagnostic ``sim_self`` (with ``self_fit``): fitted on the point's own real step
 a validation): the error left when the step-time model is as good as a shape-only fit can be,
 i.e. the simulator's own (scheduling, queueing, timing) error.
 
+With ``alt_features`` (a tuple of ``paged.sim.step_model.FEATURES`` names), ``sim_paired_alt`` and
+``sim_self_alt``: the same fits as ``sim_paired`` and ``sim_self`` (the same rows) with that form,
+so two forms are compared on the same real runs.
+
 With ``leave_one_out``, two more: ``sim_loo`` / ``sim_loo_noisy``, fitted (plain least squares,
 calibrate's serving features) on the real steps of every *other* point of this run, recorded
 while they ran: the same stretch of machine load, never the point's own steps. On a machine other
@@ -70,7 +74,7 @@ from paged.sim import (
     fit_linear,
     load_model_json,
 )
-from paged.sim.step_model import ratio_quantiles
+from paged.sim.step_model import FEATURES, ratio_quantiles
 from paged.workload import make_workload
 
 METRICS = (("p50_ttft_ms", "median_ttft_ms", "p50"), ("p99_ttft_ms", "p99_ttft_ms", "p99"),
@@ -90,6 +94,10 @@ def check(c) -> dict:
     common.check_positive(duration_s=c.duration_s, max_drain_s=c.max_drain_s,
                           saturated_ttft_ms=c.saturated_ttft_ms, goal_p50=c.goal_p50,
                           goal_p99=c.goal_p99)
+    unknown = sorted(set(c.alt_features) - set(FEATURES))
+    if unknown:
+        raise ValueError(f"alt_features={tuple(c.alt_features)}: unknown {unknown}; known: "
+                         f"{sorted(FEATURES)}")
     if c.calibration and not os.path.isfile(c.calibration):
         raise ValueError(f"calibration={c.calibration!r}: no such file (run experiments.calibrate, "
                          "or set calibration='' to calibrate now)")
@@ -272,15 +280,26 @@ def paired_models(c, engine_config, model, point, index: int) -> tuple[dict, dic
     shapes, times = [r[0] for r in rec.rows], [r[1] for r in rec.rows]
     q = ratio_quantiles(times, [m.time(sh) for sh in shapes])
     info.update(coef=m.coef, rms_rel_error=m.fit["rms_rel_error"])
-    return {"sim_paired": lambda: m,
-            "sim_paired_noisy": lambda: NoisyStepModel(m, q, seed=c.seed)}, info
+    out = {"sim_paired": lambda: m, "sim_paired_noisy": lambda: NoisyStepModel(m, q, seed=c.seed)}
+    alt = _fit_rows(rec.rows, tuple(c.alt_features)) if c.alt_features else None
+    if alt is not None:
+        out["sim_paired_alt"] = lambda: alt
+        info["alt_coef"] = alt.coef
+    return out, info
+
+
+OPTIONAL = ("after_idle", "prefill_seqs")  # dropped, in this order, when the rows lack them
 
 
 def _fit_rows(rows, feats):
     """``fit_linear`` (absolute) of recorded (shape, period) rows; without ``after_idle`` if no
-    step followed a pause; ``None`` if the rows cannot determine a fit."""
+    step followed a pause, then without ``prefill_seqs`` if that does not vary either; ``None``
+    if the rows cannot determine a fit."""
     shapes, times = [r[0] for r in rows], [r[1] for r in rows]
-    for f in (feats, tuple(x for x in feats if x != "after_idle")):
+    f = tuple(feats)
+    for drop in (None, *OPTIONAL):
+        if drop is not None:
+            f = tuple(x for x in f if x != drop)
         try:
             return fit_linear(shapes, times, f, weights="absolute")
         except ValueError:
@@ -313,16 +332,11 @@ def loo_models(c, steps_by_point: list, i: int) -> dict:
 
     feats = tuple(cal_config.get_config("serving").serving_features)
     rows = [r for j, rs in enumerate(steps_by_point) if j != i for r in rs]
+    m = _fit_rows(rows, feats)
+    if m is None:
+        print(f"note: no leave-one-out fit for point {i}")
+        return {}
     shapes, times = [r[0] for r in rows], [r[1] for r in rows]
-    try:
-        m = fit_linear(shapes, times, feats, weights="absolute")
-    except ValueError:  # e.g. no step followed a pause: fit without that term
-        try:
-            m = fit_linear(shapes, times, tuple(f for f in feats if f != "after_idle"),
-                           weights="absolute")
-        except ValueError as e:
-            print(f"note: no leave-one-out fit for point {i}: {e}")
-            return {}
     q = ratio_quantiles(times, [m.time(sh) for sh in shapes])
     return {"sim_loo": lambda: m,
             "sim_loo_noisy": lambda: NoisyStepModel(m, q, seed=c.seed)}
@@ -403,13 +417,16 @@ def main(c, plan):
             m_self = _fit_rows(steps[i], feats)
             if m_self is not None:
                 variants["sim_self"] = lambda m=m_self: m
+            m_alt = _fit_rows(steps[i], tuple(c.alt_features)) if c.alt_features else None
+            if m_alt is not None:
+                variants["sim_self_alt"] = lambda m=m_alt: m
         if c.leave_one_out and len(rows) > 1:
             variants.update(loo_models(c, steps, i))
         wakes = dict.fromkeys(variants, wake)
         for v in variants:
             if v.startswith("sim_paired"):
                 wakes[v] = wake_of(row.get("paired_calibration", {}).get("idle_admit_late_s"), wake)
-            elif v == "sim_self":
+            elif v.startswith("sim_self"):
                 wakes[v] = wake_of(row["idle_admit_late_s"], wake)
             elif v.startswith("sim_loo"):
                 wakes[v] = wake_of(_median([x for j, ls in enumerate(lates) if j != i for x in ls]),

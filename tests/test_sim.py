@@ -4,6 +4,7 @@ router behave as documented."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -220,6 +221,15 @@ def test_fit_rejects_a_grid_too_small_and_recovers_coefficients():
         assert m.coef[k] == pytest.approx(v, rel=1e-6)
     assert m.fit["max_abs_rel_error"] < 1e-9
     assert LinearStepModel.from_json(m.to_json()).coef == m.coef
+    # The serving form: a step's prefill chunks (sequences that are not decodes) priced apart.
+    chunks = rng.integers(0, 3, 12)  # prefill chunks per step
+    mixed = [dataclasses.replace(s, num_decode=max(s.num_seqs - int(c), 0))
+             for s, c in zip(shapes, chunks)]
+    chunky = LinearStepModel({**truth.coef, "prefill_seqs": 1e-3})
+    assert chunky.time(mixed[0]) == pytest.approx(
+        truth.time(mixed[0]) + 1e-3 * (mixed[0].num_seqs - mixed[0].num_decode))
+    m = fit_linear(mixed, [chunky.time(s) for s in mixed], (*truth.coef, "prefill_seqs"))
+    assert m.coef["prefill_seqs"] == pytest.approx(1e-3, rel=1e-6)
 
 
 def test_roofline_decode_is_bandwidth_bound():

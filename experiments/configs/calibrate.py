@@ -40,7 +40,10 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
                            ("sharegpt", 64, 24.0))
     c.serving_duration_s = 6.0  # per serving workload (rate * duration requests)
     c.serving_weights = "absolute"  # serving mode: least squares on periods (the mean period)
-    c.serving_features = ("const", "tokens", "seqs", "kv_read", "after_idle")  # serving mode
+    # Serving mode's form. ``prefill_seqs`` prices a step's prefill chunks apart from its decodes:
+    # without it, least squares over mostly decode steps prices the steps with a chunk ~14 % low
+    # and simulated p50 TTFT comes out ~10 % low (experiments/results/sim/README.md).
+    c.serving_features = ("const", "tokens", "seqs", "prefill_seqs", "kv_read", "after_idle")
     c.keep_points = 600  # points written to calibration.json (the fit uses every one)
     c.seed = 0
     c.output_dir = ""

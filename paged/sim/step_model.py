@@ -82,6 +82,10 @@ _feature("tokens")(lambda s: float(s.num_tokens))
 _feature("seqs")(lambda s: float(s.num_seqs))
 _feature("decode")(lambda s: float(s.num_decode))
 _feature("prefill_tokens")(lambda s: float(s.num_prefill_tokens))
+# Prefill chunks in the step (sequences that are not decodes): on a CPU a step with a chunk
+# costs a fixed amount more than its tokens and sequences say (a wider token bucket, another
+# code path), which a fit with only ``tokens`` and ``seqs`` spreads over every step.
+_feature("prefill_seqs")(lambda s: float(s.num_seqs - s.num_decode))
 _feature("kv_read")(lambda s: float(s.kv_read))
 _feature("attn_pairs")(lambda s: float(s.attn_pairs))
 _feature("samples")(lambda s: float(s.num_samples))
