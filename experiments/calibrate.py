@@ -31,7 +31,7 @@ import numpy as np
 from experiments import common
 from paged import Engine, SamplingParams
 from paged.sim.batches import step_shape
-from paged.sim.step_model import FEATURES, IDLE_FITS, StepShape, fit_linear, ratio_quantiles
+from paged.sim.step_model import FEATURES, StepShape, fit_linear, ratio_quantiles
 
 
 def check(c) -> dict:
@@ -69,8 +69,6 @@ def check(c) -> dict:
         unknown = sorted(set(f) - set(FEATURES))
         if unknown:
             raise ValueError(f"features {tuple(f)}: unknown {unknown}; known: {sorted(FEATURES)}")
-    if c.serving_idle not in IDLE_FITS:
-        raise ValueError(f"serving_idle={c.serving_idle!r} must be one of {IDLE_FITS}")
     if c.mode == "serving":  # the grid is not used
         return {"engine": engine_config}
     if max(c.decode_batch_sizes) > engine_config.max_num_seqs:
@@ -363,8 +361,7 @@ def _calibrate_serving(c, engine_config, model) -> tuple:
     shapes, times = [p["_shape"] for p in points], [p["wall_s"] for p in points]
     # Plain least squares: the fit follows the mean period (what throughput and TPOT average
     # over), not the typical one; steps another process stretched stay in.
-    model_fit = fit_linear(shapes, times, tuple(c.serving_features), weights=c.serving_weights,
-                           idle=c.serving_idle)
+    model_fit = fit_linear(shapes, times, tuple(c.serving_features), weights=c.serving_weights)
     pred = [model_fit.time(sh) for sh in shapes]
     model_fit.fit["ratio_quantiles"] = ratio_quantiles(times, pred)
     for p in points:

@@ -42,10 +42,9 @@ Diagnostic ``sim_self`` (with ``self_fit``): fitted on the point's own real step
 a validation): the error left when the step-time model is as good as a shape-only fit can be,
 i.e. the simulator's own (scheduling, queueing, timing) error.
 
-With ``alt_features`` (a tuple of ``paged.sim.step_model.FEATURES`` names) and/or ``alt_idle`` (how
-``after_idle`` is fitted: ``fit_linear``'s ``idle``), ``sim_paired_alt`` and ``sim_self_alt``: the
-same fits as ``sim_paired`` and ``sim_self`` (the same rows) in that form, so two forms are
-compared on the same real runs.
+With ``alt_features`` (a tuple of ``paged.sim.step_model.FEATURES`` names), ``sim_paired_alt`` and
+``sim_self_alt``: the same fits as ``sim_paired`` and ``sim_self`` (the same rows) with that form,
+so two forms are compared on the same real runs.
 
 With ``leave_one_out``, two more: ``sim_loo`` / ``sim_loo_noisy``, fitted (plain least squares,
 calibrate's serving features) on the real steps of every *other* point of this run, recorded
@@ -75,7 +74,7 @@ from paged.sim import (
     fit_linear,
     load_model_json,
 )
-from paged.sim.step_model import FEATURES, IDLE_FITS, ratio_quantiles
+from paged.sim.step_model import FEATURES, ratio_quantiles
 from paged.workload import make_workload
 
 METRICS = (("p50_ttft_ms", "median_ttft_ms", "p50"), ("p99_ttft_ms", "p99_ttft_ms", "p99"),
@@ -99,8 +98,6 @@ def check(c) -> dict:
     if unknown:
         raise ValueError(f"alt_features={tuple(c.alt_features)}: unknown {unknown}; known: "
                          f"{sorted(FEATURES)}")
-    if c.alt_idle and c.alt_idle not in IDLE_FITS:
-        raise ValueError(f"alt_idle={c.alt_idle!r} must be '' or one of {IDLE_FITS}")
     if c.calibration and not os.path.isfile(c.calibration):
         raise ValueError(f"calibration={c.calibration!r}: no such file (run experiments.calibrate, "
                          "or set calibration='' to calibrate now)")
@@ -262,6 +259,7 @@ def paired_models(c, engine_config, model, point, index: int) -> tuple[dict, dic
     """A calibration run just before the point's real run: same kind, prefix, rate and engine,
     other requests (seed ``seed + 1000 + index``); the models fitted on its step periods."""
     from experiments.calibrate import ServingRecorder
+    from experiments.configs import calibrate as cal_config
 
     w0 = point["wl"]
     w = make_workload(point["kind"], len(w0), point["rate"], max_model_len=engine_config.max_model_len,
@@ -273,17 +271,17 @@ def paired_models(c, engine_config, model, point, index: int) -> tuple[dict, dic
                         max_wall_s=w.duration_s + c.max_drain_s, progress=False)
     finally:
         rec.close()
+    feats = tuple(cal_config.get_config("serving").serving_features)
     info = {"seed": c.seed + 1000 + index, "num_steps": len(rec.rows),
             "load_average": os.getloadavg()[0], "idle_admit_late_s": _median(rec.admit_late)}
-    m = _fit_rows(rec.rows, serving_form())
+    m = _fit_rows(rec.rows, feats)
     if m is None:
         return {}, info
     shapes, times = [r[0] for r in rec.rows], [r[1] for r in rec.rows]
     q = ratio_quantiles(times, [m.time(sh) for sh in shapes])
     info.update(coef=m.coef, rms_rel_error=m.fit["rms_rel_error"])
     out = {"sim_paired": lambda: m, "sim_paired_noisy": lambda: NoisyStepModel(m, q, seed=c.seed)}
-    alt_form = serving_form(c, alt=True)
-    alt = _fit_rows(rec.rows, alt_form) if alt_form else None
+    alt = _fit_rows(rec.rows, tuple(c.alt_features)) if c.alt_features else None
     if alt is not None:
         out["sim_paired_alt"] = lambda: alt
         info["alt_coef"] = alt.coef
@@ -293,32 +291,17 @@ def paired_models(c, engine_config, model, point, index: int) -> tuple[dict, dic
 OPTIONAL = ("after_idle", "prefill_seqs")  # dropped, in this order, when the rows lack them
 
 
-def serving_form(c=None, alt: bool = False) -> tuple[tuple[str, ...], str] | None:
-    """(features, idle fit) of calibrate's serving mode, or with ``alt`` the alternative one of
-    ``c`` (``alt_features`` / ``alt_idle``, each defaulting to the serving one; ``None`` when
-    neither is set)."""
-    from experiments.configs import calibrate as cal_config
-
-    g = cal_config.get_config("serving")
-    form = (tuple(g.serving_features), g.serving_idle)
-    if not alt:
-        return form
-    if not c.alt_features and not c.alt_idle:
-        return None
-    return tuple(c.alt_features) or form[0], c.alt_idle or form[1]
-
-
-def _fit_rows(rows, form):
-    """``fit_linear`` (absolute) of recorded (shape, period) rows in ``form`` (features, idle
-    fit); without ``after_idle`` if no step followed a pause, then without ``prefill_seqs`` if
-    that does not vary either; ``None`` if the rows cannot determine a fit."""
+def _fit_rows(rows, feats):
+    """``fit_linear`` (absolute) of recorded (shape, period) rows; without ``after_idle`` if no
+    step followed a pause, then without ``prefill_seqs`` if that does not vary either; ``None``
+    if the rows cannot determine a fit."""
     shapes, times = [r[0] for r in rows], [r[1] for r in rows]
-    f, idle = tuple(form[0]), form[1]
+    f = tuple(feats)
     for drop in (None, *OPTIONAL):
         if drop is not None:
             f = tuple(x for x in f if x != drop)
         try:
-            return fit_linear(shapes, times, f, weights="absolute", idle=idle)
+            return fit_linear(shapes, times, f, weights="absolute")
         except ValueError:
             continue
     return None
@@ -345,8 +328,11 @@ def run_sims(c, engine_config, model, models, point, row, wakes: dict) -> None:
 def loo_models(c, steps_by_point: list, i: int) -> dict:
     """Models fitted on the real steps of every point except ``i`` (leave one out): measured in
     the same stretch of time as the point itself, never on the point's own steps."""
+    from experiments.configs import calibrate as cal_config
+
+    feats = tuple(cal_config.get_config("serving").serving_features)
     rows = [r for j, rs in enumerate(steps_by_point) if j != i for r in rs]
-    m = _fit_rows(rows, serving_form())
+    m = _fit_rows(rows, feats)
     if m is None:
         print(f"note: no leave-one-out fit for point {i}")
         return {}
@@ -421,15 +407,17 @@ def main(c, plan):
         paired.append(pm)
         bar.update()
     bar.close()
-    form, alt_form = serving_form(), serving_form(c, alt=True)
+    from experiments.configs import calibrate as cal_config
+
+    feats = tuple(cal_config.get_config("serving").serving_features)
     for i, (point, row) in enumerate(zip(plan["points"], rows)):
         variants = dict(models)
         variants.update(paired[i])
         if c.self_fit:
-            m_self = _fit_rows(steps[i], form)
+            m_self = _fit_rows(steps[i], feats)
             if m_self is not None:
                 variants["sim_self"] = lambda m=m_self: m
-            m_alt = _fit_rows(steps[i], alt_form) if alt_form else None
+            m_alt = _fit_rows(steps[i], tuple(c.alt_features)) if c.alt_features else None
             if m_alt is not None:
                 variants["sim_self_alt"] = lambda m=m_alt: m
         if c.leave_one_out and len(rows) > 1:

@@ -230,21 +230,6 @@ def test_fit_rejects_a_grid_too_small_and_recovers_coefficients():
         truth.time(mixed[0]) + 1e-3 * (mixed[0].num_seqs - mixed[0].num_decode))
     m = fit_linear(mixed, [chunky.time(s) for s in mixed], (*truth.coef, "prefill_seqs"))
     assert m.coef["prefill_seqs"] == pytest.approx(1e-3, rel=1e-6)
-    # after_idle by the median: a few steps after a pause that stall 10 ms do not price the others.
-    idle = [dataclasses.replace(s, after_idle=int(i % 3 == 0)) for i, s in enumerate(shapes * 3)]
-    cold = LinearStepModel({**truth.coef, "after_idle": 5e-4})
-    times = [cold.time(s) + (1e-2 if i in (0, 3) else 0.0) for i, s in enumerate(idle)]
-    lsq = fit_linear(idle, times, (*truth.coef, "after_idle"), weights="absolute")
-    med = fit_linear(idle, times, (*truth.coef, "after_idle"), weights="absolute", idle="median")
-    assert med.coef["after_idle"] == pytest.approx(5e-4, rel=1e-6) and med.fit["idle"] == "median"
-    assert lsq.coef["after_idle"] > 1.5e-3  # two stalls in twelve, averaged in
-    for k in truth.coef:
-        assert med.coef[k] == pytest.approx(truth.coef[k], rel=1e-6)
-    with pytest.raises(ValueError, match="after a pause"):
-        fit_linear(shapes, [truth.time(s) for s in shapes], (*truth.coef, "after_idle"),
-                   idle="median")
-    with pytest.raises(ValueError, match="idle="):
-        fit_linear(shapes, [truth.time(s) for s in shapes], idle="mean")
 
 
 def test_roofline_decode_is_bandwidth_bound():

@@ -44,9 +44,6 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     # without it, least squares over mostly decode steps prices the steps with a chunk ~14 % low
     # and simulated p50 TTFT comes out ~10 % low (experiments/results/sim/README.md).
     c.serving_features = ("const", "tokens", "seqs", "prefill_seqs", "kv_read", "after_idle")
-    # How serving mode fits ``after_idle``: "median" (the median excess of the steps after a pause
-    # over the rest, fitted on the other steps) or "lstsq" (with the rest); paged.sim.fit_linear.
-    c.serving_idle = "median"
     c.keep_points = 600  # points written to calibration.json (the fit uses every one)
     c.seed = 0
     c.output_dir = ""

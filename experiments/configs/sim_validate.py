@@ -39,9 +39,8 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.self_fit = True  # diagnostic sim_self: fitted on the point's own real steps (in sample)
     c.model_idle_wake = True  # an idle simulated replica admits as late as the real driver did
     # Another step-time form (feature names of paged.sim.step_model), fitted on the same rows as
-    # sim_paired and sim_self: variants sim_paired_alt and sim_self_alt. () = calibrate's.
+    # sim_paired and sim_self: variants sim_paired_alt and sim_self_alt. () = none.
     c.alt_features = ()
-    c.alt_idle = ""  # and/or another after_idle fit ("lstsq", "median"); "" = calibrate's
     c.duration_s = 6.0  # offered load per point
     c.max_drain_s = 30.0  # wall limit per point beyond the last arrival
     c.saturated_ttft_ms = 2000.0

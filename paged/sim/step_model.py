@@ -176,12 +176,9 @@ class LinearStepModel(StepTimeModel):
         return cls(coef=dict(d["coef"]), floor_s=float(d.get("floor_s", 1e-6)), fit=d.get("fit"))
 
 
-IDLE_FITS = ("lstsq", "median")
-
-
 def fit_linear(shapes: Sequence[StepShape], times_s: Sequence[float],
                features: Sequence[str] = DEFAULT_FEATURES, *, min_extra: int = 2,
-               weights: str = "relative", idle: str = "lstsq") -> LinearStepModel:
+               weights: str = "relative") -> LinearStepModel:
     """Least-squares fit of a ``LinearStepModel`` to measured step times.
 
     Args:
@@ -191,13 +188,6 @@ def fit_linear(shapes: Sequence[StepShape], times_s: Sequence[float],
       min_extra: points required beyond the number of coefficients (so residuals mean something).
       weights: "relative" minimises relative errors (rows divided by the measured time: short and
         long steps count alike), "absolute" plain least squares.
-      idle: how ``after_idle`` (if a feature) is fitted. "lstsq": with the others. "median": the
-        other terms by least squares on the steps that follow no pause, then ``after_idle`` as
-        the median of (measured - predicted) over the steps that do. Steps after a pause are few
-        and a few of them stall for several times the typical one (a cold start on a CPU); least
-        squares then prices every such step at the stalls' mean, and with few rows it trades
-        that term against the prefill terms. The median prices the typical one, which is what a
-        median TTFT waits for.
 
     Returns:
       The model; ``fit`` holds the residuals (per point, RMS and max relative error, R^2).
@@ -213,10 +203,6 @@ def fit_linear(shapes: Sequence[StepShape], times_s: Sequence[float],
         raise ValueError(f"features={features}: unknown {unknown}; known: {sorted(FEATURES)}")
     if len(shapes) != len(times_s):
         raise ValueError(f"{len(shapes)} shapes but {len(times_s)} times")
-    if idle not in IDLE_FITS:
-        raise ValueError(f"idle={idle!r} must be one of {IDLE_FITS}")
-    if idle == "median" and "after_idle" in features:
-        return _fit_idle_median(shapes, times_s, features, min_extra, weights)
     need = len(features) + min_extra
     if len(shapes) < need:
         raise ValueError(f"a grid of {len(shapes)} points is too small to fit {len(features)} "
@@ -241,38 +227,13 @@ def fit_linear(shapes: Sequence[StepShape], times_s: Sequence[float],
     rel = (pred - y) / y
     ss_res = float(((pred - y) ** 2).sum())
     ss_tot = float(((y - y.mean()) ** 2).sum())
-    fit = {"num_points": len(y), "features": list(features), "weights": weights, "idle": "lstsq",
+    fit = {"num_points": len(y), "features": list(features), "weights": weights,
            "rms_rel_error": float(np.sqrt((rel ** 2).mean())),
            "max_abs_rel_error": float(np.abs(rel).max()),
            "median_abs_rel_error": float(np.median(np.abs(rel))),
            "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else None,
            "residuals_s": (pred - y).tolist()}
     return LinearStepModel(coef=dict(zip(features, beta.tolist())), fit=fit)
-
-
-def _fit_idle_median(shapes, times_s, features, min_extra, weights) -> LinearStepModel:
-    """``fit_linear(idle="median")``: the other terms on the busy steps, then the median excess of
-    the steps after a pause."""
-    y = np.asarray(times_s, np.float64)
-    after = np.array([s.after_idle for s in shapes], bool)
-    if not after.any():
-        raise ValueError("idle='median' needs steps after a pause (after_idle); none here")
-    rest = tuple(f for f in features if f != "after_idle")
-    busy = [s for s, a in zip(shapes, after) if not a]
-    base = fit_linear(busy, y[~after].tolist(), rest, min_extra=min_extra, weights=weights)
-    excess = float(np.median([t - base.time(s) for s, t, a in zip(shapes, y, after) if a]))
-    coef = {f: (excess if f == "after_idle" else base.coef[f]) for f in features}
-    model = LinearStepModel(coef=coef)
-    pred = np.array([model.time(s) for s in shapes])
-    rel = (pred - y) / y
-    ss_tot = float(((y - y.mean()) ** 2).sum())
-    fit = {**base.fit, "num_points": len(y), "features": list(features), "idle": "median",
-           "num_after_idle": int(after.sum()), "rms_rel_error": float(np.sqrt((rel ** 2).mean())),
-           "max_abs_rel_error": float(np.abs(rel).max()),
-           "median_abs_rel_error": float(np.median(np.abs(rel))),
-           "r2": 1.0 - float(((pred - y) ** 2).sum()) / ss_tot if ss_tot > 0 else None,
-           "residuals_s": (pred - y).tolist()}
-    return LinearStepModel(coef=coef, fit=fit)
 
 
 # --- roofline (analytic) ---------------------------------------------------------------------
