@@ -18,7 +18,8 @@ only with a serving-mode calibration, which stores that spread).
 With ``paired_calibration`` (the default), two more: ``sim_paired`` / ``sim_paired_noisy``,
 fitted (plain least squares, calibrate's serving features) on a calibration run made right before
 the point's real run: the same workload kind, shared prefix, rate and engine, other requests
-(seed ``seed + 1000 + point index``), so it measures the step periods in the same stretch of
+(seed ``seed + 1000 + point index``; at least ``paired_min_requests`` of them, so a low rate's run
+is longer than the point's), so it measures the step periods in the same stretch of
 machine load and the same engine regime (how busy the engine keeps the cores), never the point's
 own steps. On a shared CPU the machine's load drifts within minutes and a step of the same
 shape takes 2-3x longer when it is high, so one calibration for the whole grid (``sim``) carries
@@ -94,6 +95,9 @@ def check(c) -> dict:
     common.check_positive(duration_s=c.duration_s, max_drain_s=c.max_drain_s,
                           saturated_ttft_ms=c.saturated_ttft_ms, goal_p50=c.goal_p50,
                           goal_p99=c.goal_p99)
+    if isinstance(c.paired_min_requests, bool) or not isinstance(c.paired_min_requests, int) \
+            or c.paired_min_requests < 0:
+        raise ValueError(f"paired_min_requests={c.paired_min_requests!r} must be an int >= 0")
     unknown = sorted(set(c.alt_features) - set(FEATURES))
     if unknown:
         raise ValueError(f"alt_features={tuple(c.alt_features)}: unknown {unknown}; known: "
@@ -261,8 +265,10 @@ def paired_models(c, engine_config, model, point, index: int) -> tuple[dict, dic
     from experiments.calibrate import ServingRecorder
     from experiments.configs import calibrate as cal_config
 
-    w0 = point["wl"]
-    w = make_workload(point["kind"], len(w0), point["rate"], max_model_len=engine_config.max_model_len,
+    # At least ``paired_min_requests``: a low rate's run is otherwise too short to separate the
+    # prefill-chunk and after-pause terms (its few prefill steps mostly follow a pause).
+    num = max(len(point["wl"]), c.paired_min_requests)
+    w = make_workload(point["kind"], num, point["rate"], max_model_len=engine_config.max_model_len,
                       seed=c.seed + 1000 + index, shared_prefix_len=point["prefix"])
     engine = serving.build_engine(engine_config, model)
     rec = ServingRecorder(engine)
