@@ -32,14 +32,12 @@ of the next steps is known up to the first one that samples a sequence's last to
 or until the pool could run short: ``plan(now)`` computes that stretch's step times (the model's
 time of each step's ``StepShape``, the same float sums as stepping) without running it.
 ``advance_to(t)`` then applies the steps that ended by ``t`` in one
-``BlockManager.run_decode_steps`` (which leaves the state their ``append_decode_slots``,
-``begin_step`` / ``step_completed`` and ``mark_computed_many`` calls leave; the input-batch rows
-written in bulk), runs the last step's readback if it ended (``StepReader``'s stop checks; the
-finished requests' outputs wait in ``take_outputs``) and begins the step in flight at ``t`` on
-the ordinary path. The simulator calls it at the
-stretch's end, when a request or an abort reaches the replica mid-stretch, before a router reads
-the block manager (``prefix_aware``) and at the time limit; the state it leaves is the state
-stepping leaves (tests compare records, schedules and counters).
+``BlockManager.run_decode_steps`` (the state their own block-manager calls leave; input-batch rows
+written in bulk), runs the last step's readback if it ended (``StepReader``'s stops; outputs wait
+in ``take_outputs``) and begins the step in flight at ``t`` on the ordinary path. The simulator
+calls it at the stretch's end, when a request or an abort reaches the replica mid-stretch, before
+a router reads the block manager (``prefix_aware``) and at the time limit; the state it leaves is
+the state stepping leaves (tests compare records, schedules and counters).
 """
 
 from __future__ import annotations
@@ -224,9 +222,8 @@ class SimReplica:
         nt, ints = ib.num_tokens[:n], ib.ints[:n]
         # Step j samples position nt + j; it ends a sequence when nt + j + 1 >= its limit. The
         # stretch runs to the first step that ends one (included: ``_apply`` finishes it).
-        k = last = int((ints[:, LIMIT] - nt).min())
-        if k > max_steps:
-            k = max_steps
+        last = int((ints[:, LIMIT] - nt).min())
+        k = min(last, max_steps)
         if k < 2:  # (checked first)
             return None
         nc, ns = ib.num_computed[:n], ib.num_slots[:n]
@@ -381,26 +378,20 @@ class SimReplica:
 
     def _finish_last(self, st: _Stretch) -> None:
         """The readback of the stretch's last step, which samples some sequences' last token:
-        ``StepReader.read``'s stop checks of a pure decode step (its candidates: the rows whose
-        token reached their limit), then the finished requests' outputs (kept for the
-        simulator, ``take_outputs``)."""
+        ``StepReader``'s stops and outputs of that pure decode step (the outputs wait for the
+        simulator in ``take_outputs``)."""
         ib, n, k = self.batch, st.n, st.k
-        decode = ib.seqs[:n]
-        ends = st.nt0 + k  # each row's token count after the step
-        now = st.ends[k - 1]
-        made = [False] * n
-        check = self._reader.check_stop
-        for i in np.flatnonzero(ends >= ib.ints[:n, LIMIT]).tolist():
-            s = decode[i]
-            check(s, int(st.toks[i, k]), int(ends[i]), now)
-            if s.finished:
-                made[i] = None
+        pos = st.nt0 + (k - 1)  # the positions the step sampled
+        rows = np.arange(n)
+        batch = StepBatch(device=None, num_tokens=n, num_seqs=n, decode=ib.seqs[:n],
+                          decode_pos=pos, samples=[], items=[], item_ends=[], decode_rows=rows,
+                          epoch=ib.epoch, stop_any=np.flatnonzero(pos + 1 >= ib.ints[:n, LIMIT]))
+        made = self._reader._stops_and_outputs(batch, rows, st.toks[:, k], st.ends[k - 1], True)
         self._idle = not self.scheduler.has_unfinished()
-        self._ready += self._outputs([], decode, made, ())
+        self._ready += self._outputs([], batch.decode, made, ())
 
     def take_outputs(self) -> list:
-        """The outputs of requests that finished in an applied stretch (``advance_to``),
-        once."""
+        """The outputs of requests an applied stretch finished (``advance_to``), once."""
         out, self._ready = self._ready, []
         return out
 
