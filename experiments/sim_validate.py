@@ -263,7 +263,6 @@ def paired_models(c, engine_config, model, point, index: int) -> tuple[dict, dic
     """A calibration run just before the point's real run: same kind, prefix, rate and engine,
     other requests (seed ``seed + 1000 + index``); the models fitted on its step periods."""
     from experiments.calibrate import ServingRecorder
-    from experiments.configs import calibrate as cal_config
 
     # At least ``paired_min_requests``: a low rate's run is otherwise too short to separate the
     # prefill-chunk and after-pause terms (its few prefill steps mostly follow a pause).
@@ -277,30 +276,38 @@ def paired_models(c, engine_config, model, point, index: int) -> tuple[dict, dic
                         max_wall_s=w.duration_s + c.max_drain_s, progress=False)
     finally:
         rec.close()
-    feats = tuple(cal_config.get_config("serving").serving_features)
     info = {"seed": c.seed + 1000 + index, "num_steps": len(rec.rows),
             "load_average": os.getloadavg()[0], "idle_admit_late_s": _median(rec.admit_late)}
-    m = _fit_rows(rec.rows, feats)
+    m = _fit_rows(rec.rows)
     if m is None:
         return {}, info
     shapes, times = [r[0] for r in rec.rows], [r[1] for r in rec.rows]
     q = ratio_quantiles(times, [m.time(sh) for sh in shapes])
     info.update(coef=m.coef, rms_rel_error=m.fit["rms_rel_error"])
     out = {"sim_paired": lambda: m, "sim_paired_noisy": lambda: NoisyStepModel(m, q, seed=c.seed)}
-    alt = _fit_rows(rec.rows, tuple(c.alt_features)) if c.alt_features else None
+    alt = _fit_alt(c, rec.rows)
     if alt is not None:
         out["sim_paired_alt"] = lambda: alt
         info["alt_coef"] = alt.coef
     return out, info
 
 
+def _fit_alt(c, rows):
+    """``_fit_rows`` in the ``alt_features`` form, or ``None`` when none is set."""
+    return _fit_rows(rows, c.alt_features) if c.alt_features else None
+
+
 OPTIONAL = ("after_idle", "prefill_seqs")  # dropped, in this order, when the rows lack them
 
 
-def _fit_rows(rows, feats):
-    """``fit_linear`` (absolute) of recorded (shape, period) rows; without ``after_idle`` if no
-    step followed a pause, then without ``prefill_seqs`` if that does not vary either; ``None``
-    if the rows cannot determine a fit."""
+def _fit_rows(rows, feats=None):
+    """``fit_linear`` (absolute) of recorded (shape, period) rows in ``feats`` (default:
+    calibrate's serving form); without ``after_idle`` if no step followed a pause, then without
+    ``prefill_seqs`` if that does not vary either; ``None`` if the rows cannot determine a fit."""
+    if feats is None:
+        from experiments.configs import calibrate as cal_config
+
+        feats = cal_config.get_config("serving").serving_features
     shapes, times = [r[0] for r in rows], [r[1] for r in rows]
     f = tuple(feats)
     for drop in (None, *OPTIONAL):
@@ -334,11 +341,8 @@ def run_sims(c, engine_config, model, models, point, row, wakes: dict) -> None:
 def loo_models(c, steps_by_point: list, i: int) -> dict:
     """Models fitted on the real steps of every point except ``i`` (leave one out): measured in
     the same stretch of time as the point itself, never on the point's own steps."""
-    from experiments.configs import calibrate as cal_config
-
-    feats = tuple(cal_config.get_config("serving").serving_features)
     rows = [r for j, rs in enumerate(steps_by_point) if j != i for r in rs]
-    m = _fit_rows(rows, feats)
+    m = _fit_rows(rows)
     if m is None:
         print(f"note: no leave-one-out fit for point {i}")
         return {}
@@ -413,17 +417,14 @@ def main(c, plan):
         paired.append(pm)
         bar.update()
     bar.close()
-    from experiments.configs import calibrate as cal_config
-
-    feats = tuple(cal_config.get_config("serving").serving_features)
     for i, (point, row) in enumerate(zip(plan["points"], rows)):
         variants = dict(models)
         variants.update(paired[i])
         if c.self_fit:
-            m_self = _fit_rows(steps[i], feats)
+            m_self = _fit_rows(steps[i])
             if m_self is not None:
                 variants["sim_self"] = lambda m=m_self: m
-            m_alt = _fit_rows(steps[i], tuple(c.alt_features)) if c.alt_features else None
+            m_alt = _fit_alt(c, steps[i])
             if m_alt is not None:
                 variants["sim_self_alt"] = lambda m=m_alt: m
         if c.leave_one_out and len(rows) > 1:
