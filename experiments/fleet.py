@@ -266,17 +266,13 @@ def point(c, cfg, sm) -> dict:
     hit = s["prefix_cache_hit_rate"]
     print(f"  {sm.model.name}: {c.point_replicas} x H200, {c.point_router}, "
           f"block_size={cfg.block_size}, {c.point_rate:g} req/s ({c.point_workload}): "
-          f"{s['completed']}/{s['num_requests']} finished; TTFT p50 / p99 {_ms(s['median_ttft_ms'])}"
-          f" / {_ms(s['p99_ttft_ms'])} ms; TPOT p50 / p99 {_ms(s['median_tpot_ms'])} / "
-          f"{_ms(s['p99_tpot_ms'])} ms; {s['output_throughput'] or 0:.0f} output tok/s; "
+          f"{s['completed']}/{s['num_requests']} finished; TTFT p50 / p99 {_f(s['median_ttft_ms'], '.1f')}"
+          f" / {_f(s['p99_ttft_ms'], '.1f')} ms; TPOT p50 / p99 {_f(s['median_tpot_ms'], '.1f')} / "
+          f"{_f(s['p99_tpot_ms'], '.1f')} ms; {s['output_throughput'] or 0:.0f} output tok/s; "
           f"prefix hit rate {'-' if hit is None else f'{hit:.0%}'}; "
           f"{'meets' if p['meets_slo'] else 'misses'} the SLO (p99 TTFT <= {c.ttft_slo_ms:g} ms, "
           f"p99 TPOT <= {c.tpot_slo_ms:g} ms); simulated in {p['wall_s']:.1f} s", flush=True)
     return p
-
-
-def _ms(v) -> str:
-    return "-" if v is None else f"{v:.1f}"
 
 
 def main(c, plan):
@@ -335,8 +331,8 @@ def main(c, plan):
     print(f"wrote {path}")
 
 
-def _f(v) -> str:
-    return "-" if v is None else f"{v:8.2f}"
+def _f(v, spec: str = "8.2f") -> str:
+    return "-" if v is None else format(v, spec)
 
 
 if __name__ == "__main__":
