@@ -258,7 +258,12 @@ class Engine:
         return [r for r, seqs in self._requests.items() if r not in self._aborted]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether ``step()`` still has something to do or report: an unfinished request, an
+        abort or timeout not reported yet, or a dispatched step not read back yet. The drain loop
+        ``while engine.has_unfinished_requests(): engine.step()`` therefore ends with no step in
+        flight, no block quarantined and every finished request reported once."""
+        return (self.scheduler.has_unfinished() or bool(self._aborted)
+                or self._inflight is not None)
 
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
@@ -271,7 +276,8 @@ class Engine:
 
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one engine step; returns the requests that got tokens or finished.
+        """Runs one engine step; returns the requests that got new tokens or finished (a step
+        that only computed a prefill chunk reports nothing for that request: vLLM's contract).
 
         With ``async_scheduling`` this dispatches the next step and then reads back the one the
         previous call dispatched, so the tokens returned are that step's (a call with nothing new
@@ -461,6 +467,10 @@ class Engine:
                 finished = [out for out in self.step() if out.finished]
                 done.update((out.request_id, out) for out in finished)
                 update(len(finished))
+        # A step dispatched after the last token (its results dropped) is read back, so the
+        # engine is left with nothing in flight and no block quarantined.
+        while self.has_step_in_flight() and not self.unfinished_request_ids():
+            self.step()
         return [done[r] for r in ids]
 
     def warmup(self) -> int:

@@ -51,7 +51,8 @@ class StepReader:
         Returns:
           per decode, its request's output if made here (``None``: made later, per request;
           ``False``: none, the request ended before this result came back); the other requests
-          that progressed, in batch order.
+          that got tokens (sampled prompts, verify rows), in batch order. A prefill chunk that
+          sampled nothing reports nothing.
         """
         ib, bm = self.ib, self.bm
         decode, pos = batch.decode, batch.decode_pos
@@ -104,9 +105,6 @@ class StepReader:
             if q.row >= 0:
                 ib.hold[q.row] = False
             self.check_stop(q, int(tokens[slot]), p + 1, now)
-        for item in batch.items:
-            if not item.seq.finished:
-                touched[item.seq.request_id] = None
         return made, touched
 
     def _mark_computed(self, batch: StepBatch, rows: np.ndarray, live: bool) -> None:
