@@ -96,7 +96,7 @@ class Recorder:
         def schedule(now):
             out = inner(now)
             self.shapes.append(None if out.is_empty else
-                               step_shape(engine.batch, engine._builder, out))
+                               step_shape(engine.batch, engine.builder, out))
             return out
 
         engine.scheduler.schedule = schedule
@@ -142,7 +142,7 @@ class ServingRecorder:
                 self.rows.append((self._last[0], t - self._last[1]))
                 self._last = None
             self._pending = None if out.is_empty else (
-                step_shape(engine.batch, engine._builder, out, after_idle=self._idle), t)
+                step_shape(engine.batch, engine.builder, out, after_idle=self._idle), t)
             return out
 
         def step():

@@ -133,7 +133,6 @@ def bench_one(model_config, params, num_running: int, c, mode: str = "steady",
     # Rounds interleave blocks with overlap on, overlap off, and the device call stubbed out, so
     # slow drifts of a shared machine show as spread between rounds rather than as a bias of one
     # figure.
-    step_fn = engine._step_fn
     fast_before = engine.scheduler.num_fast_decode_steps
     expect = num_running if mode == "steady" else None
     blocks = {"on": [], "off": [], "isolated": []}
@@ -144,7 +143,7 @@ def bench_one(model_config, params, num_running: int, c, mode: str = "steady",
         # A B, then B A: in the steady regime every step is longer than the last (the context
         # grows), so the order alternates and per-round ratios cancel the drift.
         for name in ("on", "off", "isolated") if i % 2 == 0 else ("off", "on", "isolated"):
-            engine._step_fn = stub if name == "isolated" else step_fn
+            engine.set_device_step(stub if name == "isolated" else None)
             engine.async_scheduling = name == "on"
             step()  # the switch (its step reads back the last mode's step)
             block, wall = _timed_steps(engine, step, expect, c.steps)
@@ -155,7 +154,8 @@ def bench_one(model_config, params, num_running: int, c, mode: str = "steady",
             row[f"{name}_median_host_ms"] = 1e3 * float(np.median([t.host for t in block]))
         row["speedup"] = row["off_median_step_ms"] / row["on_median_step_ms"]
         rounds.append(row)
-    engine._step_fn, engine.async_scheduling = step_fn, engine.config.async_scheduling
+    engine.set_device_step(None)
+    engine.async_scheduling = engine.config.async_scheduling
     fast_steps = engine.scheduler.num_fast_decode_steps - fast_before
 
     def med(xs):

@@ -238,24 +238,11 @@ def serve(c, engine, workload: Workload, policy: str, label: str) -> dict:
     """One real-time run of ``workload`` on the idle ``engine`` with router ``policy``."""
     _reset(engine, policy)
     n = len(getattr(engine, "replicas", [engine]))
-    assigned: dict[str, int] = {}
-    if n > 1:  # which replica each request went to (the router picks it in _add_checked)
-        add = engine._add_checked
-
-        def _add_and_note(request_id, *args, **kwargs):
-            add(request_id, *args, **kwargs)
-            assigned[request_id] = engine.replica_of(request_id)
-
-        engine._add_checked = _add_and_note
     before, steps0, comp0 = _replica_stats(engine), engine.num_steps, engine.num_compilations
     load0, cpu0 = _loadavg(), time.process_time()
-    try:
-        arm = serving.run_arm(label, engine, workload, ttft_slo_ms=c.ttft_slo_ms,
-                              tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s,
-                              progress=False)
-    finally:
-        if n > 1:
-            del engine._add_checked
+    arm = serving.run_arm(label, engine, workload, ttft_slo_ms=c.ttft_slo_ms,
+                          tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s, progress=False)
+    routed = getattr(engine, "routed", {})  # request id -> replica (a single engine: none)
     cpu = time.process_time() - cpu0
     after = _replica_stats(engine)
     s = {k: v for k, v in arm.summary.items() if c.per_request or k not in _PER_REQUEST}
@@ -265,7 +252,7 @@ def serve(c, engine, workload: Workload, policy: str, label: str) -> dict:
     per = []
     for i in range(n):
         recs = [r for r in arm.records if r.status == "finished"
-                and assigned.get(r.request_id, 0) == i]
+                and routed.get(r.request_id, 0) == i]
         prompt = sum(r.prompt_len for r in recs)
         cached = sum(r.num_cached_tokens for r in recs)
         output = sum(r.output_len for r in recs)
@@ -392,13 +379,11 @@ class _Bench:
             engine.step()
         for _ in range(h.warmup_steps):
             engine.step()
-        self.step_fns = [r._step_fn for r in self.replicas]
         self.rows = {"real": [], "isolated": []}
         self.busy = {"real": [], "isolated": []}  # process CPU s / wall s of each block
 
     def block(self, mode: str, round_: int) -> None:
-        for r, fn in zip(self.replicas, self.step_fns, strict=True):
-            r._step_fn = _stub if mode == "isolated" else fn
+        self.engine.set_device_step(_stub if mode == "isolated" else None)
         self.engine.step()  # the switch: its step reads back the last mode's step
         start, cpu0 = time.perf_counter(), time.process_time()
         for _ in range(self.h.steps):
@@ -416,8 +401,7 @@ class _Bench:
         self.busy[mode].append((time.process_time() - cpu0) / (time.perf_counter() - start))
 
     def close(self) -> None:
-        for r, fn in zip(self.replicas, self.step_fns, strict=True):
-            r._step_fn = fn
+        self.engine.set_device_step(None)
         for rid in self.engine.unfinished_request_ids():
             self.engine.abort(rid)
         while self.engine.has_unfinished_requests() or self.engine.has_step_in_flight():

@@ -1,7 +1,9 @@
 """Data-parallel replicas behind one ``Engine`` API.
 
 ``Engine(EngineConfig(data_parallel_size=D, tensor_parallel_size=T))`` builds a
-``DataParallelEngine``: D replicas, each an ``Engine`` on its own T devices (``paged.placement``)
+``DataParallelEngine`` (``Engine`` is the factory; it passes itself as ``replica_factory``, so this
+module never imports ``paged.engine``): D replicas, each an ``Engine`` on its own T devices
+(``paged.placement``)
 with its own KV pool, block manager, scheduler and input batch, and a ``paged.routing.Router``
 that sends each new request to one of them. The router reads only host state: each replica's
 queue sizes and its prefix-cache index (``BlockManager.cached_prefix_tokens``).
@@ -27,7 +29,7 @@ import logging
 import jax
 
 from paged.config import EngineConfig, engine_config
-from paged.engine import Engine
+from paged.generate import generate
 from paged.metrics import StepTiming
 from paged.placement import split_devices
 from paged.request_checks import check_request, derive_seed
@@ -40,21 +42,35 @@ log = logging.getLogger(__name__)
 _SAME = frozenset({"kv_layout", "layout", "dtype", "block_size", "bytes_per_block"})
 
 
-class DataParallelEngine(Engine):
+class DataParallelEngine:
     """``Engine``'s API over ``config.data_parallel_size`` replicas (see the module docstring).
+
+    Composition, not a subclass: it holds D replica engines and a router, and implements the
+    same public protocol (``add_request``, ``check_request`` / ``add_checked``, ``abort``,
+    ``step``, ``generate``, ``has_unfinished_requests``, ``has_step_in_flight``,
+    ``unfinished_request_ids``, ``warmup``, ``kv_stats``, ``spec_decode_stats``,
+    ``num_compilations``, ``set_device_step``).
+
+    Args:
+      config: the engine settings (``data_parallel_size`` > 1).
+      replica_factory: builds one replica: ``replica_factory(config, model_config=...,
+        params=..., devices=...)`` (``Engine`` passes itself).
+      model_config, params, devices: as ``Engine``'s.
 
     Attributes:
       replicas: the replica engines, in device order (replica i runs on devices
         ``[i * T, (i + 1) * T)`` of the device list).
       router: the ``paged.routing.Router`` choosing each request's replica.
+      routed: request id -> the replica it was routed to, for every request ever added (a study
+        reads where its requests went from here).
 
     Raises:
       ValueError: D x T more than the devices, KV heads not divisible by T, a ``mesh=`` (it names
         one replica's devices), or anything a single engine refuses.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, model_config=None, params=None,
-                 mesh=None, devices=None):
+    def __init__(self, config: EngineConfig | None = None, *, replica_factory, model_config=None,
+                 params=None, mesh=None, devices=None):
         config = engine_config(config, jax.default_backend())
         if mesh is not None:
             raise ValueError("mesh= places one replica; with data_parallel_size > 1 pass devices=")
@@ -70,39 +86,61 @@ class DataParallelEngine(Engine):
                                model_config.num_kv_heads)
         one = dataclasses.replace(config, data_parallel_size=1)
         self.config = config
-        self.replicas: list[Engine] = [
-            Engine(one, model_config=model_config, params=params, devices=g) for g in groups]
+        self.replicas = [replica_factory(one, model_config=model_config, params=params, devices=g)
+                         for g in groups]
         first = self.replicas[0]
         self.model_config, self.tokenizer, self.page_size = (
             first.model_config, first.tokenizer, first.page_size)
+        self.vocab_size = model_config.vocab_size
         self.router = Router(config.router, config.router_load_threshold)
         self._views = [EngineReplica(r) for r in self.replicas]
         self._requests: dict[str, int] = {}  # unfinished or unreported request -> its replica
+        self.routed: dict[str, int] = {}
         self._num_requests = 0
         self.num_steps = 0
         self.last_timing = StepTiming()
-        self._trace_count = first._trace_count
         self._traces_at_start = self._trace_count()
+
+    def _trace_count(self) -> int:
+        return self.replicas[0].trace_count()
 
     # --- requests -----------------------------------------------------------------------
     @property
     def cache_salt(self) -> bytes:
         return self.replicas[0].cache_salt
 
+    @property
+    def num_requests(self) -> int:
+        """Requests ever added, over all replicas."""
+        return self._num_requests
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is unfinished (or finished and unreported) on some replica."""
+        return request_id in self._requests
+
     def add_request(self, request_id, prompt, params=None, *, arrival_time=None, timeout_s=None,
                     cache_salt=None) -> None:
         """``Engine.add_request``: checked, then routed to one replica."""
-        self._add_checked(*check_request(self, request_id, prompt, params, arrival_time,
-                                        timeout_s, cache_salt))
+        self.add_checked(self.check_request(request_id, prompt, params,
+                                            arrival_time=arrival_time, timeout_s=timeout_s,
+                                            cache_salt=cache_salt))
 
-    def _add_checked(self, request_id, token_ids, params, arrival_time, timeout_s, cache_salt,
-                     *, seed=None) -> None:
+    def check_request(self, request_id, prompt, params=None, *, arrival_time=None,
+                      timeout_s=None, cache_salt=None) -> tuple:
+        """``Engine.check_request`` over the whole engine (request ids unique across replicas)."""
+        return check_request(self, request_id, prompt, params, arrival_time, timeout_s,
+                             cache_salt)
+
+    def add_checked(self, checked: tuple, *, seed=None) -> None:
+        """Routes a checked request to a replica and adds it there; an unseeded request's seed
+        derives from the engine's seed and its arrival order over the whole engine."""
+        request_id, token_ids, cache_salt = checked[0], checked[1], checked[5]
         i = self.router.route(token_ids, self._views, cache_salt)
         if seed is None:
             seed = derive_seed(self.config.seed, self._num_requests)
-        self.replicas[i]._add_checked(request_id, token_ids, params, arrival_time, timeout_s,
-                                      cache_salt, seed=seed)
+        self.replicas[i].add_checked(checked, seed=seed)
         self._requests[request_id] = i
+        self.routed[request_id] = i
         self._num_requests += 1
 
     def replica_of(self, request_id: str) -> int | None:
@@ -121,10 +159,20 @@ class DataParallelEngine(Engine):
         return [r for e in self.replicas for r in e.unfinished_request_ids()]
 
     def has_unfinished_requests(self) -> bool:
+        """``Engine.has_unfinished_requests`` of any replica (a step in flight counts)."""
         return any(e.has_unfinished_requests() for e in self.replicas)
 
     def has_step_in_flight(self) -> bool:
         return any(e.has_step_in_flight() for e in self.replicas)
+
+    def set_device_step(self, fn=None) -> None:
+        """``Engine.set_device_step`` on every replica."""
+        for e in self.replicas:
+            e.set_device_step(fn)
+
+    def generate(self, prompts, params=None, *, progress: bool = False) -> list:
+        """``Engine.generate`` over the replicas (all prompts checked before any is routed)."""
+        return generate(self, self, prompts, params, progress=progress)
 
     # --- the step -----------------------------------------------------------------------
     def step(self):
@@ -145,11 +193,6 @@ class DataParallelEngine(Engine):
                 setattr(timing, f, getattr(timing, f) + getattr(t, f))
         self.last_timing = timing
         return outputs
-
-    def dispatch_step(self):
-        raise NotImplementedError("a DataParallelEngine steps all replicas at once: use step()")
-
-    finish_step = dispatch_step
 
     def warmup(self) -> int:
         """``Engine.warmup`` on every replica (each compiles for its own devices); returns the

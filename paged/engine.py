@@ -27,23 +27,20 @@ import numpy as np
 
 from paged import kv_cache as kc
 from paged import multihost
-from paged.batch import BatchBuilder, InFlight, PendingStep
-from paged.block_manager import BlockManager
+from paged.batch import InFlight, PendingStep
 from paged.config import EngineConfig, engine_config
 from paged.device_step import apply_copies, compile_shapes, make_step_fn
-from paged.input_batch import InputBatch
+from paged.generate import generate
+from paged.host_core import HostCore
 from paged.kv_stats import kv_stats
 from paged.metrics import StepTiming
 from paged.models.config import LlamaConfig
 from paged.models.tokenizer import ByteTokenizer
-from paged.outputs import CompletionOutput, RequestOutput, check_outputs, collect_outputs, state_of
+from paged.outputs import CompletionOutput, RequestOutput
 from paged.placement import Placement
-from paged.progress import progress as progress_bar
-from paged.readback import StepReader
-from paged.request_checks import check_prompts, check_request, derive_seed
+from paged.request_checks import check_request
 from paged.sampling import SamplingParams
-from paged.scheduler import Scheduler, SchedulerOutput
-from paged.sequence import SeqStatus, Sequence
+from paged.scheduler import SchedulerOutput
 from paged.spec_decode import Speculator, load_draft
 
 log = logging.getLogger(__name__)
@@ -55,14 +52,18 @@ __all__ = ["CompletionOutput", "Engine", "PendingStep", "RequestOutput", "StepTi
 class Engine:
     """Serves requests from a paged (or contiguous) KV cache with continuous batching.
 
+    The host side (request table, block manager, input batch, scheduler, step read-back) is a
+    ``paged.host_core.HostCore`` (``engine.core``); the engine owns the device side: params, the
+    KV cache, the jitted step and the step in flight.
+
     Args:
       config: engine settings.
       model_config, params: a model to serve instead of the bundled ``config.model`` (tests use
         random weights this way). Both or neither.
       devices: the devices to run on (default ``jax.devices()``): the first
         ``tensor_parallel_size`` of them, or D x T of them for ``data_parallel_size = D > 1``
-        (then ``Engine(...)`` builds a ``paged.data_parallel.DataParallelEngine``: the same API
-        over D replicas).
+        (then ``Engine(...)`` is a factory: it returns a
+        ``paged.data_parallel.DataParallelEngine``, the same API over D replicas of this class).
       mesh: instead of ``devices``, a device mesh with a ``"model"`` axis to shard over (tensor
         parallel, ``paged.placement``); one block manager serves all shards.
 
@@ -75,9 +76,11 @@ class Engine:
 
     def __new__(cls, config: EngineConfig | None = None, *args, **kwargs):
         if cls is Engine and isinstance(config, EngineConfig) and config.data_parallel_size > 1:
+            # A factory: D replicas of this class behind a router. The replica class is passed
+            # in, so ``paged.data_parallel`` never imports this module.
             from paged.data_parallel import DataParallelEngine
 
-            return super().__new__(DataParallelEngine)  # Python then runs its __init__
+            return DataParallelEngine(config, *args, replica_factory=Engine, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, config: EngineConfig | None = None, *, model_config: LlamaConfig | None = None,
@@ -106,38 +109,25 @@ class Engine:
         if model_config.vocab_size < self.tokenizer.vocab_size:
             raise ValueError(f"model vocab_size={model_config.vocab_size} < tokenizer's "
                              f"{self.tokenizer.vocab_size}")
-        page_size, num_pages = config.pool_geometry()
-        self.page_size = page_size
-        self.pages_per_seq = -(-config.max_model_len // page_size)
-        host_blocks = 0
-        if config.preemption_mode == "swap":
-            host_blocks = num_pages if config.num_host_blocks is None else config.num_host_blocks
         self._freed_pages: list[int] = []
-        self.block_manager = BlockManager(
-            num_pages, page_size,
-            enable_prefix_caching=config.enable_prefix_caching and config.kv_layout == "paged",
-            cache_salt=f"{config.model}|{model_config.to_dict()}|{config.dtype}",
-            quarantine_steps=config.quarantine_steps,
-            num_host_blocks=host_blocks,
-            debug=config.debug_checks,
-            on_free=self._freed_pages.extend if config.debug_checks else None,
-        )
-        self.batch = InputBatch(config.max_model_len, self.pages_per_seq, self.tokenizer.eos_id)
-        self._builder = BatchBuilder(self.batch, self.block_manager, page_size,
-                                     min_tokens=config.min_token_bucket, min_seqs=config.min_seq_bucket,
-                                     debug=config.debug_checks)
-        self.scheduler = Scheduler(config, self.block_manager, self.batch)
+        self.core = core = HostCore(
+            config, tokenizer=tokenizer, vocab_size=model_config.vocab_size,
+            model_salt=f"{config.model}|{model_config.to_dict()}|{config.dtype}",
+            on_free=self._freed_pages.extend if config.debug_checks else None)
+        page_size, num_pages, host_blocks = core.page_size, core.num_pages, core.host_blocks
         self._inflight: InFlight | None = None  # the step dispatched and not read back yet
         self.placement = placement = Placement.for_replica(
             model_config.num_kv_heads, config.tensor_parallel_size, mesh=mesh, devices=devices)
-        # A multi-process engine's role (paged.multihost): process 0 leads, the others follow.
-        self._leader, self._follower = multihost.role(placement, config, self.pages_per_seq)
+        # A multi-process engine's role (paged.multihost): process 0 leads (``leader``), the
+        # others follow (``follower``: this process's index).
+        self.leader, self.follower = multihost.role(placement, config, core.pages_per_seq)
         # May be switched between steps; speculation proposes from the last step's tokens.
         self.async_scheduling = config.async_scheduling and config.speculative is None
         self.speculator = None if config.speculative is None else Speculator(
-            config.speculative, self.batch, self.block_manager, config.max_num_batched_tokens,
+            config.speculative, core.batch, core.block_manager, config.max_num_batched_tokens,
             load_draft(config, model_config, num_pages, page_size, host_blocks, placement),
-            self._builder)
+            core.builder)
+        core.reader.speculator = self.speculator
         self.cache = kc.KVCache.create(
             model_config.num_layers, model_config.num_kv_heads, num_pages, page_size,
             model_config.head_dim, config.dtype, sharding=placement.kv)
@@ -152,26 +142,29 @@ class Engine:
         # The plain step, and variants that also return log-probabilities and/or verify drafts.
         fns = {v: make_step_fn(model_config, config.attention_impl, out_size, *v)
                for v in itertools.product((False, True), repeat=2)}
-        self._variants_raw = {v: f for v, (f, _) in fns.items()}
-        self._variants = dict(self._variants_raw)
-        self._trace_count = lambda: sum(count() for _, count in fns.values())
-        self._no_prev = placement.put(np.zeros(out_size, np.int32))
-        if self._leader is not None:  # every device call is announced to the other processes
-            self._variants = {v: self._leader.wrap(f, v, self._no_prev)
-                              for v, f in self._variants_raw.items()}
+        # (with_logprobs, with_verify) -> the jitted step, as a follower process runs it.
+        self.step_variants = {v: f for v, (f, _) in fns.items()}
+        self._variants = dict(self.step_variants)
+        self.trace_count = lambda: sum(count() for _, count in fns.values())
+        # The tokens fed as "the previous step's" when no step is in flight.
+        self.no_prev_tokens = placement.put(np.zeros(out_size, np.int32))
+        if self.leader is not None:  # every device call is announced to the other processes
+            self._variants = {v: self.leader.wrap(f, v, self.no_prev_tokens)
+                              for v, f in self.step_variants.items()}
         self._step_fn = self._variants[False, False]
-        self._traces_at_start = self._trace_count()
-        self._requests: dict[str, list[Sequence]] = {}
-        self._num_deadlines = 0  # unfinished requests with a timeout (skip the scan when 0)
-        self._aborted: set[str] = set()  # aborted since the last step, to report
-        self._next_seq_id = 0
-        self._num_requests = 0
-        self._steps_without_progress = 0
+        self._traces_at_start = self.trace_count()
         self.num_steps = 0
-        self.num_requests_served = 0  # finished requests reported (any finish reason)
         self.last_timing = StepTiming()
         self._pending = False  # between dispatch_step() and finish_step()
-        self._reader = StepReader(self)
+
+    # --- the host core's parts, read by studies, tests and kv_stats ---------------------
+    block_manager = property(lambda self: self.core.block_manager)
+    batch = property(lambda self: self.core.batch)
+    scheduler = property(lambda self: self.core.scheduler)
+    builder = property(lambda self: self.core.builder)
+    page_size = property(lambda self: self.core.page_size)
+    pages_per_seq = property(lambda self: self.core.pages_per_seq)
+    num_requests_served = property(lambda self: self.core.num_requests_served)
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | SequenceT[int],
@@ -209,30 +202,24 @@ class Engine:
             ``params.n > max_num_seqs``, a non-finite arrival time or timeout (or one too large
             for float32), a timeout <= 0, an empty salt, or a prompt of ``max_model_len`` tokens
             or more ("prompt of N tokens leaves no room for output: max_model_len=M").
+          RuntimeError: on a follower process of a multi-process engine (requests go to
+            process 0).
         """
-        self._add_checked(*check_request(self, request_id, prompt, params, arrival_time,
-                                        timeout_s, cache_salt))
+        self.add_checked(self.check_request(request_id, prompt, params, arrival_time=arrival_time,
+                                            timeout_s=timeout_s, cache_salt=cache_salt))
 
-    def _add_checked(self, request_id, token_ids, params, arrival_time, timeout_s,
-                     cache_salt, *, seed: int | None = None) -> None:
-        """Adds a request that ``check_request`` accepted (cannot fail). ``seed``: the seed of
-        an unseeded request (default: derived from the engine's seed and request count)."""
-        now = time.perf_counter() if arrival_time is None else arrival_time
-        if params.seed is not None:
-            seed = params.seed
-        elif seed is None:
-            seed = derive_seed(self.config.seed, self._num_requests)
-        seq_id = self._new_seq_id()
-        if params.prompt_logprobs is not None:  # a prefix-cache hit would skip scored positions
-            salt = self.block_manager.cache_salt if cache_salt is None else cache_salt
-            cache_salt = salt + f"|prompt-logprobs:{seq_id}".encode()
-        seq = Sequence(seq_id, request_id, token_ids, len(token_ids), params, seed, now,
-                       deadline=None if timeout_s is None else now + timeout_s,
-                       cache_salt=cache_salt)
-        self._num_requests += 1
-        self._num_deadlines += seq.deadline is not None
-        self._requests[request_id] = [seq]
-        self.scheduler.add(seq)
+    def check_request(self, request_id, prompt, params=None, *, arrival_time=None,
+                      timeout_s=None, cache_salt=None) -> tuple:
+        """``add_request``'s checks alone (no state changes): the checked request, for
+        ``add_checked``."""
+        self._refuse_follower("add requests there")
+        return check_request(self.core, request_id, prompt, params, arrival_time, timeout_s,
+                             cache_salt)
+
+    def add_checked(self, checked: tuple, *, seed: int | None = None) -> None:
+        """Adds a request ``check_request`` accepted (cannot fail). ``seed``: the seed of an
+        unseeded request (default: derived from the engine's seed and request count)."""
+        self.core.add(*checked, seed=seed)
 
     def abort(self, request_id: str) -> bool:
         """Finishes a request now and releases its blocks (quarantined if a step may read them).
@@ -240,39 +227,30 @@ class Engine:
         Returns:
           True if the request was unfinished; False (with a log message) for unknown or finished.
         """
-        seqs = self._requests.get(request_id)
-        if not seqs or all(s.finished for s in seqs):
+        if not self.core.abort(request_id, time.perf_counter()):
             log.warning("abort(%r): no unfinished request with this id", request_id)
             return False
-        self._finish_request(request_id, "abort", time.perf_counter())
-        self._aborted.add(request_id)  # its final output comes with the next step
         return True
 
     @property
     def cache_salt(self) -> bytes:
         """The salt of every prefix-cache key (model, weights, dtype); tenants' salts extend it."""
-        return self.block_manager.cache_salt
+        return self.core.cache_salt
 
     def unfinished_request_ids(self) -> list[str]:
         """Requests added and not yet reported finished."""
-        return [r for r, seqs in self._requests.items() if r not in self._aborted]
+        return self.core.unfinished_request_ids()
 
     def has_unfinished_requests(self) -> bool:
         """Whether ``step()`` still has something to do or report: an unfinished request, an
         abort or timeout not reported yet, or a dispatched step not read back yet. The drain loop
         ``while engine.has_unfinished_requests(): engine.step()`` therefore ends with no step in
         flight, no block quarantined and every finished request reported once."""
-        return (self.scheduler.has_unfinished() or bool(self._aborted)
-                or self._inflight is not None)
+        return self.core.has_unfinished() or self._inflight is not None
 
-    def _new_seq_id(self) -> int:
-        self._next_seq_id += 1
-        return self._next_seq_id
-
-    def _finish_request(self, request_id: str, reason: str, now: float) -> None:
-        for seq in self._requests[request_id]:
-            if not seq.finished:
-                self.scheduler.finish(seq, reason, now)
+    def _refuse_follower(self, what: str) -> None:
+        if self.follower is not None:
+            raise RuntimeError(f"process {self.follower} follows process 0: {what}")
 
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -294,28 +272,25 @@ class Engine:
         run concurrently."""
         if self._pending:
             raise RuntimeError("dispatch_step() twice without finish_step()")
-        if self._follower is not None:
-            raise RuntimeError(f"process {self._follower} follows process 0: call "
-                               f"paged.multihost.follow(engine), not step()")
+        self._refuse_follower("call paged.multihost.follow(engine), not step()")
+        core = self.core
         timing = StepTiming()
         t0 = time.perf_counter()
-        ended = sorted(self._expire(t0) | self._aborted)  # reported first
-        self._aborted = set()
-        sched = self.scheduler.schedule(t0)
+        ended = core.take_ended(t0)  # reported first
+        sched = core.schedule(t0)
         if self.speculator is not None:
             self.speculator.plan(sched)
         t1 = time.perf_counter()
         timing.schedule = t1 - t0
         done, launched = self._inflight, None
         if not sched.is_empty:
-            self._steps_without_progress = 0
-            step_id = self.block_manager.begin_step()
+            step_id = core.block_manager.begin_step()
             self._prepare_device(sched)
             if self.speculator is not None:
                 self.speculator.draft_tokens()  # draft method: after the copies, both caches
-            batch = self._builder.build(sched.decode_rows, sched.scheduled, bool(sched.copies))
+            batch = core.builder.build(sched.decode_rows, sched.scheduled, bool(sched.copies))
             batch.step_id = step_id
-            prev = done.tokens if done is not None else self._no_prev
+            prev = done.tokens if done is not None else self.no_prev_tokens
             extras = None
             variant = (batch.with_logprobs, bool(batch.verify))
             if variant == (False, False):
@@ -326,7 +301,7 @@ class Engine:
                     self.params, self.cache, batch.device, prev, *q)
             if self.speculator is not None and self.speculator.draft is not None:
                 self.speculator.draft.mirror(batch.device)  # the draft's cache follows
-            self._builder.commit(sched.decode_rows, batch)
+            core.builder.commit(sched.decode_rows, batch)
             launched = self._inflight = InFlight(batch, tokens, extras)
             timing.prepare = time.perf_counter() - t1
             timing.num_seqs, timing.num_tokens = batch.num_seqs, batch.num_tokens
@@ -342,15 +317,16 @@ class Engine:
             raise RuntimeError("finish_step() without dispatch_step()")
         self._pending = False
         timing, ended, sched, done, launched = pending
+        bm = self.core.block_manager
         if launched is None:  # nothing dispatched: read back, then the step's copies
             made, touched, decode = self._read_back(done, None, timing) if done else ([], {}, [])
             self._inflight = None
             # The step's copies (swap, CoW) belong to it: pages they touch stay held until it ends.
-            step_id = self.block_manager.begin_step()
+            step_id = bm.begin_step()
             self._prepare_device(sched)
-            self.block_manager.step_completed(step_id)
+            bm.step_completed(step_id)
             if done is None:
-                self._guard_progress(sched)
+                self.core.idle_step(sched)
         else:
             made, touched, decode = [], {}, []
             if done is not None:
@@ -361,7 +337,7 @@ class Engine:
                 made, decode = made + made2, decode + decode2
                 touched.update(touched2)
         t3 = time.perf_counter()
-        outputs = self._outputs(ended, decode, made, touched)
+        outputs = self.core.outputs(ended, decode, made, touched)
         timing.postprocess += time.perf_counter() - t3
         self.last_timing = timing
         return outputs
@@ -370,14 +346,14 @@ class Engine:
         """Waits for ``done``'s tokens and applies them (``StepReader``)."""
         t = time.perf_counter()
         tokens = np.asarray(done.tokens)  # waits for the device
-        self.block_manager.step_completed(done.batch.step_id)
+        self.core.block_manager.step_completed(done.batch.step_id)
         now = time.perf_counter()
         timing.device += now - t
         extras = None if done.extras is None else jax.tree_util.tree_map(np.asarray, done.extras)
-        made, touched = self._reader.read(done.batch, tokens, now,
-                                          None if nxt is None else nxt.batch, extras)
+        made, touched = self.core.reader.read(done.batch, tokens, now,
+                                              None if nxt is None else nxt.batch, extras)
         if self.config.debug_checks:
-            self._check_invariants()
+            self.core.check_invariants()
         timing.postprocess += time.perf_counter() - now
         return made, touched, done.batch.decode
 
@@ -385,70 +361,25 @@ class Engine:
         """Whether a dispatched step's result has not been read back yet."""
         return self._inflight is not None
 
-    def _expire(self, now: float) -> set[str]:
-        expired = set()
-        if not self._num_deadlines:
-            return expired
-        for request_id, seqs in self._requests.items():
-            if any(s.deadline is not None and now >= s.deadline and not s.finished for s in seqs):
-                expired.add(request_id)
-        for request_id in expired:
-            self._finish_request(request_id, "timeout", now)
-        return expired
+    def set_device_step(self, fn=None) -> None:
+        """Replaces the plain jitted device step, for host-only benchmarks (``None`` restores it).
 
-    def _guard_progress(self, sched: SchedulerOutput) -> None:
-        if not self.scheduler.has_unfinished():
-            return
-        self._steps_without_progress += 1
-        if self._steps_without_progress > self.config.max_steps_without_progress:
-            raise RuntimeError(
-                f"no sequence could be scheduled for {self._steps_without_progress} steps "
-                f"(waiting={len(self.scheduler.waiting)}, swapped={len(self.scheduler.swapped)}, "
-                f"free blocks={self.block_manager.num_allocatable_blocks}); the pool is too small")
+        ``fn(params, cache, device_batch, prev_tokens) -> (cache, tokens)`` with ``tokens`` one
+        i32 per sample slot (at least ``prev_tokens``' length); a stub that returns zeros at once
+        measures the host's share of a step. Steps with log-probabilities or verify rows still
+        run the real variants.
+        """
+        self._step_fn = self._variants[False, False] if fn is None else fn
 
     def _prepare_device(self, sched: SchedulerOutput) -> None:
-        if self._leader is not None:
-            self._leader.copies(sched, self._freed_pages)
+        if self.leader is not None:
+            self.leader.copies(sched, self._freed_pages)
         draft = None if self.speculator is None else self.speculator.draft
         if draft is not None:  # the same copies on the draft's cache (no poison: see DraftModel)
             draft.cache = apply_copies(draft.cache, sched, draft.host_k, draft.host_v, [])
         self.cache = apply_copies(self.cache, sched, self._host_k, self._host_v, self._freed_pages)
 
-    def _check_invariants(self) -> None:
-        """Debug: the block manager's invariants, and the input batch against it."""
-        self.block_manager.check_invariants()
-        self.batch.check(self.block_manager)
-        if len(self.scheduler.running) != self.batch.num_rows:
-            raise AssertionError(f"{len(self.scheduler.running)} running but "
-                                 f"{self.batch.num_rows} input-batch rows")
-
     # --- outputs ------------------------------------------------------------------------
-    def _outputs(self, ended: list[str], decode: list[Sequence] = (), made: list = (),
-                 touched=()) -> list[RequestOutput]:
-        if self.config.debug_checks:  # outputs made on the batched path equal the general ones
-            check_outputs(made, self._request_output)
-        return collect_outputs(ended, decode, made, touched, self._final_output, self._requests)
-
-    def _final_output(self, request_id: str) -> RequestOutput:
-        """The request's output now; a finished request is forgotten (reported once)."""
-        out = self._request_output(request_id)
-        if out.finished:
-            self.num_requests_served += 1
-            seqs = self._requests.pop(request_id)
-            self._num_deadlines -= seqs[0].deadline is not None
-        return out
-
-    def _request_output(self, request_id: str) -> RequestOutput:
-        seqs = self._requests[request_id]  # sample order: forks are appended in index order
-        head = seqs[0]
-        # Samples not forked yet (prompt unfinished) are simply absent.
-        finished = all(s.status is SeqStatus.FINISHED for s in seqs) and (
-            len(seqs) == head.params.n or head.finish_reason in ("abort", "timeout")
-            or head.num_output_tokens == 0)
-        finish = max(s.finish_time for s in seqs) if finished else None
-        return RequestOutput(head, head.num_known_tokens,
-                             state_of(seqs, finished, finish, self.tokenizer.decode))
-
     def generate(self, prompts: SequenceT[str | SequenceT[int]] | str,
                  params: SamplingParams | SequenceT[SamplingParams] | None = None,
                  *, progress: bool = False) -> list[RequestOutput]:
@@ -457,21 +388,8 @@ class Engine:
         All or nothing: every prompt and params is checked (as ``add_request`` checks them)
         before the first is added, so one bad prompt raises with the engine unchanged.
         """
-        checked = check_prompts(self, prompts, params)
-        ids = [request[0] for request in checked]
-        for request in checked:
-            self._add_checked(*request)
-        done: dict[str, RequestOutput] = {}
-        with progress_bar(len(ids), progress) as update:
-            while len(done) < len(ids):
-                finished = [out for out in self.step() if out.finished]
-                done.update((out.request_id, out) for out in finished)
-                update(len(finished))
-        # A step dispatched after the last token (its results dropped) is read back, so the
-        # engine is left with nothing in flight and no block quarantined.
-        while self.has_step_in_flight() and not self.unfinished_request_ids():
-            self.step()
-        return [done[r] for r in ids]
+        self._refuse_follower("add requests there")
+        return generate(self, self.core, prompts, params, progress=progress)
 
     def warmup(self) -> int:
         """Compiles every step shape this engine can produce (all-padding batches, no KV touched).
@@ -485,22 +403,23 @@ class Engine:
         """
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() must run before requests are added")
-        before = self._trace_count()
+        before = self.trace_count()
         budget = (self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        self.cache = compile_shapes(self._step_fn, self.params, self.cache, self._no_prev,
-                                    self._builder.all_shapes(*budget), self._builder.empty)
+        builder = self.core.builder
+        self.cache = compile_shapes(self._step_fn, self.params, self.cache, self.no_prev_tokens,
+                                    builder.all_shapes(*budget), builder.empty)
         if self.speculator is not None and self.speculator.draft is None:
             verify = self._variants[False, True]
             self.cache = compile_shapes(
-                lambda *a: verify(*a, None, None)[:2], self.params, self.cache, self._no_prev,
-                self._builder.verify_shapes(*budget), self._builder.empty)
-        return self._trace_count() - before
+                lambda *a: verify(*a, None, None)[:2], self.params, self.cache,
+                self.no_prev_tokens, builder.verify_shapes(*budget), builder.empty)
+        return self.trace_count() - before
 
     # --- introspection ------------------------------------------------------------------
     @property
     def num_compilations(self) -> int:
         """Distinct step shapes traced (each is one XLA compilation)."""
-        return self._trace_count() - self._traces_at_start
+        return self.trace_count() - self._traces_at_start
 
     def spec_decode_stats(self) -> dict:
         """Speculation counters (``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``,

@@ -136,10 +136,10 @@ def follow(engine) -> int:
     """
     from paged.device_step import apply_copies
 
-    if engine._follower is None:
+    if engine.follower is None:
         raise RuntimeError("follow() is for processes other than 0 of a multi-process engine")
     zeros = np.zeros(_HEADER, np.int32)
-    last = engine._no_prev
+    last = engine.no_prev_tokens
     steps = 0
     while True:
         cmd, lp, verify, use_prev, t, s, n, n_poison, n_copies = (
@@ -160,17 +160,17 @@ def follow(engine) -> int:
              np.zeros((s, engine.pages_per_seq), np.int32), np.zeros((7, n), np.int32),
              np.zeros((2, n), np.float32)), False)
         batch = DeviceBatch(tok=tok, seq=seq, page_indices=pages, smp=smp, smp_f=smp_f)
-        fn = engine._variants_raw[bool(lp), bool(verify)]
-        out = fn(engine.params, engine.cache, batch, last if use_prev else engine._no_prev)
+        fn = engine.step_variants[bool(lp), bool(verify)]
+        out = fn(engine.params, engine.cache, batch, last if use_prev else engine.no_prev_tokens)
         engine.cache, last = out[0], out[1]
         steps += 1
 
 
 def stop_followers(engine) -> None:
     """Process 0: ends every follower's ``follow`` loop (call once, when done serving)."""
-    if engine._leader is None:
+    if engine.leader is None:
         raise RuntimeError("stop_followers() is for process 0 of a multi-process engine")
-    engine._leader.stop()
+    engine.leader.stop()
 
 
 __all__ = ["Leader", "check_config", "follow", "initialize", "role", "spans_processes",

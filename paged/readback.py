@@ -25,21 +25,28 @@ class StepReader:
     """Applies step results to the sequences, the block manager and the scheduler.
 
     Args:
-      engine: the ``Engine`` whose state it updates (input batch, block manager, scheduler,
-        request table, tokenizer and config).
+      core: the replica's ``paged.host_core.HostCore``: its input batch, block manager,
+        scheduler, tokenizer, config, and its request table (forked samples join it).
+
+    Attributes:
+      speculator: the replica's ``paged.spec_decode.Speculator`` (verify rows are read back
+        through it), or ``None``.
+      make_outputs: ``False``: only finished requests get outputs (a simulator drops the
+        others); the decodes' outputs are then made per request, for those that finished, and
+        none for the rest.
     """
 
-    def __init__(self, engine):
-        self.e = engine
-        self.ib = engine.batch
-        self.bm = engine.block_manager
-        self.page_size = engine.page_size
-        self.eos_ids = tuple(getattr(engine.tokenizer, "eos_ids", (engine.tokenizer.eos_id,)))
-        self.eos_ids = tuple(t for t in self.eos_ids if t >= 0)  # every token that ends generation
-        self.max_model_len = engine.config.max_model_len
-        self.text = engine.tokenizer.decode
-        # False: only finished requests get outputs (a simulator drops the others); the decodes'
-        # outputs are then made per request, for those that finished, and none for the rest.
+    def __init__(self, core):
+        self.core = core
+        self.ib = core.batch
+        self.bm = core.block_manager
+        self.scheduler = core.scheduler
+        self.page_size = core.page_size
+        eos = tuple(getattr(core.tokenizer, "eos_ids", (core.tokenizer.eos_id,)))
+        self.eos_ids = tuple(t for t in eos if t >= 0)  # every token that ends generation
+        self.max_model_len = core.config.max_model_len
+        self.text = core.tokenizer.decode
+        self.speculator = None
         self.make_outputs = True
 
     def read(self, batch: StepBatch, tokens: np.ndarray, now: float, nxt: StepBatch | None,
@@ -87,12 +94,12 @@ class StepReader:
         for q, slot, k, start in batch.verify:  # speculative rows: keep the accepted prefix
             if not q.finished:
                 verified.append(q.request_id)
-                self.e.speculator.accept(q, start, k, tokens[slot:slot + k + 1],
-                                         extras["accept"][slot:slot + k + 1], now, self)
+                self.speculator.accept(q, start, k, tokens[slot:slot + k + 1],
+                                       extras["accept"][slot:slot + k + 1], now, self)
 
         made: list[RequestOutput | None] = []
         if nd:
-            made = self._stops_and_outputs(batch, rows, new, now, live)
+            made = self.stops_and_outputs(batch, rows, new, now, live)
         touched: dict[str, None] = dict.fromkeys(verified)
         for q, slot, count, p in batch.samples:
             if q.finished:
@@ -128,8 +135,8 @@ class StepReader:
             if q.row >= 0 and not item.num_draft:  # verify rows: ``Speculator.accept``
                 bm.mark_computed(q.seq_id, end)
 
-    def _stops_and_outputs(self, batch: StepBatch, rows: np.ndarray, new: np.ndarray, now: float,
-                           live: bool) -> list[RequestOutput | None | bool]:
+    def stops_and_outputs(self, batch: StepBatch, rows: np.ndarray, new: np.ndarray, now: float,
+                          live: bool) -> list[RequestOutput | None | bool]:
         ib, decode, pos = self.ib, batch.decode, batch.decode_pos
         gone = None if live else [s.finished for s in decode]  # aborted or timed out meanwhile
         cand = batch.stop_any
@@ -171,15 +178,11 @@ class StepReader:
 
     def _fork(self, parent: Sequence, j: int, p: int, token: int, now: float,
               lp: dict | None = None) -> None:
-        e = self.e
-        child = parent.fork(e._new_seq_id(), j)
-        child._tokens[p] = token  # its own sample (the arrival time is the parent's)
+        child = parent.fork(self.core.new_seq_id(), j, sampled=(p, token))
         if lp is not None:
             child.logprobs[-1] = lp
-        child._slots = parent.num_slots
         self.bm.fork(parent.seq_id, child.seq_id)
-        e._requests[parent.request_id].append(child)
-        e.scheduler.add_running(child)
+        self.core.add_sample(child)
         self.check_stop(child, token, p + 1, now)
 
     def _logprobs(self, batch: StepBatch, tokens: np.ndarray, extras: tuple) -> None:
@@ -215,7 +218,7 @@ class StepReader:
         """Finishes ``seq`` if its token at ``num_tokens - 1`` (just sampled) ends it."""
         reason = self.stops(seq, token, num_tokens)
         if reason:
-            self.e.scheduler.finish(seq, reason, now)
+            self.scheduler.finish(seq, reason, now)
 
 
 def _lp_dict(extras: tuple, slot: int, token: int, k: int) -> dict[int, float]:

@@ -15,31 +15,32 @@ def derive_seed(engine_seed: int, request_index: int) -> int:
     return int(np.random.SeedSequence([engine_seed, request_index]).generate_state(1)[0] % 2**31)
 
 
-def check_request(engine, request_id, prompt, params, arrival_time, timeout_s,
+def check_request(table, request_id, prompt, params, arrival_time, timeout_s,
                    cache_salt) -> tuple:
     """``Engine.add_request``'s checks, with no side effect: returns (request id, token ids,
-    params, arrival time, timeout, full cache salt), or raises TypeError / ValueError
-    (RuntimeError on a follower process of a multi-process engine: requests go to process 0)."""
-    if getattr(engine, "_follower", None) is not None:
-        raise RuntimeError(f"process {engine._follower} follows process 0: add requests there")
+    params, arrival time, timeout, full cache salt), or raises TypeError / ValueError.
+
+    ``table``: what the checks read: ``has_request(request_id)``, ``config``, ``cache_salt``,
+    ``tokenizer`` and ``vocab_size`` (a ``paged.host_core.HostCore``, or a data-parallel
+    engine's view over its replicas)."""
     request_id = validate.string("request_id", request_id)
-    if request_id in engine._requests:
+    if table.has_request(request_id):
         raise ValueError(f"duplicate request_id={request_id!r}")
     params = SamplingParams() if params is None else params
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-    token_ids = encode(engine, prompt)
-    max_len = engine.config.max_model_len
+    token_ids = encode(table, prompt)
+    max_len = table.config.max_model_len
     if len(token_ids) >= max_len:
         raise ValueError(f"prompt of {len(token_ids)} tokens leaves no room for output: "
                          f"max_model_len={max_len}")
-    if params.n > engine.config.max_num_seqs:
-        raise ValueError(f"n={params.n} > max_num_seqs={engine.config.max_num_seqs}")
+    if params.n > table.config.max_num_seqs:
+        raise ValueError(f"n={params.n} > max_num_seqs={table.config.max_num_seqs}")
     arrival_time = validate.real("arrival_time", arrival_time, allow_none=True)
     timeout_s = validate.real("timeout_s", timeout_s, minimum=0, exclusive=True,
                               allow_none=True)
     if timeout_s is None:
-        timeout_s = engine.config.request_timeout_s
+        timeout_s = table.config.request_timeout_s
     if cache_salt is not None:
         if not isinstance(cache_salt, (str, bytes)):
             raise TypeError(f"cache_salt={cache_salt!r:.80} must be str or bytes, got "
@@ -48,22 +49,22 @@ def check_request(engine, request_id, prompt, params, arrival_time, timeout_s,
             raise ValueError(f"cache_salt={cache_salt!r} must be non-empty (None: no salt)")
         raw = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
         # The model's salt first, so a tenant's keys never match another model's either.
-        cache_salt = engine.cache_salt + b"|tenant:" + raw
+        cache_salt = table.cache_salt + b"|tenant:" + raw
     return request_id, token_ids, params, arrival_time, timeout_s, cache_salt
 
 
-def encode(engine, prompt) -> list[int]:
+def encode(table, prompt) -> list[int]:
     """The prompt's token ids: text encoded with BOS, or token ids checked (never coerced)."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt is empty")
-        return engine.tokenizer.encode(prompt)
+        return table.tokenizer.encode(prompt)
     if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, SequenceT | np.ndarray):
         raise TypeError(f"prompt must be str or a sequence of token ids, got {type(prompt).__name__}")
-    return validate.token_ids("prompt", prompt, limit=engine.model_config.vocab_size)
+    return validate.token_ids("prompt", prompt, limit=table.vocab_size)
 
 
-def check_prompts(engine, prompts, params) -> list[tuple]:
+def check_prompts(table, prompts, params) -> list[tuple]:
     """``Engine.generate``'s checks, all before any request is added: each prompt and params as
     ``check_request`` checks them (errors name ``prompts[i]``); returns their checked tuples, with
     request ids ``gen<n>-<i>``."""
@@ -75,11 +76,11 @@ def check_prompts(engine, prompts, params) -> list[tuple]:
     params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
     if len(params_list) != len(prompts):
         raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-    base = f"gen{engine._num_requests}-"
+    base = f"gen{table.num_requests}-"
     checked = []
     for i, (prompt, p) in enumerate(zip(prompts, params_list)):
         try:
-            checked.append(check_request(engine, f"{base}{i}", prompt, p, None, None, None))
+            checked.append(check_request(table, f"{base}{i}", prompt, p, None, None, None))
         except (TypeError, ValueError) as e:
             raise type(e)(f"prompts[{i}]: {e}") from None
     return checked

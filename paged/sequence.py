@@ -75,8 +75,13 @@ class Sequence:
         if params.prompt_logprobs is not None and sample_index == 0:
             self.prompt_logprobs = [None] * num_prompt_tokens
 
-    def fork(self, seq_id: int, sample_index: int) -> Sequence:
-        """A new sample of the same request with this sequence's tokens so far (not running)."""
+    def fork(self, seq_id: int, sample_index: int,
+             sampled: tuple[int, int] | None = None) -> Sequence:
+        """A new sample of the same request with this sequence's tokens so far (not running).
+
+        ``sampled``: ``(position, token)``: the child's own sample at ``position`` (the parent's
+        last slot, just sampled), which replaces the parent's token there; the child then holds
+        the parent's slots."""
         child = Sequence(seq_id, self.request_id, self.token_ids, self.num_prompt_tokens,
                          self.params, self.seed, self.arrival_time, sample_index=sample_index,
                          deadline=self.deadline, cache_salt=self.cache_salt)
@@ -87,6 +92,10 @@ class Sequence:
         child._computed = self.num_computed_tokens
         if self.logprobs is not None:
             child.logprobs = list(self.logprobs)
+        if sampled is not None:
+            p, token = sampled
+            child._tokens[p] = token  # its own sample (the arrival time is the parent's)
+            child._slots = self.num_slots
         return child
 
     # --- the token state (owned by the input batch while running) -------------------------

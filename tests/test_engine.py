@@ -248,7 +248,7 @@ def test_readback_without_decode_outputs_keeps_every_finished_output(batch):
 
     def run(make_outputs: bool):
         engine = _engine(async_scheduling=False)
-        engine._reader.make_outputs = make_outputs
+        engine.core.reader.make_outputs = make_outputs
         for i, (p, sp) in enumerate(zip(batch, params)):
             engine.add_request(f"r{i}", p, sp)
         outs = []

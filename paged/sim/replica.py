@@ -1,10 +1,9 @@
 """One simulated engine replica: the real host code path with the device step replaced.
 
-``SimReplica`` is an engine-like object that owns the real ``BlockManager``, ``InputBatch``,
-``Scheduler``, ``BatchBuilder`` and ``StepReader`` exactly as ``paged.engine.Engine`` builds them,
-and runs the engine's own request bookkeeping (``Engine``'s request-table methods are borrowed
-unchanged: ``_add_checked``, ``_expire``, ``_finish_request``, ``_outputs``, ``_final_output``,
-``_request_output``, ``_guard_progress``). What it replaces:
+``SimReplica`` composes the same ``paged.host_core.HostCore`` as ``paged.engine.Engine``: the real
+``BlockManager``, ``InputBatch``, ``Scheduler``, ``BatchBuilder`` and ``StepReader``, and the
+request table (requests, sequence ids, deadlines, aborts, outputs), through the core's public
+methods only. What it replaces:
 
 * the device call: no KV cache, no weights. A step's duration comes from a
   ``paged.sim.step_model.StepTimeModel`` given the step's ``StepShape``;
@@ -47,16 +46,14 @@ from bisect import bisect_left, bisect_right
 
 import numpy as np
 
-from paged.batch import BatchBuilder, StepBatch
-from paged.block_manager import BlockManager
+from paged.batch import StepBatch
 from paged.config import EngineConfig
-from paged.engine import Engine
-from paged.input_batch import HAS_STOP_IDS, LIMIT, SAMPLE_INDEX, SEED, InputBatch
+from paged.host_core import HostCore
+from paged.input_batch import HAS_STOP_IDS, LIMIT, SAMPLE_INDEX, SEED
 from paged.models.tokenizer import ByteTokenizer
-from paged.readback import StepReader
 from paged.request_checks import check_request
 from paged.routing import cached_prefix_tokens
-from paged.scheduler import Scheduler, SchedulerOutput
+from paged.scheduler import SchedulerOutput
 from paged.sequence import UNKNOWN
 from paged.sim.batches import light_batch, pseudo_tokens, step_shape
 from paged.sim.step_model import StepShape, StepTimeModel
@@ -88,18 +85,6 @@ class SimReplica:
       fast_forward: allow ``plan`` / ``advance_to`` (module docstring); used only where exact.
     """
 
-    # The engine's own request bookkeeping, unchanged.
-    _add_checked = Engine._add_checked
-    _expire = Engine._expire
-    _finish_request = Engine._finish_request
-    _outputs = Engine._outputs
-    _final_output = Engine._final_output
-    _request_output = Engine._request_output
-    _guard_progress = Engine._guard_progress
-    _new_seq_id = Engine._new_seq_id
-    unfinished_request_ids = Engine.unfinished_request_ids
-    has_unfinished_requests = Engine.has_unfinished_requests
-
     def __init__(self, config: EngineConfig, step_model: StepTimeModel, *, model_config=None,
                  build_device: bool = True, token_salt: int = 0, record_schedule: bool = False,
                  name: str = "replica", fast_forward: bool = True):
@@ -112,41 +97,13 @@ class SimReplica:
         self.step_model = step_model
         self.tokenizer = ByteTokenizer()
         self.model_config = model_config or _Dims(self.tokenizer.vocab_size, "byte")
-        if config.kv_layout == "paged":
-            page_size, num_pages = config.block_size, config.pool_blocks()
-            if (num_pages - 1) * page_size < config.max_model_len:
-                raise ValueError(f"num_blocks={num_pages} (block_size={page_size}) cannot hold one "
-                                 f"request of max_model_len={config.max_model_len}")
-        else:
-            slots = config.contiguous_slots()
-            if slots < 1:
-                raise ValueError(f"the pool ({config.pool_blocks()} blocks of {config.block_size}) "
-                                 f"cannot reserve one buffer of max_model_len={config.max_model_len}")
-            page_size, num_pages = config.max_model_len, slots + 1
-        self.page_size = page_size
-        self.num_pages = num_pages
-        self.pages_per_seq = -(-config.max_model_len // page_size)
-        host_blocks = 0
-        if config.preemption_mode == "swap":
-            host_blocks = num_pages if config.num_host_blocks is None else config.num_host_blocks
-        self.block_manager = BlockManager(
-            num_pages, page_size,
-            enable_prefix_caching=config.enable_prefix_caching and config.kv_layout == "paged",
-            cache_salt=f"{config.model}|{self.model_config.to_dict()}|{config.dtype}",
-            quarantine_steps=config.quarantine_steps, num_host_blocks=host_blocks,
-            debug=config.debug_checks)
-        self.batch = InputBatch(config.max_model_len, self.pages_per_seq, self.tokenizer.eos_id)
-        self._builder = BatchBuilder(self.batch, self.block_manager, page_size,
-                                     min_tokens=config.min_token_bucket,
-                                     min_seqs=config.min_seq_bucket, debug=config.debug_checks)
-        self.scheduler = Scheduler(config, self.block_manager, self.batch)
-        self._requests: dict = {}
-        self._num_deadlines = 0
-        self._aborted: set[str] = set()
-        self._next_seq_id = 0
-        self._num_requests = 0
-        self.num_requests_served = 0  # Engine._final_output counts them
-        self._steps_without_progress = 0
+        self.core = core = HostCore(
+            config, tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size,
+            model_salt=f"{config.model}|{self.model_config.to_dict()}|{config.dtype}")
+        self.page_size, self.num_pages = core.page_size, core.num_pages
+        self.block_manager, self.batch, self.scheduler = (
+            core.block_manager, core.batch, core.scheduler)
+        self._builder, self._reader = core.builder, core.reader
         self.num_steps = 0
         self.build_device = bool(build_device)
         self.token_salt = int(token_salt)
@@ -154,7 +111,6 @@ class SimReplica:
         self.busy_s = 0.0
         self._inflight = None
         self._idle = True  # no unfinished request after the last step (or none yet)
-        self._reader = StepReader(self)
         self._reader.make_outputs = False  # the simulator keeps finished requests' outputs only
         self._stretch: _Stretch | None = None
         self._ready: list = []  # outputs of requests a stretch finished, for ``take_outputs``
@@ -169,7 +125,19 @@ class SimReplica:
     @property
     def cache_salt(self) -> bytes:
         """The model's prefix-cache salt (``request_checks`` prepends it to a tenant's)."""
-        return self.block_manager.cache_salt
+        return self.core.cache_salt
+
+    def unfinished_request_ids(self) -> list[str]:
+        return self.core.unfinished_request_ids()
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether a step has work: a sequence waiting, running or swapped (aborts still to
+        report are ``has_unreported_aborts``)."""
+        return self.scheduler.has_unfinished()
+
+    @property
+    def has_unreported_aborts(self) -> bool:
+        return self.core.has_unreported_aborts
 
     # --- what a router reads -----------------------------------------------------------------
     @property
@@ -187,17 +155,20 @@ class SimReplica:
     def add_request(self, request_id, prompt, params, *, arrival_time: float,
                     timeout_s: float | None = None, cache_salt=None) -> None:
         """``Engine.add_request`` (same checks) at simulated ``arrival_time``."""
-        self._add_checked(*check_request(self, request_id, prompt, params, arrival_time,
-                                        timeout_s, cache_salt))
+        self.core.add(*check_request(self.core, request_id, prompt, params, arrival_time,
+                                     timeout_s, cache_salt))
 
     def abort(self, request_id: str, now: float) -> bool:
         """``Engine.abort`` at simulated time ``now`` (its output comes with the next step)."""
-        seqs = self._requests.get(request_id)
-        if not seqs or all(s.finished for s in seqs):
-            return False
-        self._finish_request(request_id, "abort", now)
-        self._aborted.add(request_id)
-        return True
+        return self.core.abort(request_id, now)
+
+    def report_aborts(self) -> list:
+        """The outputs of the aborts not reported yet (by id), now, without a step."""
+        return self.core.outputs(self.core.take_aborted())
+
+    def drop_step(self) -> None:
+        """Forgets the step in flight (the simulation's time limit: it never ends)."""
+        self._inflight = None
 
     @property
     def in_step(self) -> bool:
@@ -211,8 +182,8 @@ class SimReplica:
     def plan(self, now: float, max_steps: int = 128) -> float | None:
         """Plans a stretch of pure decode steps from ``now`` if the next steps surely are ones
         (module docstring); returns the stretch's end time, or ``None`` (step normally)."""
-        if not self.fast_forward or self._inflight is not None or self._aborted \
-                or self._num_deadlines or self._stretch is not None:
+        if not self.fast_forward or self._inflight is not None or self.core.has_unreported_aborts \
+                or self.core.has_deadlines or self._stretch is not None:
             return None
         sched, ib, cfg = self.scheduler, self.batch, self.config
         n = ib.num_rows
@@ -265,7 +236,7 @@ class SimReplica:
         self._stretch = _Stretch(n, k, nt.astype(np.int64).copy(), starts, ends, durs, toks,
                                  evict_from, k == last)
         self.version += 1
-        self._steps_without_progress = 0
+        self.core.note_progress()
         return t
 
     def advance_to(self, t: float, *, begin_at_t: bool = False) -> float | None:
@@ -386,9 +357,9 @@ class SimReplica:
         batch = StepBatch(device=None, num_tokens=n, num_seqs=n, decode=ib.seqs[:n],
                           decode_pos=pos, samples=[], items=[], item_ends=[], decode_rows=rows,
                           epoch=ib.epoch, stop_any=np.flatnonzero(pos + 1 >= ib.ints[:n, LIMIT]))
-        made = self._reader._stops_and_outputs(batch, rows, st.toks[:, k], st.ends[k - 1], True)
+        made = self._reader.stops_and_outputs(batch, rows, st.toks[:, k], st.ends[k - 1], True)
         self._idle = not self.scheduler.has_unfinished()
-        self._ready += self._outputs([], batch.decode, made, ())
+        self._ready += self.core.outputs([], batch.decode, made, ())
 
     def take_outputs(self) -> list:
         """The outputs of requests an applied stretch finished (``advance_to``), once."""
@@ -405,16 +376,15 @@ class SimReplica:
         """
         if self._inflight is not None:
             raise RuntimeError(f"{self.name}: a step is in flight; finish it first")
-        ended = sorted(self._expire(now) | self._aborted)
-        self._aborted = set()
-        sched = self.scheduler.schedule(now)
+        core = self.core
+        ended = core.take_ended(now)
+        sched = core.schedule(now)
         bm = self.block_manager
         if sched.is_empty:
             step_id = bm.begin_step()
             bm.step_completed(step_id)
-            self._guard_progress(sched)
-            return None, self._outputs(ended)
-        self._steps_without_progress = 0
+            core.idle_step(sched)
+            return None, core.outputs(ended)
         shape = self.shape_of(sched)
         if self.schedule_log is not None:
             ib = self.batch
@@ -441,13 +411,12 @@ class SimReplica:
         self._inflight = None
         self.block_manager.step_completed(batch.step_id)
         made, touched = self._reader.read(batch, tokens, now, None)
-        reqs = self._requests
-        touched = [r for r in touched if r in reqs and all(q.finished for q in reqs[r])]
+        touched = self.core.finished_only(touched)
         self._idle = not self.scheduler.has_unfinished()
         if self.config.debug_checks:
             self.block_manager.check_invariants()
             self.batch.check(self.block_manager)
-        return self._outputs(ended, batch.decode, made, touched)
+        return self.core.outputs(ended, batch.decode, made, touched)
 
     def shape_of(self, sched: SchedulerOutput) -> StepShape:
         """The scheduled step's shape (call before the step is committed)."""

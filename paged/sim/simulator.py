@@ -279,7 +279,7 @@ class Simulator:
                 if busy[r]:
                     continue
                 rep = reps[r]
-                while rep.has_unfinished_requests() or rep._aborted:
+                while rep.has_unfinished_requests() or rep.has_unreported_aborts:
                     end = rep.plan(t)
                     if end is not None:
                         order += 1
@@ -329,15 +329,13 @@ class Simulator:
         """The time limit: abort what is unfinished, reject what never arrived."""
         for rep in self.replicas:
             if rep.in_step:
-                rep._inflight = None
+                rep.drop_step()
             for rid in rep.unfinished_request_ids():
                 if rid not in records:
                     rep.abort(rid, now)
-            if rep._aborted:
-                for out in rep._outputs(sorted(rep._aborted)):
-                    if out.finished:
-                        records[out.request_id] = record_of(out, spec_of[out.request_id].prompt_len)
-                rep._aborted = set()
+            for out in rep.report_aborts():
+                if out.finished:
+                    records[out.request_id] = record_of(out, spec_of[out.request_id].prompt_len)
         for spec in specs:
             if spec.request_id not in records:
                 records[spec.request_id] = _rejected(spec, max(now, spec.arrival_s))

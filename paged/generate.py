@@ -1,0 +1,31 @@
+"""``generate``: prompts in, finished outputs out, on any engine of the shared protocol."""
+
+from __future__ import annotations
+
+from paged.progress import progress as progress_bar
+from paged.request_checks import check_prompts
+
+
+def generate(engine, table, prompts, params, *, progress: bool = False) -> list:
+    """Runs ``prompts`` to completion on ``engine``; returns their outputs in prompt order.
+
+    All or nothing: every prompt and params is checked against ``table`` (what
+    ``request_checks.check_request`` reads) before the first is added through
+    ``engine.add_checked``, so one bad prompt raises with the engine unchanged. When the prompts
+    are done and no other request is unfinished, a step still in flight (dispatched before the last
+    stop was read back; its results are dropped) is read back too, so the engine is left with no
+    step in flight and no block quarantined.
+    """
+    checked = check_prompts(table, prompts, params)
+    ids = [request[0] for request in checked]
+    for request in checked:
+        engine.add_checked(request)
+    done: dict = {}
+    with progress_bar(len(ids), progress) as update:
+        while len(done) < len(ids):
+            finished = [out for out in engine.step() if out.finished]
+            done.update((out.request_id, out) for out in finished)
+            update(len(finished))
+    while engine.has_step_in_flight() and not engine.unfinished_request_ids():
+        engine.step()
+    return [done[r] for r in ids]

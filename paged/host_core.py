@@ -1,0 +1,260 @@
+"""The host core of one engine replica: the request table, its collaborators and the host halves
+of the step.
+
+``HostCore`` builds and wires the host objects of a replica exactly once: the ``BlockManager``,
+the ``InputBatch``, the ``BatchBuilder``, the ``Scheduler`` and the ``StepReader``; and it owns the
+request table: which requests exist and their sequences (forked samples included), sequence ids,
+deadlines, the aborts and timeouts still to report, and the count of requests served. Whatever
+runs the device step composes one: ``paged.engine.Engine`` (the jitted model step),
+``paged.sim.replica.SimReplica`` (a step-time model and pseudo-tokens) and, through ``Engine``,
+each data-parallel replica. Nothing outside this module touches the core's private fields: the
+owners of the device step call the methods below, in this order per step:
+
+    ended = core.take_ended(now)        # timeouts expired now, aborts since the last step
+    sched = core.schedule(now)          # the scheduler's plan (progress counted)
+    ... begin_step, device copies, core.builder.build / commit, dispatch ...
+    made, touched = core.reader.read(batch, tokens, now, next_batch, extras)
+    outputs = core.outputs(ended, batch.decode, made, touched)
+
+A step with nothing scheduled calls ``core.idle_step(sched)`` instead (the stall guard).
+"""
+
+from __future__ import annotations
+
+import time
+
+from paged.batch import BatchBuilder
+from paged.block_manager import BlockManager
+from paged.config import EngineConfig
+from paged.input_batch import InputBatch
+from paged.outputs import RequestOutput, check_outputs, collect_outputs, state_of
+from paged.readback import StepReader
+from paged.request_checks import derive_seed
+from paged.scheduler import Scheduler, SchedulerOutput
+from paged.sequence import SeqStatus, Sequence
+
+
+class HostCore:
+    """One replica's host state and the request table (module docstring).
+
+    Args:
+      config: the engine settings (pool geometry: ``config.pool_geometry()``; batching,
+        scheduling, prefix caching, swap slots, debug checks).
+      tokenizer: with ``eos_id`` (and ``eos_ids``), ``decode``, ``encode``.
+      vocab_size: the model's vocabulary (prompt token ids are checked against it).
+      model_salt: what identifies the model and its weights in every prefix-cache key.
+      on_free: called with the block ids the pool frees (debug poisoning), or ``None``.
+
+    Attributes:
+      page_size, num_pages: the KV pool's geometry (page 0 is the null page).
+      host_blocks: host swap slots (``preemption_mode="swap"``; else 0).
+      block_manager, batch, builder, scheduler, reader: the collaborators, built here.
+      num_requests_served: finished requests reported (any finish reason).
+    """
+
+    def __init__(self, config: EngineConfig, *, tokenizer, vocab_size: int, model_salt: str,
+                 on_free=None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.page_size, self.num_pages = page_size, num_pages = config.pool_geometry()
+        host_blocks = 0
+        if config.preemption_mode == "swap":
+            host_blocks = num_pages if config.num_host_blocks is None else config.num_host_blocks
+        self.host_blocks = host_blocks
+        self.pages_per_seq = -(-config.max_model_len // page_size)
+        self.block_manager = BlockManager(
+            num_pages, page_size,
+            enable_prefix_caching=config.enable_prefix_caching and config.kv_layout == "paged",
+            cache_salt=model_salt, quarantine_steps=config.quarantine_steps,
+            num_host_blocks=host_blocks, debug=config.debug_checks, on_free=on_free)
+        self.batch = InputBatch(config.max_model_len, self.pages_per_seq, tokenizer.eos_id)
+        self.builder = BatchBuilder(self.batch, self.block_manager, page_size,
+                                    min_tokens=config.min_token_bucket,
+                                    min_seqs=config.min_seq_bucket, debug=config.debug_checks)
+        self.scheduler = Scheduler(config, self.block_manager, self.batch)
+        self.reader = StepReader(self)
+        self._requests: dict[str, list[Sequence]] = {}  # unfinished or finished-unreported
+        self._num_deadlines = 0  # unfinished requests with a timeout (skip the scan when 0)
+        self._aborted: set[str] = set()  # aborted since the last step, to report
+        self._next_seq_id = 0
+        self._num_requests = 0
+        self._steps_without_progress = 0
+        self.num_requests_served = 0
+
+    # --- what request checks and routers read ------------------------------------------
+    @property
+    def cache_salt(self) -> bytes:
+        """The salt of every prefix-cache key (model, weights, dtype); tenants' salts extend it."""
+        return self.block_manager.cache_salt
+
+    @property
+    def num_requests(self) -> int:
+        """Requests ever added (the index of the next one: unseeded requests' seeds derive from it)."""
+        return self._num_requests
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is unfinished, or finished and not reported yet."""
+        return request_id in self._requests
+
+    def unfinished_request_ids(self) -> list[str]:
+        """Requests added and not yet reported finished (aborted ones excluded)."""
+        return [r for r in self._requests if r not in self._aborted]
+
+    def has_unfinished(self) -> bool:
+        """Whether a step has work: a sequence waiting, running or swapped, or an abort to
+        report. (A dispatched step not read back yet is the device step owner's to add.)"""
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    @property
+    def has_unreported_aborts(self) -> bool:
+        return bool(self._aborted)
+
+    # --- requests -----------------------------------------------------------------------
+    def add(self, request_id: str, token_ids: list[int], params, arrival_time: float | None,
+            timeout_s: float | None, cache_salt: bytes | None, *, seed: int | None = None) -> None:
+        """Adds a request that ``request_checks.check_request`` accepted (cannot fail).
+
+        Args:
+          seed: the seed of an unseeded request (default: derived from the engine's seed and
+            this core's request count; a data-parallel engine passes its engine-wide one).
+        """
+        now = time.perf_counter() if arrival_time is None else arrival_time
+        if params.seed is not None:
+            seed = params.seed
+        elif seed is None:
+            seed = derive_seed(self.config.seed, self._num_requests)
+        seq_id = self.new_seq_id()
+        if params.prompt_logprobs is not None:  # a prefix-cache hit would skip scored positions
+            salt = self.cache_salt if cache_salt is None else cache_salt
+            cache_salt = salt + f"|prompt-logprobs:{seq_id}".encode()
+        seq = Sequence(seq_id, request_id, token_ids, len(token_ids), params, seed, now,
+                       deadline=None if timeout_s is None else now + timeout_s,
+                       cache_salt=cache_salt)
+        self._num_requests += 1
+        self._num_deadlines += seq.deadline is not None
+        self._requests[request_id] = [seq]
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str, now: float) -> bool:
+        """Finishes a request at ``now`` and releases its blocks (quarantined if a step may read
+        them); its final output comes with the next step. False for unknown or finished."""
+        seqs = self._requests.get(request_id)
+        if not seqs or all(s.finished for s in seqs):
+            return False
+        self._finish_request(request_id, "abort", now)
+        self._aborted.add(request_id)
+        return True
+
+    def new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+    def add_sample(self, child: Sequence) -> None:
+        """A parallel sample forked from its request's first sequence joins the table and runs
+        (``StepReader``)."""
+        self._requests[child.request_id].append(child)
+        self.scheduler.add_running(child)
+
+    def _finish_request(self, request_id: str, reason: str, now: float) -> None:
+        for seq in self._requests[request_id]:
+            if not seq.finished:
+                self.scheduler.finish(seq, reason, now)
+
+    # --- the host halves of a step ------------------------------------------------------
+    def take_ended(self, now: float) -> list[str]:
+        """The requests to report first in this step: those whose deadline passed at ``now``
+        (finished here, ``"timeout"``) and those aborted since the last step; by id."""
+        ended = self._expire(now) | self._aborted
+        self._aborted = set()
+        return sorted(ended)
+
+    def take_aborted(self) -> list[str]:
+        """The aborts not reported yet (by id), without expiring anything."""
+        ended, self._aborted = sorted(self._aborted), set()
+        return ended
+
+    def _expire(self, now: float) -> set[str]:
+        expired = set()
+        if not self._num_deadlines:
+            return expired
+        for request_id, seqs in self._requests.items():
+            if any(s.deadline is not None and now >= s.deadline and not s.finished for s in seqs):
+                expired.add(request_id)
+        for request_id in expired:
+            self._finish_request(request_id, "timeout", now)
+        return expired
+
+    @property
+    def has_deadlines(self) -> bool:
+        """Whether an unfinished request has a timeout (a step may expire it)."""
+        return bool(self._num_deadlines)
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        """The scheduler's plan for the step starting at ``now``."""
+        sched = self.scheduler.schedule(now)
+        if not sched.is_empty:
+            self._steps_without_progress = 0
+        return sched
+
+    def note_progress(self) -> None:
+        """A step ran that the scheduler did not plan (a simulator's fast-forwarded steps)."""
+        self._steps_without_progress = 0
+
+    def idle_step(self, sched: SchedulerOutput) -> None:
+        """A step that scheduled nothing: raises once too many in a row had unfinished work
+        (the pool cannot hold what waits)."""
+        if not self.scheduler.has_unfinished():
+            return
+        self._steps_without_progress += 1
+        if self._steps_without_progress > self.config.max_steps_without_progress:
+            raise RuntimeError(
+                f"no sequence could be scheduled for {self._steps_without_progress} steps "
+                f"(waiting={len(self.scheduler.waiting)}, swapped={len(self.scheduler.swapped)}, "
+                f"free blocks={self.block_manager.num_allocatable_blocks}); the pool is too small")
+
+    def check_invariants(self) -> None:
+        """Debug: the block manager's invariants, and the input batch against it."""
+        self.block_manager.check_invariants()
+        self.batch.check(self.block_manager)
+        if len(self.scheduler.running) != self.batch.num_rows:
+            raise AssertionError(f"{len(self.scheduler.running)} running but "
+                                 f"{self.batch.num_rows} input-batch rows")
+
+    # --- outputs ------------------------------------------------------------------------
+    def outputs(self, ended: list[str], decode: list[Sequence] = (), made: list = (),
+                touched=()) -> list[RequestOutput]:
+        """A step's outputs (``paged.outputs.collect_outputs``); finished requests are
+        reported once and then forgotten."""
+        if self.config.debug_checks:  # outputs made on the batched path equal the general ones
+            check_outputs(made, self.request_output)
+        return collect_outputs(ended, decode, made, touched, self._final_output, self._requests)
+
+    def finished_only(self, request_ids) -> list[str]:
+        """Of ``request_ids``, those known here whose every sample has finished."""
+        reqs = self._requests
+        return [r for r in request_ids if r in reqs and all(q.finished for q in reqs[r])]
+
+    def _final_output(self, request_id: str) -> RequestOutput:
+        """The request's output now; a finished request is forgotten (reported once)."""
+        out = self.request_output(request_id)
+        if out.finished:
+            self.num_requests_served += 1
+            seqs = self._requests.pop(request_id)
+            self._num_deadlines -= seqs[0].deadline is not None
+        return out
+
+    def request_output(self, request_id: str) -> RequestOutput:
+        """The request's output as of now (the table is unchanged)."""
+        seqs = self._requests[request_id]  # sample order: forks are appended in index order
+        head = seqs[0]
+        # Samples not forked yet (prompt unfinished) are simply absent.
+        finished = all(s.status is SeqStatus.FINISHED for s in seqs) and (
+            len(seqs) == head.params.n or head.finish_reason in ("abort", "timeout")
+            or head.num_output_tokens == 0)
+        finish = max(s.finish_time for s in seqs) if finished else None
+        return RequestOutput(head, head.num_known_tokens,
+                             state_of(seqs, finished, finish, self.tokenizer.decode))
+
+
+__all__ = ["HostCore"]
