@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from paged import validate
-from paged.spec_decode import SpeculativeConfig
+from paged.spec_config import SpeculativeConfig
 
 KV_LAYOUTS = ("paged", "contiguous")
 SCHEDULINGS = ("continuous", "static")

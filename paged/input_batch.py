@@ -82,12 +82,12 @@ class InputBatch:
         if self.num_rows == self.capacity:
             self._grow()
         r = self.num_rows
-        ids = seq._tokens
+        ids, times, computed, slots = seq.give_token_state(self, r)
         n, p = len(ids), seq.num_prompt_tokens
         self.tokens[r, :n] = ids
         self.tokens[r, n:] = UNKNOWN
-        self.times[r, p:p + len(seq._times)] = seq._times
-        self.num_tokens[r], self.num_computed[r], self.num_slots[r] = n, seq._computed, seq._slots
+        self.times[r, p:p + len(times)] = times
+        self.num_tokens[r], self.num_computed[r], self.num_slots[r] = n, computed, slots
         self.num_prompt[r] = p
         self.num_blocks[r] = -1
         self.hold[r] = bool(n) and ids[-1] == UNKNOWN
@@ -97,8 +97,6 @@ class InputBatch:
                         not prm.ignore_eos, bool(prm.stop_token_ids),
                         -1 if prm.logprobs is None else prm.logprobs)
         self.floats[r] = (prm.temperature, prm.top_p)
-        seq._tokens, seq._times = [], []
-        seq.row, seq.batch = r, self
         self.seqs.append(seq)
         self.ids.append(seq.seq_id)
         self.num_rows = r + 1
@@ -112,10 +110,8 @@ class InputBatch:
             raise ValueError(f"sequence {seq.seq_id} has no row in this batch")
         n, p = int(self.num_tokens[r]), int(self.num_prompt[r])
         known = n - 1 if n and self.tokens[r, n - 1] == UNKNOWN else n
-        seq._tokens = self.tokens[r, :n].tolist()
-        seq._times = self.times[r, p:known].tolist()
-        seq._computed, seq._slots = int(self.num_computed[r]), int(self.num_slots[r])
-        seq.row, seq.batch = -1, None
+        seq.take_token_state(self.tokens[r, :n].tolist(), self.times[r, p:known].tolist(),
+                             int(self.num_computed[r]), int(self.num_slots[r]))
         last = self.num_rows - 1
         if r != last:  # the last row fills the hole
             for name in _ROW_ARRAYS:

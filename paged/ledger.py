@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from paged import validate
-from paged.accounting import CATEGORIES, ModelSpec, _check_lengths, reservation_waste
+from paged.kv_formulas import CATEGORIES, ModelSpec, check_lengths, reservation_waste
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +210,7 @@ class MemoryLedger:
         """
         max_len = validate.integer("max_len", max_len, minimum=1)
         num_slots = validate.integer("num_slots", num_slots, minimum=1)
-        ns = _check_lengths(lengths, allow_empty=True)
+        ns = check_lengths(lengths, allow_empty=True)
         if len(ns) > num_slots:
             raise ValueError(f"{len(ns)} running requests do not fit num_slots={num_slots}")
         waste = sum(reservation_waste(n, max_len) for n in ns)

@@ -99,6 +99,21 @@ class Sequence:
         return child
 
     # --- the token state (owned by the input batch while running) -------------------------
+    def give_token_state(self, batch, row: int) -> tuple[list[int], list[float], int, int]:
+        """Hands the token state to ``batch``'s row ``row`` (``InputBatch.add``): returns
+        (token ids, output-token times, computed count, slot count); from now on the sequence
+        reads it through to the row."""
+        state = (self._tokens, self._times, self._computed, self._slots)
+        self._tokens, self._times = [], []
+        self.row, self.batch = row, batch
+        return state
+
+    def take_token_state(self, tokens: list[int], times: list[float], computed: int,
+                         slots: int) -> None:
+        """Takes the token state back from its row (``InputBatch.remove``)."""
+        self._tokens, self._times, self._computed, self._slots = tokens, times, computed, slots
+        self.row, self.batch = -1, None
+
     @property
     def token_ids(self) -> list[int]:
         if self.row >= 0:

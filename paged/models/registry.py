@@ -143,7 +143,7 @@ def load_any(model: str, *, dtype: str = "float32", max_model_len: int | None = 
       ValueError: an unknown name, or a checkpoint that cannot be loaded exactly (the message
         names the file and the key).
     """
-    from paged.models import hf
+    import paged.models.hf as hf
     from paged.models.hf_tokenizer import load_tokenizer
     from paged.models.tokenizer import ByteTokenizer
 

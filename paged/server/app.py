@@ -42,7 +42,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from paged.server import protocol
+import paged.server.protocol as protocol
 from paged.server.engine_loop import EngineLoop, Stream
 from paged.server.metrics import CONTENT_TYPE_LATEST
 from paged.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest

@@ -1,0 +1,162 @@
+"""The package's structure: no module reads another object's private fields, no import cycles,
+and the engine and the simulator compose the same host core.
+
+The private-field scan reads every module of ``paged/``, ``pallas_kernels/`` and
+``experiments/`` (AST, no imports): an attribute ``x._name`` is allowed when ``x`` is ``self`` /
+``cls`` / ``super()``, or when the module itself defines ``_name`` (a class reading the same
+field of another instance of itself). Anything else is a missing seam.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("paged", "pallas_kernels", "experiments")
+
+
+def _modules(packages=PACKAGES):
+    for pkg in packages:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            yield path, ast.parse(path.read_text(), filename=str(path))
+
+
+def _own_private_names(tree: ast.AST) -> set[str]:
+    """Private names the module defines: functions, classes, ``self._x`` fields, class-level
+    and module-level ``_x`` assignments, ``__slots__`` entries."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id in ("self", "cls"):
+            names.add(node.attr)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Name):
+                    names.add(t.id)
+                    if t.id == "__slots__" and node.value is not None:
+                        names.update(c.value for c in ast.walk(node.value)
+                                     if isinstance(c, ast.Constant) and isinstance(c.value, str))
+    return {n for n in names if n.startswith("_")}
+
+
+def private_reads(packages=PACKAGES) -> list[str]:
+    """``file:line: expression`` of every read of another object's private field."""
+    found = []
+    for path, tree in _modules(packages):
+        own = _own_private_names(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                continue
+            v = node.value
+            if isinstance(v, ast.Name) and v.id in ("self", "cls"):
+                continue
+            if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super":
+                continue
+            if node.attr in own:
+                continue
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def import_cycles(package: str = "paged") -> list[list[str]]:
+    """Strongly connected components (size > 1) of the package's import graph, counting imports
+    anywhere in a module (function-level ones too)."""
+    mods = {}
+    for path in (ROOT / package).rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        mods[name.removesuffix(".__init__")] = path
+    graph = {m: set() for m in mods}
+    for m, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module in mods:
+                graph[m].add(node.module)
+            if isinstance(node, ast.ImportFrom) and node.module:
+                graph[m].update(f"{node.module}.{a.name}" for a in node.names
+                                if f"{node.module}.{a.name}" in mods)
+            elif isinstance(node, ast.Import):
+                graph[m].update(a.name for a in node.names if a.name in mods)
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_module_reads_another_objects_private_fields():
+    assert private_reads() == []
+
+
+def test_the_scan_sees_a_private_read(tmp_path, monkeypatch):
+    pkg = tmp_path / "demo"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("class A:\n    def __init__(self):\n        self._x = 1\n\n"
+                              "    def same(self, other):\n        return other._x\n")
+    (pkg / "b.py").write_text("def peek(engine):\n    return engine._requests\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert private_reads(("demo",)) == ["demo/b.py:2: engine._requests"]
+
+
+def test_no_import_cycles_in_the_package():
+    assert import_cycles() == []
+
+
+def test_the_cycle_finder_finds_a_cycle(tmp_path, monkeypatch):
+    pkg = tmp_path / "demo"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from demo.b import f\n")
+    (pkg / "b.py").write_text("def f():\n    from demo import a\n")
+    (pkg / "c.py").write_text("import demo.a\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert import_cycles("demo") == [["demo.a", "demo.b"]]
+
+
+@pytest.mark.parametrize("which", ["engine", "sim"])
+def test_engine_and_simulator_compose_one_host_core(which):
+    from engine_utils import small_model
+
+    from paged import Engine, EngineConfig
+    from paged.host_core import HostCore
+    from paged.sim.replica import SimReplica
+    from paged.sim.step_model import H200, LLAMA3_8B, RooflineStepModel
+
+    cfg = EngineConfig(block_size=8, max_num_seqs=4, max_num_batched_tokens=32,
+                       max_model_len=64, attention_impl="xla")
+    if which == "engine":
+        model_config, params = small_model()
+        obj = Engine(cfg, model_config=model_config, params=params)
+    else:
+        obj = SimReplica(cfg, RooflineStepModel(H200, LLAMA3_8B, block_size=8))
+    core = obj.core
+    assert isinstance(core, HostCore)
+    assert core.reader.core is core and core.scheduler.batch is core.batch
+    assert obj.block_manager is core.block_manager
