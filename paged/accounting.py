@@ -8,30 +8,8 @@ so neither imports the other's importer.
 
 from __future__ import annotations
 
-from paged.kv_formulas import (
-    CATEGORIES,
-    ModelSpec,
-    allocated_positions,
-    block_table_bytes,
-    blocks_needed,
-    check_lengths,
-    kv_bytes,
-    position_utilization,
-    reservation_waste,
-    tail_waste,
-)
+from paged import kv_formulas
+from paged.kv_formulas import *  # noqa: F403 (this module gathers them)
 from paged.ledger import MemoryLedger
 
-__all__ = [
-    "CATEGORIES",
-    "MemoryLedger",
-    "ModelSpec",
-    "allocated_positions",
-    "block_table_bytes",
-    "blocks_needed",
-    "check_lengths",
-    "kv_bytes",
-    "position_utilization",
-    "reservation_waste",
-    "tail_waste",
-]
+__all__ = [*kv_formulas.__all__, "MemoryLedger"]
