@@ -16,6 +16,10 @@ def _engine(**overrides) -> Engine:
     base = dict(block_size=8, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
                 attention_impl="xla", debug_checks=True)
     base.update(overrides)
+    # One token and one sequence bucket: few step shapes to compile (bucketing is tested apart,
+    # in tests/test_batch.py).
+    base.setdefault("min_token_bucket", base["max_num_batched_tokens"])
+    base.setdefault("min_seq_bucket", base["max_num_seqs"])
     return Engine(EngineConfig(**base), model_config=cfg, params=params)
 
 

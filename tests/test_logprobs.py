@@ -17,6 +17,10 @@ def _engine(overlap: bool = True, **kw) -> Engine:
     base = dict(block_size=8, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=64,
                 attention_impl="xla", async_scheduling=overlap)
     base.update(kw)
+    # One token and one sequence bucket: few step shapes to compile (bucketing is tested apart,
+    # in tests/test_batch.py).
+    base.setdefault("min_token_bucket", base["max_num_batched_tokens"])
+    base.setdefault("min_seq_bucket", base["max_num_seqs"])
     return Engine(EngineConfig(**base), model_config=cfg, params=params)
 
 
