@@ -311,7 +311,8 @@ def test_logprobs_match_transformers_with_chunked_prefill(name):
     32-token pieces; generated tokens' logprobs and top-5 agree with transformers' greedy run."""
     record = expected(name)
     engine = Engine(EngineConfig(model=str(FIXTURES / name), max_model_len=256, max_num_seqs=8,
-                                 max_num_batched_tokens=32))
+                                 max_num_batched_tokens=32, min_token_bucket=32,
+                                 min_seq_bucket=8))  # one step shape per variant
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5,
                         prompt_logprobs=5)
     prompts = [p for p in record["prompts"] if len(p["ids"]) > 40][:2]  # several chunks each
