@@ -61,6 +61,11 @@ for d, t in ((4, 1), (2, 2)):
     per = stats["replicas"]
     assert sum(r["num_requests_served"] for r in per) == len(batch) == stats["num_requests_served"]
     assert all(r["num_requests_served"] > 0 for r in per), per  # every replica served
+    # Where each request went stays on record after it finished (studies read it).
+    assert sorted(engine.routed) == sorted(f"gen0-{i}" for i in range(len(batch)))
+    for i in range(d):
+        assert list(engine.routed.values()).count(i) == per[i]["num_requests_served"]
+    assert not engine.has_unfinished_requests() and not engine.has_step_in_flight()
     assert stats["num_free_blocks"] == sum(r["num_free_blocks"] for r in per)
     assert stats["block_size"] == 8 and stats["data_parallel_size"] == d
     # Preemption: a pool of 8 usable blocks per replica cannot hold its share at once.
