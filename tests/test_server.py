@@ -49,6 +49,16 @@ def server():
     offline = {p: o.text for p, o in zip(PROMPTS, engine.generate(PROMPTS, greedy))}
     offline_n2 = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, n=2,
                                                               temperature=0.8, seed=7))[0]
+    # Stop strings and max_tokens=None in the library, compared with the server's below.
+    stop = offline[PROMPTS[0]][3:5]
+    lib = {kw: engine.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                            stop=stop, **dict([kw])))[0].outputs[0]
+           for kw in (("include_stop_str_in_output", False), ("include_stop_str_in_output", True))}
+    tid = lib["include_stop_str_in_output", False].token_ids[1]
+    lib["tok"] = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                              stop_token_ids=[tid]))[0].outputs[0]
+    lib["none"] = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=None,
+                                                               temperature=0))[0].outputs[0]
     app = build_app(engine, ServerSettings(served_model_name="tiny", max_waiting=256))
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -60,7 +70,7 @@ def server():
         time.sleep(0.05)
     base = f"http://127.0.0.1:{port}"
     yield {"base": base, "app": app, "offline": offline,
-           "offline_n2": [o.text for o in offline_n2.outputs],
+           "offline_n2": [o.text for o in offline_n2.outputs], "stop": stop, "lib": lib,
            "client": openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)}
     srv.should_exit = True
     thread.join(15)
@@ -123,6 +133,49 @@ def test_stop_string_truncates(server):
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_stop_strings_and_max_tokens_none_offline_equal_the_server(server):
+    client, stop, lib = server["client"], server["stop"], server["lib"]
+    full = server["offline"][PROMPTS[0]]
+    cut = lib["include_stop_str_in_output", False]
+    assert (cut.text, cut.finish_reason, cut.stop_reason) == (
+        full[:full.index(stop)], "stop", stop)
+    kept = lib["include_stop_str_in_output", True]
+    assert kept.text == full[:full.index(stop) + len(stop)] and kept.stop_reason == stop
+    assert kept.token_ids == cut.token_ids  # the tokens up to the one completing the match
+    for include, want in ((False, cut), (True, kept)):
+        r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                      temperature=0, stop=stop,
+                                      extra_body={"include_stop_str_in_output": include})
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (want.text, "stop")
+        assert r.usage.completion_tokens == len(want.token_ids)
+    # max_tokens=None: up to max_model_len, as vLLM (offline and over HTTP alike).
+    none = lib["none"]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=None, temperature=0)
+    assert r.choices[0].text == none.text and r.choices[0].finish_reason == none.finish_reason
+    n_prompt = len(PROMPTS[1].encode()) + 1
+    assert none.finish_reason == "stop" or len(none.token_ids) == CONFIG.max_model_len - n_prompt
+    assert none.stop_reason is None  # EOS or length
+
+
+def test_stop_token_reason_and_bad_stop_params(server):
+    ids = server["lib"]["include_stop_str_in_output", False].token_ids
+    tok = server["lib"]["tok"]
+    assert (tok.token_ids, tok.finish_reason, tok.stop_reason) == (ids[:2], "stop", ids[1])
+    engine_free = SamplingParams(stop=["a", "bc"], max_tokens=None)
+    assert engine_free.stop == ("a", "bc") and engine_free.max_tokens is None
+    with pytest.raises(TypeError, match="stop"):
+        SamplingParams(stop=3)
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=["x", ""])
+    with pytest.raises(TypeError, match="include_stop_str_in_output"):
+        SamplingParams(include_stop_str_in_output="yes")
+    assert len(ids) >= 2
+    r = server["client"].completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"stop_token_ids": [ids[1]]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 2
 
 
 def test_64_concurrent_streams(server):

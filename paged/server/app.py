@@ -232,15 +232,16 @@ class _Api:
         return self.encode(text, "messages")
 
     def check_lengths(self, prompts: list[list[int]], max_tokens: int | None,
-                      param: str) -> int:
-        """The max_tokens to use (None: what is left of the context), or ApiError."""
+                      param: str) -> int | None:
+        """The max_tokens to use (None: what is left of each prompt's context, resolved by the
+        engine as for a library request), or ApiError."""
         longest = max(len(p) for p in prompts)
         if longest >= self.max_model_len:
             raise ApiError(f"This model's maximum context length is {self.max_model_len} tokens. "
                            f"However, your prompt has {longest} tokens (at least one output "
                            f"token must fit).", param=param, code="context_length_exceeded")
         if max_tokens is None:
-            return self.max_model_len - longest
+            return None
         if max_tokens >= 1 and longest + max_tokens > self.max_model_len:
             raise ApiError(f"This model's maximum context length is {self.max_model_len} tokens. "
                            f"However, you requested {longest + max_tokens} tokens ({longest} in "
@@ -268,10 +269,10 @@ class _Api:
                 else req.max_tokens
             max_tokens = self.check_lengths(prompts, wanted, "messages")
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = protocol.sampling_params(req, max_tokens, logprobs=logprobs)
+        stops = protocol.stop_strings(req.stop)
+        params = protocol.sampling_params(req, max_tokens, logprobs=logprobs, stop=stops)
         if req.n > self.max_num_seqs:
             raise ApiError(f"n={req.n} > max_num_seqs={self.max_num_seqs}", param="n")
-        stops = protocol.stop_strings(req.stop)
         shapes = protocol.Shapes(kind, req.model or self.settings.served_model_name)
         echo = kind == "completion" and req.echo
         job = _Job(self, shapes, prompts, params, stops, req.n, incremental=req.stream,
@@ -307,18 +308,15 @@ class _Job:
             return [], item[2]
         _, tag, outs, finished, _info = item
         touched = []
-        for idx, ids, reason, lps in outs:
+        for idx, ids, reason, lps, stop_text in outs:
             c = self.choices[tag * self.n + idx]
             if not c.done:
-                c.update(ids, reason)
+                c.update(ids, reason, stop_text)
                 c.lps = lps
                 c.token_ids = ids
                 touched.append(c)
         if finished:
             self.open.discard(tag)
-        elif tag in self.open and all(c.done for c in self.choices[tag * self.n:(tag + 1) * self.n]):
-            self.open.discard(tag)  # every sample hit a stop string: free the engine request
-            self.api.loop.abort([self.stream.requests[tag][0]])
         err = None
         bad = next((c for c in touched if c.done and c.finish_reason not in CLIENT_REASONS), None)
         if bad is not None:

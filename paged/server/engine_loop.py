@@ -9,7 +9,7 @@ on the condition when idle. After each step it hands every stream its new output
 
 What a stream's asyncio queue receives (`Item`): ``("out", tag, choices, finished, info)`` with
 ``choices`` a list of ``(sample index, token ids so far, finish reason, log-probabilities so far
-or None)`` and ``info``
+or None, the text cut at the stop string when one ended the sample or None)`` and ``info``
 (prompt tokens, cached tokens) on the first and last items; or ``("error", tag, ApiError)``.
 
 Back-pressure: at most ``max_waiting`` requests wait (accepted by the server but not running:
@@ -184,11 +184,9 @@ class EngineLoop:
             if entry is None:
                 continue  # aborted by its client
             stream, tag = entry
-            if stream.logprobs:
-                choices = [(o.index, o.token_ids, o.finish_reason, o.logprobs)
-                           for o in out.outputs]
-            else:
-                choices = [(o.index, o.token_ids, o.finish_reason, None) for o in out.outputs]
+            lp = stream.logprobs
+            choices = [(o.index, o.token_ids, o.finish_reason, o.logprobs if lp else None,
+                        o.text if isinstance(o.stop_reason, str) else None) for o in out.outputs]
             finished = out.finished
             info = None
             if finished:
