@@ -201,7 +201,7 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
     ecfg, workloads = plan["engine_config"], plan["workloads"]
     model_config, params = common.load_model(c.model)
     engine = Engine(ecfg, model_config=model_config, params=params)
-    engine.warmup()
+    engine.warmup(logprobs=False, parallel_sampling=False)  # what the old warmup compiled
     spec = accounting.ModelSpec.from_model_config(model_config, dtype=ecfg.dtype)
     rows = []
     for label, overrides, wl in workloads:

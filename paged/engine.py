@@ -30,7 +30,7 @@ from paged import multihost
 from paged.batch import BatchBuilder, InFlight, PendingStep
 from paged.block_manager import BlockManager
 from paged.config import EngineConfig, engine_config
-from paged.device_step import apply_copies, compile_shapes, make_step_fn
+from paged.device_step import apply_copies, make_step_fn
 from paged.input_batch import InputBatch
 from paged.kv_stats import kv_stats
 from paged.metrics import StepTiming
@@ -463,28 +463,16 @@ class Engine:
                 update(len(finished))
         return [done[r] for r in ids]
 
-    def warmup(self) -> int:
-        """Compiles every step shape this engine can produce (all-padding batches, no KV touched).
+    def warmup(self, *, logprobs: bool = True, parallel_sampling: bool = True,
+               progress: bool = False) -> int:
+        """Compiles every step a request can select (``paged.warmup``: each step shape, plain and
+        with log-probabilities, the sample-slot shapes of ``n > 1``, n-gram verify steps), so no
+        request pays for a compilation; ``logprobs=False`` / ``parallel_sampling=False`` skip what
+        a workload never asks for. Returns the number of compilations."""
+        from paged import warmup
 
-        Serving studies call it so no request pays for a compilation. Shapes: token buckets from
-        ``min_token_bucket`` to ``max_num_batched_tokens`` times sequence buckets from
-        ``min_seq_bucket`` to ``max_num_seqs`` (sample slots = sequence bucket; parallel sampling
-        may still add a shape). With n-gram speculation also the verify step's shapes (sample
-        slots from the sequence bucket up to the token bucket); a draft model's own calls still
-        compile on first use. Returns the number of shapes compiled.
-        """
-        if self.has_unfinished_requests():
-            raise RuntimeError("warmup() must run before requests are added")
-        before = self._trace_count()
-        budget = (self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        self.cache = compile_shapes(self._step_fn, self.params, self.cache, self._no_prev,
-                                    self._builder.all_shapes(*budget), self._builder.empty)
-        if self.speculator is not None and self.speculator.draft is None:
-            verify = self._variants[False, True]
-            self.cache = compile_shapes(
-                lambda *a: verify(*a, None, None)[:2], self.params, self.cache, self._no_prev,
-                self._builder.verify_shapes(*budget), self._builder.empty)
-        return self._trace_count() - before
+        return warmup.run(self, logprobs=logprobs, parallel_sampling=parallel_sampling,
+                          progress=progress)
 
     # --- introspection ------------------------------------------------------------------
     @property

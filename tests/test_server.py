@@ -59,6 +59,14 @@ def server():
                                                               stop_token_ids=[tid]))[0].outputs[0]
     lib["none"] = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=None,
                                                                temperature=0))[0].outputs[0]
+    # After warmup no request of any kind compiles (counted in test_no_compilation_after_warmup).
+    assert engine.warmup() == 1  # the plain shape is compiled already: the logprobs variant
+    compiled = engine.num_compilations
+    lp = engine.generate([PROMPTS[2]] * 2, [
+        SamplingParams(max_tokens=4, prompt_logprobs=3, logprobs=5, n=2, seed=1),
+        SamplingParams(max_tokens=4, logprobs=0, temperature=0, stop="x")])
+    assert lp[0].prompt_logprobs[1] and len(lp[0].outputs) == 2 and lp[1].outputs[0].logprobs
+    assert engine.num_compilations == compiled
     app = build_app(engine, ServerSettings(served_model_name="tiny", max_waiting=256))
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -71,6 +79,7 @@ def server():
     base = f"http://127.0.0.1:{port}"
     yield {"base": base, "app": app, "offline": offline,
            "offline_n2": [o.text for o in offline_n2.outputs], "stop": stop, "lib": lib,
+           "compiled": compiled, "engine": engine,
            "client": openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)}
     srv.should_exit = True
     thread.join(15)
@@ -176,6 +185,20 @@ def test_stop_token_reason_and_bad_stop_params(server):
         model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
         extra_body={"stop_token_ids": [ids[1]]})
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 2
+
+
+def test_no_compilation_after_warmup(server):
+    """Every kind of request after ``warmup()``: plain, logprobs (k = 0 and 5), prompt logprobs
+    and n = 2 (offline, in the fixture), chat top_logprobs, n = 2 streams, stop strings: no
+    compilation (the engine's trace count is unchanged)."""
+    client, msgs = server["client"], [{"role": "user", "content": "hi"}]
+    client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=3, logprobs=0)
+    client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=3, n=2, logprobs=4)
+    client.chat.completions.create(model="tiny", messages=msgs, max_tokens=3, logprobs=True,
+                                   top_logprobs=2)
+    list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=3, n=3,
+                                        stream=True, stop=["a", "b"]))
+    assert server["engine"].num_compilations == server["compiled"]
 
 
 def test_64_concurrent_streams(server):
