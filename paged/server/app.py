@@ -36,6 +36,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
+import json
 import logging
 import time
 
@@ -61,11 +63,18 @@ class ServerSettings:
       max_waiting: requests that may wait (accepted, not running) before new ones get 503.
       request_timeout_s: per-request timeout passed to the engine (None: the engine's
         ``request_timeout_s``).
+      api_key: when set, every ``/v1/*`` request must carry ``Authorization: Bearer <api_key>``
+        (else 401 in OpenAI's error shape, ``"code": "invalid_api_key"``); ``/health`` and
+        ``/metrics`` stay open. ``python -m paged.server --api_key`` or ``PAGED_API_KEY``.
+      warmup: compile every step a request can select (``Engine.warmup``) in the engine thread
+        once the app starts; meanwhile ``/health`` and ``/v1/*`` answer 503 with ``Retry-After``.
     """
 
     served_model_name: str = "tiny"
     max_waiting: int = 256
     request_timeout_s: float | None = None
+    api_key: str | None = None
+    warmup: bool = False
 
 
 def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
@@ -75,7 +84,7 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
     """
     settings = settings or ServerSettings()
     engine_loop = EngineLoop(engine, max_waiting=settings.max_waiting,
-                             request_timeout_s=settings.request_timeout_s)
+                             request_timeout_s=settings.request_timeout_s, warmup=settings.warmup)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -86,7 +95,7 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
             engine_loop.stop()
 
     app = FastAPI(title="paged", lifespan=lifespan)
-    _keep_raw_send(app)
+    _keep_raw_send(app, _gate(settings, engine_loop))
     app.state.loop = engine_loop
     app.state.settings = settings
     api = _Api(engine, engine_loop, settings)
@@ -128,10 +137,43 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
 _RAW_SEND = "paged.raw_send"
 
 
-def _keep_raw_send(app: FastAPI) -> None:
+def _gate(settings: ServerSettings, engine_loop: EngineLoop):
+    """What the outermost layer answers itself, before any route: ``/v1/*`` without the API key
+    (401), ``/v1/*`` and ``/health`` while the engine still compiles (503 with ``Retry-After``).
+    Returns ``gate(scope) -> (status, body, headers) | None``."""
+    want = None if settings.api_key is None else f"Bearer {settings.api_key}".encode()
+
+    def gate(scope):
+        path = scope.get("path", "")
+        api = path == "/v1" or path.startswith("/v1/")
+        if want is not None and api:
+            got = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            if not hmac.compare_digest(got, want):
+                return 401, protocol.error_body(
+                    "Incorrect or missing API key: send the header 'Authorization: Bearer "
+                    "<key>' with the server's --api_key", code="invalid_api_key"), {}
+        if (api or path == "/health") and not engine_loop.ready and engine_loop.alive:
+            return 503, protocol.error_body(
+                f"the server is still compiling its step shapes ({engine_loop.warmup_status}); "
+                f"retry shortly", type="server_error", code="warming_up"), {"retry-after": "2"}
+        return None
+
+    return gate
+
+
+async def _answer(send, status: int, body: dict, headers: dict) -> None:
+    raw = json.dumps(body).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    head += [(k.encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": raw})
+
+
+def _keep_raw_send(app: FastAPI, gate=None) -> None:
     """Makes the outermost layer of ``app`` keep the server's own ``send`` in the scope, so
     that `_EventStream` can send body chunks past the middleware stack (each layer wraps
-    ``send`` in a coroutine that only watches for the response start)."""
+    ``send`` in a coroutine that only watches for the response start); ``gate`` (`_gate`) may
+    answer a request there instead."""
     build = app.build_middleware_stack
 
     def build_with_raw_send():
@@ -140,6 +182,10 @@ def _keep_raw_send(app: FastAPI) -> None:
         async def outer(scope, receive, send):
             if scope["type"] == "http":
                 scope[_RAW_SEND] = send
+                answer = gate(scope) if gate is not None else None
+                if answer is not None:
+                    await _answer(send, *answer)
+                    return
             await inner(scope, receive, send)
 
         return outer

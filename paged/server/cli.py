@@ -11,8 +11,10 @@ field's, with underscores (``--max_num_seqs 64``); the dashed spelling (``--max-
 accepted as an alias. Booleans take ``true/false`` (also ``1/0``, ``yes/no``), optional fields
 take ``none``. Server flags: ``--host``, ``--port``, ``--served_model_name`` (default: the
 model), ``--max_waiting`` (requests that may wait before 503, default 256), ``--request_timeout``
-(seconds, passed to the engine per request), ``--warmup`` (compile every step shape before
-serving, default true), ``--switch_interval_ms`` (the interpreter's thread switch interval, default
+(seconds, passed to the engine per request), ``--warmup`` (compile every step a request can
+select before serving, default true; `paged.warmup`: progress lines, 503 with ``Retry-After``
+until ready, and a small default bucket set, `paged.warmup.server_buckets`), ``--api_key``
+(default ``$PAGED_API_KEY``: a Bearer token every ``/v1/*`` route requires), ``--switch_interval_ms`` (the interpreter's thread switch interval, default
 0.5 ms instead of Python's 5 ms, so the engine thread never waits long for the GIL while the event
 loop sends chunks), ``--log_level``. ``--model`` also accepts ``random-small`` (a small
 random-weight model, for tests).
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import types
 import typing
@@ -34,6 +37,7 @@ from paged import cli_lines
 from paged.config import EngineConfig
 
 PROG = "paged.server"
+API_KEY_ENV = "PAGED_API_KEY"  # vLLM's VLLM_API_KEY, under this project's name
 
 
 def fail(message: str) -> typing.NoReturn:
@@ -92,7 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(*_flag_names("request_timeout"), type=float, default=None,
                         help="seconds; a request still unfinished after it is ended")
     server.add_argument(*_flag_names("warmup"), type=_parse_bool, default=True, metavar="BOOL",
-                        help="compile every step shape before serving")
+                        help="compile every step a request can select (each step shape, plain "
+                             "and with logprobs, n > 1 forks, n-gram verify steps) before "
+                             "serving, printing N/N progress; until ready /health and /v1/* "
+                             "answer 503 with Retry-After. The shapes: unless --min_token_bucket "
+                             "or --min_seq_bucket is given, one sequence bucket (--max_num_seqs) "
+                             "and two token buckets (half of and all of --max_num_batched_tokens, "
+                             "capped by --max_model_len x --max_num_seqs): 4 compilations, about "
+                             "20 s on 2 CPU cores; smaller --min_*_bucket values add shapes")
+    server.add_argument(*_flag_names("api_key"), default=os.environ.get(API_KEY_ENV) or None,
+                        help=f"require 'Authorization: Bearer KEY' on every /v1/* route (401 "
+                             f"otherwise; /health and /metrics stay open); default: the "
+                             f"{API_KEY_ENV} environment variable")
     server.add_argument(*_flag_names("switch_interval_ms"), type=float, default=0.5,
                         help="the interpreter's thread switch interval (Python's default is 5): "
                              "how long the engine thread may wait for the GIL while the event "
@@ -122,8 +137,12 @@ def parse_args(argv: list[str] | None = None):
     if ns.request_timeout is not None and not (ns.request_timeout > 0
                                                and math.isfinite(ns.request_timeout)):
         fail(f"request_timeout={ns.request_timeout} must be a finite number > 0")
+    if ns.api_key is not None and not ns.api_key.strip():
+        fail("api_key must be non-empty")
     try:
-        config = EngineConfig(**fields)
+        from paged.warmup import server_buckets
+
+        config = server_buckets(EngineConfig(**fields), set(fields))
         import jax
 
         from paged.config import check_attention_impl
@@ -172,11 +191,20 @@ def main(argv: list[str] | None = None) -> None:
     # engine thread can wait that long for the GIL after every device step.
     sys.setswitchinterval(ns.switch_interval_ms / 1000.0)
     try:
-        engine = make_engine(config, warmup=ns.warmup)
+        engine = make_engine(config)
     except (TypeError, ValueError, FileNotFoundError) as e:
         fail(str(e))
     settings = ServerSettings(served_model_name=ns.served_model_name or config.model,
-                              max_waiting=ns.max_waiting, request_timeout_s=ns.request_timeout)
+                              max_waiting=ns.max_waiting, request_timeout_s=ns.request_timeout,
+                              api_key=ns.api_key, warmup=ns.warmup)
+    if ns.warmup:
+        from paged import warmup
+
+        steps = warmup.plan(engine) if hasattr(engine, "_variants") else []
+        print(f"{PROG}: warmup: compiling {len(steps) or 'every'} step shapes (token buckets "
+              f"from {config.min_token_bucket}, sequence buckets from {config.min_seq_bucket}; "
+              f"--help says which flags change them); /health answers 503 until ready",
+              file=sys.stderr, flush=True)
     app = build_app(engine, settings)
     print(f"{PROG}: serving {settings.served_model_name} on http://{ns.host}:{ns.port} "
           f"(max_num_seqs={config.max_num_seqs}, max_model_len={config.max_model_len})",
