@@ -5,7 +5,6 @@ under speculation frees its blocks and leaves nothing staged)."""
 from __future__ import annotations
 
 import dataclasses
-
 import time
 import types
 
