@@ -363,7 +363,11 @@ def test_cli_bad_value_is_one_line():
     for flags, word in ((["--max_num_seqs", "0"], "max_num_seqs"),
                         (["--max-num-seqs", "x"], "max_num_seqs"),
                         (["--bogus", "1"], "--bogus"),
-                        (["--dtype", "float8"], "dtype")):
+                        (["--dtype", "float8"], "dtype"),
+                        (["--request_timeout_s", "3"], "--request_timeout_s"),  # one spelling
+                        (["--speculative", "ngram:x"], "METHOD[:K]"),
+                        (["--speculative", '{"num_speculative_token": 2}'],
+                         "closest: num_speculative_tokens")):
         proc = subprocess.run([sys.executable, "-m", "paged.server", *flags], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)
         lines = proc.stderr.strip().splitlines()

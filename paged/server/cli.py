@@ -35,6 +35,7 @@ import typing
 
 from paged import cli_lines
 from paged.config import EngineConfig
+from paged.spec_decode import SpeculativeConfig
 
 PROG = "paged.server"
 API_KEY_ENV = "PAGED_API_KEY"  # vLLM's VLLM_API_KEY, under this project's name
@@ -61,15 +62,18 @@ def _parser_for(annotation) -> tuple[typing.Callable[[str], typing.Any], str]:
         args = [a for a in typing.get_args(t) if a is not type(None)]
         optional = len(args) < len(typing.get_args(t))
         t = args[0] if len(args) == 1 else str
-    base = {bool: _parse_bool, int: int, float: float}.get(t, str)
-    name = {bool: "BOOL", int: "INT", float: "FLOAT"}.get(t, "STR")
+    base = {bool: _parse_bool, int: int, float: float, SpeculativeConfig: SpeculativeConfig.parse
+            }.get(t, str)
+    name = {bool: "BOOL", int: "INT", float: "FLOAT", SpeculativeConfig: "SPEC"}.get(t, "STR")
 
     def parse(text: str):
         if optional and text.strip().lower() in ("none", "null", ""):
             return None
         try:
             return base(text)
-        except ValueError:
+        except (TypeError, ValueError) as e:
+            if t is SpeculativeConfig:
+                raise argparse.ArgumentTypeError(str(e)) from None
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an' if name == 'INT' else 'a'} "
                                              f"{name.lower()}") from None
 
@@ -83,6 +87,14 @@ def _flag_names(name: str) -> list[str]:
     return names
 
 
+# EngineConfig fields set by a server flag of another name (one flag per setting).
+_SERVER_SPELLED = {"request_timeout_s": "request_timeout"}
+_EXTRA_HELP = {"speculative": ": METHOD[:K] (ngram:4, draft:3) or a JSON object of "
+                              "SpeculativeConfig's fields, as vLLM's --speculative-config: "
+                              "'{\"method\": \"draft\", \"model\": \"DIR\", "
+                              "\"num_speculative_tokens\": 4}'; none: off"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = cli_lines.OneLineParser(prog=f"python -m {PROG}", name=PROG, allow_abbrev=False,
                        description="OpenAI-compatible server over one paged.Engine.")
@@ -94,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(*_flag_names("max_waiting"), type=int, default=256,
                         help="requests that may wait before new ones get 503")
     server.add_argument(*_flag_names("request_timeout"), type=float, default=None,
-                        help="seconds; a request still unfinished after it is ended")
+                        help="seconds; a request still unfinished after it is ended "
+                             "(EngineConfig.request_timeout_s)")
     server.add_argument(*_flag_names("warmup"), type=_parse_bool, default=True, metavar="BOOL",
                         help="compile every step a request can select (each step shape, plain "
                              "and with logprobs, n > 1 forks, n-gram verify steps) before "
@@ -117,10 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     engine = p.add_argument_group("engine (every EngineConfig field)")
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
+        if f.name in _SERVER_SPELLED:
+            continue
         parse, metavar = _parser_for(hints[f.name])
         engine.add_argument(*_flag_names(f.name), dest=f"engine.{f.name}", type=parse,
                             default=argparse.SUPPRESS, metavar=metavar,
-                            help=f"EngineConfig.{f.name} (default {f.default!r})")
+                            help=f"EngineConfig.{f.name} (default {f.default!r})"
+                            + _EXTRA_HELP.get(f.name, ""))
     return p
 
 
