@@ -7,8 +7,10 @@ then the API key is checked with the official client, and the last test ends it 
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -98,3 +100,36 @@ def test_api_key_is_required_on_v1_only(started):
     assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(base + "/health").status_code == 200
     assert httpx.get(base + "/metrics").status_code == 200
+
+
+def test_unknown_route_and_method_answer_in_openai_shape(started):
+    base, auth = started["base"], {"Authorization": f"Bearer {KEY}"}
+    for method, path, status in (("GET", "/nope", 404), ("GET", "/v1/nope", 404),
+                                 ("GET", "/v1/completions", 405)):
+        r = httpx.request(method, base + path, headers=auth)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and path in err["message"]
+
+
+def test_sigterm_ends_streams_with_a_final_event_and_exits_0(started):
+    proc, base = started["proc"], started["base"]
+    body = {"model": "tiny", "prompt": "def main():", "max_tokens": 400, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    events = []
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            events.append(line[5:].strip())
+            if len(events) == 1:
+                proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, started["log"].read_text()[-3000:]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["error"]["code"] == "shutting_down", events[-3:]
+    assert "shut down on SIGTERM" in started["log"].read_text()
+    with pytest.raises(httpx.TransportError):  # no longer accepting
+        httpx.get(base + "/health", timeout=2)

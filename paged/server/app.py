@@ -43,6 +43,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged.server import protocol
 from paged.server.engine_loop import EngineLoop, Stream
@@ -103,6 +104,14 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):  # unknown route, wrong method
+        what = {404: "no such route", 405: "method not allowed on"}.get(e.status_code, e.detail)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return JSONResponse(protocol.error_body(f"{what} {request.method} {request.url.path}",
+                                                code=code),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.get("/health")
     async def health():

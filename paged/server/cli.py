@@ -225,4 +225,37 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{PROG}: serving {settings.served_model_name} on http://{ns.host}:{ns.port} "
           f"(max_num_seqs={config.max_num_seqs}, max_model_len={config.max_model_len})",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=False)
+    server = _graceful_server_class()(uvicorn.Config(app, host=ns.host, port=ns.port,
+                                            log_level=ns.log_level, access_log=False))
+    server.engine_loop = app.state.loop
+    server.run()
+    if server.terminated:
+        print(f"{PROG}: shut down on SIGTERM ({server.in_flight} requests in flight were ended "
+              f"with a final error event)", file=sys.stderr, flush=True)
+
+
+def _graceful_server_class():
+    import threading
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """SIGTERM: stop accepting, end every in-flight request (a stream gets a last
+        ``data: {"error": {"code": "shutting_down"}}`` event, then ``[DONE]``; a waiting
+        non-streaming request a 503), then exit 0 (uvicorn's own handling re-raises the signal:
+        status 143)."""
+
+        engine_loop = None
+        terminated = False
+        in_flight = 0
+
+        def handle_exit(self, sig, frame):
+            import signal
+
+            if sig != signal.SIGTERM or self.engine_loop is None:
+                return super().handle_exit(sig, frame)
+            self.terminated = self.should_exit = True
+            self.in_flight = self.engine_loop.num_in_flight
+            threading.Thread(target=self.engine_loop.stop, daemon=True).start()
+
+    return GracefulServer

@@ -99,6 +99,11 @@ class EngineLoop:
         return f"warmup running for {time.monotonic() - self.warmup_started:.0f} s"
 
     @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not finished (engine requests, one per prompt)."""
+        return self._pending + len(self._live)
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None and not self._stopping
 
