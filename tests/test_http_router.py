@@ -493,3 +493,17 @@ def test_health_of_a_backend_that_dies_resets_its_figures_and_says_their_age():
         assert b["down_for_s"] > 0 and b["scraped_age_s"] >= b["down_for_s"]
     finally:
         stop()
+
+
+def test_metrics_prefix_vllm_names_and_the_router_reads_both():
+    from paged.server.metrics import ServerMetrics
+
+    for prefix in ("paged", "vllm"):
+        m = ServerMetrics(prefix)
+        m.running.set(3)
+        m.waiting.set(4)
+        text = m.render().decode()
+        assert f"{prefix}:num_requests_running 3.0" in text and f"{prefix}:kv_cache_usage_perc" in text
+        assert parse_load(text) == (4, 3)
+    with pytest.raises(ValueError, match="prefix"):
+        ServerMetrics("sglang")

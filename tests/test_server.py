@@ -348,13 +348,22 @@ def test_bench_serving_smoke_against_the_server(server, tmp_path):
     out = tmp_path / "bench"
     c = common.load_config_file(str(ROOT / "experiments/configs/bench_serving.py") + ":smoke")
     c.base_url, c.model, c.output_dir = server["base"], "tiny", str(out)
+    c.save_generated_texts = True
     bench_serving.main(c, bench_serving.check(c))
     payload = json.loads((out / "summary.json").read_text())
-    for key in ("duration", "completed", "request_throughput", "output_throughput",
-                "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms",
-                "median_e2el_ms", "p99_e2el_ms", "ttfts", "itls", "input_lens", "output_lens",
-                "errors", "provenance"):
-        assert key in payload, key
+    # The keys a script written for vLLM's benchmark_serving result files reads.
+    vllm_keys = ("date", "backend", "model_id", "tokenizer_id", "num_prompts", "request_rate",
+                 "burstiness", "max_concurrency", "duration", "completed", "total_input_tokens",
+                 "total_output_tokens", "request_throughput", "output_throughput",
+                 "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms",
+                 "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms",
+                 "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
+                 "input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors")
+    missing = [k for k in vllm_keys if k not in payload]
+    assert not missing, missing
+    assert payload["num_prompts"] == 6 and payload["request_rate"] == c.workload.rate
+    assert payload["max_concurrency"] is None and len(payload["generated_texts"]) == 6
+    assert all(payload["generated_texts"]) and "provenance" in payload
     assert payload["completed"] == 6 and payload["errors"] == [""] * 6
     assert len(payload["ttfts"]) == 6 and all(t > 0 for t in payload["ttfts"])
 

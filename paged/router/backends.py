@@ -181,15 +181,15 @@ class PrefixTree:
 
 
 # --- a backend -------------------------------------------------------------------------------
-_GAUGE = re.compile(r"^(paged:num_requests_(?:waiting|running))(?:\{[^}]*\})? (\S+)$", re.M)
+_GAUGE = re.compile(r"^(?:paged|vllm):num_requests_(waiting|running)(?:\{[^}]*\})? (\S+)$", re.M)
 
 
 def parse_load(metrics_text: str) -> tuple[int, int] | None:
-    """``(waiting, running)`` from a ``paged.server``'s ``/metrics`` text; None if absent."""
+    """``(waiting, running)`` from a ``paged.server``'s ``/metrics`` text (``paged:`` or, with
+    ``--metrics_prefix vllm``, ``vllm:`` names; vLLM's own servers too); None if absent."""
     found = {m.group(1): m.group(2) for m in _GAUGE.finditer(metrics_text)}
     try:
-        return (int(float(found["paged:num_requests_waiting"])),
-                int(float(found["paged:num_requests_running"])))
+        return int(float(found["waiting"])), int(float(found["running"]))
     except (KeyError, ValueError):
         return None
 

@@ -47,7 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged.server import protocol
 from paged.server.engine_loop import EngineLoop, Stream
-from paged.server.metrics import CONTENT_TYPE_LATEST
+from paged.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from paged.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from paged.server.streams import CLIENT_REASONS, Choice
 
@@ -67,6 +67,8 @@ class ServerSettings:
       api_key: when set, every ``/v1/*`` request must carry ``Authorization: Bearer <api_key>``
         (else 401 in OpenAI's error shape, ``"code": "invalid_api_key"``); ``/health`` and
         ``/metrics`` stay open. ``python -m paged.server --api_key`` or ``PAGED_API_KEY``.
+      metrics_prefix: the Prometheus names' prefix, ``"paged"`` or ``"vllm"`` (vLLM's names, for
+        dashboards built on them).
       warmup: compile every step a request can select (``Engine.warmup``) in the engine thread
         once the app starts; meanwhile ``/health`` and ``/v1/*`` answer 503 with ``Retry-After``.
     """
@@ -76,6 +78,7 @@ class ServerSettings:
     request_timeout_s: float | None = None
     api_key: str | None = None
     warmup: bool = False
+    metrics_prefix: str = "paged"
 
 
 def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
@@ -85,7 +88,8 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
     """
     settings = settings or ServerSettings()
     engine_loop = EngineLoop(engine, max_waiting=settings.max_waiting,
-                             request_timeout_s=settings.request_timeout_s, warmup=settings.warmup)
+                             request_timeout_s=settings.request_timeout_s, warmup=settings.warmup,
+                             metrics=ServerMetrics(settings.metrics_prefix))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

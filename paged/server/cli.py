@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"require 'Authorization: Bearer KEY' on every /v1/* route (401 "
                              f"otherwise; /health and /metrics stay open); default: the "
                              f"{API_KEY_ENV} environment variable")
+    server.add_argument(*_flag_names("metrics_prefix"), default="paged", choices=("paged", "vllm"),
+                        help="prefix of the /metrics names: paged (paged:num_requests_running, "
+                             "...) or vllm (vllm:num_requests_running, ..., for dashboards "
+                             "built on vLLM's names)")
     server.add_argument(*_flag_names("switch_interval_ms"), type=float, default=0.5,
                         help="the interpreter's thread switch interval (Python's default is 5): "
                              "how long the engine thread may wait for the GIL while the event "
@@ -212,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e))
     settings = ServerSettings(served_model_name=ns.served_model_name or config.model,
                               max_waiting=ns.max_waiting, request_timeout_s=ns.request_timeout,
-                              api_key=ns.api_key, warmup=ns.warmup)
+                              api_key=ns.api_key, warmup=ns.warmup,
+                              metrics_prefix=ns.metrics_prefix)
     if ns.warmup:
         from paged import warmup
 
