@@ -8,6 +8,7 @@ takes it over.
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import json
 import re
@@ -59,6 +60,11 @@ def server():
                                                               stop_token_ids=[tid]))[0].outputs[0]
     lib["none"] = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=None,
                                                                temperature=0))[0].outputs[0]
+    # The README's library example: its prompts show text, not whitespace.
+    readme = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    prompts = ast.literal_eval(re.search(r"generate\((\[.*?\])", readme, re.S).group(1))
+    for o in engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0)):
+        assert len(o.text.strip()) >= 8 and any(c.isalpha() for c in o.text), o.text
     # After warmup no request of any kind compiles (counted in test_no_compilation_after_warmup).
     assert engine.warmup() == 1  # the plain shape is compiled already: the logprobs variant
     compiled = engine.num_compilations
