@@ -247,7 +247,11 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
     engine = serving.build_engine(engine_config, model)
     proc, base = start_server(engine_config, c.model, c.server_start_timeout_s)
     try:
-        results = [_one_load(c, engine, proc, base, rate, workloads) for rate, workloads in loads]
+        with common.Progress(len(loads), "[online_vs_offline]", unit="load") as bar:
+            results = []
+            for rate, workloads in loads:
+                results.append(_one_load(c, engine, proc, base, rate, workloads))
+                bar.update()
     finally:
         stop_server(proc)
     del engine, model
