@@ -88,7 +88,7 @@ def _flag_names(name: str) -> list[str]:
 
 
 # EngineConfig fields set by a server flag of another name (one flag per setting).
-_SERVER_SPELLED = {"request_timeout_s": "request_timeout"}
+SERVER_SPELLED = {"request_timeout_s": "request_timeout"}
 _EXTRA_HELP = {"speculative": ": METHOD[:K] (ngram:4, draft:3) or a JSON object of "
                               "SpeculativeConfig's fields, as vLLM's --speculative-config: "
                               "'{\"method\": \"draft\", \"model\": \"DIR\", "
@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine = p.add_argument_group("engine (every EngineConfig field)")
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
-        if f.name in _SERVER_SPELLED:
+        if f.name in SERVER_SPELLED:
             continue
         parse, metavar = _parser_for(hints[f.name])
         engine.add_argument(*_flag_names(f.name), dest=f"engine.{f.name}", type=parse,
