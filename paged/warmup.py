@@ -81,7 +81,7 @@ def server_buckets(config, given: set[str]):
     then add no sample-slot shape) and two token buckets, half the token budget and the budget
     (``min_token_bucket = max(next_pow2(max_num_seqs), next_pow2(min(max_num_batched_tokens,
     max_model_len * max_num_seqs)) // 2)``; a decode-only step fits the smaller). With the plain
-    and the log-probability variant that is 4 compilations (about 16 s on 2 CPU cores).
+    and the log-probability variant that is 4 compilations (17 s measured on 2 CPU cores).
     """
     import dataclasses
 

@@ -115,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "answer 503 with Retry-After. The shapes: unless --min_token_bucket "
                              "or --min_seq_bucket is given, one sequence bucket (--max_num_seqs) "
                              "and two token buckets (half of and all of --max_num_batched_tokens, "
-                             "capped by --max_model_len x --max_num_seqs): 4 compilations, about "
-                             "20 s on 2 CPU cores; smaller --min_*_bucket values add shapes")
+                             "capped by --max_model_len x --max_num_seqs): 4 compilations, 20-30 s "
+                             "to ready on 2 CPU cores; smaller --min_*_bucket values add shapes")
     server.add_argument(*_flag_names("api_key"), default=os.environ.get(API_KEY_ENV) or None,
                         help=f"require 'Authorization: Bearer KEY' on every /v1/* route (401 "
                              f"otherwise; /health and /metrics stay open); default: the "
