@@ -1,10 +1,13 @@
-# Two commands for a new user: `make run` and `make test`. Both bootstrap .venv on first use.
+# For a new user: `make install` (the .venv only), `make run`, `make test`; run and test bootstrap
+# .venv on first use too.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-all lint clean venv
+.PHONY: install run test test-all lint clean venv
+
+install: $(STAMP)
 
 venv: $(STAMP)
 

@@ -61,12 +61,15 @@ def main(c, plan):
     workload, grid = plan["workload"], plan["grid"]
     model = common.load_model(c.model)
     rows = []
-    for k, (name, factors, engine_config) in enumerate(grid):
-        print(f"[{k + 1}/{len(grid)}] {name}", flush=True)
-        engine = serving.build_engine(engine_config, model)
-        res = serving.run_arm(name, engine, workload, ttft_slo_ms=c.ttft_slo_ms,
-                              tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s)
-        rows.append({"name": name, "factors": factors, "summary": res.summary, "wall_s": res.wall_s})
+    with common.Progress(len(grid), "[ablate]", unit="cell") as bar:
+        for name, factors, engine_config in grid:
+            bar.set(bar.n, cell=name)
+            engine = serving.build_engine(engine_config, model)
+            res = serving.run_arm(name, engine, workload, ttft_slo_ms=c.ttft_slo_ms,
+                                  tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s)
+            rows.append({"name": name, "factors": factors, "summary": res.summary,
+                         "wall_s": res.wall_s})
+            bar.update()
     header = "".join(f"{n:>22s}" for n in c.factors.keys()) + "".join(f"{m:>20s}" for m in METRICS)
     print(header)
     for r in rows:

@@ -46,6 +46,8 @@ def check(c) -> dict:
         raise ValueError(f"model={c.model!r} must be a non-empty string (the server's model id)")
     if not isinstance(c.endpoint, str) or not c.endpoint.startswith("/"):
         raise ValueError(f"endpoint={c.endpoint!r} must be a path such as /v1/completions")
+    if not isinstance(c.save_generated_texts, bool):
+        raise TypeError(f"save_generated_texts={c.save_generated_texts!r} must be true or false")
     common.check_positive(max_model_len=c.max_model_len, request_timeout_s=c.request_timeout_s,
                           ttft_slo_ms=c.ttft_slo_ms, tpot_slo_ms=c.tpot_slo_ms)
     if isinstance(c.max_concurrency, bool) or not isinstance(c.max_concurrency, int) or \
@@ -65,7 +67,7 @@ async def _one(client, url: str, model: str, spec, t0: float, sem) -> dict:
         "stream_options": {"include_usage": True}}
     times: list[float] = []
     result = {"spec": spec, "arrival": arrival, "times": times, "status": "finished",
-              "error": "", "completion_tokens": None, "finish": None}
+              "error": "", "completion_tokens": None, "finish": None, "text": ""}
     import httpx
 
     try:
@@ -112,6 +114,9 @@ def _event(obj: dict, now: float, result: dict) -> None:
     if any(ch.get("index", 0) == 0 and (ch.get("text") or (ch.get("delta") or {}).get("content"))
            for ch in choices):
         result["times"].append(now)
+    for ch in choices:
+        if ch.get("index", 0) == 0:
+            result["text"] += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
     if obj.get("usage"):
         result["completion_tokens"] = obj["usage"].get("completion_tokens")
 
@@ -192,7 +197,24 @@ def benchmark(base_url: str, model: str, workload: Workload, *, endpoint: str = 
                                  f"({len(done_gaps)} gaps)")
     summary["itls"] = [gaps for _, gaps in pairs]
     summary["error_messages"] = [r["error"] for r in results]
+    summary["generated_texts"] = [r["text"] for r in results]
     return summary, records
+
+
+def vllm_fields(c, workload: Workload, summary: dict) -> dict:
+    """The top-level fields of vLLM's ``benchmark_serving`` result file that the summary lacks,
+    so a script written for those files reads ours unchanged (``generated_texts`` only with
+    ``config.save_generated_texts``, as vLLM's ``--save-detailed``)."""
+    import datetime
+
+    out = {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+           "backend": "openai-chat" if "chat" in c.endpoint else "openai",
+           "model_id": c.model, "tokenizer_id": c.model, "num_prompts": len(workload),
+           "request_rate": c.workload.rate, "burstiness": c.workload.burstiness,
+           "max_concurrency": c.max_concurrency or None}
+    if c.save_generated_texts:
+        out["generated_texts"] = summary["generated_texts"]
+    return out
 
 
 def run(c, out_dir: Path, plan: dict | None = None) -> dict:
@@ -203,8 +225,10 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
     summary, records = benchmark(c.base_url, c.model, workload, endpoint=c.endpoint,
                                  max_concurrency=c.max_concurrency, timeout_s=c.request_timeout_s,
                                  ttft_slo_ms=c.ttft_slo_ms, tpot_slo_ms=c.tpot_slo_ms)
+    texts = summary.pop("generated_texts")
     payload = {
-        "study": "bench_serving", "base_url": c.base_url, "model_id": c.model,
+        "study": "bench_serving", "base_url": c.base_url,
+        **vllm_fields(c, workload, {"generated_texts": texts}),
         **summary,
         "config": c.to_dict(),
         "workload": {"name": workload.name, "seed": workload.seed, "meta": workload.meta,

@@ -280,9 +280,11 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
     rounds: dict[int, list[dict]] = {b: [] for b in timed}
     # Engines with one model and attention impl share one jitted step, so its trace count is global.
     traces0 = engines[timed[0]].num_compilations
-    for i in range(c.repeats):  # alternate the order so a drift in machine load hits every B alike
-        for b in (timed if i % 2 == 0 else timed[::-1]):
-            rounds[b].append(measure_round(engines[b], c, workload, bpt))
+    with common.Progress(c.repeats * len(timed), "[block_size_sweep]", unit="round") as bar:
+        for i in range(c.repeats):  # alternate the order so a drift in load hits every B alike
+            for b in (timed if i % 2 == 0 else timed[::-1]):
+                rounds[b].append(measure_round(engines[b], c, workload, bpt))
+                bar.update()
     compiled_while_timing = engines[timed[0]].num_compilations - traces0
     for b in sizes:
         row = {"block_size": b,

@@ -312,7 +312,7 @@ def calibrate(c, engine_config, model) -> tuple:
     engine = Engine(engine_config, model_config=model[0], params=model[1])
     t0 = time.perf_counter()
     if c.warmup == "all":
-        engine.warmup()
+        engine.warmup(logprobs=False, parallel_sampling=False)
     else:  # one unmeasured pass over the grid compiles exactly the shapes it uses
         measure(engine, c, np.random.default_rng(c.seed + 1))
     warm_s = time.perf_counter() - t0

@@ -24,10 +24,8 @@ import importlib.util
 import json
 import logging
 import platform
-import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +38,7 @@ from experiments.configs.engine_fields import (  # noqa: F401  (re-exported for 
     engine_config_dict,
     make_engine_config,
 )
+from paged.progress import Progress  # noqa: F401  (the one progress helper, used by the studies)
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 USAGE_EXIT = 2  # exit status of a command-line or config mistake
@@ -277,59 +276,6 @@ def _jsonable(x):
 
 
 # --- progress --------------------------------------------------------------------------------------
-class Progress:
-    """Progress of a loop over ``total`` items.
-
-    On a terminal: a tqdm bar (count, rate, ETA, a postfix). Off a terminal (piped to a file, a
-    test's capture): nothing while it runs, then one summary line when it closes, so a log has no
-    carriage-return updates run together. The count is what the caller last set, so a loop whose
-    items all finished ends at ``total/total``.
-    """
-
-    def __init__(self, total: int, desc: str, *, unit: str = "req", summary: bool = True,
-                 file=None):
-        from tqdm import tqdm
-
-        self.file = file or sys.stderr
-        self.tty = bool(getattr(self.file, "isatty", lambda: False)())
-        self.total, self.desc, self.unit, self.summary = total, desc, unit, summary
-        self.n, self.t0, self.closed, self.note = 0, time.perf_counter(), False, ""
-        # A terminal that reports no size (0 x 0) would hide the bar: fall back to 100 x 20.
-        size = shutil.get_terminal_size((100, 20))
-        self.bar = tqdm(total=total, desc=desc, unit=unit, file=self.file, disable=not self.tty,
-                        ncols=min(size.columns or 100, 120), nrows=max(size.lines, 20),
-                        leave=True, mininterval=0.2)
-
-    def set(self, n: int, **postfix: Any) -> None:
-        """Sets the count to ``n`` (and the postfix shown beside the bar)."""
-        if n != self.n:
-            self.bar.update(n - self.n)
-            self.n = n
-        if postfix:
-            self.note = ", ".join(f"{k} {v}" for k, v in postfix.items())
-            self.bar.set_postfix_str(self.note, refresh=False)
-
-    def update(self, k: int = 1) -> None:
-        self.set(self.n + k)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.bar.close()
-        if not self.tty and self.summary:
-            wall = time.perf_counter() - self.t0
-            rate = self.n / wall if wall > 0 else 0.0
-            print(f"{self.desc} {self.n}/{self.total} {self.unit} in {wall:.1f} s "
-                  f"({rate:.2f} {self.unit}/s)", file=self.file, flush=True)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
 def quiet_matplotlib() -> None:
     """Call before importing matplotlib: its log lines (the font-cache notice that a first use
     prints) are dropped below ERROR."""

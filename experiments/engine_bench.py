@@ -227,9 +227,11 @@ def main(c, plan):
     out_dir = common.output_dir(c, "engine_bench")
     model_config, params = common.load_model(c.model)
     rows = []
+    bar = common.Progress(len(plan["engines"]), "[engine_bench]", unit="regime")
     for mode, n, config in plan["engines"]:
         row = bench_one(model_config, params, n, c, mode, config)
         rows.append(row)
+        bar.update()
         print(f"{mode:6s} running={n:4d}  step {row['median_step_ms']:8.2f} ms (serial "
               f"{row['off_median_step_ms']:.2f}: device {row['off_median_device_ms']:.2f} + host "
               f"{row['off_median_host_ms']:.3f})  host {row['median_host_ms']:6.3f} ms (schedule "
@@ -238,6 +240,7 @@ def main(c, plan):
               f"{row['max_host_ms']:.2f})  isolated host {row['isolated_median_host_ms']:.3f} ms  "
               f"step/max(device, host) {row['step_over_max_device_host']:.2f}  "
               f"{row['output_tokens_per_s']:.0f} tok/s", flush=True)
+    bar.close()
     out = out_dir / "engine_bench.json"
     common.write_json(out, {"study": "engine_bench", "evidence": "constructed", "config": c.to_dict(),
                             "results": rows, "provenance": common.provenance()})

@@ -82,8 +82,14 @@ def server_command(engine_config, model: str, port: int, extra=()) -> list[str]:
     """``python -m paged.server`` with every EngineConfig field of ``engine_config``."""
     cmd = [sys.executable, "-m", "paged.server", "--host", "127.0.0.1", "--port", str(port),
            "--served_model_name", model, "--warmup", "true", *extra]
+    from paged.server.cli import SERVER_SPELLED
+
     for f in dataclasses.fields(engine_config):
         value = model if f.name == "model" else getattr(engine_config, f.name)
+        if f.name in SERVER_SPELLED:  # a server flag of another name (request_timeout_s)
+            if value is not None:
+                cmd += [f"--{SERVER_SPELLED[f.name]}", _flag(value)]
+            continue
         cmd += [f"--{f.name}", _flag(value)]
     return cmd
 
@@ -247,7 +253,11 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
     engine = serving.build_engine(engine_config, model)
     proc, base = start_server(engine_config, c.model, c.server_start_timeout_s)
     try:
-        results = [_one_load(c, engine, proc, base, rate, workloads) for rate, workloads in loads]
+        with common.Progress(len(loads), "[online_vs_offline]", unit="load") as bar:
+            results = []
+            for rate, workloads in loads:
+                results.append(_one_load(c, engine, proc, base, rate, workloads))
+                bar.update()
     finally:
         stop_server(proc)
     del engine, model

@@ -201,11 +201,13 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
     ecfg, workloads = plan["engine_config"], plan["workloads"]
     model_config, params = common.load_model(c.model)
     engine = Engine(ecfg, model_config=model_config, params=params)
-    engine.warmup()
+    engine.warmup(logprobs=False, parallel_sampling=False)  # what the old warmup compiled
     spec = accounting.ModelSpec.from_model_config(model_config, dtype=ecfg.dtype)
     rows = []
+    bar = common.Progress(len(workloads), "[prefix_sharing]", unit="row")
     for label, overrides, wl in workloads:
         res = run_row(engine, wl, c.workload.temperature)
+        bar.update()
         rows.append({"label": label, "overrides": overrides,
                      "common_prefix_len": min(r.shared_prefix_len for r in wl.requests),
                      "workload": {"name": wl.name, "meta": wl.meta, "summary": wl.summary()},
@@ -214,6 +216,7 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
               f"{_pct(res['ideal_workload']['time_weighted'])}% ideal (time-weighted), "
               f"{res['engine']['steps']} steps, "
               f"{res['engine']['wall_s']:.1f} s", flush=True)
+    bar.close()
     print(format_table(rows, ecfg))
     payload = {
         "study": "prefix_sharing", "evidence": plan["evidence"], "config": c.to_dict(),

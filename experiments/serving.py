@@ -35,7 +35,7 @@ class ArmResult:
 def build_engine(engine_config: EngineConfig, model) -> Engine:
     """An engine on ``model=(config, params)`` (see `experiments.common.load_model`), warmed up."""
     engine = Engine(engine_config, model_config=model[0], params=model[1])
-    engine.warmup()
+    engine.warmup(logprobs=False, parallel_sampling=False)  # what the old warmup compiled
     return engine
 
 

@@ -351,7 +351,7 @@ def _load_sweep(c, plan, rows, model_config, params, engines) -> dict:
     for name, e in arms.items():  # compile: every plain shape, then one run per rate
         c0 = e.num_compilations
         if c.load_warmup:
-            e.warmup()
+            e.warmup(logprobs=False, parallel_sampling=False)
             for rate in rates:
                 serving.run_arm("warmup", e, plan["load_workloads"][rate, 0], progress=False,
                                 max_wall_s=c.load_max_wall_s)

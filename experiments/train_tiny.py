@@ -110,12 +110,14 @@ def train(config: ml_collections.ConfigDict, *, command: str = "") -> dict:
     rng = np.random.default_rng(config.seed)
     history, recent = [], []
     t_train = time.time()
+    bar = common.Progress(config.steps, f"[{config.name}]", unit="step")
     for step in range(1, config.steps + 1):
         starts = rng.integers(0, len(train_stream) - window, config.batch_size)
         params, opt_state, loss = train_step(
             params, opt_state, _windows(train_stream, starts, window)
         )
         recent.append(loss)
+        bar.update()
         if step % config.log_every == 0 or step == config.steps:
             mean = float(np.mean(jax.device_get(recent)))
             recent = []
@@ -131,6 +133,7 @@ def train(config: ml_collections.ConfigDict, *, command: str = "") -> dict:
             ev = evaluate(params)
             print(f"[{config.name}] step {step} eval loss {ev:.4f}", flush=True)
             history.append({"step": step, "eval_loss": ev})
+    bar.close()
     final_train = next(h["train_loss"] for h in reversed(history) if "train_loss" in h)
     final_eval = next(h["eval_loss"] for h in reversed(history) if "eval_loss" in h)
     wall = time.time() - t0

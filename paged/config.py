@@ -130,6 +130,12 @@ class EngineConfig:
     router: str = "prefix_aware"
     router_load_threshold: int = 16
 
+    def __new__(cls, *args, **kwargs):
+        # A mistyped keyword gets "closest: ..." (as the studies' config keys do), not the
+        # dataclass's bare "unexpected keyword argument".
+        validate.known_keys("EngineConfig", kwargs, (f.name for f in dataclasses.fields(cls)))
+        return super().__new__(cls)
+
     def __post_init__(self):
         # Integers reach int32 device arrays (positions, page ids), hence the upper bound.
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",

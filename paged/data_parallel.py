@@ -194,12 +194,12 @@ class DataParallelEngine:
         self.last_timing = timing
         return outputs
 
-    def warmup(self) -> int:
+    def warmup(self, **kwargs) -> int:
         """``Engine.warmup`` on every replica (each compiles for its own devices); returns the
         number of step shapes."""
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() must run before requests are added")
-        return max(e.warmup() for e in self.replicas)
+        return max(e.warmup(**kwargs) for e in self.replicas)
 
     # --- introspection ------------------------------------------------------------------
     @property

@@ -391,29 +391,25 @@ class Engine:
         self._refuse_follower("add requests there")
         return generate(self, self.core, prompts, params, progress=progress)
 
-    def warmup(self) -> int:
-        """Compiles every step shape this engine can produce (all-padding batches, no KV touched).
+    def warmup(self, *, logprobs: bool = True, parallel_sampling: bool = True,
+               progress: bool = False) -> int:
+        """Compiles every step a request can select (``paged.warmup``: each step shape, plain and
+        with log-probabilities, the sample-slot shapes of ``n > 1``, n-gram verify steps), so no
+        request pays for a compilation; ``logprobs=False`` / ``parallel_sampling=False`` skip what
+        a workload never asks for. Returns the number of compilations."""
+        from paged import warmup
 
-        Serving studies call it so no request pays for a compilation. Shapes: token buckets from
-        ``min_token_bucket`` to ``max_num_batched_tokens`` times sequence buckets from
-        ``min_seq_bucket`` to ``max_num_seqs`` (sample slots = sequence bucket; parallel sampling
-        may still add a shape). With n-gram speculation also the verify step's shapes (sample
-        slots from the sequence bucket up to the token bucket); a draft model's own calls still
-        compile on first use. Returns the number of shapes compiled.
-        """
-        if self.has_unfinished_requests():
-            raise RuntimeError("warmup() must run before requests are added")
-        before = self.trace_count()
-        budget = (self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        builder = self.core.builder
-        self.cache = compile_shapes(self._step_fn, self.params, self.cache, self.no_prev_tokens,
-                                    builder.all_shapes(*budget), builder.empty)
-        if self.speculator is not None and self.speculator.draft is None:
-            verify = self._variants[False, True]
-            self.cache = compile_shapes(
-                lambda *a: verify(*a, None, None)[:2], self.params, self.cache,
-                self.no_prev_tokens, builder.verify_shapes(*budget), builder.empty)
-        return self.trace_count() - before
+        return warmup.run(self, logprobs=logprobs, parallel_sampling=parallel_sampling,
+                          progress=progress)
+
+    def compile_step(self, variant: tuple[bool, bool], shape: tuple[int, int, int]) -> None:
+        """Runs the ``(with_logprobs, with_verify)`` step once on an all-padding batch of
+        ``shape`` (tokens, sequences, sample slots), which compiles it; no KV is touched
+        (``paged.warmup``'s unit)."""
+        fn = self._variants[variant]
+        extra = (None, None) if variant[1] else ()
+        self.cache = compile_shapes(lambda *a: fn(*a, *extra)[:2], self.params, self.cache,
+                                    self.no_prev_tokens, [shape], self.core.builder.empty)
 
     # --- introspection ------------------------------------------------------------------
     @property

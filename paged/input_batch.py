@@ -94,7 +94,7 @@ class InputBatch:
         prm = seq.params
         limit = min(p + prm.max_tokens, self.max_model_len, _I32_MAX)
         self.ints[r] = (min(prm.top_k, _I32_MAX), seq.seed, seq.sample_index, limit,
-                        not prm.ignore_eos, bool(prm.stop_token_ids),
+                        not prm.ignore_eos, bool(prm.stop_token_ids or prm.stop),
                         -1 if prm.logprobs is None else prm.logprobs)
         self.floats[r] = (prm.temperature, prm.top_p)
         self.seqs.append(seq)

@@ -13,17 +13,27 @@ class CompletionOutput:
     Built on every step for every active request, so it is cheap: it keeps a reference to the
     sequence's token list (which only ever grows) and the slice that was current, and decodes
     ``text`` only when asked.
+
+
+    ``stop_reason`` is vLLM's: ``None`` unless the sample ended with ``finish_reason="stop"``
+    on a stop token (its id) or a stop string (the string; ``text`` then ends before it, or after
+    it with ``include_stop_str_in_output``); ``None`` for EOS.
     """
 
-    __slots__ = ("index", "finish_reason", "_ids", "_start", "_end", "_decode", "_text", "_lps")
+    __slots__ = ("index", "finish_reason", "stop_reason", "_ids", "_start", "_end", "_decode",
+                 "_text", "_lps")
 
     def __init__(self, index: int, ids: list[int], start: int, end: int,
                  finish_reason: str | None, decode: Callable[[list[int]], str],
-                 logprobs: list | None = None):
+                 logprobs: list | None = None, stop: tuple | None = None):
         self.index = index
         self.finish_reason = finish_reason  # "stop" | "length" | "abort" | "timeout" | None
         self._ids, self._start, self._end, self._decode, self._text = ids, start, end, decode, None
         self._lps = logprobs
+        # ``stop``: the sequence's (stop_reason, stop_text) when it finished with "stop".
+        self.stop_reason = None if stop is None else stop[0]
+        if stop is not None and stop[1] is not None:
+            self._text = stop[1]
 
     @property
     def logprobs(self) -> list[dict[int, float]] | None:
@@ -85,8 +95,10 @@ class RequestOutput:
         head, state = self._head, self._state
         samples = ((head, self._end, state[5]), *state[6])
         decode = state[7]
-        self._outputs = [CompletionOutput(s.sample_index, s.token_ids, s.num_prompt_tokens, end,
-                                          reason, decode, s.logprobs) for s, end, reason in samples]
+        self._outputs = [CompletionOutput(
+            s.sample_index, s.token_ids, s.num_prompt_tokens, end, reason, decode, s.logprobs,
+            (s.stop_reason, s.stop_text) if reason == "stop" else None)
+            for s, end, reason in samples]
         return self._outputs
 
     # Set once, before any output of the request exists (or never), so read through.

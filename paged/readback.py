@@ -19,6 +19,7 @@ from paged.batch import StepBatch
 from paged.input_batch import STOPS_ON_EOS
 from paged.outputs import RequestOutput, state_of
 from paged.sequence import Sequence
+from paged.stop_strings import stop_reason
 
 
 class StepReader:
@@ -207,12 +208,7 @@ class StepReader:
     def stops(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
         """Why ``seq`` ends if its token at ``num_tokens - 1`` is ``token`` ("stop", "length"),
         or ``None``."""
-        p = seq.params
-        if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
-            return "stop"
-        if num_tokens - seq.num_prompt_tokens >= p.max_tokens or num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return stop_reason(seq, token, num_tokens, self.eos_ids, self.max_model_len, self.text)
 
     def check_stop(self, seq: Sequence, token: int, num_tokens: int, now: float) -> None:
         """Finishes ``seq`` if its token at ``num_tokens - 1`` (just sampled) ends it."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence as SequenceT
 
 import numpy as np
@@ -34,6 +35,8 @@ def check_request(table, request_id, prompt, params, arrival_time, timeout_s,
     if len(token_ids) >= max_len:
         raise ValueError(f"prompt of {len(token_ids)} tokens leaves no room for output: "
                          f"max_model_len={max_len}")
+    if params.max_tokens is None:  # vLLM's meaning: what is left of the context
+        params = dataclasses.replace(params, max_tokens=max_len - len(token_ids))
     if params.n > table.config.max_num_seqs:
         raise ValueError(f"n={params.n} > max_num_seqs={table.config.max_num_seqs}")
     arrival_time = validate.real("arrival_time", arrival_time, allow_none=True)

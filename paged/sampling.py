@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from paged import validate
+from paged.stop_strings import check_stops
 
 MAX_LOGPROBS = 20  # top log-probabilities per position at most (vLLM's default limit)
 
@@ -22,7 +23,8 @@ class SamplingParams:
     """How to sample one request.
 
     Attributes:
-      max_tokens: tokens to generate at most (>= 1).
+      max_tokens: tokens to generate at most (>= 1); ``None``: up to ``max_model_len`` (the
+        engine sets it to ``max_model_len - prompt length`` when the request is added, as vLLM).
       temperature: 0 is greedy; > 0 scales the logits (finite, at most float32's largest).
       top_k: keep the k most likely tokens; 0 keeps all.
       top_p: nucleus sampling mass in (0, 1]; 1 keeps all.
@@ -30,6 +32,11 @@ class SamplingParams:
         request's arrival order (deterministic for a given engine and request order).
       n: parallel samples of the same prompt; they share the prompt's KV blocks (fork + CoW).
       stop_token_ids: extra tokens that end generation (the stop token is kept in the output).
+      stop: strings that end generation (a str or a list of them, vLLM's ``stop``): searched in
+        the detokenized output; the text ends before the first match (``finish_reason="stop"``,
+        ``stop_reason`` the string), ``token_ids`` keep every token up to the one that completed
+        it (``paged.stop_strings``).
+      include_stop_str_in_output: keep the matched stop string in the text.
       ignore_eos: keep generating past EOS (benchmarks with fixed output lengths).
       logprobs: ``None``, or k in [0, MAX_LOGPROBS]: every generated token comes with a dict
         token id -> log-probability holding the sampled token and the k most likely tokens
@@ -46,7 +53,7 @@ class SamplingParams:
     a ``bool``; TypeError for a wrong type, ValueError for a value out of range.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -56,9 +63,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
-        validate.integer("max_tokens", self.max_tokens, minimum=1)
+        validate.integer("max_tokens", self.max_tokens, minimum=1, allow_none=True)
         validate.real("temperature", self.temperature, minimum=0)
         validate.integer("top_k", self.top_k, minimum=0)  # 0 disables it
         validate.real("top_p", self.top_p, minimum=0, exclusive=True, maximum=1)
@@ -70,6 +79,8 @@ class SamplingParams:
                          allow_none=True)
         stops = validate.token_ids("stop_token_ids", self.stop_token_ids, allow_empty=True)
         object.__setattr__(self, "stop_token_ids", tuple(stops))
+        object.__setattr__(self, "stop", check_stops(self.stop))
+        validate.boolean("include_stop_str_in_output", self.include_stop_str_in_output)
 
 
 def _filter_sorted(logits, temperature, top_k, top_p):

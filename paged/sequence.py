@@ -40,7 +40,7 @@ class Sequence:
                  "sample_index", "status", "num_cached_tokens", "first_scheduled_time",
                  "first_token_time", "finish_time", "finish_reason", "num_preemptions", "deadline",
                  "cache_salt", "out_state", "row", "batch", "_tokens", "_times", "_computed",
-                 "_slots", "logprobs", "prompt_logprobs")
+                 "_slots", "logprobs", "prompt_logprobs", "stop_reason", "stop_text", "stop_watch")
 
     def __init__(self, seq_id: int, request_id: str, token_ids: list[int], num_prompt_tokens: int,
                  params: SamplingParams, seed: int, arrival_time: float, *, sample_index: int = 0,
@@ -58,6 +58,11 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout"
+        # Set when it stops (``paged.stop_strings.stop_reason``): vLLM's ``stop_reason`` (None for
+        # EOS, a stop token id, a stop string) and, for a stop string, the text to show.
+        self.stop_reason: int | str | None = None
+        self.stop_text: str | None = None
+        self.stop_watch = None  # its stop-string search (``stop_strings.StopWatch``), when used
         self.num_preemptions = 0
         self.deadline = deadline
         self.cache_salt = cache_salt

@@ -28,6 +28,37 @@ class SpeculativeConfig:
     ngram_min: int = 1
     ngram_max: int = 4
 
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig:
+        """A config from a command line: ``METHOD[:K]`` (``ngram:4``: n-gram proposals, k = 4;
+        ``draft:3``: the bundled draft model, k = 3) or a JSON object of these fields, as vLLM's
+        ``--speculative-config`` (``{"method": "draft", "model": "DIR",
+        "num_speculative_tokens": 4}``).
+
+        Raises:
+          ValueError: neither form, a bad value; TypeError: an unknown JSON key (names the
+            closest field).
+        """
+        text = text.strip()
+        if text.startswith("{"):
+            import json
+
+            try:
+                fields = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative={text!r:.80} is not valid JSON: {e}") from None
+            if not isinstance(fields, dict):
+                raise ValueError(f"speculative={text!r:.80} must be a JSON object")
+            validate.known_keys("SpeculativeConfig", fields,
+                                (f.name for f in dataclasses.fields(cls)))
+            return cls(**fields)
+        method, _, k = text.partition(":")
+        if method not in METHODS or (k and not k.isdigit()):
+            raise ValueError(f"speculative={text!r:.80} must be METHOD[:K] with METHOD one of "
+                             f"{METHODS} (e.g. ngram:4) or a JSON object of SpeculativeConfig's "
+                             f"fields")
+        return cls(method=method, **({"num_speculative_tokens": int(k)} if k else {}))
+
     def __post_init__(self):
         validate.one_of("method", self.method, METHODS)
         validate.string("model", self.model)

@@ -17,6 +17,7 @@ in float32 device arrays, where an overflow turns silently into ``inf``.
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from collections.abc import Iterable, Sequence
@@ -170,3 +171,19 @@ def token_ids(name: str, value: Any, *, limit: int | None = None,
         where = f"[0, {limit})" if limit is not None else ">= 0"
         raise ValueError(f"{name} has token ids {bad[:5]} outside {where}")
     return ids
+
+
+def closest(name: str, options) -> list[str]:
+    """Up to three of ``options`` closest to ``name`` (difflib), best first."""
+    return difflib.get_close_matches(name, list(options), n=3, cutoff=0.5)
+
+
+def known_keys(what: str, given: Iterable[str], options: Iterable[str]) -> None:
+    """Raises TypeError for the first of ``given`` not in ``options``, naming the closest ones
+    (the studies' wording: ``...; closest: a, b``)."""
+    options = list(options)
+    for key in given:
+        if key not in options:
+            hint = closest(key, options)
+            raise TypeError(f"{what} has no field {key!r}"
+                            + (f"; closest: {', '.join(hint)}" if hint else ""))

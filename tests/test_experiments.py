@@ -124,6 +124,22 @@ def test_progress_off_a_terminal_is_one_summary_line():
     with Progress(3, "[x]", file=quiet, summary=False) as bar:
         bar.update(3)
     assert quiet.getvalue() == ""
+    # One helper for the library, the server's warmup and the studies; lines=True: a line per
+    # update (count and elapsed time), for loops with long steps.
+    import paged.progress
+
+    assert Progress is paged.progress.Progress
+    lines = io.StringIO()
+    with Progress(2, "warmup", file=lines, unit="step shapes", lines=True, summary=False) as bar:
+        bar.set(1, shape="8x1x1 plain")
+        bar.update()
+    got = lines.getvalue().splitlines()
+    assert [g.split(",")[0] for g in got] == ["warmup 1/2 step shapes", "warmup 2/2 step shapes"]
+    assert got[0].endswith("(shape 8x1x1 plain)") and " s" in got[1]
+    studies = Path(__file__).resolve().parents[1] / "experiments"
+    for name in ("ablate", "block_size_sweep", "engine_bench", "online_vs_offline",
+                 "prefix_sharing", "train_tiny", "serving", "spec_decode", "sim_validate"):
+        assert "common.Progress(" in (studies / f"{name}.py").read_text(), name
 
 
 def test_spec_decode_smoke(tmp_path):

@@ -396,7 +396,7 @@ def _fake_backend(name: str):
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(f"paged:num_requests_waiting {state['waiting']}.0\n"
-                                 "paged:num_requests_running 0.0\n")
+                                 f"paged:num_requests_running {state.get('running', 0)}.0\n")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -470,3 +470,40 @@ def test_least_loaded_reads_in_flight_and_scraped_load():
     finally:
         for stop in reversed(stops):
             stop()
+
+
+def test_health_of_a_backend_that_dies_resets_its_figures_and_says_their_age():
+    app, state = _fake_backend("f")
+    state["running"], state["waiting"] = 3, 2
+    fake, stop_fake = _serve(app)
+    base, stop = _serve(build_router([fake], RouterSettings(metrics_interval_s=0.1)))
+    try:
+        time.sleep(0.3)
+        (b,) = httpx.get(base + "/health").json()["backends"]
+        assert (b["up"], b["running"], b["waiting"], b["down_for_s"]) == (True, 3, 2, None)
+        assert 0 <= b["scraped_age_s"] < 5
+        stop_fake()
+        deadline = time.monotonic() + 10
+        while httpx.get(base + "/health").status_code != 503:
+            assert time.monotonic() < deadline, "the router did not notice the backend died"
+            time.sleep(0.05)
+        time.sleep(0.2)
+        (b,) = httpx.get(base + "/health").json()["backends"]
+        assert (b["up"], b["running"], b["waiting"]) == (False, 0, 0)
+        assert b["down_for_s"] > 0 and b["scraped_age_s"] >= b["down_for_s"]
+    finally:
+        stop()
+
+
+def test_metrics_prefix_vllm_names_and_the_router_reads_both():
+    from paged.server.metrics import ServerMetrics
+
+    for prefix in ("paged", "vllm"):
+        m = ServerMetrics(prefix)
+        m.running.set(3)
+        m.waiting.set(4)
+        text = m.render().decode()
+        assert f"{prefix}:num_requests_running 3.0" in text and f"{prefix}:kv_cache_usage_perc" in text
+        assert parse_load(text) == (4, 3)
+    with pytest.raises(ValueError, match="prefix"):
+        ServerMetrics("sglang")

@@ -379,3 +379,15 @@ def test_salt_survives_forks_and_recompute_preemption():
     plain, salted = run(None), run("tenant-1")
     assert plain[2] > 0 and plain[1] > 0
     assert salted == plain
+
+
+def test_engine_config_typo_names_the_closest_field():
+    with pytest.raises(TypeError, match="no field 'max_num_seq'; closest: max_num_seqs"):
+        EngineConfig(max_num_seq=4)
+    from paged import SpeculativeConfig
+
+    assert SpeculativeConfig.parse("ngram:3") == SpeculativeConfig("ngram", num_speculative_tokens=3)
+    assert SpeculativeConfig.parse('{"method": "draft", "num_speculative_tokens": 2}') == \
+        SpeculativeConfig("draft", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="METHOD"):
+        SpeculativeConfig.parse("medusa:2")

@@ -8,6 +8,7 @@ takes it over.
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import json
 import re
@@ -49,6 +50,29 @@ def server():
     offline = {p: o.text for p, o in zip(PROMPTS, engine.generate(PROMPTS, greedy))}
     offline_n2 = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, n=2,
                                                               temperature=0.8, seed=7))[0]
+    # Stop strings and max_tokens=None in the library, compared with the server's below.
+    stop = offline[PROMPTS[0]][3:5]
+    lib = {kw: engine.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                            stop=stop, **dict([kw])))[0].outputs[0]
+           for kw in (("include_stop_str_in_output", False), ("include_stop_str_in_output", True))}
+    tid = lib["include_stop_str_in_output", False].token_ids[1]
+    lib["tok"] = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                              stop_token_ids=[tid]))[0].outputs[0]
+    lib["none"] = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=None,
+                                                               temperature=0))[0].outputs[0]
+    # The README's library example: its prompts show text, not whitespace.
+    readme = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    prompts = ast.literal_eval(re.search(r"generate\((\[.*?\])", readme, re.S).group(1))
+    for o in engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0)):
+        assert len(o.text.strip()) >= 8 and any(c.isalpha() for c in o.text), o.text
+    # After warmup no request of any kind compiles (counted in test_no_compilation_after_warmup).
+    assert engine.warmup() == 1  # the plain shape is compiled already: the logprobs variant
+    compiled = engine.num_compilations
+    lp = engine.generate([PROMPTS[2]] * 2, [
+        SamplingParams(max_tokens=4, prompt_logprobs=3, logprobs=5, n=2, seed=1),
+        SamplingParams(max_tokens=4, logprobs=0, temperature=0, stop="x")])
+    assert lp[0].prompt_logprobs[1] and len(lp[0].outputs) == 2 and lp[1].outputs[0].logprobs
+    assert engine.num_compilations == compiled
     app = build_app(engine, ServerSettings(served_model_name="tiny", max_waiting=256))
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -60,7 +84,8 @@ def server():
         time.sleep(0.05)
     base = f"http://127.0.0.1:{port}"
     yield {"base": base, "app": app, "offline": offline,
-           "offline_n2": [o.text for o in offline_n2.outputs],
+           "offline_n2": [o.text for o in offline_n2.outputs], "stop": stop, "lib": lib,
+           "compiled": compiled, "engine": engine,
            "client": openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)}
     srv.should_exit = True
     thread.join(15)
@@ -123,6 +148,63 @@ def test_stop_string_truncates(server):
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_stop_strings_and_max_tokens_none_offline_equal_the_server(server):
+    client, stop, lib = server["client"], server["stop"], server["lib"]
+    full = server["offline"][PROMPTS[0]]
+    cut = lib["include_stop_str_in_output", False]
+    assert (cut.text, cut.finish_reason, cut.stop_reason) == (
+        full[:full.index(stop)], "stop", stop)
+    kept = lib["include_stop_str_in_output", True]
+    assert kept.text == full[:full.index(stop) + len(stop)] and kept.stop_reason == stop
+    assert kept.token_ids == cut.token_ids  # the tokens up to the one completing the match
+    for include, want in ((False, cut), (True, kept)):
+        r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                      temperature=0, stop=stop,
+                                      extra_body={"include_stop_str_in_output": include})
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (want.text, "stop")
+        assert r.usage.completion_tokens == len(want.token_ids)
+    # max_tokens=None: up to max_model_len, as vLLM (offline and over HTTP alike).
+    none = lib["none"]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=None, temperature=0)
+    assert r.choices[0].text == none.text and r.choices[0].finish_reason == none.finish_reason
+    n_prompt = len(PROMPTS[1].encode()) + 1
+    assert none.finish_reason == "stop" or len(none.token_ids) == CONFIG.max_model_len - n_prompt
+    assert none.stop_reason is None  # EOS or length
+
+
+def test_stop_token_reason_and_bad_stop_params(server):
+    ids = server["lib"]["include_stop_str_in_output", False].token_ids
+    tok = server["lib"]["tok"]
+    assert (tok.token_ids, tok.finish_reason, tok.stop_reason) == (ids[:2], "stop", ids[1])
+    engine_free = SamplingParams(stop=["a", "bc"], max_tokens=None)
+    assert engine_free.stop == ("a", "bc") and engine_free.max_tokens is None
+    with pytest.raises(TypeError, match="stop"):
+        SamplingParams(stop=3)
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=["x", ""])
+    with pytest.raises(TypeError, match="include_stop_str_in_output"):
+        SamplingParams(include_stop_str_in_output="yes")
+    assert len(ids) >= 2
+    r = server["client"].completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"stop_token_ids": [ids[1]]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 2
+
+
+def test_no_compilation_after_warmup(server):
+    """Every kind of request after ``warmup()``: plain, logprobs (k = 0 and 5), prompt logprobs
+    and n = 2 (offline, in the fixture), chat top_logprobs, n = 2 streams, stop strings: no
+    compilation (the engine's trace count is unchanged)."""
+    client, msgs = server["client"], [{"role": "user", "content": "hi"}]
+    client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=3, logprobs=0)
+    client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=3, n=2, logprobs=4)
+    client.chat.completions.create(model="tiny", messages=msgs, max_tokens=3, logprobs=True,
+                                   top_logprobs=2)
+    list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=3, n=3,
+                                        stream=True, stop=["a", "b"]))
+    assert server["engine"].num_compilations == server["compiled"]
 
 
 def test_64_concurrent_streams(server):
@@ -272,13 +354,22 @@ def test_bench_serving_smoke_against_the_server(server, tmp_path):
     out = tmp_path / "bench"
     c = common.load_config_file(str(ROOT / "experiments/configs/bench_serving.py") + ":smoke")
     c.base_url, c.model, c.output_dir = server["base"], "tiny", str(out)
+    c.save_generated_texts = True
     bench_serving.main(c, bench_serving.check(c))
     payload = json.loads((out / "summary.json").read_text())
-    for key in ("duration", "completed", "request_throughput", "output_throughput",
-                "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms",
-                "median_e2el_ms", "p99_e2el_ms", "ttfts", "itls", "input_lens", "output_lens",
-                "errors", "provenance"):
-        assert key in payload, key
+    # The keys a script written for vLLM's benchmark_serving result files reads.
+    vllm_keys = ("date", "backend", "model_id", "tokenizer_id", "num_prompts", "request_rate",
+                 "burstiness", "max_concurrency", "duration", "completed", "total_input_tokens",
+                 "total_output_tokens", "request_throughput", "output_throughput",
+                 "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms",
+                 "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms",
+                 "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
+                 "input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors")
+    missing = [k for k in vllm_keys if k not in payload]
+    assert not missing, missing
+    assert payload["num_prompts"] == 6 and payload["request_rate"] == c.workload.rate
+    assert payload["max_concurrency"] is None and len(payload["generated_texts"]) == 6
+    assert all(payload["generated_texts"]) and "provenance" in payload
     assert payload["completed"] == 6 and payload["errors"] == [""] * 6
     assert len(payload["ttfts"]) == 6 and all(t > 0 for t in payload["ttfts"])
 
@@ -287,7 +378,11 @@ def test_cli_bad_value_is_one_line():
     for flags, word in ((["--max_num_seqs", "0"], "max_num_seqs"),
                         (["--max-num-seqs", "x"], "max_num_seqs"),
                         (["--bogus", "1"], "--bogus"),
-                        (["--dtype", "float8"], "dtype")):
+                        (["--dtype", "float8"], "dtype"),
+                        (["--request_timeout_s", "3"], "--request_timeout_s"),  # one spelling
+                        (["--speculative", "ngram:x"], "METHOD[:K]"),
+                        (["--speculative", '{"num_speculative_token": 2}'],
+                         "closest: num_speculative_tokens")):
         proc = subprocess.run([sys.executable, "-m", "paged.server", *flags], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)
         lines = proc.stderr.strip().splitlines()

@@ -4,6 +4,7 @@ under speculation frees its blocks and leaves nothing staged)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import types
 
@@ -128,7 +129,7 @@ def test_warmup_compiles_the_verify_shapes():
     assert engine.warmup() > 1
     before = engine.num_compilations
     rep = [256] + [5, 6, 7, 8] * 4  # repeats: the n-gram proposer has drafts to verify
-    engine.generate([rep, rep[:9]], SamplingParams(max_tokens=12, temperature=0.0,
-                                                   ignore_eos=True))
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.generate([rep, rep[:9]], [plain, dataclasses.replace(plain, logprobs=2)])
     assert engine.spec_decode_stats()["num_drafts"] > 0
     assert engine.num_compilations == before

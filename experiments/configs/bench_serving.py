@@ -29,6 +29,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.request_timeout_s = 600.0  # per HTTP request (connect + whole stream)
     c.ttft_slo_ms = 2000.0
     c.tpot_slo_ms = 200.0
+    c.save_generated_texts = False  # also write vLLM's generated_texts (index-0 choice texts)
     c.output_dir = ""  # default results/bench_serving/<UTC timestamp>/
     if arg == "smoke":
         c.max_model_len = 64

@@ -15,7 +15,6 @@ as ``None``: the key still exists (a typo is still caught) and `make_engine_conf
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from collections.abc import Mapping
@@ -24,6 +23,7 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
+from paged import validate
 from paged.config import EngineConfig, check_attention_impl
 
 # Set at the study's top level (``config.model``), not in ``config.engine``.
@@ -85,9 +85,7 @@ def engine_config_dict(**overrides: Any) -> ml_collections.ConfigDict:
     return e
 
 
-def closest(name: str, options) -> list[str]:
-    """Up to three of ``options`` closest to ``name`` (difflib), best first."""
-    return difflib.get_close_matches(name, list(options), n=3, cutoff=0.5)
+closest = validate.closest  # one implementation, shared with EngineConfig's keyword check
 
 
 def make_engine_config(engine: Mapping | ml_collections.ConfigDict, *, model: str | None = None,

@@ -181,15 +181,15 @@ class PrefixTree:
 
 
 # --- a backend -------------------------------------------------------------------------------
-_GAUGE = re.compile(r"^(paged:num_requests_(?:waiting|running))(?:\{[^}]*\})? (\S+)$", re.M)
+_GAUGE = re.compile(r"^(?:paged|vllm):num_requests_(waiting|running)(?:\{[^}]*\})? (\S+)$", re.M)
 
 
 def parse_load(metrics_text: str) -> tuple[int, int] | None:
-    """``(waiting, running)`` from a ``paged.server``'s ``/metrics`` text; None if absent."""
+    """``(waiting, running)`` from a ``paged.server``'s ``/metrics`` text (``paged:`` or, with
+    ``--metrics_prefix vllm``, ``vllm:`` names; vLLM's own servers too); None if absent."""
     found = {m.group(1): m.group(2) for m in _GAUGE.finditer(metrics_text)}
     try:
-        return (int(float(found["paged:num_requests_waiting"])),
-                int(float(found["paged:num_requests_running"])))
+        return int(float(found["waiting"])), int(float(found["running"]))
     except (KeyError, ValueError):
         return None
 
@@ -202,8 +202,10 @@ class Backend:
       up: False after a connection to it failed; the next successful scrape sets it again.
       in_flight: requests this router forwarded to it that have not finished (streams included
         until their last byte is relayed).
-      scraped_waiting, scraped_running: the backend's gauges at the last scrape (0 before one).
+      scraped_waiting, scraped_running: the backend's gauges at the last scrape (0 before one,
+        and 0 again once it is down).
       scraped_at: ``time.monotonic()`` of the last successful scrape (None: never).
+      down_since: ``time.monotonic()`` when it was marked down (None while up).
       last_error: the last connection error, for ``/health`` and logs.
       prefix_granularity: a hit is reported in whole multiples of this many characters (a real
         prefix cache holds whole blocks only, so a few shared characters are no hit).
@@ -219,6 +221,7 @@ class Backend:
         self.in_flight = 0
         self.scraped_waiting = self.scraped_running = 0
         self.scraped_at: float | None = None
+        self.down_since: float | None = None
         self.last_error: str | None = None
         self.num_requests = 0
         self.num_errors = 0
@@ -263,18 +266,27 @@ class Backend:
         its prefix tree starts over (a server that went away comes back with an empty cache)."""
         self.up = False
         self.tree = PrefixTree(self.tree.max_chars)
+        # Its last scraped gauges describe a server that is gone: a down backend reports none.
+        self.scraped_waiting = self.scraped_running = 0
+        self.down_since = time.monotonic()
         self.num_errors += 1
         self.last_error = error
 
     def scraped(self, load: tuple[int, int] | None) -> None:
-        self.up, self.last_error = True, None
+        self.up, self.last_error, self.down_since = True, None, None
         if load is not None:
             self.scraped_waiting, self.scraped_running = load
         self.scraped_at = time.monotonic()
 
     def state(self) -> dict:
+        """``/health``'s entry: ``waiting`` / ``running`` as last scraped (0 while down) with
+        ``scraped_age_s``, how old that scrape is (None: never scraped), and ``down_for_s``
+        (None while up)."""
+        now = time.monotonic()
+        age = lambda t: None if t is None else round(now - t, 3)
         return {"url": self.url, "up": self.up, "in_flight": self.in_flight,
                 "waiting": self.scraped_waiting, "running": self.scraped_running,
+                "scraped_age_s": age(self.scraped_at), "down_for_s": age(self.down_since),
                 "tree_chars": self.tree.num_chars, "requests": self.num_requests,
                 "errors": self.num_errors, "last_error": self.last_error}
 

@@ -36,15 +36,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
+import json
 import logging
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import paged.server.protocol as protocol
 from paged.server.engine_loop import EngineLoop, Stream
-from paged.server.metrics import CONTENT_TYPE_LATEST
+from paged.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from paged.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from paged.server.streams import CLIENT_REASONS, Choice
 
@@ -61,11 +64,21 @@ class ServerSettings:
       max_waiting: requests that may wait (accepted, not running) before new ones get 503.
       request_timeout_s: per-request timeout passed to the engine (None: the engine's
         ``request_timeout_s``).
+      api_key: when set, every ``/v1/*`` request must carry ``Authorization: Bearer <api_key>``
+        (else 401 in OpenAI's error shape, ``"code": "invalid_api_key"``); ``/health`` and
+        ``/metrics`` stay open. ``python -m paged.server --api_key`` or ``PAGED_API_KEY``.
+      metrics_prefix: the Prometheus names' prefix, ``"paged"`` or ``"vllm"`` (vLLM's names, for
+        dashboards built on them).
+      warmup: compile every step a request can select (``Engine.warmup``) in the engine thread
+        once the app starts; meanwhile ``/health`` and ``/v1/*`` answer 503 with ``Retry-After``.
     """
 
     served_model_name: str = "tiny"
     max_waiting: int = 256
     request_timeout_s: float | None = None
+    api_key: str | None = None
+    warmup: bool = False
+    metrics_prefix: str = "paged"
 
 
 def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
@@ -75,7 +88,8 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
     """
     settings = settings or ServerSettings()
     engine_loop = EngineLoop(engine, max_waiting=settings.max_waiting,
-                             request_timeout_s=settings.request_timeout_s)
+                             request_timeout_s=settings.request_timeout_s, warmup=settings.warmup,
+                             metrics=ServerMetrics(settings.metrics_prefix))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -86,7 +100,7 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
             engine_loop.stop()
 
     app = FastAPI(title="paged", lifespan=lifespan)
-    _keep_raw_send(app)
+    _keep_raw_send(app, _gate(settings, engine_loop))
     app.state.loop = engine_loop
     app.state.settings = settings
     api = _Api(engine, engine_loop, settings)
@@ -94,6 +108,14 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):  # unknown route, wrong method
+        what = {404: "no such route", 405: "method not allowed on"}.get(e.status_code, e.detail)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return JSONResponse(protocol.error_body(f"{what} {request.method} {request.url.path}",
+                                                code=code),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.get("/health")
     async def health():
@@ -128,10 +150,43 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
 _RAW_SEND = "paged.raw_send"
 
 
-def _keep_raw_send(app: FastAPI) -> None:
+def _gate(settings: ServerSettings, engine_loop: EngineLoop):
+    """What the outermost layer answers itself, before any route: ``/v1/*`` without the API key
+    (401), ``/v1/*`` and ``/health`` while the engine still compiles (503 with ``Retry-After``).
+    Returns ``gate(scope) -> (status, body, headers) | None``."""
+    want = None if settings.api_key is None else f"Bearer {settings.api_key}".encode()
+
+    def gate(scope):
+        path = scope.get("path", "")
+        api = path == "/v1" or path.startswith("/v1/")
+        if want is not None and api:
+            got = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            if not hmac.compare_digest(got, want):
+                return 401, protocol.error_body(
+                    "Incorrect or missing API key: send the header 'Authorization: Bearer "
+                    "<key>' with the server's --api_key", code="invalid_api_key"), {}
+        if (api or path == "/health") and not engine_loop.ready and engine_loop.alive:
+            return 503, protocol.error_body(
+                f"the server is still compiling its step shapes ({engine_loop.warmup_status}); "
+                f"retry shortly", type="server_error", code="warming_up"), {"retry-after": "2"}
+        return None
+
+    return gate
+
+
+async def _answer(send, status: int, body: dict, headers: dict) -> None:
+    raw = json.dumps(body).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    head += [(k.encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": raw})
+
+
+def _keep_raw_send(app: FastAPI, gate=None) -> None:
     """Makes the outermost layer of ``app`` keep the server's own ``send`` in the scope, so
     that `_EventStream` can send body chunks past the middleware stack (each layer wraps
-    ``send`` in a coroutine that only watches for the response start)."""
+    ``send`` in a coroutine that only watches for the response start); ``gate`` (`_gate`) may
+    answer a request there instead."""
     build = app.build_middleware_stack
 
     def build_with_raw_send():
@@ -140,6 +195,10 @@ def _keep_raw_send(app: FastAPI) -> None:
         async def outer(scope, receive, send):
             if scope["type"] == "http":
                 scope[_RAW_SEND] = send
+                answer = gate(scope) if gate is not None else None
+                if answer is not None:
+                    await _answer(send, *answer)
+                    return
             await inner(scope, receive, send)
 
         return outer
@@ -232,15 +291,16 @@ class _Api:
         return self.encode(text, "messages")
 
     def check_lengths(self, prompts: list[list[int]], max_tokens: int | None,
-                      param: str) -> int:
-        """The max_tokens to use (None: what is left of the context), or ApiError."""
+                      param: str) -> int | None:
+        """The max_tokens to use (None: what is left of each prompt's context, resolved by the
+        engine as for a library request), or ApiError."""
         longest = max(len(p) for p in prompts)
         if longest >= self.max_model_len:
             raise ApiError(f"This model's maximum context length is {self.max_model_len} tokens. "
                            f"However, your prompt has {longest} tokens (at least one output "
                            f"token must fit).", param=param, code="context_length_exceeded")
         if max_tokens is None:
-            return self.max_model_len - longest
+            return None
         if max_tokens >= 1 and longest + max_tokens > self.max_model_len:
             raise ApiError(f"This model's maximum context length is {self.max_model_len} tokens. "
                            f"However, you requested {longest + max_tokens} tokens ({longest} in "
@@ -268,10 +328,10 @@ class _Api:
                 else req.max_tokens
             max_tokens = self.check_lengths(prompts, wanted, "messages")
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = protocol.sampling_params(req, max_tokens, logprobs=logprobs)
+        stops = protocol.stop_strings(req.stop)
+        params = protocol.sampling_params(req, max_tokens, logprobs=logprobs, stop=stops)
         if req.n > self.max_num_seqs:
             raise ApiError(f"n={req.n} > max_num_seqs={self.max_num_seqs}", param="n")
-        stops = protocol.stop_strings(req.stop)
         shapes = protocol.Shapes(kind, req.model or self.settings.served_model_name)
         echo = kind == "completion" and req.echo
         job = _Job(self, shapes, prompts, params, stops, req.n, incremental=req.stream,
@@ -307,18 +367,15 @@ class _Job:
             return [], item[2]
         _, tag, outs, finished, _info = item
         touched = []
-        for idx, ids, reason, lps in outs:
+        for idx, ids, reason, lps, stop_text in outs:
             c = self.choices[tag * self.n + idx]
             if not c.done:
-                c.update(ids, reason)
+                c.update(ids, reason, stop_text)
                 c.lps = lps
                 c.token_ids = ids
                 touched.append(c)
         if finished:
             self.open.discard(tag)
-        elif tag in self.open and all(c.done for c in self.choices[tag * self.n:(tag + 1) * self.n]):
-            self.open.discard(tag)  # every sample hit a stop string: free the engine request
-            self.api.loop.abort([self.stream.requests[tag][0]])
         err = None
         bad = next((c for c in touched if c.done and c.finish_reason not in CLIENT_REASONS), None)
         if bad is not None:

@@ -11,8 +11,10 @@ field's, with underscores (``--max_num_seqs 64``); the dashed spelling (``--max-
 accepted as an alias. Booleans take ``true/false`` (also ``1/0``, ``yes/no``), optional fields
 take ``none``. Server flags: ``--host``, ``--port``, ``--served_model_name`` (default: the
 model), ``--max_waiting`` (requests that may wait before 503, default 256), ``--request_timeout``
-(seconds, passed to the engine per request), ``--warmup`` (compile every step shape before
-serving, default true), ``--switch_interval_ms`` (the interpreter's thread switch interval, default
+(seconds, passed to the engine per request), ``--warmup`` (compile every step a request can
+select before serving, default true; `paged.warmup`: progress lines, 503 with ``Retry-After``
+until ready, and a small default bucket set, `paged.warmup.server_buckets`), ``--api_key``
+(default ``$PAGED_API_KEY``: a Bearer token every ``/v1/*`` route requires), ``--switch_interval_ms`` (the interpreter's thread switch interval, default
 0.5 ms instead of Python's 5 ms, so the engine thread never waits long for the GIL while the event
 loop sends chunks), ``--log_level``. ``--model`` also accepts ``random-small`` (a small
 random-weight model, for tests).
@@ -26,14 +28,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import types
 import typing
 
 from paged import cli_lines
 from paged.config import EngineConfig
+from paged.spec_decode import SpeculativeConfig
 
 PROG = "paged.server"
+API_KEY_ENV = "PAGED_API_KEY"  # vLLM's VLLM_API_KEY, under this project's name
 
 
 def fail(message: str) -> typing.NoReturn:
@@ -57,15 +62,18 @@ def _parser_for(annotation) -> tuple[typing.Callable[[str], typing.Any], str]:
         args = [a for a in typing.get_args(t) if a is not type(None)]
         optional = len(args) < len(typing.get_args(t))
         t = args[0] if len(args) == 1 else str
-    base = {bool: _parse_bool, int: int, float: float}.get(t, str)
-    name = {bool: "BOOL", int: "INT", float: "FLOAT"}.get(t, "STR")
+    base = {bool: _parse_bool, int: int, float: float, SpeculativeConfig: SpeculativeConfig.parse
+            }.get(t, str)
+    name = {bool: "BOOL", int: "INT", float: "FLOAT", SpeculativeConfig: "SPEC"}.get(t, "STR")
 
     def parse(text: str):
         if optional and text.strip().lower() in ("none", "null", ""):
             return None
         try:
             return base(text)
-        except ValueError:
+        except (TypeError, ValueError) as e:
+            if t is SpeculativeConfig:
+                raise argparse.ArgumentTypeError(str(e)) from None
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an' if name == 'INT' else 'a'} "
                                              f"{name.lower()}") from None
 
@@ -79,6 +87,14 @@ def _flag_names(name: str) -> list[str]:
     return names
 
 
+# EngineConfig fields set by a server flag of another name (one flag per setting).
+SERVER_SPELLED = {"request_timeout_s": "request_timeout"}
+_EXTRA_HELP = {"speculative": ": METHOD[:K] (ngram:4, draft:3) or a JSON object of "
+                              "SpeculativeConfig's fields, as vLLM's --speculative-config: "
+                              "'{\"method\": \"draft\", \"model\": \"DIR\", "
+                              "\"num_speculative_tokens\": 4}'; none: off"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = cli_lines.OneLineParser(prog=f"python -m {PROG}", name=PROG, allow_abbrev=False,
                        description="OpenAI-compatible server over one paged.Engine.")
@@ -90,9 +106,25 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(*_flag_names("max_waiting"), type=int, default=256,
                         help="requests that may wait before new ones get 503")
     server.add_argument(*_flag_names("request_timeout"), type=float, default=None,
-                        help="seconds; a request still unfinished after it is ended")
+                        help="seconds; a request still unfinished after it is ended "
+                             "(EngineConfig.request_timeout_s)")
     server.add_argument(*_flag_names("warmup"), type=_parse_bool, default=True, metavar="BOOL",
-                        help="compile every step shape before serving")
+                        help="compile every step a request can select (each step shape, plain "
+                             "and with logprobs, n > 1 forks, n-gram verify steps) before "
+                             "serving, printing N/N progress; until ready /health and /v1/* "
+                             "answer 503 with Retry-After. The shapes: unless --min_token_bucket "
+                             "or --min_seq_bucket is given, one sequence bucket (--max_num_seqs) "
+                             "and two token buckets (half of and all of --max_num_batched_tokens, "
+                             "capped by --max_model_len x --max_num_seqs): 4 compilations, 20-30 s "
+                             "to ready on 2 CPU cores; smaller --min_*_bucket values add shapes")
+    server.add_argument(*_flag_names("api_key"), default=os.environ.get(API_KEY_ENV) or None,
+                        help=f"require 'Authorization: Bearer KEY' on every /v1/* route (401 "
+                             f"otherwise; /health and /metrics stay open); default: the "
+                             f"{API_KEY_ENV} environment variable")
+    server.add_argument(*_flag_names("metrics_prefix"), default="paged", choices=("paged", "vllm"),
+                        help="prefix of the /metrics names: paged (paged:num_requests_running, "
+                             "...) or vllm (vllm:num_requests_running, ..., for dashboards "
+                             "built on vLLM's names)")
     server.add_argument(*_flag_names("switch_interval_ms"), type=float, default=0.5,
                         help="the interpreter's thread switch interval (Python's default is 5): "
                              "how long the engine thread may wait for the GIL while the event "
@@ -102,10 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     engine = p.add_argument_group("engine (every EngineConfig field)")
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
+        if f.name in SERVER_SPELLED:
+            continue
         parse, metavar = _parser_for(hints[f.name])
         engine.add_argument(*_flag_names(f.name), dest=f"engine.{f.name}", type=parse,
                             default=argparse.SUPPRESS, metavar=metavar,
-                            help=f"EngineConfig.{f.name} (default {f.default!r})")
+                            help=f"EngineConfig.{f.name} (default {f.default!r})"
+                            + _EXTRA_HELP.get(f.name, ""))
     return p
 
 
@@ -122,8 +157,12 @@ def parse_args(argv: list[str] | None = None):
     if ns.request_timeout is not None and not (ns.request_timeout > 0
                                                and math.isfinite(ns.request_timeout)):
         fail(f"request_timeout={ns.request_timeout} must be a finite number > 0")
+    if ns.api_key is not None and not ns.api_key.strip():
+        fail("api_key must be non-empty")
     try:
-        config = EngineConfig(**fields)
+        from paged.warmup import server_buckets
+
+        config = server_buckets(EngineConfig(**fields), set(fields))
         import jax
 
         from paged.config import check_attention_impl
@@ -172,13 +211,56 @@ def main(argv: list[str] | None = None) -> None:
     # engine thread can wait that long for the GIL after every device step.
     sys.setswitchinterval(ns.switch_interval_ms / 1000.0)
     try:
-        engine = make_engine(config, warmup=ns.warmup)
+        engine = make_engine(config)
     except (TypeError, ValueError, FileNotFoundError) as e:
         fail(str(e))
     settings = ServerSettings(served_model_name=ns.served_model_name or config.model,
-                              max_waiting=ns.max_waiting, request_timeout_s=ns.request_timeout)
+                              max_waiting=ns.max_waiting, request_timeout_s=ns.request_timeout,
+                              api_key=ns.api_key, warmup=ns.warmup,
+                              metrics_prefix=ns.metrics_prefix)
+    if ns.warmup:
+        from paged import warmup
+
+        steps = warmup.plan(engine) if hasattr(engine, "_variants") else []
+        print(f"{PROG}: warmup: compiling {len(steps) or 'every'} step shapes (token buckets "
+              f"from {config.min_token_bucket}, sequence buckets from {config.min_seq_bucket}; "
+              f"--help says which flags change them); /health answers 503 until ready",
+              file=sys.stderr, flush=True)
     app = build_app(engine, settings)
     print(f"{PROG}: serving {settings.served_model_name} on http://{ns.host}:{ns.port} "
           f"(max_num_seqs={config.max_num_seqs}, max_model_len={config.max_model_len})",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=False)
+    server = _graceful_server_class()(uvicorn.Config(app, host=ns.host, port=ns.port,
+                                            log_level=ns.log_level, access_log=False))
+    server.engine_loop = app.state.loop
+    server.run()
+    if server.terminated:
+        print(f"{PROG}: shut down on SIGTERM ({server.in_flight} requests in flight were ended "
+              f"with a final error event)", file=sys.stderr, flush=True)
+
+
+def _graceful_server_class():
+    import threading
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """SIGTERM: stop accepting, end every in-flight request (a stream gets a last
+        ``data: {"error": {"code": "shutting_down"}}`` event, then ``[DONE]``; a waiting
+        non-streaming request a 503), then exit 0 (uvicorn's own handling re-raises the signal:
+        status 143)."""
+
+        engine_loop = None
+        terminated = False
+        in_flight = 0
+
+        def handle_exit(self, sig, frame):
+            import signal
+
+            if sig != signal.SIGTERM or self.engine_loop is None:
+                return super().handle_exit(sig, frame)
+            self.terminated = self.should_exit = True
+            self.in_flight = self.engine_loop.num_in_flight
+            threading.Thread(target=self.engine_loop.stop, daemon=True).start()
+
+    return GracefulServer

@@ -9,7 +9,7 @@ on the condition when idle. After each step it hands every stream its new output
 
 What a stream's asyncio queue receives (`Item`): ``("out", tag, choices, finished, info)`` with
 ``choices`` a list of ``(sample index, token ids so far, finish reason, log-probabilities so far
-or None)`` and ``info``
+or None, the text cut at the stop string when one ended the sample or None)`` and ``info``
 (prompt tokens, cached tokens) on the first and last items; or ``("error", tag, ApiError)``.
 
 Back-pressure: at most ``max_waiting`` requests wait (accepted by the server but not running:
@@ -22,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
 from paged.server.metrics import ServerMetrics
@@ -57,8 +59,13 @@ class EngineLoop:
     """
 
     def __init__(self, engine, *, max_waiting: int = 256, request_timeout_s: float | None = None,
-                 metrics: ServerMetrics | None = None):
+                 metrics: ServerMetrics | None = None, warmup: bool = False):
         self.engine = engine
+        # With ``warmup`` the loop thread first compiles (``engine.warmup(progress=True)``);
+        # until then ``ready`` is False and `submit` answers 503 with Retry-After.
+        self._warmup = warmup
+        self.ready = not warmup
+        self.warmup_started: float | None = None
         self.max_waiting = max_waiting
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics or ServerMetrics()
@@ -84,6 +91,19 @@ class EngineLoop:
             self._thread.join(timeout)
 
     @property
+    def warmup_status(self) -> str:
+        if self.ready:
+            return "ready"
+        if self.warmup_started is None:
+            return "warmup not started"
+        return f"warmup running for {time.monotonic() - self.warmup_started:.0f} s"
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not finished (engine requests, one per prompt)."""
+        return self._pending + len(self._live)
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None and not self._stopping
 
@@ -99,6 +119,9 @@ class EngineLoop:
                 raise ApiError("the engine is not running" + (
                     f": {self.error}" if self.error else ""), status=503, type="server_error",
                     code="engine_not_running")
+            if not self.ready:
+                raise ApiError(f"the server is still compiling ({self.warmup_status}); retry "
+                               f"shortly", status=503, type="server_error", code="warming_up")
             waiting = self._pending + self._engine_waiting
             if waiting + k > self.max_waiting:
                 raise ApiError(f"server busy: {waiting} requests waiting (max_waiting="
@@ -120,6 +143,13 @@ class EngineLoop:
     def _run(self) -> None:
         engine = self.engine
         try:
+            if not self.ready:
+                self.warmup_started = time.monotonic()
+                n = engine.warmup(progress=True)
+                print(f"paged.server: ready: warmup compiled {n} step shapes in "
+                      f"{time.monotonic() - self.warmup_started:.1f} s", file=sys.stderr,
+                      flush=True)
+                self.ready = True
             while True:
                 with self._cond:
                     while not (self._commands or self._stopping or engine.has_unfinished_requests()
@@ -184,11 +214,9 @@ class EngineLoop:
             if entry is None:
                 continue  # aborted by its client
             stream, tag = entry
-            if stream.logprobs:
-                choices = [(o.index, o.token_ids, o.finish_reason, o.logprobs)
-                           for o in out.outputs]
-            else:
-                choices = [(o.index, o.token_ids, o.finish_reason, None) for o in out.outputs]
+            lp = stream.logprobs
+            choices = [(o.index, o.token_ids, o.finish_reason, o.logprobs if lp else None,
+                        o.text if isinstance(o.stop_reason, str) else None) for o in out.outputs]
             finished = out.finished
             info = None
             if finished:

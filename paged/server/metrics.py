@@ -1,6 +1,6 @@
 """Prometheus metrics of one server (its own `CollectorRegistry`, so several apps can coexist).
 
-Names follow vLLM's with the ``paged:`` prefix:
+Names follow vLLM's with the ``paged:`` prefix (``--metrics_prefix vllm``: vLLM's own ``vllm:``):
 
 - gauges ``paged:num_requests_running`` and ``paged:num_requests_waiting`` (engine sequences
   running / waiting, as the engine's ``kv_stats`` counts them; a request with ``n=2`` runs as two
@@ -34,36 +34,42 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0
                  0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
+PREFIXES = ("paged", "vllm")
+
+
 class ServerMetrics:
     """The registry and every metric of one server."""
 
-    def __init__(self):
+    def __init__(self, prefix: str = "paged"):
+        """``prefix``: ``"paged"`` or ``"vllm"`` (the names vLLM's dashboards expect)."""
+        if prefix not in PREFIXES:
+            raise ValueError(f"metrics prefix={prefix!r} must be one of {PREFIXES}")
+        p = prefix
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.running = Gauge("paged:num_requests_running",
+        self.running = Gauge(f"{p}:num_requests_running",
                              "Sequences running in the engine (one per sample).", registry=r)
-        self.waiting = Gauge("paged:num_requests_waiting",
+        self.waiting = Gauge(f"{p}:num_requests_waiting",
                              "Sequences waiting in the engine, plus requests the server accepted "
                              "and has not handed to the engine yet.", registry=r)
-        self.kv_usage = Gauge("paged:kv_cache_usage_perc",
+        self.kv_usage = Gauge(f"{p}:kv_cache_usage_perc",
                               "Used KV blocks / usable blocks (0 to 1).", registry=r)
-        self.prefix_hits = Counter("paged:prefix_cache_hit_tokens",
+        self.prefix_hits = Counter(f"{p}:prefix_cache_hit_tokens",
                                    "Prompt tokens served from the prefix cache.", registry=r)
-        self.preemptions = Counter("paged:num_preemptions", "Engine preemptions.", registry=r)
-        self.prompt_tokens = Counter("paged:prompt_tokens", "Prompt tokens of finished requests.",
+        self.preemptions = Counter(f"{p}:num_preemptions", "Engine preemptions.", registry=r)
+        self.prompt_tokens = Counter(f"{p}:prompt_tokens", "Prompt tokens of finished requests.",
                                      registry=r)
-        self.generation_tokens = Counter("paged:generation_tokens",
+        self.generation_tokens = Counter(f"{p}:generation_tokens",
                                          "Output tokens of finished requests.", registry=r)
-        self.success = Counter("paged:request_success", "Finished requests by finish reason.",
+        self.success = Counter(f"{p}:request_success", "Finished requests by finish reason.",
                                ["finished_reason"], registry=r)
-        self.aborted = Counter("paged:request_aborted",
-                               "Requests aborted by the server: their client hung up, or stop "
-                               "strings ended every sample.", registry=r)
-        self.ttft = Histogram("paged:time_to_first_token_seconds", "Time to first token.",
+        self.aborted = Counter(f"{p}:request_aborted",
+                               "Requests aborted by the server: their client hung up.", registry=r)
+        self.ttft = Histogram(f"{p}:time_to_first_token_seconds", "Time to first token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("paged:time_per_output_token_seconds",
+        self.tpot = Histogram(f"{p}:time_per_output_token_seconds",
                               "Time per output token after the first.", buckets=_TPOT_BUCKETS,
                               registry=r)
-        self.e2e = Histogram("paged:e2e_request_latency_seconds", "Arrival to finish.",
+        self.e2e = Histogram(f"{p}:e2e_request_latency_seconds", "Arrival to finish.",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self._hits = self._preempts = 0
 

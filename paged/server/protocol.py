@@ -60,7 +60,7 @@ class StreamOptions(_Strict):
 
 class _Common(_Strict):
     """Fields shared by both endpoints (OpenAI's, then vLLM's extras ``top_k``, ``ignore_eos``,
-    ``stop_token_ids``)."""
+    ``stop_token_ids``, ``include_stop_str_in_output``)."""
 
     model: str | None = None
     temperature: float | None = None
@@ -78,6 +78,7 @@ class _Common(_Strict):
     top_k: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
 
 
 class CompletionRequest(_Common):
@@ -128,7 +129,8 @@ def _unsupported(param: str, what: str) -> ApiError:
                     code="unsupported_parameter")
 
 
-def sampling_params(req: _Common, max_tokens: int, *, logprobs: Any) -> SamplingParams:
+def sampling_params(req: _Common, max_tokens: int | None, *, logprobs: Any,
+                    stop: tuple[str, ...] = ()) -> SamplingParams:
     """The engine's SamplingParams for ``req`` (checked here so the engine never refuses them).
 
     Raises:
@@ -148,7 +150,7 @@ def sampling_params(req: _Common, max_tokens: int, *, logprobs: Any) -> Sampling
     top_p = 1.0 if req.top_p is None else req.top_p
     top_k = 0 if req.top_k in (None, -1) else req.top_k
     checks = (
-        ("max_tokens", max_tokens, max_tokens >= 1, "must be >= 1"),
+        ("max_tokens", max_tokens, max_tokens is None or max_tokens >= 1, "must be >= 1"),
         ("temperature", temperature, 0 <= temperature <= 2 ** 100, "must be >= 0"),
         ("top_p", top_p, 0 < top_p <= 1, "must be in (0, 1]"),
         ("top_k", req.top_k, top_k >= 0, "must be >= 0 (-1 or 0: disabled)"),
@@ -161,7 +163,8 @@ def sampling_params(req: _Common, max_tokens: int, *, logprobs: Any) -> Sampling
             raise ApiError(f"{name}={value!r} {what}", param=name)
     kwargs = dict(max_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
                   top_p=float(top_p), seed=req.seed, n=req.n,
-                  stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos)
+                  stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                  stop=stop, include_stop_str_in_output=req.include_stop_str_in_output)
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
     try:

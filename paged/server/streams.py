@@ -1,44 +1,20 @@
-"""From token ids to the text a client sees: incremental detokenization and stop strings.
+"""From token ids to the text a client sees: incremental detokenization and held-back text.
 
-`Detokenizer` decodes only a short window of the newest tokens per step, so a long stream costs
-O(new tokens) per step rather than O(length): it keeps two offsets into the token ids and emits
-``decode(ids[prefix:]) - decode(ids[prefix:read])``, holding text back while it ends in U+FFFD
-(a multi-byte character whose last bytes have not arrived). At the end (``final=True``) the held
-text is flushed as it decodes.
-
-`Choice` is one choice of a response (a sample of one prompt): text so far, how much was sent,
-stop strings (searched in the detokenized text; a match finishes the choice with ``"stop"`` and
-the text is cut before the stop string, as OpenAI does), and while streaming, the last
-``len(longest stop) - 1`` characters are held back so a stop string split across steps is never
-sent in part.
+`Choice` is one choice of a response (a sample of one prompt): text so far (decoded by the
+shared `paged.stop_strings.Detokenizer`), how much was sent, its finish reason. Stop strings are
+the engine's (``SamplingParams.stop``, `paged.stop_strings`): a match finishes the sample with
+``"stop"`` and the engine's output carries the text cut before the stop string; while streaming,
+the last ``len(longest stop) - 1`` characters are held back so a stop string split across steps
+is never sent in part.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-_REPLACEMENT = "\ufffd"
+from paged.stop_strings import Detokenizer
 
-
-class Detokenizer:
-    """Incremental ``decode`` of a growing list of token ids (see the module docstring)."""
-
-    __slots__ = ("_decode", "_prefix", "_read", "text")
-
-    def __init__(self, decode: Callable[[Sequence[int]], str]):
-        self._decode = decode
-        self._prefix = self._read = 0
-        self.text = ""
-
-    def update(self, ids: Sequence[int], final: bool = False) -> str:
-        """Text of ``ids`` (which extend the ids of the previous call) as far as it is settled."""
-        if len(ids) > self._read:
-            before = self._decode(ids[self._prefix:self._read])
-            now = self._decode(ids[self._prefix:])
-            if len(now) > len(before) and (final or not now.endswith(_REPLACEMENT)):
-                self.text += now[len(before):]
-                self._prefix, self._read = self._read, len(ids)
-        return self.text
+__all__ = ["CLIENT_REASONS", "Choice", "Detokenizer"]
 
 
 # Engine finish reasons that a client sees as such; the others ("abort", "timeout") end the
@@ -52,9 +28,9 @@ class Choice:
     Args:
       index: ``choices[].index`` (prompt position x n + sample index).
       decode: the tokenizer's decode.
-      stops: stop strings.
-      incremental: decode every step (streaming, or stop strings to watch); otherwise the text is
-        decoded once, in full, when the choice finishes.
+      stops: the request's stop strings (for the text held back while streaming).
+      incremental: decode every step (streaming); otherwise the text is decoded once, in full,
+        when the choice finishes.
     """
 
     __slots__ = ("index", "stops", "hold", "detok", "decode", "incremental", "text", "sent",
@@ -63,7 +39,7 @@ class Choice:
     def __init__(self, index: int, decode, stops: tuple[str, ...] = (), incremental: bool = True):
         self.index, self.stops, self.decode = index, stops, decode
         self.hold = max((len(s) for s in stops), default=1) - 1
-        self.incremental = incremental or bool(stops)
+        self.incremental = incremental
         self.detok = Detokenizer(decode) if self.incremental else None
         self.text, self.sent, self.num_tokens = "", 0, 0
         self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout"
@@ -84,27 +60,21 @@ class Choice:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def update(self, token_ids: Sequence[int], engine_reason: str | None) -> bool:
-        """Takes the choice's token ids so far and the engine's finish reason; returns True if
-        the choice just finished (by the engine, or by a stop string found here)."""
+    def update(self, token_ids: Sequence[int], engine_reason: str | None,
+               stop_text: str | None = None) -> bool:
+        """Takes the choice's token ids so far, the engine's finish reason and, when a stop
+        string ended it, the engine's text (cut at the stop string); returns True if the choice
+        just finished."""
         if self.done:
             return False
         self.num_tokens = len(token_ids)
         final = engine_reason is not None
-        if not self.incremental:
-            if final:
-                self.text = self.decode(token_ids)
-                self.finish_reason = engine_reason
-            return final
-        searched = max(len(self.text) - self.hold, 0)
-        self.text = self.detok.update(token_ids, final)
-        if self.stops:
-            hit = min((p for p in (self.text.find(s, searched) for s in self.stops) if p >= 0),
-                      default=-1)
-            if hit >= 0:
-                self.text = self.text[:hit]
-                self.finish_reason = "stop"
-                return True
+        if stop_text is not None:
+            self.text = stop_text
+        elif self.incremental:
+            self.text = self.detok.update(token_ids, final)
+        elif final:
+            self.text = self.decode(token_ids)
         if final:
             self.finish_reason = engine_reason
         return final
