@@ -223,6 +223,12 @@ def measure(engine: Engine, c, rng) -> list[dict]:
 
 
 def _measure(engine, c, rng, rec, points) -> None:
+    total = len(c.decode_batch_sizes) * len(c.context_lens) + len(c.prefill_chunks) * c.repeats
+    with common.Progress(total, "calibrate", unit="point") as progress:
+        _measure_points(engine, c, rng, rec, points, progress)
+
+
+def _measure_points(engine, c, rng, rec, points, progress) -> None:
     k = 0
     for b in c.decode_batch_sizes:
         for ctx in c.context_lens:
@@ -242,6 +248,7 @@ def _measure(engine, c, rng, rec, points) -> None:
                 if i >= c.warmup_steps and shape is not None:
                     points.append(_point("decode", shape, wall, host, b, ctx))
             _drain(engine)
+            progress.update(1)
     for chunk in c.prefill_chunks:
         for _ in range(c.repeats):
             k += 1
@@ -251,6 +258,7 @@ def _measure(engine, c, rng, rec, points) -> None:
             if shape is not None:
                 points.append(_point("prefill", shape, wall, host, 1, chunk))
             _drain(engine)
+            progress.update(1)
 
 
 def _point(kind, shape, wall, host, batch, ctx) -> dict:

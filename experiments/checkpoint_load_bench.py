@@ -194,14 +194,18 @@ def main(c, base: Path) -> None:
         for dtype in c.load_dtypes:
             methods[f"load_{dtype}"] = lambda dtype=dtype: load_checkpoint(directory, dtype=dtype)
         runs = []
+        progress = common.Progress(c.rounds * len(methods) * 2, "checkpoint_load_bench",
+                                   unit="load")
         for r in range(c.rounds):
             for name, fn in methods.items():
                 for cache in ("cold", "warm"):
                     row = {"round": r, "method": name, **timed(fn, paths, cache)}
                     runs.append(row)
+                    progress.set(len(runs), method=name, cache=cache)
                     print(f"round {r} {name:15s} {cache}: {row['seconds']:7.3f} s "
                           f"{row['mb_per_s']:8.1f} MB/s (resident before: "
                           f"{row['resident_before']})", flush=True)
+        progress.close()
         summary = {}
         for name in methods:
             for cache in ("cold", "warm"):

@@ -174,6 +174,8 @@ def capacity(c, run) -> tuple[float | None, list[dict]]:
 def _sweep(c, label, model, sm, arms, make_wl, replicas=1, bracket=None, duration_s=None):
     out = []
     run_c = c if duration_s is None else _with(c, duration_s=duration_s)
+    progress = common.Progress(len(arms), f"fleet {model.name} {label}", unit="arm",
+                               summary=False)
     for name, cfg, router in arms:
         t = time.perf_counter()
         cap, points = capacity(_scaled(c, replicas, bracket), lambda r, cfg=cfg, router=router:
@@ -186,6 +188,8 @@ def _sweep(c, label, model, sm, arms, make_wl, replicas=1, bracket=None, duratio
         out.append({"arm": name, "replicas": replicas, "router": router,
                     "engine": dataclasses.asdict(cfg), "capacity_rps": cap, "points": points,
                     "simulated_requests": n, "wall_s": wall})
+        progress.set(len(out), arm=name)
+    progress.close()
     return out
 
 
