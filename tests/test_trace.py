@@ -142,3 +142,23 @@ def test_malformed_csv_names_the_line(tmp_path):
     p.write_text("time,in,out\n")
     with pytest.raises(ValueError, match="header"):
         wl.load_azure_trace("code", path=p)
+
+
+def test_trace_stats_smoke_labels_and_compares(tmp_path):
+    from experiments import trace_stats
+    from experiments.configs import trace_stats as config
+
+    c = config.get_config("smoke")
+    c.output_dir = str(tmp_path)
+    trace_stats.main(c, trace_stats.check(c))
+    out = json.loads((tmp_path / "trace_stats.json").read_text())
+    assert out["evidence"] == "real" and out["provenance"]["load_average"]
+    code = out["traces"]["code"]
+    assert code["label"].startswith("evidence: real, derived: [window 18:17:03-18:22:03")
+    w = wl.load_azure_trace("code").window(0, 300)
+    assert code["num_requests"] == len(w)
+    assert code["p50_context_tokens"] == np.median([r.prompt_len for r in w.requests])
+    assert sum(code["requests_per_bin"]) == len(w)
+    assert {r["figure"] for r in code["paper"]} == {"p50_context_tokens", "p50_generated_tokens"}
+    assert (tmp_path / "rate_per_minute.png").stat().st_size > 0
+    assert (tmp_path / "lengths.png").stat().st_size > 0
