@@ -47,12 +47,12 @@ and `check_same_evidence` refuses to compare workloads whose derivations differ.
 
 from __future__ import annotations
 
+import copy
 import csv
 import dataclasses
 import datetime
 import hashlib
 import json
-import math
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -317,7 +317,7 @@ class Workload:
           ValueError / TypeError: ``factor`` not a finite number > 0.
         """
         factor = validate.real("factor", factor, minimum=0, exclusive=True)
-        reqs = [dataclasses.replace(r, arrival_s=r.arrival_s * factor) for r in self.requests]
+        reqs = [_at(r, r.arrival_s * factor) for r in self.requests]
         offset, f = self._time_base()
         return self._derive(reqs, {"name": "time_scale", "factor": factor},
                             time_base={"offset_s": offset, "factor": f * factor})
@@ -332,8 +332,7 @@ class Workload:
         end = validate.real("end_s", end_s)
         if not end > start:
             raise ValueError(f"window end_s={end_s!r} must be > start_s={start_s!r}")
-        reqs = [dataclasses.replace(r, arrival_s=r.arrival_s - start) for r in self.requests
-                if start <= r.arrival_s < end]
+        reqs = [_at(r, r.arrival_s - start) for r in self.requests if start <= r.arrival_s < end]
         offset, f = self._time_base()
         entry = {"name": "window", "start_s": start, "end_s": end}
         t0 = self.meta.get("start_timestamp")
@@ -527,6 +526,13 @@ def _span(entry: Mapping) -> str:
 
 def _entry_args(entry: Mapping) -> str:
     return " ".join(f"{k}={v}" for k, v in entry.items() if k != "name")
+
+
+def _at(r: RequestSpec, arrival_s: float) -> RequestSpec:
+    """``r`` arriving at ``arrival_s`` (checked); its other fields were checked when it was made."""
+    new = copy.copy(r)
+    object.__setattr__(new, "arrival_s", validate.real("arrival_s", arrival_s, minimum=0))
+    return new
 
 
 def _with_lengths(r: RequestSpec, prompt_len: int, output_len: int) -> RequestSpec:

@@ -162,3 +162,77 @@ def test_trace_stats_smoke_labels_and_compares(tmp_path):
     assert {r["figure"] for r in code["paper"]} == {"p50_context_tokens", "p50_generated_tokens"}
     assert (tmp_path / "rate_per_minute.png").stat().st_size > 0
     assert (tmp_path / "lengths.png").stat().st_size > 0
+
+
+def test_tensor_parallel_roofline():
+    from paged.sim.step_model import (
+        H200,
+        LLAMA3_8B,
+        LLAMA3_70B,
+        RooflineStepModel,
+        StepShape,
+        TensorParallelRooflineStepModel,
+    )
+
+    s = StepShape(num_tokens=300, num_seqs=100, num_decode=100, kv_read=200_000,
+                  attn_pairs=200_000, num_samples=100)
+    one = TensorParallelRooflineStepModel(H200, LLAMA3_8B, tensor_parallel=1)
+    assert one.time(s) == pytest.approx(RooflineStepModel(H200, LLAMA3_8B).time(s))
+    t8 = TensorParallelRooflineStepModel(H200, LLAMA3_70B, tensor_parallel=8)
+    no_link = TensorParallelRooflineStepModel(H200, LLAMA3_70B, tensor_parallel=8,
+                                              allreduce_latency_s=0.0, link_bandwidth=1e30)
+    ring = 2 * 7 / 8 * 300 * 8192 * 2 / 450e9  # 300 tokens of d_model bf16 over NVLink
+    assert t8.time(s) - no_link.time(s) == pytest.approx(2 * 80 * (10e-6 + ring))
+    assert t8.time(s) < RooflineStepModel(H200, LLAMA3_70B).time(s) / 4
+    assert t8.decode_times(64, 64_000, 2, 64, 64)[0] == t8.time(StepShape(
+        num_tokens=64, num_seqs=64, num_decode=64, kv_read=64_000, attn_pairs=64_000,
+        num_samples=64, padded_tokens=64, padded_seqs=64))
+    with pytest.raises(ValueError, match="tensor_parallel=3"):
+        TensorParallelRooflineStepModel(H200, LLAMA3_70B, tensor_parallel=3)
+
+
+def test_fleet_traces_smoke(tmp_path):
+    from experiments import fleet
+    from experiments.configs import fleet as fleet_config
+
+    c = fleet_config.get_config("traces_smoke")
+    c.trace_arms = (c.trace_arms[0], c.trace_arms[2])
+    c.output_dir = str(tmp_path)
+    fleet.main(c, fleet.check(c))
+    out = json.loads((tmp_path / "fleet.json").read_text())
+    assert out["evidence"] == "simulated" and set(out["traces"]) == {"code", "conv"}
+    for service, t in out["traces"].items():
+        assert t["label"].startswith("evidence: real, derived: [window")
+        assert "subsample 0.1 seed 0, lengths clipped to 4096]" in t["label"]
+        paged, static = t["arms"]
+        assert paged["arm"] == "paged+prefix cache" and static["arm"] == "contiguous+static"
+        for a in t["arms"]:
+            for p in a["points"]:
+                assert p["evidence"] == "simulated" and p["workload_evidence"] == "real"
+                assert p["derived"][-1] == {"name": "time_scale", "factor": p["time_scale"]}
+                s = p["summary"]
+                assert s["num_aborted"] + s["num_timeout"] + s["num_rejected"] == len(p["failed"])
+                assert s["completed"] + len(p["failed"]) == s["num_requests"] == t["summary"][
+                    "num_requests"]
+        assert paged["capacity_rps"] > static["capacity_rps"] > 0
+        assert (tmp_path / f"goodput_{service}.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"trace_services": ("chat",)}, "trace_services"),
+    ({"trace_setups": (("Llama-3-8B", 3),)}, "tensor_parallel=3"),
+    ({"trace_setups": (("GPT-9", 1),)}, "GPT-9"),
+    ({"trace_window": (10.0,)}, "trace_window"),
+    ({"trace_window": (1e6, 2e6)}, "leaves no requests"),
+    ({"trace_speedup_hi": 0.5}, "trace_speedup_hi"),
+    ({"trace_arms": (("x", {"block_size": 0}),)}, "block_size"),
+])
+def test_fleet_traces_bad_settings(bad, match):
+    from experiments import fleet
+    from experiments.configs import fleet as fleet_config
+
+    c = fleet_config.get_config("traces_smoke")
+    for k, v in bad.items():
+        setattr(c, k, v)
+    with pytest.raises((ValueError, TypeError), match=match):
+        fleet.check(c)
