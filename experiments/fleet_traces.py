@@ -196,8 +196,9 @@ def run(c, plan) -> dict:
 
 
 def plot(out: dict, slo: tuple[float, float], out_dir) -> list:
-    """One PNG per trace: goodput (requests/s meeting the SLO) against offered rate, a panel per
-    setup, a line per arm; capacity marked."""
+    """One PNG per trace: goodput (requests/s meeting the SLO) against offered rate, log axes, a
+    panel per setup, a line per arm (arms with equal results draw over each other; the legend
+    lists every arm's capacity), capacity marked."""
     from experiments.plots import _plt
 
     plt = _plt()
@@ -208,14 +209,16 @@ def plot(out: dict, slo: tuple[float, float], out_dir) -> list:
         for ax, setup in zip(axes[0], setups):
             for a in (a for a in t["arms"] if a["setup"] == setup):
                 xs = [p["rate"] for p in a["points"]]
-                ys = [p["summary"]["request_goodput"] or 0.0 for p in a["points"]]
+                ys = [p["summary"]["request_goodput"] or None for p in a["points"]]
                 line, = ax.plot(xs, ys, marker="o", ms=3, label=f"{a['arm']} "
                                 f"(cap {_fleet._f(a['capacity_rps'], '.2f').strip()})")
                 if a["capacity_rps"]:
                     ax.axvline(a["capacity_rps"], color=line.get_color(), ls=":", lw=0.8)
-            lim = max(max(p["rate"] for p in a["points"]) for a in t["arms"] if a["setup"] == setup)
-            ax.plot([0, lim], [0, lim], color="grey", lw=0.6, ls="--", label="goodput = offered")
+            rates = [p["rate"] for a in t["arms"] if a["setup"] == setup for p in a["points"]]
+            ax.plot([min(rates), max(rates)], [min(rates), max(rates)], color="grey", lw=0.6,
+                    ls="--", label="goodput = offered")
             ax.set_xscale("log")
+            ax.set_yscale("log")
             ax.set_xlabel("offered rate (req/s, the trace time-scaled)")
             ax.set_ylabel(f"goodput (req/s, TTFT <= {slo[0]:g} ms, TPOT <= {slo[1]:g} ms)")
             ax.set_title(setup, fontsize=10)
