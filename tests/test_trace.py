@@ -236,3 +236,22 @@ def test_fleet_traces_bad_settings(bad, match):
         setattr(c, k, v)
     with pytest.raises((ValueError, TypeError), match=match):
         fleet.check(c)
+
+
+def test_capacity_on_a_real_window_scales_time_per_rate():
+    from experiments import capacity
+    from experiments.configs import capacity as config
+
+    c = config.get_config("smoke")
+    c.workload.azure, c.workload.window, c.rates = "conv", (1200.0, 1203.0), (2.0, 8.0)
+    plan = capacity.check(c)
+    low, high = plan["workloads"][2.0], plan["workloads"][8.0]
+    assert low.evidence == high.evidence == "real" and len(low) == len(high)
+    assert len(low) / low.duration_s == pytest.approx(2.0)
+    assert len(high) / high.duration_s == pytest.approx(8.0)
+    assert [e["name"] for e in high.meta["derived"]] == ["window", "scale_lengths",
+                                                         "clip_lengths", "time_scale"]
+    high.check_fits(c.engine.max_model_len)
+    c.workload.time_scale = 0.5
+    with pytest.raises(ValueError, match="workload.time_scale=0.5"):
+        capacity.check(c)

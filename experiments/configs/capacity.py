@@ -21,6 +21,7 @@ from experiments.configs import serve
 
 def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c = serve.get_config("smoke" if arg == "smoke" else "default")
+    del c["real_arrivals"]  # serve's second (real-arrival) workload; a real trace: workload.azure
     c.rates = (2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0)
     c.duration_s = 20.0  # offered load per point: num_requests = rate * duration_s
     c.ttft_slo_ms = 1500.0
