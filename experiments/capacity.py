@@ -1,5 +1,10 @@
 """Capacity study: request-rate sweep per arm, the highest rate within the SLO, and the ratio.
 
+With ``workload.azure`` (``code`` / ``conv``) the points are one window of a real Azure trace
+(``evidence: real``; lengths scaled to ``max_model_len``) time-scaled to each rate of the grid
+(``time_scale = window's mean rate / rate``, recorded per point): the real arrival process at
+several speeds, its burstiness kept, rather than ``rate * duration_s`` constructed requests.
+
 Writes ``capacity.json`` (every point's summary, the capacities, the ratio) and ``capacity.png``
 (p99 TTFT and p99 TPOT against the rate, the SLOs drawn in).
 """
@@ -30,8 +35,11 @@ def capacity(points: list[dict]) -> float | None:
     return best
 
 
-def point_workload(c, rate: float):
-    """The workload of one grid point: ``rate * duration_s`` requests at ``rate``."""
+def point_workload(c, rate: float, real=None):
+    """The workload of one grid point: ``rate * duration_s`` requests at ``rate``, or the real
+    window ``real`` time-scaled to a mean of ``rate``."""
+    if real is not None:
+        return real.time_scaled(len(real) / real.duration_s / rate)
     w = ml_collections.ConfigDict(c.workload.to_dict())
     w.rate = float(rate)
     w.num_requests = max(2, round(rate * c.duration_s))
@@ -54,8 +62,17 @@ def check(c) -> dict:
                           **{f"rates[{i}]": r for i, r in enumerate(c.rates)})
     if isinstance(c.stop_after_failures, bool) or c.stop_after_failures < 1:
         raise ValueError(f"stop_after_failures={c.stop_after_failures!r} must be an integer >= 1")
-    workloads = {float(rate): point_workload(c, rate) for rate in c.rates}
-    check_same_evidence(list(workloads.values()))
+    real = None
+    if c.workload.get("azure", ""):
+        if c.workload.time_scale != 1.0:
+            raise ValueError(f"workload.time_scale={c.workload.time_scale!r}: capacity scales the "
+                             "real window to each rate of config.rates; leave it 1")
+        real = serving.real_workload(c.workload, c.engine.max_model_len, time_scale=False)
+        if len(real) < 2 or real.duration_s <= 0:
+            raise ValueError(f"workload.window={tuple(c.workload.window)!r} holds {len(real)} "
+                             "requests: too few to scale")
+    workloads = {float(rate): point_workload(c, rate, real) for rate in c.rates}
+    check_same_evidence(list(workloads.values()), swept=("time_scale",))
     return {"engines": engines, "workloads": workloads}
 
 
@@ -68,7 +85,8 @@ def sweep_arm(c, name: str, engine_config, workloads: dict, model) -> list[dict]
                               max_wall_s=workload.duration_s + c.max_drain_s, progress="tty")
         ok = meets_slo(res.summary, c.ttft_slo_ms, c.tpot_slo_ms)
         points.append({"rate": float(rate), "meets_slo": ok, "summary": res.summary,
-                       "evidence": workload.evidence, "wall_s": res.wall_s})
+                       "evidence": workload.evidence, "label": workload.label(),
+                       "derived": workload.meta.get("derived", []), "wall_s": res.wall_s})
         s = res.summary
         print(f"  {name:20s} rate {rate:5.2f}/s  p99 TTFT {_f(s.get('p99_ttft_ms'))} ms  p99 TPOT "
               f"{_f(s.get('p99_tpot_ms'))} ms  completed {s['completed']}/{s['num_requests']}  "
@@ -88,8 +106,9 @@ def main(c, plan):
         points = sweep_arm(c, name, engine_config, plan["workloads"], model)
         arms.append({"name": name, "overrides": overrides, "points": points,
                      "capacity_rps": capacity(points)})
-    label = check_same_evidence([{"evidence": p["evidence"], "name": f"{a['name']}@{p['rate']}"}
-                                 for a in arms for p in a["points"]])
+    label = check_same_evidence([{"evidence": p["evidence"], "derived": p["derived"],
+                                  "name": f"{a['name']}@{p['rate']}"}
+                                 for a in arms for p in a["points"]], swept=("time_scale",))
     first, second = arms[0]["capacity_rps"], arms[1]["capacity_rps"]
     ratio = first / second if first and second else None
     for a in arms:

@@ -39,7 +39,7 @@ from paged.workload import (
     synthetic_prompt,
 )
 
-STUDIES = ("block_size", "batched_tokens", "preemption", "replicas", "speed", "point")
+STUDIES = ("block_size", "batched_tokens", "preemption", "replicas", "speed", "point", "traces")
 WORKLOADS = ("tenants", "plain")
 
 
@@ -84,7 +84,12 @@ def check(c) -> dict:
         dataclasses.replace(base, block_size=b)
     for t in c.batched_tokens:
         dataclasses.replace(base, max_num_batched_tokens=t)
-    return {"base": base}
+    plan = {"base": base}
+    if "traces" in c.studies:
+        from experiments import fleet_traces
+
+        plan["traces"] = fleet_traces.check(c, base)
+    return plan
 
 
 def device(c):
@@ -283,7 +288,7 @@ def main(c, plan):
     out_dir = common.output_dir(c, "fleet")
     base, dev = plan["base"], device(c)
     results = {}
-    for name in c.models:
+    for name in (c.models if set(c.studies) - {"traces"} else ()):
         model = MODELS[name]
         res = results[name] = {}
         def tight(model=model, **o):
@@ -322,8 +327,15 @@ def main(c, plan):
             res["speed"] = speed(c, engine_for(base, model, c.kv_gb), sm, max(c.replicas))
         if "point" in c.studies:
             res["point"] = point(c, engine_for(base, model, c.kv_gb), sm)
+    traces = None
+    if "traces" in c.studies:
+        from experiments import fleet_traces
+
+        traces = fleet_traces.run(c, plan["traces"])
     labels = [{"evidence": p["evidence"]} for m in results.values() for k, v in m.items()
               if k not in ("speed", "point") for a in v for p in a["points"]]
+    labels += [{"evidence": p["evidence"]} for t in (traces or {}).values() for a in t["arms"]
+               for p in a["points"]]
     labels += [{"evidence": r["evidence"]} for m in results.values() for r in m.get("speed", [])]
     labels += [{"evidence": m["point"]["evidence"]} for m in results.values() if "point" in m]
     label = check_not_mixed(labels) if labels else EVIDENCE
@@ -331,7 +343,15 @@ def main(c, plan):
         "study": "fleet", "evidence": label, "device": dataclasses.asdict(dev),
         "models": {n: dataclasses.asdict(MODELS[n]) for n in c.models},
         "slo": {"p99_ttft_ms": c.ttft_slo_ms, "p99_tpot_ms": c.tpot_slo_ms},
-        "results": results, "config": c.to_dict(), "provenance": common.provenance()})
+        "results": results, **({"traces": traces, "traces_slo": {
+            "p99_ttft_ms": c.trace_ttft_slo_ms, "p99_tpot_ms": c.trace_tpot_slo_ms}}
+            if traces is not None else {}),
+        "config": c.to_dict(), "provenance": {**common.provenance(),
+                                              "load_average": list(os.getloadavg())}})
+    if traces is not None and c.plots:
+        from experiments import fleet_traces
+
+        fleet_traces.plot(traces, (c.trace_ttft_slo_ms, c.trace_tpot_slo_ms), out_dir)
     print(f"wrote {path}")
 
 

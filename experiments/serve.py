@@ -2,7 +2,9 @@
 
 The default config is the project's main job (``make run``): paged KV + continuous batching beside
 contiguous KV + static batching, same model, same sampling, same KV pool bytes, same constructed
-ShareGPT-like Poisson workload. Writes ``summary.json`` (every request's record, per-arm summaries,
+ShareGPT-like Poisson workload; then each arm serves ``real_arrivals`` too (a window of a real
+Azure trace, ``evidence: real``, its derivations in its label), reported as one line per arm and
+kept apart from the constructed comparison. Writes ``summary.json`` (every request's record, per-arm summaries,
 KV-usage traces, config, provenance) and two plots (latency CDFs, KV usage by ledger category).
 """
 
@@ -21,14 +23,21 @@ def check(c) -> dict:
     engines = serving.check_arms(c)
     workload = serving.build_workload(c.workload, c.engine.max_model_len)
     check_same_evidence([workload])
-    return {"workload": workload, "engines": engines}
+    real = None
+    if "real_arrivals" in c and c.real_arrivals.azure:
+        try:
+            real = serving.real_workload(c.real_arrivals, c.engine.max_model_len)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"real_arrivals: {e}") from None
+        check_same_evidence([real])
+    return {"workload": workload, "engines": engines, "real_arrivals": real}
 
 
 def run(c, out_dir: Path, plan: dict | None = None) -> dict:
     plan = plan or check(c)
     workload = plan["workload"]
     model = common.load_model(c.model)
-    print(f"workload: {len(workload)} requests, evidence={workload.evidence}, "
+    print(f"workload: {len(workload)} requests, {workload.label()}, "
           f"{json.dumps(workload.summary(), default=str)[:300]}")
     results = []
     for name, engine_config in plan["engines"]:
@@ -37,6 +46,16 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
                                        tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s))
         del engine
     print(serving.format_table(results))
+    real = plan.get("real_arrivals")
+    real_results = []
+    if real is not None:
+        print(f"real arrivals: {len(real)} requests over {real.duration_s:.1f} s; {real.label()}")
+        for name, engine_config in plan["engines"]:
+            engine = serving.build_engine(engine_config, model)
+            real_results.append(serving.run_arm(f"{name}", engine, real, ttft_slo_ms=c.ttft_slo_ms,
+                                                tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s))
+            del engine
+            print("  " + serving.format_line(real_results[-1]), flush=True)
     payload = {
         "study": "serve", "evidence": workload.evidence, "config": c.to_dict(),
         "workload": {"name": workload.name, "seed": workload.seed, "meta": workload.meta,
@@ -46,6 +65,13 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
                   "records": [rec.as_dict() for rec in r.records]} for r in results],
         "provenance": common.provenance(),
     }
+    if real is not None:  # a separate comparison: its own evidence label and derivations
+        payload["real_arrivals"] = {
+            "evidence": real.evidence, "label": real.label(),
+            "workload": {"name": real.name, "meta": real.meta, "summary": real.summary()},
+            "arms": [{"name": r.name, "summary": r.summary, "engine_config": r.engine_config,
+                      "wall_s": r.wall_s, "records": [rec.as_dict() for rec in r.records]}
+                     for r in real_results]}
     common.write_json(out_dir / "summary.json", payload)
     if c.plots:
         plots.latency_cdfs(results, out_dir / "latency_cdf.png")

@@ -16,7 +16,7 @@ import time
 
 from experiments import common
 from paged import Engine, EngineConfig, SamplingParams, metrics
-from paged.workload import Workload, make_workload
+from paged.workload import Workload, load_azure_trace, make_workload
 
 STATUS = {"stop": "finished", "length": "finished", "abort": "aborted", "timeout": "timeout"}
 
@@ -149,16 +149,24 @@ def _stop(engine: Engine, unadmitted, records, spec_by_id, now: float) -> None:
         records[spec.request_id] = _rejected(spec, now)
 
 
-def build_workload(w, max_model_len: int) -> Workload:
-    """The workload ``config.workload`` describes: a JSONL trace, or a constructed one.
+def build_workload(w, max_model_len: int, *, time_scale: bool = True) -> Workload:
+    """The workload ``config.workload`` describes: a window of a real Azure trace
+    (``workload.azure``), a JSONL trace, or a constructed one.
 
     A trace must say what it is: a header line with ``evidence``, or ``workload.evidence``
-    (``real`` / ``constructed`` / ``simulated``); a workload made here is ``constructed``.
+    (``real`` / ``constructed`` / ``simulated``); a workload made here is ``constructed``; an
+    Azure trace is ``real`` (`real_workload`).
 
     Raises:
       ValueError / TypeError: a bad setting or trace (the message names the ``workload.`` key).
     """
     evidence = w.get("evidence", "") or None
+    if w.get("azure", ""):
+        if w.trace:
+            raise ValueError(f"workload.azure={w.azure!r} and workload.trace={w.trace!r}: give one")
+        if evidence not in (None, "real"):
+            raise ValueError(f"workload.evidence={evidence!r}: an Azure trace is 'real'")
+        return real_workload(w, max_model_len, time_scale=time_scale)
     if w.trace:
         if not os.path.isfile(w.trace):
             raise ValueError(f"workload.trace={w.trace!r}: no such file")
@@ -175,6 +183,32 @@ def build_workload(w, max_model_len: int) -> Workload:
                              max_model_len=max_model_len, seed=w.seed)
     except (ValueError, TypeError) as e:
         raise type(e)(f"workload.{e}") from None
+
+
+def real_workload(w, max_model_len: int, *, time_scale: bool = True) -> Workload:
+    """A window of the Azure trace ``w.azure`` (``evidence: real``) that a small model can serve:
+    the arrivals in ``w.window`` (``()`` = all), times ``w.time_scale`` (unless ``time_scale`` is
+    False: a sweep scales per point), lengths times ``w.length_scale`` then clipped to
+    ``max_model_len``, synthetic prompt ids from ``w.seed`` (a shared system prompt of
+    ``w.system_prompt_len`` tokens if > 0, an assumption); every step a derivation in the label.
+
+    Raises:
+      ValueError / TypeError: naming the ``workload.`` key.
+    """
+    window = tuple(w.get("window", ()))
+    if window and len(window) != 2:
+        raise ValueError(f"workload.window={window!r} must be () or (start_s, end_s)")
+    try:
+        wl = load_azure_trace(w.azure)
+        if window:
+            wl = wl.window(*window)
+        if time_scale and w.get("time_scale", 1.0) != 1.0:
+            wl = wl.time_scaled(w.time_scale)
+        wl = wl.scale_lengths(w.get("length_scale", 1.0), max_model_len)
+        return wl.with_synthetic_prompts(w.seed, system_prompt_len=w.get("system_prompt_len", 0))
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"workload (azure={w.azure!r}, window={window}, time_scale="
+                      f"{w.get('time_scale')}, length_scale={w.get('length_scale')}): {e}") from None
 
 
 def engine_config(c, overrides: dict, *, where: str = "engine") -> EngineConfig:
@@ -220,6 +254,19 @@ TABLE_ROWS = (
     ("preemptions", "engine_preemptions", "{}"),
     ("prefix-cache hit tokens", "prefix_cache_hit_tokens", "{}"),
 )
+
+
+def format_line(r: ArmResult) -> str:
+    """One arm's result on one line (completed, failures, p99 TTFT / TPOT, goodput)."""
+    s = r.summary
+
+    def f(key, spec):
+        return "-" if s.get(key) is None else format(s[key], spec)
+
+    return (f"{r.name:20s} {s['completed']}/{s['num_requests']} done "
+            f"(rejected+aborted+timeout {s['num_rejected']}+{s['num_aborted']}+{s['num_timeout']})"
+            f"  p99 TTFT {f('p99_ttft_ms', '.0f')} ms  p99 TPOT {f('p99_tpot_ms', '.1f')} ms  "
+            f"goodput {f('request_goodput', '.2f')} req/s  preemptions {s['engine_preemptions']}")
 
 
 def format_table(results) -> str:

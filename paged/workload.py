@@ -34,11 +34,24 @@ one object per request: ``arrival_s``, ``output_len``, one of ``prompt`` (text; 
 ``shared_prefix_len``. Unknown keys are errors, so a typo cannot fall back to a default. A file with
 no header must be given its label by the caller (``evidence=``): a trace never defaults to
 ``"real"``, so a hand-written or generated file cannot pass for recorded traffic.
+
+Real traces: `load_azure_trace` reads the Azure LLM inference traces 2023 (``"code"``, ``"conv"``;
+``experiments/traces/azure-llm-2023/``) as ``evidence="real"``: arrivals relative to the first
+request, exact token counts, no prompt content (the source has counts only). Derivations
+(`Workload.time_scaled`, `window`, `subsample`, `clip_lengths`, `scale_lengths`, and the
+shared-system-prompt assumption of `with_synthetic_prompts`) keep the label and append one entry
+each (name and arguments) to ``meta["derived"]``, in order; `Workload.label` prints them
+(``evidence: real, derived: [time_scale 0.25, window 18:20:03-18:30:03, lengths clipped to 2048]``)
+and `check_same_evidence` refuses to compare workloads whose derivations differ.
 """
 
 from __future__ import annotations
 
+import copy
+import csv
 import dataclasses
+import datetime
+import hashlib
 import json
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -68,6 +81,13 @@ from paged.distributions import (  # noqa: F401  (part of this module's interfac
 EVIDENCE = ("real", "constructed", "simulated")
 BOS_ID = 256  # ByteTokenizer.bos_id; not imported so this module stays free of JAX.
 KINDS = ("sharegpt", "alpaca", "fixed")
+
+# The Azure LLM inference traces 2023, shipped in the repository (README there: fields, licence).
+AZURE_TRACE_DIR = pathlib.Path(__file__).resolve().parents[1] / "experiments/traces/azure-llm-2023"
+AZURE_TRACES = {"code": "AzureLLMInferenceTrace_code.csv", "conv": "AzureLLMInferenceTrace_conv.csv"}
+AZURE_ATTRIBUTION = ("Patel et al., 'Splitwise: Efficient generative LLM inference using phase "
+                     "splitting', ISCA 2024")
+_AZURE_COLUMNS = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
 
 _REQUEST_KEYS = frozenset({"request_id", "arrival_s", "prompt", "prompt_token_ids", "prompt_len",
                            "output_len", "n", "shared_prefix_len"})
@@ -219,6 +239,7 @@ class Workload:
         mean_gap = float(gaps.mean()) if gaps.size else None
         return {
             "name": self.name, "evidence": self.evidence, "seed": self.seed,
+            "label": self.label(), "derived": list(self.meta.get("derived", [])),
             "num_requests": len(self), "num_sequences": sum(r.n for r in self.requests),
             "duration_s": self.duration_s, "mean_interarrival_s": mean_gap,
             "arrival_rate": (1.0 / mean_gap) if mean_gap else None,
@@ -235,17 +256,147 @@ class Workload:
                 raise ValueError(f"request {r.request_id!r}: prompt_len={r.prompt_len} + "
                                  f"output_len={r.output_len} > max_model_len={max_model_len}")
 
-    def with_synthetic_prompts(self, seed: int) -> Workload:
+    def with_synthetic_prompts(self, seed: int, *, system_prompt_len: int = 0) -> Workload:
         """Fills random byte-token prompts into requests that only have a length.
 
-        Arrivals and lengths (and so ``evidence``) are unchanged; ``meta`` records the fill.
+        Arrivals and lengths (and so ``evidence``) are unchanged; ``meta`` records the fill. The
+        ids come from ``seed`` alone, so the same seed gives the same prompts.
+
+        Args:
+          seed: int >= 0.
+          system_prompt_len: 0 (default): every prompt is BOS + its own random tokens. ``S > 0``:
+            an ASSUMPTION the source data cannot confirm: every request of the workload starts
+            with the same system prompt, BOS + ``S`` tokens (a shorter prompt gets its first
+            tokens); recorded as a derivation (``shared_system_prompt``), so the label says so.
+
+        Raises:
+          ValueError / TypeError: a bad seed or ``system_prompt_len``.
         """
         rng = np.random.default_rng(validate.integer("seed", seed, minimum=0))
-        reqs = tuple(r if r.prompt is not None or r.prompt_token_ids is not None else
-                     dataclasses.replace(r, prompt_token_ids=(BOS_ID,) + synthetic_prompt(
-                         r.prompt_len - 1, rng=rng)) for r in self.requests)
+        system = validate.integer("system_prompt_len", system_prompt_len, minimum=0)
+        shared = (BOS_ID,) + synthetic_prompt(system, rng=rng)
+
+        def fill(r):
+            if r.prompt is not None or r.prompt_token_ids is not None:
+                return r
+            if not system:
+                return dataclasses.replace(r, prompt_token_ids=(BOS_ID,) + synthetic_prompt(
+                    r.prompt_len - 1, rng=rng))
+            head = shared[:r.prompt_len]
+            own = synthetic_prompt(r.prompt_len - len(head), rng=rng)
+            return dataclasses.replace(r, prompt_token_ids=head + own,
+                                       shared_prefix_len=max(r.shared_prefix_len, len(head)))
+
         meta = {**self.meta, "synthetic_prompt_content_seed": seed}
-        return dataclasses.replace(self, requests=reqs, meta=meta)
+        if system:
+            meta["derived"] = [*self.meta.get("derived", []),
+                               {"name": "shared_system_prompt", "tokens": system, "seed": seed,
+                                "assumption": "every request shares one system prompt; the "
+                                              "source data has no prompt content"}]
+        return dataclasses.replace(self, requests=tuple(map(fill, self.requests)), meta=meta)
+
+    # --- derivations: each keeps ``evidence`` and appends one entry to meta["derived"] --------
+    def _derive(self, requests, entry: dict, **meta) -> Workload:
+        if not requests:
+            raise ValueError(f"{entry['name']} {_entry_args(entry)} leaves no requests of "
+                             f"workload {self.name!r} ({len(self)} requests over "
+                             f"{self.duration_s:.1f} s)")
+        new_meta = {**self.meta, **meta, "derived": [*self.meta.get("derived", []), entry]}
+        return dataclasses.replace(self, requests=tuple(requests), meta=new_meta)
+
+    def _time_base(self) -> tuple[float, float]:
+        """``(offset_s, factor)``: time ``t`` here is ``offset_s + t / factor`` in the source."""
+        base = self.meta.get("time_base") or {}
+        return float(base.get("offset_s", 0.0)), float(base.get("factor", 1.0))
+
+    def time_scaled(self, factor: float) -> Workload:
+        """Arrival times times ``factor`` (< 1: a higher mean rate, the same burstiness: every gap
+        shrinks by the same factor).
+
+        Raises:
+          ValueError / TypeError: ``factor`` not a finite number > 0.
+        """
+        factor = validate.real("factor", factor, minimum=0, exclusive=True)
+        reqs = [_at(r, r.arrival_s * factor) for r in self.requests]
+        offset, f = self._time_base()
+        return self._derive(reqs, {"name": "time_scale", "factor": factor},
+                            time_base={"offset_s": offset, "factor": f * factor})
+
+    def window(self, start_s: float, end_s: float) -> Workload:
+        """The requests arriving in ``[start_s, end_s)``, arrivals shifted so ``start_s`` is 0.
+
+        Raises:
+          ValueError / TypeError: not ``0 <= start_s < end_s``, or no request in the window.
+        """
+        start = validate.real("start_s", start_s, minimum=0)
+        end = validate.real("end_s", end_s)
+        if not end > start:
+            raise ValueError(f"window end_s={end_s!r} must be > start_s={start_s!r}")
+        reqs = [_at(r, r.arrival_s - start) for r in self.requests if start <= r.arrival_s < end]
+        offset, f = self._time_base()
+        entry = {"name": "window", "start_s": start, "end_s": end}
+        t0 = self.meta.get("start_timestamp")
+        if t0:  # the window in the source's wall clock
+            clock = [(datetime.datetime.fromisoformat(t0) + datetime.timedelta(
+                seconds=offset + t / f)).strftime("%H:%M:%S") for t in (start, end)]
+            entry["clock"] = f"{clock[0]}-{clock[1]}"
+        return self._derive(reqs, entry, time_base={"offset_s": offset + start / f, "factor": f})
+
+    def subsample(self, fraction: float, seed: int) -> Workload:
+        """``round(fraction * len)`` requests (at least one) drawn without replacement from
+        ``seed``, in arrival order, arrivals unchanged (a thinner process of the same shape).
+
+        Raises:
+          ValueError / TypeError: ``fraction`` not in ``(0, 1]``, a bad seed.
+        """
+        fraction = validate.real("fraction", fraction, minimum=0, exclusive=True, maximum=1)
+        seed = validate.integer("seed", seed, minimum=0)
+        k = max(1, round(fraction * len(self)))
+        keep = np.sort(np.random.default_rng(seed).choice(len(self), size=k, replace=False))
+        return self._derive([self.requests[i] for i in keep.tolist()],
+                            {"name": "subsample", "fraction": fraction, "seed": seed, "kept": k})
+
+    def clip_lengths(self, max_model_len: int) -> Workload:
+        """Every request fits ``max_model_len``: one with ``prompt + output > max_model_len``
+        shrinks both in proportion (prompt ``floor(p * L / (p + o))``, at least 1 and at most
+        ``L - 1``; output what is left, at most its own); the others are unchanged. Prompt ids,
+        if any, keep their first tokens.
+
+        Raises:
+          ValueError / TypeError: ``max_model_len`` not an int >= 2.
+        """
+        cap = validate.integer("max_model_len", max_model_len, minimum=2)
+        reqs, clipped = [], 0
+        for r in self.requests:
+            p, o = r.prompt_len, r.output_len
+            if p + o > cap:
+                clipped += 1
+                p = min(cap - 1, max(1, (p * cap) // (p + o)))
+                o = min(r.output_len, cap - p)
+                r = _with_lengths(r, p, o)
+            reqs.append(r)
+        return self._derive(reqs, {"name": "clip_lengths", "max_model_len": cap,
+                                   "num_clipped": clipped})
+
+    def scale_lengths(self, factor: float, max_model_len: int | None = None) -> Workload:
+        """Prompt and output lengths times ``factor``, rounded, at least 1 (a model with a short
+        context serves the trace's length shape); then, with ``max_model_len``, `clip_lengths`.
+
+        Raises:
+          ValueError / TypeError: ``factor`` not a finite number > 0, a bad ``max_model_len``.
+        """
+        factor = validate.real("factor", factor, minimum=0, exclusive=True)
+        reqs = [_with_lengths(r, max(1, round(r.prompt_len * factor)),
+                              max(1, round(r.output_len * factor))) for r in self.requests]
+        out = self._derive(reqs, {"name": "scale_lengths", "factor": factor})
+        return out if max_model_len is None else out.clip_lengths(max_model_len)
+
+    def label(self) -> str:
+        """``evidence: <label>`` and, if derived, ``derived: [entry, ...]`` in order."""
+        derived = self.meta.get("derived") or []
+        if not derived:
+            return f"evidence: {self.evidence}"
+        return f"evidence: {self.evidence}, derived: [{', '.join(map(derivation_label, derived))}]"
 
     def to_jsonl(self, path: str | pathlib.Path) -> None:
         """Writes a header line and one line per request; `from_jsonl` reads it back equal."""
@@ -313,22 +464,161 @@ def byte_token_len(text: str) -> int:
     return len(text.encode("utf-8")) + 1
 
 
-def check_same_evidence(workloads: Iterable[Any]) -> str:
-    """Returns the one evidence label of ``workloads`` (Workloads, or dicts with ``"evidence"``).
+def check_same_evidence(workloads: Iterable[Any], *, swept: Sequence[str] = ()) -> str:
+    """Returns the one evidence label of ``workloads`` (Workloads, or dicts with ``"evidence"``
+    and optionally ``"derived"`` or ``"meta": {"derived": ...}``).
+
+    Args:
+      workloads: the workloads (or their summaries) one comparison puts side by side.
+      swept: derivation names whose arguments may differ (the variable a sweep moves, e.g.
+        ``("time_scale",)`` in a capacity search); their place in the order must still agree.
 
     Raises:
-      ValueError: no workloads, a missing or invalid label, or mixed labels.
+      ValueError (one line): no workloads, a missing or invalid label, mixed labels (real with
+        constructed, ...), or different derivations (a real trace next to a window of it, two
+        different windows, ...).
     """
-    labels = {}
+    labels, derivations = {}, {}
     for i, w in enumerate(workloads):
-        label = w.get("evidence") if isinstance(w, Mapping) else getattr(w, "evidence", None)
-        name = w.get("name", i) if isinstance(w, Mapping) else getattr(w, "name", i)
+        if isinstance(w, Mapping):
+            label, name = w.get("evidence"), w.get("name", i)
+            derived = w.get("derived", (w.get("meta") or {}).get("derived", []))
+        else:
+            label, name = getattr(w, "evidence", None), getattr(w, "name", i)
+            derived = (getattr(w, "meta", None) or {}).get("derived", [])
         labels.setdefault(check_evidence(label), []).append(name)
+        key = json.dumps([{"name": d.get("name")} if d.get("name") in swept else d
+                          for d in derived or []], sort_keys=True)
+        derivations.setdefault(key, []).append(name)
     if not labels:
         raise ValueError("no workloads to check")
     if len(labels) > 1:
         raise ValueError(f"a study must not mix evidence labels: {labels}")
+    if len(derivations) > 1:
+        shown = {", ".join(derivation_label(d) for d in json.loads(k)) or "none": v
+                 for k, v in derivations.items()}
+        raise ValueError(f"a study must not compare workloads of different derivations: {shown}")
     return next(iter(labels))
+
+
+def derivation_label(entry: Mapping) -> str:
+    """One ``meta["derived"]`` entry as the label prints it, e.g. ``time_scale 0.25``."""
+    name = entry.get("name")
+    if name == "time_scale":
+        return f"time_scale {entry.get('factor', '?'):g}" if "factor" in entry else "time_scale"
+    if name == "window":
+        return f"window {entry.get('clock') or _span(entry)}"
+    if name == "clip_lengths":
+        return f"lengths clipped to {entry.get('max_model_len')}"
+    if name == "scale_lengths":
+        return f"lengths x{entry.get('factor', '?'):g}" if "factor" in entry else "lengths scaled"
+    if name == "subsample":
+        return f"subsample {entry.get('fraction', '?'):g} seed {entry.get('seed')}" \
+            if "fraction" in entry else "subsample"
+    if name == "shared_system_prompt":
+        return f"shared system prompt {entry.get('tokens')} tokens (assumption)"
+    return f"{name} {_entry_args(entry)}".strip()
+
+
+def _span(entry: Mapping) -> str:
+    return f"{entry.get('start_s', 0):g}-{entry.get('end_s', 0):g} s"
+
+
+def _entry_args(entry: Mapping) -> str:
+    return " ".join(f"{k}={v}" for k, v in entry.items() if k != "name")
+
+
+def _at(r: RequestSpec, arrival_s: float) -> RequestSpec:
+    """``r`` arriving at ``arrival_s`` (checked); its other fields were checked when it was made."""
+    new = copy.copy(r)
+    object.__setattr__(new, "arrival_s", validate.real("arrival_s", arrival_s, minimum=0))
+    return new
+
+
+def _with_lengths(r: RequestSpec, prompt_len: int, output_len: int) -> RequestSpec:
+    """``r`` with new lengths; prompt ids (or text as ids) cut or padded only when shorter."""
+    ids = r.prompt_token_ids
+    if r.prompt is not None and prompt_len != r.prompt_len:
+        raise ValueError(f"request {r.request_id!r} has text; its length cannot change")
+    if ids is not None and prompt_len != len(ids):
+        if prompt_len > len(ids):
+            raise ValueError(f"request {r.request_id!r}: prompt ids cannot grow; derive lengths "
+                             "before with_synthetic_prompts")
+        ids = ids[:prompt_len]
+    return dataclasses.replace(r, prompt_len=prompt_len, output_len=output_len,
+                               prompt_token_ids=ids,
+                               shared_prefix_len=min(r.shared_prefix_len, prompt_len))
+
+
+# --- real traces -----------------------------------------------------------------------------
+def load_azure_trace(service: str, *, path: str | pathlib.Path | None = None) -> Workload:
+    """One Azure LLM inference trace 2023 as a real workload.
+
+    Args:
+      service: ``"code"`` (8,819 requests) or ``"conv"`` (19,366).
+      path: the CSV (default the copy in ``experiments/traces/azure-llm-2023/``).
+
+    Returns:
+      A Workload with ``evidence="real"``: one length-only request per row, ids
+      ``<service>-<row>``, arrivals in seconds from the first request (the 100 ns timestamps
+      exactly), ``prompt_len`` = ContextTokens, ``output_len`` = GeneratedTokens; ``meta`` has
+      the source file, its SHA-256, the licence, the attribution, the row count, the first
+      timestamp and an empty ``derived``. Prompt ids: `Workload.with_synthetic_prompts`.
+
+    Raises:
+      ValueError: an unknown service, a missing file, a malformed row (its line number).
+    """
+    if service not in AZURE_TRACES:
+        raise ValueError(f"service={service!r} must be one of {tuple(AZURE_TRACES)}")
+    path = pathlib.Path(path) if path is not None else AZURE_TRACE_DIR / AZURE_TRACES[service]
+    if not path.is_file():
+        raise ValueError(f"no trace file {str(path)!r}")
+    data = path.read_bytes()
+    rows = list(csv.reader(data.decode("utf-8-sig").splitlines()))
+    if not rows or rows[0] != _AZURE_COLUMNS:
+        raise ValueError(f"{path}:1: header {rows[0] if rows else None!r} must be {_AZURE_COLUMNS}")
+    ticks, lens = [], []
+    for line_no, row in enumerate(rows[1:], start=2):
+        try:
+            if len(row) != 3:
+                raise ValueError(f"{len(row)} fields")
+            ticks.append(_ticks(row[0]))
+            p, o = int(row[1]), int(row[2])
+            if p < 1 or o < 1:
+                raise ValueError(f"token counts must be >= 1, got {p}, {o}")
+            lens.append((p, o))
+        except ValueError as e:
+            raise ValueError(f"{path}:{line_no}: {row!r}: {e}") from None
+    if not lens:
+        raise ValueError(f"{path}: no requests")
+    t0 = ticks[0]
+    requests = tuple(RequestSpec(request_id=f"{service}-{i}", arrival_s=(t - t0) / 1e7,
+                                 prompt_token_ids=None, prompt=None, prompt_len=p, output_len=o)
+                     for i, (t, (p, o)) in enumerate(zip(ticks, lens)))
+    try:
+        rel = str(path.resolve().relative_to(AZURE_TRACE_DIR.parents[2]))
+    except ValueError:
+        rel = str(path)
+    meta = {"source": f"Azure LLM inference trace 2023, {service} service ({rel})",
+            "service": service, "file": rel,
+            "sha256": hashlib.sha256(data).hexdigest(), "row_count": len(lens),
+            "licence": "CC-BY-4.0", "attribution": AZURE_ATTRIBUTION,
+            "start_timestamp": rows[1][0].strip()[:26],
+            "prompt_content": "not in the data (counts only); token ids are synthetic "
+                              "(Workload.with_synthetic_prompts)",
+            "derived": []}
+    return Workload(name=f"azure-{service}", requests=requests, evidence="real", seed=None,
+                    meta=meta)
+
+
+def _ticks(stamp: str) -> int:
+    """``YYYY-MM-DD HH:MM:SS[.fffffff]`` as integer 100 ns ticks since the epoch (exact)."""
+    whole, _, frac = stamp.strip().partition(".")
+    if len(frac) > 7 or (frac and not frac.isdigit()):
+        raise ValueError(f"bad timestamp {stamp!r}")
+    t = datetime.datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").replace(
+        tzinfo=datetime.timezone.utc)
+    return int(t.timestamp()) * 10_000_000 + int(frac.ljust(7, "0") or 0)
 
 
 # --- JSONL parsing ---------------------------------------------------------------------------

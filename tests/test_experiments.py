@@ -25,7 +25,7 @@ def test_serve_smoke(tmp_path):
     # Off a terminal (captured here), progress is one summary line per arm, no carriage returns.
     assert "\r" not in proc.stderr and "\r" not in proc.stdout
     progress = proc.stderr.strip().splitlines()
-    assert len(progress) <= 4, proc.stderr[-2000:]
+    assert len(progress) <= 6, proc.stderr[-2000:]  # two arms, each on two workloads
     assert any("[paged+continuous] 6/6" in line for line in progress), proc.stderr[-2000:]
     payload = json.loads((out / "summary.json").read_text())
     assert payload["evidence"] == "constructed"
@@ -41,6 +41,14 @@ def test_serve_smoke(tmp_path):
             assert len(s[key]) == 6, key
         assert s["errors"] == [""] * 6 and sum(s["output_lens"]) == s["total_output_tokens"]
     assert (out / "latency_cdf.png").stat().st_size > 0 and (out / "kv_usage.png").stat().st_size > 0
+    # The real-arrival window: one line per arm, its own label and records.
+    real = payload["real_arrivals"]
+    assert real["evidence"] == "real" and real["label"].startswith(
+        "evidence: real, derived: [window 18:35:46-18:35:47, lengths x0.03125, lengths clipped")
+    n = real["workload"]["summary"]["num_requests"]
+    assert [a["name"] for a in real["arms"]] == ["paged+continuous", "contiguous+static"]
+    assert all(len(a["records"]) == n == a["summary"]["num_requests"] for a in real["arms"])
+    assert "real arrivals: " in proc.stdout and proc.stdout.count("goodput") >= 2
 
 
 def test_engine_bench_smoke(tmp_path):

@@ -30,6 +30,7 @@ CASES = [
     ("calibrate", "smoke", "stepz=3", "steps", "steps=0", "steps"),
     ("sim_validate", "smoke", "duration=3", "duration_s", "duration_s=0", "duration_s"),
     ("fleet", "smoke", "kv_gbb=3", "kv_gb", "rate_hi=-1", "rate_hi"),
+    ("trace_stats", "smoke", "rate_bin=3", "rate_bin_s", "rate_bin_s=0", "rate_bin_s"),
     ("routing", "smoke", "data_parallel_siz=4", "data_parallel_size", "host_bench.steps=0",
      "host_bench.steps"),
 ]

@@ -20,6 +20,7 @@ from experiments.configs.engine_fields import engine_config_dict
 
 def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c = serve.get_config("smoke" if arg == "smoke" else "default")
+    del c["real_arrivals"]  # serve's second (real-arrival) workload; a real trace: workload.azure
     c.factors = ml_collections.ConfigDict(dict(
         attention_impl=("xla", "reference"),
         kv_layout=("paged", "contiguous"),

@@ -24,6 +24,18 @@ defaults: p50 / p99 TTFT and TPOT, throughput and prefix hits of ``point_replica
     python -m experiments.fleet --config.studies="('point',)" --config.models="('Llama-3-8B',)" \\
         --config.point_rate=500 --config.point_replicas=64 --config.point_router=prefix_aware \\
         --config.engine.block_size=16
+
+``traces`` (not among the defaults; ``experiments/fleet_traces.py``): capacity on the Azure LLM
+inference traces 2023 (``evidence: simulated`` over ``real``): per trace, per setup
+(``trace_setups``: a model on T H200s in tensor parallel) and per arm (``trace_arms``), the
+highest time-scaled rate meeting ``trace_ttft_slo_ms`` / ``trace_tpot_slo_ms`` at p99, with
+goodput-against-rate plots. Variants ``traces`` (both traces, whole hour, Llama-3-8B x1 and
+Llama-3-70B x8) and ``traces_smoke`` (a tenth of a 2-minute window, one setup, three arms;
+what the test runs)::
+
+    python -m experiments.fleet --config=experiments/configs/fleet.py:traces
+    python -m experiments.fleet --config=experiments/configs/fleet.py:traces \
+        --config.trace_window="(1200, 2400)" --config.trace_system_prompt_len=512
 """
 
 import ml_collections
@@ -66,6 +78,29 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.point_replicas = 64
     c.point_router = "prefix_aware"
     c.point_workload = "tenants"  # "tenants" (the replicas study's shared prefixes) or "plain"
+    # ``traces``: capacity on the real Azure traces (experiments/fleet_traces.py).
+    c.trace_services = ("code", "conv")
+    c.trace_setups = (("Llama-3-8B", 1), ("Llama-3-70B", 8))  # (model, H200s in tensor parallel)
+    c.trace_arms = (
+        ("paged+prefix cache", {}),
+        ("paged, no prefix cache", {"enable_prefix_caching": False}),
+        ("contiguous+static", {"kv_layout": "contiguous", "scheduling": "static"}),
+        ("paged+prefix, block 8", {"block_size": 8}),
+        ("paged+prefix, block 32", {"block_size": 32}),
+    )  # engine overrides; block 16 is the engine default (the first two arms)
+    c.trace_window = ()  # () = whole trace; (start_s, end_s): a window (recorded in the label)
+    c.trace_subsample = 1.0  # fraction of requests kept (seeded by ``seed``; 1 = all)
+    c.trace_max_model_len = 8192  # Llama 3 context; longer requests shrink (clip_lengths)
+    c.trace_ttft_slo_ms = 2000.0  # p99
+    c.trace_tpot_slo_ms = 100.0  # p99
+    c.trace_speedup_lo = 1.0  # first bracket, in multiples of the trace's own mean rate
+    c.trace_speedup_hi = 8.0
+    c.trace_bisect_steps = 4
+    c.trace_hbm_gb = 141.0  # H200 memory per device
+    c.trace_memory_utilization = 0.9  # KV = this x T x hbm - weights
+    c.trace_prompt_seed = 0  # synthetic prompt ids (the traces have counts only)
+    c.trace_system_prompt_len = 0  # > 0: ASSUME every request shares a system prompt this long
+    c.plots = True
     c.seed = 0
     c.output_dir = ""
     c.engine = engine_config_dict(max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048,
@@ -86,6 +121,16 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.speed_requests = (100, 300)
         c.engine.max_model_len = 1024
         c.engine.max_num_seqs = 64
+    elif arg in ("traces", "traces_smoke"):
+        c.studies = ("traces",)
+        c.engine.max_model_len = 8192
+        if arg == "traces_smoke":
+            c.trace_window = (180.0, 300.0)
+            c.trace_subsample = 0.1
+            c.trace_setups = (("Llama-3-8B", 1),)
+            c.trace_arms = c.trace_arms[:3]
+            c.trace_max_model_len = 4096
+            c.trace_bisect_steps = 1
     elif arg != "default":
-        raise ValueError(f"unknown variant {arg!r}; known: default, smoke")
+        raise ValueError(f"unknown variant {arg!r}; known: default, smoke, traces, traces_smoke")
     return c

@@ -9,7 +9,10 @@ Launch::
 
 The default serves one constructed ShareGPT-like workload (Poisson arrivals) twice, with the same
 model, sampling and KV pool bytes: paged KV + continuous batching, and contiguous KV (every request
-reserves max_model_len positions) + static request-level batching. Variants: ``default``,
+reserves max_model_len positions) + static request-level batching. Each arm then also serves
+``real_arrivals``: 10 s of the real Azure conversation trace's arrivals (evidence real; lengths
+scaled to max_model_len, prompt ids synthetic; every derivation in its label), one line per arm.
+``--config.workload.azure=conv`` (or ``code``) serves a real trace as the main workload. Variants: ``default``,
 ``smoke`` (a small random model, a handful of requests; what the test runs).
 """
 
@@ -47,6 +50,24 @@ def workload_defaults() -> ml_collections.ConfigDict:
     # The trace's label when its file has no header line saying it: "real" (recorded traffic),
     # "constructed" (made by hand or by a script) or "simulated". "" = the header's label.
     w.evidence = ""
+    # A real Azure trace instead ("code" / "conv"; evidence real; kind, num_requests, rate,
+    # burstiness unused): its arrivals in ``window`` (seconds from its first request; () = all),
+    # times ``time_scale``, lengths times ``length_scale`` then clipped to max_model_len, prompt
+    # ids synthetic from ``seed``; each step recorded as a derivation in the label.
+    w.azure = ""
+    w.window = ()
+    w.time_scale = 1.0
+    w.length_scale = 0.125  # 256 / 2048: the constructed workloads' linear rule at max_model_len 256
+    w.system_prompt_len = 0  # > 0: ASSUME one shared system prompt of this many tokens
+    return w
+
+
+def real_arrivals_defaults() -> ml_collections.ConfigDict:
+    """The main job's second workload: a window of the real conversation trace (evidence real)."""
+    w = workload_defaults()
+    w.azure = "conv"
+    w.window = (1200.0, 1210.0)  # 10 s from minute 20 of the trace: 55 requests
+    w.time_scale = 1.0  # the real arrival times
     return w
 
 
@@ -55,6 +76,9 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.model = "tiny"  # bundled weights; "random-small" = small random model (tests)
     c.engine = engine_defaults()
     c.workload = workload_defaults()
+    # Each arm also serves this real-arrival window (its own table lines and evidence label);
+    # real_arrivals.azure = "" turns it off.
+    c.real_arrivals = real_arrivals_defaults()
     c.arms = (
         ("paged+continuous", dict(kv_layout="paged", scheduling="continuous")),
         ("contiguous+static", dict(kv_layout="contiguous", scheduling="static")),
@@ -75,6 +99,8 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.engine.min_token_bucket = 32
         c.workload.num_requests = 6
         c.workload.rate = 20.0
+        c.real_arrivals.window = (1200.0, 1201.0)
+        c.real_arrivals.length_scale = 1 / 32  # max_model_len 64 / 2048
         c.max_wall_s = 60.0
     elif arg != "default":
         raise ValueError(f"unknown variant {arg!r}; known: default, smoke")

@@ -347,7 +347,9 @@ LLAMA3_8B = ModelDims("Llama-3-8B", d_model=4096, num_layers=32, num_heads=32, n
                       head_dim=128, ffn_dim=14336, vocab_size=128256)
 QWEN25_7B = ModelDims("Qwen2.5-7B", d_model=3584, num_layers=28, num_heads=28, num_kv_heads=4,
                       head_dim=128, ffn_dim=18944, vocab_size=152064)
-MODELS = {m.name: m for m in (LLAMA3_8B, QWEN25_7B)}
+LLAMA3_70B = ModelDims("Llama-3-70B", d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                       head_dim=128, ffn_dim=28672, vocab_size=128256)
+MODELS = {m.name: m for m in (LLAMA3_8B, QWEN25_7B, LLAMA3_70B)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,6 +402,74 @@ class RooflineStepModel(StepTimeModel):
         return {"name": self.name, "device": dataclasses.asdict(self.device),
                 "model": dataclasses.asdict(self.model), "block_size": self.block_size,
                 "form": "host0 + host1*seqs + launch + max(bytes/bandwidth, flops/flop_s)"}
+
+
+# H200 NVLink 4: 900 GB/s per GPU over both directions (datasheet), so 450 GB/s each way; the
+# latency of one small all-reduce over 8 GPUs is an assumption (NCCL-class, not measured here).
+H200_NVLINK_BW = 450e9
+ALLREDUCE_LATENCY_S = 10e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelRooflineStepModel(RooflineStepModel):
+    """`RooflineStepModel` of one replica over ``tensor_parallel`` = T devices (Megatron split as
+    ``paged.placement``: attention projections, KV heads and MLP sharded T ways; embeddings,
+    norms and the LM head replicated), each device the ``device``:
+
+    ``t = host + launch + max(bytes_dev / bandwidth, flops_dev / flop_s) + 2 L allreduce``
+
+    with the decoder blocks' weight bytes and FLOPs, the KV bytes and the attention FLOPs divided
+    by T, the LM head's whole on every device, and two all-reduces per layer (after ``o_proj`` and
+    after ``down``) of ``num_tokens * d_model`` activations, each ``allreduce_latency_s + 2 (T-1)/T
+    * bytes / link_bandwidth`` (ring), not overlapped with compute. T = 1 is `RooflineStepModel`
+    plus nothing (no all-reduce).
+    """
+
+    tensor_parallel: int = 1
+    link_bandwidth: float = H200_NVLINK_BW
+    allreduce_latency_s: float = ALLREDUCE_LATENCY_S
+    name = "roofline-tp"
+
+    def __post_init__(self):
+        t = self.tensor_parallel
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ValueError(f"tensor_parallel={t!r} must be an int >= 1")
+        if self.model.num_kv_heads % t or self.model.num_heads % t:
+            raise ValueError(f"tensor_parallel={t} does not divide the {self.model.name} heads "
+                             f"({self.model.num_heads} query, {self.model.num_kv_heads} KV)")
+        for k in ("link_bandwidth", "allreduce_latency_s"):
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{k}={v!r} must be a finite number >= 0")
+
+    decode_times = StepTimeModel.decode_times  # ``time`` per step (the generic form)
+
+    def time(self, s: StepShape) -> float:
+        m, d, t = self.model, self.device, self.tensor_parallel
+        kvb = m.kv_bytes_per_token
+        head = m.d_model * m.vocab_size
+        moved = (m.matmul_params * m.bytes_per_param + kvb * (s.kv_read + s.num_tokens)
+                 + 2 * kvb * self.block_size * s.copy_blocks) / t + head * m.bytes_per_param
+        flops = (2 * m.matmul_params * s.num_tokens
+                 + 4 * m.num_layers * m.num_heads * m.head_dim * s.attn_pairs) / t \
+            + 2 * head * s.num_samples
+        dev = d.launch_s + max(moved / d.mem_bandwidth, flops / d.flop_s)
+        if t > 1:
+            act = s.num_tokens * m.d_model * m.bytes_per_param
+            dev += 2 * m.num_layers * (self.allreduce_latency_s
+                                       + 2 * (t - 1) / t * act / self.link_bandwidth)
+        if s.swap_blocks:
+            dev += kvb * self.block_size * s.swap_blocks / (t * d.swap_bandwidth)
+        return d.host_s[0] + d.host_s[1] * s.num_seqs + dev
+
+    def describe(self) -> dict:
+        return {**super().describe(), "name": self.name, "tensor_parallel": self.tensor_parallel,
+                "link_bandwidth": self.link_bandwidth,
+                "allreduce_latency_s": self.allreduce_latency_s,
+                "form": "host0 + host1*seqs + launch + max(bytes_dev/bandwidth, flops_dev/flop_s)"
+                        " + 2*L*(allreduce_latency + 2(T-1)/T*tokens*d_model*b/link_bandwidth)",
+                "source": "NVLink 450 GB/s per direction (H200 datasheet 900 GB/s both ways); "
+                          "all-reduce latency assumed"}
 
 
 # --- noise ------------------------------------------------------------------------------
