@@ -188,7 +188,7 @@ def _sweep(c, label, model, sm, arms, make_wl, replicas=1, bracket=None, duratio
                                          router=router))
         n = sum(p["summary"]["num_requests"] for p in points)
         wall = time.perf_counter() - t
-        print(f"  {model.name:11s} {label:15s} {name:22s} capacity {_f(cap)} req/s"
+        print(f"  {model.name:11s} {label:15s} {name:22s} capacity {fmt(cap)} req/s"
               f"  ({len(points)} runs, {n} simulated requests, {wall:.1f} s)", flush=True)
         out.append({"arm": name, "replicas": replicas, "router": router,
                     "engine": dataclasses.asdict(cfg), "capacity_rps": cap, "points": points,
@@ -275,9 +275,9 @@ def point(c, cfg, sm) -> dict:
     hit = s["prefix_cache_hit_rate"]
     print(f"  {sm.model.name}: {c.point_replicas} x H200, {c.point_router}, "
           f"block_size={cfg.block_size}, {c.point_rate:g} req/s ({c.point_workload}): "
-          f"{s['completed']}/{s['num_requests']} finished; TTFT p50 / p99 {_f(s['median_ttft_ms'], '.1f')}"
-          f" / {_f(s['p99_ttft_ms'], '.1f')} ms; TPOT p50 / p99 {_f(s['median_tpot_ms'], '.1f')} / "
-          f"{_f(s['p99_tpot_ms'], '.1f')} ms; {s['output_throughput'] or 0:.0f} output tok/s; "
+          f"{s['completed']}/{s['num_requests']} finished; TTFT p50 / p99 {fmt(s['median_ttft_ms'], '.1f')}"
+          f" / {fmt(s['p99_ttft_ms'], '.1f')} ms; TPOT p50 / p99 {fmt(s['median_tpot_ms'], '.1f')} / "
+          f"{fmt(s['p99_tpot_ms'], '.1f')} ms; {s['output_throughput'] or 0:.0f} output tok/s; "
           f"prefix hit rate {'-' if hit is None else f'{hit:.0%}'}; "
           f"{'meets' if p['meets_slo'] else 'misses'} the SLO (p99 TTFT <= {c.ttft_slo_ms:g} ms, "
           f"p99 TPOT <= {c.tpot_slo_ms:g} ms); simulated in {p['wall_s']:.1f} s", flush=True)
@@ -355,7 +355,8 @@ def main(c, plan):
     print(f"wrote {path}")
 
 
-def _f(v, spec: str = "8.2f") -> str:
+def fmt(v, spec: str = "8.2f") -> str:
+    """``v`` formatted with ``spec``, or ``-`` for ``None`` (a capacity that was not found)."""
     return "-" if v is None else format(v, spec)
 
 

@@ -175,8 +175,8 @@ def run(c, plan) -> dict:
                                     swept=("time_scale",))
                 wall = time.perf_counter() - t0
                 at = next((p for p in points if p["rate"] == cap), None)
-                print(f"  {service:4s} {setup['name']:32s} {name:26s} capacity {_fleet._f(cap)} "
-                      f"req/s (time_scale {_fleet._f(nat / cap if cap else None, '.4f')}); "
+                print(f"  {service:4s} {setup['name']:32s} {name:26s} capacity {_fleet.fmt(cap)} "
+                      f"req/s (time_scale {_fleet.fmt(nat / cap if cap else None, '.4f')}); "
                       f"{len(points)} runs, {wall:.1f} s", flush=True)
                 rows.append({"setup": setup["name"], "model": setup["model"],
                              "tensor_parallel": setup["tensor_parallel"], "arm": name,
@@ -211,7 +211,7 @@ def plot(out: dict, slo: tuple[float, float], out_dir) -> list:
                 xs = [p["rate"] for p in a["points"]]
                 ys = [p["summary"]["request_goodput"] or None for p in a["points"]]
                 line, = ax.plot(xs, ys, marker="o", ms=3, label=f"{a['arm']} "
-                                f"(cap {_fleet._f(a['capacity_rps'], '.2f').strip()})")
+                                f"(cap {_fleet.fmt(a['capacity_rps'], '.2f').strip()})")
                 if a["capacity_rps"]:
                     ax.axvline(a["capacity_rps"], color=line.get_color(), ls=":", lw=0.8)
             rates = [p["rate"] for a in t["arms"] if a["setup"] == setup for p in a["points"]]
