@@ -500,6 +500,9 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
         return engines[n]
 
     d = c.data_parallel_size
+    ds = sorted(c.scaling.replicas)
+    progress = common.Progress(c.repeats * len(c.routers) + c.scaling.repeats * len(ds),
+                               "routing", unit="run", summary=False)
     policies = []
     for k in range(c.repeats):  # the order alternates, so a drift of the machine hits all alike
         for policy in (c.routers if k % 2 == 0 else tuple(reversed(c.routers))):
@@ -507,6 +510,7 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
             r["repeat"] = k
             policies.append(r)
             print(_line(r), flush=True)
+            progress.update(1)
     by = {p: median_over([r for r in policies if r["policy"] == p]) for p in c.routers}
     headline = {}
     if "prefix_aware" in by and "round_robin" in by:
@@ -526,7 +530,6 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
     print(format_policies(by), flush=True)
 
     runs = []
-    ds = sorted(c.scaling.replicas)
     for k in range(c.scaling.repeats if ds else 0):
         for n in (ds if k % 2 == 0 else ds[::-1]):
             r = serve(c, engine(n), plan["workloads"]["scaling"], c.scaling.router,
@@ -534,6 +537,8 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
             r["repeat"] = k
             runs.append(r)
             print(_line(r), flush=True)
+            progress.update(1)
+    progress.close()
     scaling = {"runs": runs, "by_replicas": []}
     for n in ds:
         mine = [r for r in runs if r["data_parallel_size"] == n]
