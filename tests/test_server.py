@@ -66,7 +66,9 @@ def server():
     for o in engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0)):
         assert len(o.text.strip()) >= 8 and any(c.isalpha() for c in o.text), o.text
     # After warmup no request of any kind compiles (counted in test_no_compilation_after_warmup).
-    assert engine.warmup() == 1  # the plain shape is compiled already: the logprobs variant
+    # The plain shape is compiled already: at most the logprobs variant (none if an earlier
+    # module of the suite compiled it: tests/conftest.py keeps compiled shapes across modules).
+    assert engine.warmup() <= 1
     compiled = engine.num_compilations
     lp = engine.generate([PROMPTS[2]] * 2, [
         SamplingParams(max_tokens=4, prompt_logprobs=3, logprobs=5, n=2, seed=1),
