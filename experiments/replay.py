@@ -15,7 +15,9 @@ the step whose start expired it (a timeout is a wall-clock event; the engine's
 ``request_timeout_s`` is off in the replay), so its reported reason is ``abort`` and only its
 tokens are compared. The replay stops at the first step that differs and prints both sides;
 otherwise it compares every request's final tokens. Exit status 0: identical; 1: a difference.
-Single-replica engines only (a data-parallel run records no per-step batches).
+Single-replica engines only (a data-parallel run records no per-step batches), and runs on a
+fresh engine (a reused engine's warm prefix cache is not recorded). The model is recorded by
+name: the replay loads it with ``common.load_model`` (a run on other weights differs).
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ def check_record(record) -> dict:
         raise ValueError(f"replay record lacks {missing}")
     if record["version"] != 1:
         raise ValueError(f"replay record version {record['version']!r}; this replays version 1")
+    if not record.get("fresh_engine", True):
+        raise ValueError(f"arm {record['arm']!r} ran on an engine that had served requests "
+                         f"before (its prefix cache was warm): a replay starts fresh")
     return record
 
 

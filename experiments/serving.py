@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import time
+from pathlib import Path
 
 from experiments import common
 from paged import Engine, EngineConfig, SamplingParams, metrics
@@ -62,7 +63,8 @@ def _record(out, spec_by_id) -> metrics.RequestRecord:
 
 def run_arm(name: str, engine: Engine, workload: Workload, *, ttft_slo_ms=None, tpot_slo_ms=None,
             max_wall_s: float = float("inf"), trace_every_s: float = 0.05,
-            progress: bool = True, timeouts: dict[str, float] | None = None) -> ArmResult:
+            progress: bool = True, timeouts: dict[str, float] | None = None,
+            model_name: str | None = None) -> ArmResult:
     """Serves ``workload`` with ``engine`` in real time and summarizes it.
 
     Args:
@@ -78,6 +80,8 @@ def run_arm(name: str, engine: Engine, workload: Workload, *, ttft_slo_ms=None, 
         own line per run); False = nothing.
       timeouts: per request id, a timeout in seconds since arrival (``add_request``'s
         ``timeout_s``; default the engine's ``request_timeout_s``).
+      model_name: what `experiments.common.load_model` loads to rebuild the weights for a replay
+        (the study's ``config.model``, e.g. ``"random-small"``); default ``engine.config.model``.
 
     The result's ``replay`` (single-replica engines) is what ``experiments.replay`` needs to
     re-execute the run in lockstep (``replay_record``).
@@ -93,6 +97,7 @@ def run_arm(name: str, engine: Engine, workload: Workload, *, ttft_slo_ms=None, 
     # The exact-replay log (single-replica engines): per engine.step() call, what the driver did
     # before it and what it reported; the engine records each step's batch (record_steps).
     engine_steps = engine.record_steps() if hasattr(engine, "record_steps") else None
+    fresh = engine_steps is not None and engine.core.num_requests == 0  # replay starts fresh
     steps: list[dict] = []
     added: list[str] = []
     tokens: dict[str, list[int]] = {}
@@ -140,7 +145,8 @@ def run_arm(name: str, engine: Engine, workload: Workload, *, ttft_slo_ms=None, 
     replay = None
     if engine_steps is not None:
         replay = replay_record(name, engine.config, workload, spec_by_id, steps, engine_steps,
-                               tokens, {r.request_id: r.status for r in recs})
+                               tokens, {r.request_id: r.status for r in recs}, fresh=fresh,
+                               model_name=model_name)
     return ArmResult(name=name, summary=summary, records=recs, trace=trace.to_dict(),
                      engine_config=dataclasses.asdict(engine.config), wall_s=wall,
                      num_compilations=engine.num_compilations, replay=replay)
@@ -160,7 +166,7 @@ def _logged_step(engine, steps, added, records, spec_by_id, tokens) -> None:
 
 
 def replay_record(name, config, workload, spec_by_id, steps, engine_steps, tokens,
-                  statuses) -> dict:
+                  statuses, *, fresh: bool = True, model_name: str | None = None) -> dict:
     """What an exact replay of one serving run needs (written as ``replay.json``): the engine
     config and model, the workload's identity and every admitted request (prompt token ids or
     text, sampling, arrival offset; a SHA-256 digest over them), and per ``engine.step()`` call the
@@ -178,13 +184,29 @@ def replay_record(name, config, workload, spec_by_id, steps, engine_steps, token
                          "output_len": spec.output_len, "n": spec.n, "arrival_s": spec.arrival_s})
     digest = hashlib.sha256(json.dumps(requests, sort_keys=True).encode()).hexdigest()
     return {
-        "version": 1, "arm": name, "model": config.model,
+        "version": 1, "arm": name,
+        "model": config.model if model_name is None else model_name, "fresh_engine": fresh,
         "engine_config": dataclasses.asdict(config), "seed": config.seed,
         "workload": {"name": workload.name, "seed": workload.seed, "evidence": workload.evidence,
                      "label": workload.label(), "digest": digest},
         "requests": requests,
         "steps": [{**d, **e} for d, e in zip(steps, engine_steps)],
         "tokens": tokens, "statuses": statuses}
+
+
+def write_replay(path, results, real_results=()) -> Path | None:
+    """Writes the arms' replay records (``ArmResult.replay``) as ``path`` (``replay.json``, for
+    ``python -m experiments.replay --from=<its dir>``); arms of ``real_results`` are named
+    ``real_arrivals/<name>``. None (nothing written) when no arm has one (data-parallel)."""
+    arms = [r.replay for r in results if r.replay is not None]
+    arms += [{**r.replay, "arm": f"real_arrivals/{r.name}"} for r in real_results
+             if r.replay is not None]
+    if not arms:
+        return None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"arms": arms}, separators=(",", ":")) + "\n")  # compact: big
+    return path
 
 
 def _sample(trace: metrics.Trace, engine: Engine, t: float) -> None:
