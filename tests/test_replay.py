@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import functools
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from engine_utils import small_model
+from experiments import common
 from experiments import replay as rp
 from experiments import serving
 from paged import Engine, EngineConfig
@@ -50,8 +52,9 @@ class _Clock:
 @functools.cache
 def _recorded():
     """One serving run with preemption, prefix hits, a timeout and aborts (the wall limit falls
-    while later requests are still in flight: they are aborted)."""
-    model = small_model()
+    while later requests are still in flight: they are aborted). Its record is also written to a
+    temporary results dir, so a failing assertion can print the command that replays it."""
+    model = common.load_model("random-small")  # what the replay command loads by name
     engine = Engine(EngineConfig(**CONFIG), model_config=model[0], params=model[1])
     clock, real = _Clock(), (time.perf_counter, time.sleep)
     time.perf_counter, time.sleep = clock.perf_counter, clock.sleep
@@ -60,17 +63,22 @@ def _recorded():
                                  progress=False, timeouts={"r05": 0.01})
     finally:
         time.perf_counter, time.sleep = real
+    serving.write_replay(REPLAY_DIR / "replay.json", [result])
     return model, result
+
+
+REPLAY_DIR = Path(tempfile.mkdtemp(prefix="test_replay_"))
+HOW = f"reproduce: {rp.replay_command(REPLAY_DIR)}"
 
 
 def test_serving_run_records_what_replay_needs():
     _, result = _recorded()
     record = result.replay
     statuses = {r.request_id: r.status for r in result.records}
-    assert statuses["r05"] == "timeout"
-    assert "aborted" in statuses.values(), statuses
-    assert result.summary["engine_preemptions"] > 0
-    assert result.summary["prefix_cache_hit_tokens"] > 0
+    assert statuses["r05"] == "timeout", HOW
+    assert "aborted" in statuses.values(), (statuses, HOW)
+    assert result.summary["engine_preemptions"] > 0, HOW
+    assert result.summary["prefix_cache_hit_tokens"] > 0, HOW
     # One entry per engine.step() call; a call that dispatched nothing is not counted in
     # num_engine_steps.
     assert len(record["steps"]) >= result.summary["num_engine_steps"] > 0
@@ -86,7 +94,7 @@ def test_replay_reproduces_tokens_and_batches():
     model, result = _recorded()
     record = json.loads(json.dumps(result.replay))  # as read back from replay.json
     got = rp.replay(record, model)
-    assert got.ok, got.divergence.format()
+    assert got.ok, f"{got.divergence.format()}\n{HOW}"
     assert got.num_steps == len(record["steps"])
     finished = [rid for rid, st in record["statuses"].items() if st == "finished"]
     assert finished and all(len(record["tokens"][rid]) > 0 for rid in finished)
@@ -136,17 +144,20 @@ def test_changed_token_is_caught_in_the_final_tokens():
     assert got.divergence.step is None and rid in got.divergence.field
 
 
-def test_cli_replays_a_results_dir(tmp_path, capsys, monkeypatch):
-    model, result = _recorded()
-    (tmp_path / "replay.json").write_text(json.dumps({"arms": [result.replay]}))
-    # The record names "random-small"; the run used the tests' peaky weights: with the named
-    # model's own weights the tokens differ, and the replay says so.
+def test_cli_replays_a_results_dir(tmp_path, capsys):
+    _recorded()
+    assert rp.main([f"--from={REPLAY_DIR}"]) == 0
+    assert "[arm] identical" in capsys.readouterr().out
+    # A record whose tokens were not what this model makes: exit 1, both sides printed.
+    payload = json.loads((REPLAY_DIR / "replay.json").read_text())
+    record = payload["arms"][0]
+    rid = next(r for r, st in record["statuses"].items() if st == "finished")
+    record["tokens"][rid][0] = (record["tokens"][rid][0] + 1) % 256
+    (tmp_path / "replay.json").write_text(json.dumps(payload))
     assert rp.main([f"--from={tmp_path}", "--arm=arm"]) == 1
     out = capsys.readouterr().out
-    assert "[arm] replay differs at" in out and "recorded:" in out and "replayed:" in out
-    monkeypatch.setattr(rp.common, "load_model", lambda name: model)
-    assert rp.main([f"--from={tmp_path}"]) == 0
-    assert "[arm] identical" in capsys.readouterr().out
+    assert f"[arm] replay differs at final tokens (tokens of {rid})" in out
+    assert "recorded:" in out and "replayed:" in out
 
 
 @pytest.mark.parametrize("args, message", [
@@ -154,6 +165,7 @@ def test_cli_replays_a_results_dir(tmp_path, capsys, monkeypatch):
     (["--from=/nonexistent/dir"], "no such directory"),
     (["--from={tmp}"], "replay.json: no such file"),
     (["--from={tmp}", "--arm=x", "extra"], "unexpected arguments"),
+    (["--bogus=1"], "bogus"),
 ])
 def test_cli_mistakes_end_in_one_line(tmp_path, capsys, args, message):
     args = [a.format(tmp=tmp_path) for a in args]
@@ -162,6 +174,12 @@ def test_cli_mistakes_end_in_one_line(tmp_path, capsys, args, message):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("replay: ") and message in err and "\n" not in err
+
+
+def test_record_of_a_reused_engine_is_refused():
+    _, result = _recorded()
+    with pytest.raises(ValueError, match="served requests before"):
+        rp.check_record({**result.replay, "fresh_engine": False})
 
 
 def test_record_checks():
