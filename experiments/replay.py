@@ -15,7 +15,9 @@ the step whose start expired it (a timeout is a wall-clock event; the engine's
 ``request_timeout_s`` is off in the replay), so its reported reason is ``abort`` and only its
 tokens are compared. The replay stops at the first step that differs and prints both sides;
 otherwise it compares every request's final tokens. Exit status 0: identical; 1: a difference.
-Single-replica engines only (a data-parallel run records no per-step batches), and runs on a
+``--sim`` replays the record on the simulator instead (``replay_sim``: the same host core and
+scheduler, pseudo-tokens; schedules compared, not tokens; serial runs only, since the simulator
+does not model the overlapped step). Single-replica engines only (a data-parallel run records no per-step batches), and runs on a
 fresh engine (a reused engine's warm prefix cache is not recorded). The model is recorded by
 name: the replay loads it with ``common.load_model`` (a run on other weights differs).
 """
@@ -133,6 +135,56 @@ def replay(record: dict, model=None, **overrides) -> ReplayResult:
     return ReplayResult(record["arm"], len(record["steps"]), None)
 
 
+def replay_sim(record: dict, **overrides) -> ReplayResult:
+    """The same record on the simulator (``paged.sim.replica.SimReplica``: the same ``HostCore``,
+    ``Scheduler`` and ``BlockManager``, no device, pseudo-tokens), in lockstep: each recorded
+    step's adds and aborts, then one simulated step; compares each step's batch (request id and
+    token count per row), preemptions and finished requests. Tokens are not compared (the
+    simulator samples pseudo-tokens). The simulator steps serially, so only a run with
+    ``async_scheduling=False`` (or speculation, which is serial too) has the same schedule.
+
+    Raises:
+      ValueError: a record of an overlapped (``async_scheduling``) run.
+    """
+    from experiments.serving import request_params
+    from paged.sim.replica import SimReplica
+    from paged.sim.step_model import LinearStepModel
+
+    record = check_record(record)
+    config = engine_config(record, **overrides)
+    if config.async_scheduling and config.speculative is None:
+        raise ValueError(f"arm {record['arm']!r} ran overlapped (async_scheduling=True); the "
+                         f"simulator steps serially: it replays runs with async_scheduling=False")
+    sim = SimReplica(config, LinearStepModel(coef={}), fast_forward=False, record_schedule=True)
+    requests = {r["request_id"]: r for r in record["requests"]}
+    now = 0.0
+    for k, step in enumerate(record["steps"]):
+        for rid in step["added"]:
+            r = requests[rid]
+            sim.add_request(rid, r["prompt"], request_params(r["output_len"], r["n"]),
+                            arrival_time=r["arrival_s"])
+        for rid in step["ended"]:
+            sim.abort(rid, now)
+        logged = len(sim.schedule_log)
+        duration, outs = sim.begin(now)
+        if duration is not None:
+            now += duration
+            outs = sim.finish(now)
+        now += 1e-6
+        batch, preempted = [], []
+        if len(sim.schedule_log) > logged:
+            _, ran, preempted = sim.schedule_log[-1]
+            batch = [[rid, n] for rid, n in ran]
+        got = {"batch": batch, "preempted": list(preempted),
+               "finished": [o.request_id for o in outs if o.finished]}
+        want = {"batch": [[rid, n] for rid, _, n in step["batch"]],
+                "preempted": [rid for rid, _ in step["preempted"]], "finished": step["finished"]}
+        for field in ("preempted", "batch", "finished"):
+            if got[field] != want[field]:
+                return ReplayResult(record["arm"], k, Divergence(k, field, want[field], got[field]))
+    return ReplayResult(record["arm"], len(record["steps"]), None)
+
+
 def _jsonable(x):
     return json.loads(json.dumps(x))
 
@@ -166,6 +218,8 @@ def main(argv=None) -> int:
     fl = flags.FlagValues()
     flags.DEFINE_string("from", None, "results dir holding replay.json", flag_values=fl)
     flags.DEFINE_string("arm", None, "replay only this arm (default: every arm)", flag_values=fl)
+    flags.DEFINE_bool("sim", False, "replay on the simulator (schedules only; serial runs)",
+                      flag_values=fl)
     try:
         rest = fl(sys.argv if argv is None else ["replay", *argv])
     except flags.Error as e:
@@ -182,18 +236,27 @@ def main(argv=None) -> int:
                 raise ValueError(f"--arm={fl.arm!r}: the record has arms {names}")
             records = [r for r in records if r["arm"] == fl.arm]
         common.check_model(records[0]["model"])
+        if fl.sim:
+            for record in records:
+                if engine_config(record).async_scheduling and record["engine_config"].get(
+                        "speculative") is None:
+                    raise ValueError(f"--sim: arm {record['arm']!r} ran overlapped; the "
+                                     f"simulator replays runs with async_scheduling=False")
     except (ValueError, TypeError) as e:
         common.fail("replay", str(e))
     status = 0
     models = {}
     for record in records:
         name = record["model"]
-        if name not in models:
-            models[name] = common.load_model(name)
-        result = replay(record, models[name])
+        if fl.sim:
+            result = replay_sim(record)
+        else:
+            if name not in models:
+                models[name] = common.load_model(name)
+            result = replay(record, models[name])
         if result.ok:
-            print(f"[{result.arm}] identical: {result.num_steps} steps, "
-                  f"{len(record['tokens'])} requests' tokens", flush=True)
+            what = "schedules (simulator)" if fl.sim else f"{len(record['tokens'])} requests' tokens"
+            print(f"[{result.arm}] identical: {result.num_steps} steps, {what}", flush=True)
         else:
             print(f"[{result.arm}] {result.divergence.format()}", flush=True)
             status = 1

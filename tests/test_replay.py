@@ -50,12 +50,12 @@ class _Clock:
 
 
 @functools.cache
-def _recorded():
+def _recorded(**overrides):
     """One serving run with preemption, prefix hits, a timeout and aborts (the wall limit falls
     while later requests are still in flight: they are aborted). Its record is also written to a
     temporary results dir, so a failing assertion can print the command that replays it."""
     model = common.load_model("random-small")  # what the replay command loads by name
-    engine = Engine(EngineConfig(**CONFIG), model_config=model[0], params=model[1])
+    engine = Engine(EngineConfig(**CONFIG, **overrides), model_config=model[0], params=model[1])
     clock, real = _Clock(), (time.perf_counter, time.sleep)
     time.perf_counter, time.sleep = clock.perf_counter, clock.sleep
     try:
@@ -63,7 +63,8 @@ def _recorded():
                                  progress=False, timeouts={"r05": 0.01})
     finally:
         time.perf_counter, time.sleep = real
-    serving.write_replay(REPLAY_DIR / "replay.json", [result])
+    if not overrides:
+        serving.write_replay(REPLAY_DIR / "replay.json", [result])
     return model, result
 
 
@@ -148,6 +149,10 @@ def test_cli_replays_a_results_dir(tmp_path, capsys):
     _recorded()
     assert rp.main([f"--from={REPLAY_DIR}"]) == 0
     assert "[arm] identical" in capsys.readouterr().out
+    # --sim: this run was overlapped, so the simulator refuses it in one line.
+    with pytest.raises(SystemExit) as e:
+        rp.main([f"--from={REPLAY_DIR}", "--sim"])
+    assert e.value.code == 2 and "async_scheduling=False" in capsys.readouterr().err
     # A record whose tokens were not what this model makes: exit 1, both sides printed.
     payload = json.loads((REPLAY_DIR / "replay.json").read_text())
     record = payload["arms"][0]
@@ -188,3 +193,22 @@ def test_record_checks():
     with pytest.raises(ValueError, match="version"):
         rp.check_record({k: 0 for k in ("arm", "model", "engine_config", "requests", "steps",
                                         "tokens")} | {"version": 2})
+
+
+def test_serial_run_replays_on_the_simulator_with_the_same_schedule():
+    model, result = _recorded(async_scheduling=False)
+    record = result.replay
+    assert any(s["preempted"] for s in record["steps"])
+    assert got_ok(rp.replay(record, model))  # the engine replays it exactly too
+    assert got_ok(rp.replay_sim(record))
+    # A changed policy is caught on the simulator too, at a step after the first.
+    changed = rp.replay_sim(record, policy="prefill-first")
+    assert not changed.ok and changed.divergence.step > 0
+    # The overlapped run's schedule is not the serial one: refused, not compared.
+    with pytest.raises(ValueError, match="async_scheduling=False"):
+        rp.replay_sim(_recorded()[1].replay)
+
+
+def got_ok(result) -> bool:
+    assert result.ok, result.divergence.format()
+    return True
