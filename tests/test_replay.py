@@ -12,9 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments import common
+from experiments import common, serving
 from experiments import replay as rp
-from experiments import serving
 from paged import Engine, EngineConfig
 from paged.workload import RequestSpec, Workload
 
