@@ -283,12 +283,13 @@ class Engine:
         sched = core.schedule(t0)
         if self.speculator is not None:
             self.speculator.plan(sched)
-        if self.step_record is not None:
+        t1 = time.perf_counter()
+        timing.schedule = t1 - t0
+        if self.step_record is not None:  # kept out of the step's timed phases
             self.step_record.append({
                 "ended": list(ended), "batch": sched.composition(core.batch),
                 "preempted": [[s.request_id, s.sample_index] for s in sched.preempted]})
-        t1 = time.perf_counter()
-        timing.schedule = t1 - t0
+            t1 = time.perf_counter()
         done, launched = self._inflight, None
         if not sched.is_empty:
             step_id = core.block_manager.begin_step()
