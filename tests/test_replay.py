@@ -211,3 +211,16 @@ def test_serial_run_replays_on_the_simulator_with_the_same_schedule():
 def got_ok(result) -> bool:
     assert result.ok, result.divergence.format()
     return True
+
+
+def test_a_reused_engine_is_marked_not_fresh():
+    model = common.load_model("random-small")
+    engine = Engine(EngineConfig(**CONFIG), model_config=model[0], params=model[1])
+    w = _workload(2, 0.0)
+    first = serving.run_arm("a", engine, w, progress=False)
+    second = serving.run_arm("b", engine, w, progress=False)
+    assert first.replay["fresh_engine"] and not second.replay["fresh_engine"]
+    assert first.replay["workload"]["digest"] == second.replay["workload"]["digest"]
+    assert rp.replay(first.replay, model).ok
+    with pytest.raises(ValueError, match="served requests before"):
+        rp.replay(second.replay, model)
