@@ -5,7 +5,8 @@ contiguous KV + static batching, same model, same sampling, same KV pool bytes, 
 ShareGPT-like Poisson workload; then each arm serves ``real_arrivals`` too (a window of a real
 Azure trace, ``evidence: real``, its derivations in its label), reported as one line per arm and
 kept apart from the constructed comparison. Writes ``summary.json`` (every request's record, per-arm summaries,
-KV-usage traces, config, provenance) and two plots (latency CDFs, KV usage by ledger category).
+KV-usage traces, config, provenance), ``replay.json`` (what ``python -m experiments.replay``
+re-executes exactly) and two plots (latency CDFs, KV usage by ledger category).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 from pathlib import Path
 
 from experiments import common, plots, serving
+from experiments.replay import replay_command
 from paged.workload import check_same_evidence
 
 
@@ -43,7 +45,8 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
     for name, engine_config in plan["engines"]:
         engine = serving.build_engine(engine_config, model)
         results.append(serving.run_arm(name, engine, workload, ttft_slo_ms=c.ttft_slo_ms,
-                                       tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s))
+                                       tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s,
+                                       model_name=c.model))
         del engine
     print(serving.format_table(results))
     real = plan.get("real_arrivals")
@@ -53,7 +56,8 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
         for name, engine_config in plan["engines"]:
             engine = serving.build_engine(engine_config, model)
             real_results.append(serving.run_arm(f"{name}", engine, real, ttft_slo_ms=c.ttft_slo_ms,
-                                                tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s))
+                                                tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s,
+                                                model_name=c.model))
             del engine
             print("  " + serving.format_line(real_results[-1]), flush=True)
     payload = {
@@ -73,6 +77,8 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
                       "wall_s": r.wall_s, "records": [rec.as_dict() for rec in r.records]}
                      for r in real_results]}
     common.write_json(out_dir / "summary.json", payload)
+    if serving.write_replay(out_dir / "replay.json", results, real_results):
+        print(f"replay: {replay_command(out_dir)}")
     if c.plots:
         plots.latency_cdfs(results, out_dir / "latency_cdf.png")
         plots.kv_usage(results, out_dir / "kv_usage.png")

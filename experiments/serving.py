@@ -11,8 +11,11 @@ percentiles cover.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import time
+from pathlib import Path
 
 from experiments import common
 from paged import Engine, EngineConfig, SamplingParams, metrics
@@ -30,6 +33,7 @@ class ArmResult:
     engine_config: dict
     wall_s: float
     num_compilations: int
+    replay: dict | None = None  # what `experiments.replay` needs to run it again (`replay_record`)
 
 
 def build_engine(engine_config: EngineConfig, model) -> Engine:
@@ -37,6 +41,11 @@ def build_engine(engine_config: EngineConfig, model) -> Engine:
     engine = Engine(engine_config, model_config=model[0], params=model[1])
     engine.warmup(logprobs=False, parallel_sampling=False)  # what the old warmup compiled
     return engine
+
+
+def request_params(output_len: int, n: int = 1) -> SamplingParams:
+    """The sampling parameters a serving run gives a request (greedy, ``output_len`` tokens)."""
+    return SamplingParams(max_tokens=output_len, temperature=0.0, n=n, ignore_eos=True)
 
 
 def _record(out, spec_by_id) -> metrics.RequestRecord:
@@ -54,7 +63,8 @@ def _record(out, spec_by_id) -> metrics.RequestRecord:
 
 def run_arm(name: str, engine: Engine, workload: Workload, *, ttft_slo_ms=None, tpot_slo_ms=None,
             max_wall_s: float = float("inf"), trace_every_s: float = 0.05,
-            progress: bool = True) -> ArmResult:
+            progress: bool = True, timeouts: dict[str, float] | None = None,
+            model_name: str | None = None) -> ArmResult:
     """Serves ``workload`` with ``engine`` in real time and summarizes it.
 
     Args:
@@ -68,6 +78,13 @@ def run_arm(name: str, engine: Engine, workload: Workload, *, ttft_slo_ms=None, 
       progress: show progress on stderr (`experiments.common.Progress`): True = a bar on a
         terminal and one summary line off it; "tty" = the bar only (for studies that print their
         own line per run); False = nothing.
+      timeouts: per request id, a timeout in seconds since arrival (``add_request``'s
+        ``timeout_s``; default the engine's ``request_timeout_s``).
+      model_name: what `experiments.common.load_model` loads to rebuild the weights for a replay
+        (the study's ``config.model``, e.g. ``"random-small"``); default ``engine.config.model``.
+
+    The result's ``replay`` (single-replica engines) is what ``experiments.replay`` needs to
+    re-execute the run in lockstep (``replay_record``).
     """
     specs = sorted(workload.requests, key=lambda r: r.arrival_s)
     spec_by_id = {r.request_id: r for r in specs}
@@ -77,23 +94,30 @@ def run_arm(name: str, engine: Engine, workload: Workload, *, ttft_slo_ms=None, 
     next_trace = 0.0
     i = 0
     bar = common.Progress(len(specs), f"[{name}]", summary=progress is True) if progress else None
+    # The exact-replay log (single-replica engines): per engine.step() call, what the driver did
+    # before it and what it reported; the engine records each step's batch (record_steps).
+    engine_steps = engine.record_steps() if hasattr(engine, "record_steps") else None
+    fresh = engine_steps is not None and engine.core.num_requests == 0  # replay starts fresh
+    steps: list[dict] = []
+    added: list[str] = []
+    tokens: dict[str, list[int]] = {}
     while i < len(specs) or engine.has_unfinished_requests():
         now = time.perf_counter()
         if now - t0 > max_wall_s:
-            _stop(engine, specs[i:], records, spec_by_id, now)
+            _stop(engine, specs[i:], records, spec_by_id, now, steps, added, tokens)
             break
         while i < len(specs) and t0 + specs[i].arrival_s <= now:
             r = specs[i]
-            params = SamplingParams(max_tokens=r.output_len, temperature=0.0, n=r.n, ignore_eos=True)
             try:
-                engine.add_request(r.request_id, r.engine_prompt(), params, arrival_time=t0 + r.arrival_s)
+                engine.add_request(r.request_id, r.engine_prompt(), request_params(r.output_len, r.n),
+                                   arrival_time=t0 + r.arrival_s,
+                                   timeout_s=(timeouts or {}).get(r.request_id))
+                added.append(r.request_id)
             except ValueError:
                 records[r.request_id] = _rejected(r, t0)
             i += 1
         if engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    records[out.request_id] = _record(out, spec_by_id)
+            _logged_step(engine, steps, added, records, spec_by_id, tokens)
         elif i < len(specs):
             time.sleep(max(0.0, t0 + specs[i].arrival_s - time.perf_counter()))
         now = time.perf_counter()
@@ -118,9 +142,71 @@ def run_arm(name: str, engine: Engine, workload: Workload, *, ttft_slo_ms=None, 
         peak_used_blocks=stats["block_manager"].get("peak_used_blocks"),
         pool_bytes=stats["ledger"]["pool_bytes"], kv_block_size=stats["block_size"],
         kv_num_blocks=stats["num_blocks"])
+    replay = None
+    if engine_steps is not None:
+        replay = replay_record(name, engine.config, workload, spec_by_id, steps, engine_steps,
+                               tokens, {r.request_id: r.status for r in recs}, fresh=fresh,
+                               model_name=model_name)
     return ArmResult(name=name, summary=summary, records=recs, trace=trace.to_dict(),
                      engine_config=dataclasses.asdict(engine.config), wall_s=wall,
-                     num_compilations=engine.num_compilations)
+                     num_compilations=engine.num_compilations, replay=replay)
+
+
+def _logged_step(engine, steps, added, records, spec_by_id, tokens) -> None:
+    """One ``engine.step()``, logged for replay: the requests added before it (``added``,
+    emptied), the requests it reported finished."""
+    finished = []
+    for out in engine.step():
+        if out.finished:
+            records[out.request_id] = _record(out, spec_by_id)
+            tokens[out.request_id] = list(out.token_ids)
+            finished.append(out.request_id)
+    steps.append({"added": list(added), "finished": finished})
+    added.clear()
+
+
+def replay_record(name, config, workload, spec_by_id, steps, engine_steps, tokens,
+                  statuses, *, fresh: bool = True, model_name: str | None = None) -> dict:
+    """What an exact replay of one serving run needs (written as ``replay.json``): the engine
+    config and model, the workload's identity and every admitted request (prompt token ids or
+    text, sampling, arrival offset; a SHA-256 digest over them), and per ``engine.step()`` call the
+    requests added before it, the requests it reported aborted or timed out (``ended``), its batch
+    (``[request_id, sample_index, num_new_tokens]``), its preemptions and the requests it reported
+    finished; the final token ids and status of every request."""
+    if len(steps) != len(engine_steps):
+        raise RuntimeError(f"{len(steps)} driver steps but {len(engine_steps)} engine records")
+    order = [rid for s in steps for rid in s["added"]]
+    requests = []
+    for rid in order:
+        spec = spec_by_id[rid]
+        prompt = spec.engine_prompt()  # token ids, or text the engine encodes
+        requests.append({"request_id": rid, "prompt": prompt,
+                         "output_len": spec.output_len, "n": spec.n, "arrival_s": spec.arrival_s})
+    digest = hashlib.sha256(json.dumps(requests, sort_keys=True).encode()).hexdigest()
+    return {
+        "version": 1, "arm": name,
+        "model": config.model if model_name is None else model_name, "fresh_engine": fresh,
+        "engine_config": dataclasses.asdict(config), "seed": config.seed,
+        "workload": {"name": workload.name, "seed": workload.seed, "evidence": workload.evidence,
+                     "label": workload.label(), "digest": digest},
+        "requests": requests,
+        "steps": [{**d, **e} for d, e in zip(steps, engine_steps)],
+        "tokens": tokens, "statuses": statuses}
+
+
+def write_replay(path, results, real_results=()) -> Path | None:
+    """Writes the arms' replay records (``ArmResult.replay``) as ``path`` (``replay.json``, for
+    ``python -m experiments.replay --from=<its dir>``); arms of ``real_results`` are named
+    ``real_arrivals/<name>``. None (nothing written) when no arm has one (data-parallel)."""
+    arms = [r.replay for r in results if r.replay is not None]
+    arms += [{**r.replay, "arm": f"real_arrivals/{r.name}"} for r in real_results
+             if r.replay is not None]
+    if not arms:
+        return None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"arms": arms}, separators=(",", ":")) + "\n")  # compact: big
+    return path
 
 
 def _sample(trace: metrics.Trace, engine: Engine, t: float) -> None:
@@ -137,14 +223,13 @@ def _rejected(spec, t0: float) -> metrics.RequestRecord:
         prompt_len=spec.prompt_len, output_len=0)
 
 
-def _stop(engine: Engine, unadmitted, records, spec_by_id, now: float) -> None:
+def _stop(engine: Engine, unadmitted, records, spec_by_id, now: float, steps, added,
+          tokens) -> None:
     """Wall limit reached: abort what is in flight, reject what has not arrived yet."""
     in_flight = [rid for rid in engine.unfinished_request_ids() if rid not in records]
     for rid in in_flight:
         engine.abort(rid)
-    for out in engine.step():  # reports the aborted requests
-        if out.finished:
-            records[out.request_id] = _record(out, spec_by_id)
+    _logged_step(engine, steps, added, records, spec_by_id, tokens)  # reports the aborted ones
     for spec in unadmitted:
         records[spec.request_id] = _rejected(spec, now)
 

@@ -156,6 +156,9 @@ class Engine:
         self.num_steps = 0
         self.last_timing = StepTiming()
         self._pending = False  # between dispatch_step() and finish_step()
+        # Off (None) unless a driver records the run: then one dict per ``dispatch_step`` (see
+        # ``record_steps``).
+        self.step_record: list[dict] | None = None
 
     # --- the host core's parts, read by studies, tests and kv_stats ---------------------
     block_manager = property(lambda self: self.core.block_manager)
@@ -282,6 +285,11 @@ class Engine:
             self.speculator.plan(sched)
         t1 = time.perf_counter()
         timing.schedule = t1 - t0
+        if self.step_record is not None:  # kept out of the step's timed phases
+            self.step_record.append({
+                "ended": list(ended), "batch": sched.composition(core.batch),
+                "preempted": [[s.request_id, s.sample_index] for s in sched.preempted]})
+            t1 = time.perf_counter()
         done, launched = self._inflight, None
         if not sched.is_empty:
             step_id = core.block_manager.begin_step()
@@ -356,6 +364,15 @@ class Engine:
             self.core.check_invariants()
         timing.postprocess += time.perf_counter() - now
         return made, touched, done.batch.decode
+
+    def record_steps(self) -> list[dict]:
+        """Starts recording every step's composition (for an exact replay,
+        ``experiments.replay``) and returns the list it fills: per ``dispatch_step`` one dict with
+        ``ended`` (requests aborted or timed out reported by the step, by id), ``batch``
+        (``SchedulerOutput.composition``: ``[request_id, sample_index, num_new_tokens]`` in batch
+        order) and ``preempted`` (``[request_id, sample_index]`` preempted by the step's plan)."""
+        self.step_record = []
+        return self.step_record
 
     def has_step_in_flight(self) -> bool:
         """Whether a dispatched step's result has not been read back yet."""

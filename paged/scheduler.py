@@ -60,6 +60,15 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled and not len(self.decode_rows)
 
+    def composition(self, batch: InputBatch) -> list[list]:
+        """The step's batch as ``[request_id, sample_index, num_new_tokens]`` triples: the batched
+        decode rows (``batch``'s rows, read before the step commits) then ``scheduled``, in
+        order; what an exact replay compares step by step (``experiments.replay``)."""
+        rows = [[batch.seqs[r].request_id, batch.seqs[r].sample_index, 1]
+                for r in self.decode_rows.tolist()]
+        return rows + [[s.seq.request_id, s.seq.sample_index, s.num_new_tokens]
+                       for s in self.scheduled]
+
 
 _NO_ROWS = np.zeros(0, np.intp)
 

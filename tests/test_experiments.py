@@ -49,6 +49,16 @@ def test_serve_smoke(tmp_path):
     assert [a["name"] for a in real["arms"]] == ["paged+continuous", "contiguous+static"]
     assert all(len(a["records"]) == n == a["summary"]["num_requests"] for a in real["arms"])
     assert "real arrivals: " in proc.stdout and proc.stdout.count("goodput") >= 2
+    # Every arm left a replay record; the paged arm re-executes exactly (tokens and batches).
+    from experiments import replay as rp
+
+    records = rp.load_records(str(out))
+    assert [r["arm"] for r in records] == [
+        "paged+continuous", "contiguous+static", "real_arrivals/paged+continuous",
+        "real_arrivals/contiguous+static"]
+    assert f"replay: {rp.replay_command(out)}" in proc.stdout
+    result = rp.replay(records[0])
+    assert result.ok, f"{result.divergence.format()}\nreproduce: {rp.replay_command(out, 'paged+continuous')}"
 
 
 def test_engine_bench_smoke(tmp_path):
