@@ -160,3 +160,44 @@ def synthetic_prompt(length: int, *, rng: np.random.Generator, vocab: int = 256)
     length = validate.integer("length", length, minimum=0)
     vocab = validate.integer("vocab", vocab, minimum=1)
     return tuple(int(t) for t in rng.integers(0, vocab, size=length))
+
+
+def constructed_arrivals(num, rate, burstiness, arrival_times, ss) -> np.ndarray:
+    """``make_workload``'s arrival times: ``arrival_times`` as given, or a gamma process at
+    ``rate`` (exactly one of the two)."""
+    if arrival_times is not None:
+        if rate is not None:
+            raise ValueError(f"give rate or arrival_times, not both (rate={rate!r})")
+        t = fixed_arrivals(arrival_times)
+        if t.size != num:
+            raise ValueError(f"{t.size} arrival_times for num_requests={num}")
+        return t
+    if rate is None:
+        raise ValueError("rate=None needs arrival_times")
+    return gamma_arrivals(rate, num, burstiness=burstiness, seed=ss)
+
+
+def constructed_lengths(kind, num, max_model_len, prefix, prompt_len, output_len, ss):
+    """``make_workload``'s (prompt lengths, output lengths, their meta) for ``kind``: fixed, or a
+    profile's distribution scaled to ``max_model_len`` with ``prefix`` positions reserved."""
+    if kind == "fixed":
+        p = validate.integer("prompt_len", prompt_len, minimum=1)
+        o = validate.integer("output_len", output_len, minimum=1)
+        max_model_len = validate.integer("max_model_len", max_model_len, minimum=2)
+        if prefix + p + o > max_model_len:
+            raise ValueError(f"shared prefix {prefix} + prompt_len={p} + output_len={o} > "
+                             f"max_model_len={max_model_len}")
+        return np.full(num, p), np.full(num, o), {"lengths": "fixed"}
+    if prompt_len is not None or output_len is not None:
+        raise ValueError(f"prompt_len={prompt_len!r}, output_len={output_len!r}: only kind='fixed'")
+    profile = PROFILES[kind]
+    prompts, outputs = profile_lengths(profile, num, max_model_len=max_model_len, seed=ss,
+                                       reserved=prefix)
+    meta = {"lengths": {**dataclasses.asdict(profile), "distribution": "lognormal, rounded",
+                        "scale_rule": f"linear: max_model_len / {REFERENCE_CONTEXT_LEN}",
+                        "scale": length_scale(max_model_len),
+                        "clip": "prompt to [1, max_model_len - prefix - 1], "
+                                "output to [1, max_model_len - prompt_len]",
+                        "realised_mean_prompt": float(prompts.mean()),
+                        "realised_mean_output": float(outputs.mean())}}
+    return prompts, outputs, meta

@@ -48,10 +48,8 @@ and `check_same_evidence` refuses to compare workloads whose derivations differ.
 from __future__ import annotations
 
 import copy
-import csv
 import dataclasses
 import datetime
-import hashlib
 import json
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -59,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from paged import validate
+from paged import azure_trace, validate
 from paged.distributions import (  # noqa: F401  (part of this module's interface)
     ALPACA,
     PROFILES,
@@ -69,6 +67,8 @@ from paged.distributions import (  # noqa: F401  (part of this module's interfac
     SeedLike,
     _check_positive_rate,
     alpaca_like_lengths,
+    constructed_arrivals,
+    constructed_lengths,
     fixed_arrivals,
     gamma_arrivals,
     length_scale,
@@ -83,11 +83,8 @@ BOS_ID = 256  # ByteTokenizer.bos_id; not imported so this module stays free of 
 KINDS = ("sharegpt", "alpaca", "fixed")
 
 # The Azure LLM inference traces 2023, shipped in the repository (README there: fields, licence).
-AZURE_TRACE_DIR = pathlib.Path(__file__).resolve().parents[1] / "experiments/traces/azure-llm-2023"
-AZURE_TRACES = {"code": "AzureLLMInferenceTrace_code.csv", "conv": "AzureLLMInferenceTrace_conv.csv"}
-AZURE_ATTRIBUTION = ("Patel et al., 'Splitwise: Efficient generative LLM inference using phase "
-                     "splitting', ISCA 2024")
-_AZURE_COLUMNS = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+AZURE_TRACE_DIR, AZURE_TRACES, AZURE_ATTRIBUTION = (
+    azure_trace.TRACE_DIR, azure_trace.TRACES, azure_trace.ATTRIBUTION)
 
 _REQUEST_KEYS = frozenset({"request_id", "arrival_s", "prompt", "prompt_token_ids", "prompt_len",
                            "output_len", "n", "shared_prefix_len"})
@@ -568,57 +565,22 @@ def load_azure_trace(service: str, *, path: str | pathlib.Path | None = None) ->
     Raises:
       ValueError: an unknown service, a missing file, a malformed row (its line number).
     """
-    if service not in AZURE_TRACES:
-        raise ValueError(f"service={service!r} must be one of {tuple(AZURE_TRACES)}")
-    path = pathlib.Path(path) if path is not None else AZURE_TRACE_DIR / AZURE_TRACES[service]
-    if not path.is_file():
-        raise ValueError(f"no trace file {str(path)!r}")
-    data = path.read_bytes()
-    rows = list(csv.reader(data.decode("utf-8-sig").splitlines()))
-    if not rows or rows[0] != _AZURE_COLUMNS:
-        raise ValueError(f"{path}:1: header {rows[0] if rows else None!r} must be {_AZURE_COLUMNS}")
-    ticks, lens = [], []
-    for line_no, row in enumerate(rows[1:], start=2):
-        try:
-            if len(row) != 3:
-                raise ValueError(f"{len(row)} fields")
-            ticks.append(_ticks(row[0]))
-            p, o = int(row[1]), int(row[2])
-            if p < 1 or o < 1:
-                raise ValueError(f"token counts must be >= 1, got {p}, {o}")
-            lens.append((p, o))
-        except ValueError as e:
-            raise ValueError(f"{path}:{line_no}: {row!r}: {e}") from None
-    if not lens:
-        raise ValueError(f"{path}: no requests")
-    t0 = ticks[0]
-    requests = tuple(RequestSpec(request_id=f"{service}-{i}", arrival_s=(t - t0) / 1e7,
+    rows = azure_trace.read(service, path)
+    requests = tuple(RequestSpec(request_id=f"{service}-{i}", arrival_s=float(t),
                                  prompt_token_ids=None, prompt=None, prompt_len=p, output_len=o)
-                     for i, (t, (p, o)) in enumerate(zip(ticks, lens)))
-    try:
-        rel = str(path.resolve().relative_to(AZURE_TRACE_DIR.parents[2]))
-    except ValueError:
-        rel = str(path)
+                     for i, (t, p, o) in enumerate(zip(rows.arrival_s, rows.prompt_lens,
+                                                       rows.output_lens)))
+    rel = rows.file
     meta = {"source": f"Azure LLM inference trace 2023, {service} service ({rel})",
             "service": service, "file": rel,
-            "sha256": hashlib.sha256(data).hexdigest(), "row_count": len(lens),
+            "sha256": rows.sha256, "row_count": len(requests),
             "licence": "CC-BY-4.0", "attribution": AZURE_ATTRIBUTION,
-            "start_timestamp": rows[1][0].strip()[:26],
+            "start_timestamp": rows.start_timestamp,
             "prompt_content": "not in the data (counts only); token ids are synthetic "
                               "(Workload.with_synthetic_prompts)",
             "derived": []}
     return Workload(name=f"azure-{service}", requests=requests, evidence="real", seed=None,
                     meta=meta)
-
-
-def _ticks(stamp: str) -> int:
-    """``YYYY-MM-DD HH:MM:SS[.fffffff]`` as integer 100 ns ticks since the epoch (exact)."""
-    whole, _, frac = stamp.strip().partition(".")
-    if len(frac) > 7 or (frac and not frac.isdigit()):
-        raise ValueError(f"bad timestamp {stamp!r}")
-    t = datetime.datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").replace(
-        tzinfo=datetime.timezone.utc)
-    return int(t.timestamp()) * 10_000_000 + int(frac.ljust(7, "0") or 0)
 
 
 # --- JSONL parsing ---------------------------------------------------------------------------
@@ -711,8 +673,8 @@ def make_workload(kind: str, num_requests: int, rate: float | None, *, max_model
                                                                             minimum=0))
     validate.integer("n", n, minimum=1)
     arr_ss, len_ss, tok_ss = np.random.SeedSequence(seed).spawn(3)
-    arrivals = _arrivals(num_requests, rate, burstiness, arrival_times, arr_ss)
-    prompts, outputs, len_meta = _lengths(kind, num_requests, max_model_len, prefix, prompt_len,
+    arrivals = constructed_arrivals(num_requests, rate, burstiness, arrival_times, arr_ss)
+    prompts, outputs, len_meta = constructed_lengths(kind, num_requests, max_model_len, prefix, prompt_len,
                                           output_len, len_ss)
     rng = np.random.default_rng(tok_ss)
     shared = (BOS_ID,) + synthetic_prompt(prefix, rng=rng)
@@ -731,40 +693,3 @@ def make_workload(kind: str, num_requests: int, rate: float | None, *, max_model
             "bos_id": BOS_ID, "n": n, **len_meta}
     return Workload(name=f"{kind}-{num_requests}", requests=requests, evidence="constructed",
                     seed=seed, meta=meta)
-
-
-def _arrivals(num, rate, burstiness, arrival_times, ss) -> np.ndarray:
-    if arrival_times is not None:
-        if rate is not None:
-            raise ValueError(f"give rate or arrival_times, not both (rate={rate!r})")
-        t = fixed_arrivals(arrival_times)
-        if t.size != num:
-            raise ValueError(f"{t.size} arrival_times for num_requests={num}")
-        return t
-    if rate is None:
-        raise ValueError("rate=None needs arrival_times")
-    return gamma_arrivals(rate, num, burstiness=burstiness, seed=ss)
-
-
-def _lengths(kind, num, max_model_len, prefix, prompt_len, output_len, ss):
-    if kind == "fixed":
-        p = validate.integer("prompt_len", prompt_len, minimum=1)
-        o = validate.integer("output_len", output_len, minimum=1)
-        max_model_len = validate.integer("max_model_len", max_model_len, minimum=2)
-        if prefix + p + o > max_model_len:
-            raise ValueError(f"shared prefix {prefix} + prompt_len={p} + output_len={o} > "
-                             f"max_model_len={max_model_len}")
-        return np.full(num, p), np.full(num, o), {"lengths": "fixed"}
-    if prompt_len is not None or output_len is not None:
-        raise ValueError(f"prompt_len={prompt_len!r}, output_len={output_len!r}: only kind='fixed'")
-    profile = PROFILES[kind]
-    prompts, outputs = profile_lengths(profile, num, max_model_len=max_model_len, seed=ss,
-                                       reserved=prefix)
-    meta = {"lengths": {**dataclasses.asdict(profile), "distribution": "lognormal, rounded",
-                        "scale_rule": f"linear: max_model_len / {REFERENCE_CONTEXT_LEN}",
-                        "scale": length_scale(max_model_len),
-                        "clip": "prompt to [1, max_model_len - prefix - 1], "
-                                "output to [1, max_model_len - prompt_len]",
-                        "realised_mean_prompt": float(prompts.mean()),
-                        "realised_mean_output": float(outputs.mean())}}
-    return prompts, outputs, meta
