@@ -570,9 +570,8 @@ def load_azure_trace(service: str, *, path: str | pathlib.Path | None = None) ->
                                  prompt_token_ids=None, prompt=None, prompt_len=p, output_len=o)
                      for i, (t, p, o) in enumerate(zip(rows.arrival_s, rows.prompt_lens,
                                                        rows.output_lens)))
-    rel = rows.file
-    meta = {"source": f"Azure LLM inference trace 2023, {service} service ({rel})",
-            "service": service, "file": rel,
+    meta = {"source": f"Azure LLM inference trace 2023, {service} service ({rows.file})",
+            "service": service, "file": rows.file,
             "sha256": rows.sha256, "row_count": len(requests),
             "licence": "CC-BY-4.0", "attribution": AZURE_ATTRIBUTION,
             "start_timestamp": rows.start_timestamp,
