@@ -16,7 +16,8 @@ select before serving, default true; `paged.warmup`: progress lines, 503 with ``
 until ready, and a small default bucket set, `paged.warmup.server_buckets`), ``--api_key``
 (default ``$PAGED_API_KEY``: a Bearer token every ``/v1/*`` route requires), ``--switch_interval_ms`` (the interpreter's thread switch interval, default
 0.5 ms instead of Python's 5 ms, so the engine thread never waits long for the GIL while the event
-loop sends chunks), ``--log_level``. ``--model`` also accepts ``random-small`` (a small
+loop sends chunks), ``--engine_process`` (run the engine core in a child process, `paged.server.core_process`;
+default false), ``--log_level``. ``--model`` also accepts ``random-small`` (a small
 random-weight model, for tests).
 
 A bad flag or value (an unknown flag, ``--max_num_seqs 0``, ``--dtype float8``) ends in one line
@@ -35,6 +36,7 @@ import typing
 
 from paged import cli_lines
 from paged.config import EngineConfig
+from paged.server.engines import make_engine
 from paged.spec_decode import SpeculativeConfig
 
 PROG = "paged.server"
@@ -129,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the interpreter's thread switch interval (Python's default is 5): "
                              "how long the engine thread may wait for the GIL while the event "
                              "loop formats chunks")
+    server.add_argument(*_flag_names("engine_process"), type=_parse_bool, default=False,
+                        metavar="BOOL",
+                        help="run the engine core in its own process (paged.server.core_process; "
+                             "ZeroMQ + msgpack between them), so the HTTP event loop and the "
+                             "engine's host work do not share one GIL")
     server.add_argument(*_flag_names("log_level"), default="warning",
                         choices=("critical", "error", "warning", "info", "debug"))
     engine = p.add_argument_group("engine (every EngineConfig field)")
@@ -173,30 +180,6 @@ def parse_args(argv: list[str] | None = None):
     return config, ns
 
 
-def random_small():
-    """``(config, params)`` of the small random-weight model that ``--model random-small`` names
-    (the same shapes as the studies' ``random-small``)."""
-    from paged.models.config import LlamaConfig
-    from paged.models.registry import init_params
-
-    cfg = LlamaConfig(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                      ffn_dim=128)
-    return cfg, init_params(cfg, 0)
-
-
-def make_engine(config: EngineConfig, *, warmup: bool = False):
-    """The engine ``config`` describes (``random-small``: random weights), optionally warmed up."""
-    from paged import Engine
-
-    kwargs = {}
-    if config.model == "random-small":
-        kwargs["model_config"], kwargs["params"] = random_small()
-    engine = Engine(config, **kwargs)
-    if warmup:
-        engine.warmup()
-    return engine
-
-
 def main(argv: list[str] | None = None) -> None:
     config, ns = parse_args(argv)
     import logging
@@ -211,8 +194,13 @@ def main(argv: list[str] | None = None) -> None:
     # engine thread can wait that long for the GIL after every device step.
     sys.setswitchinterval(ns.switch_interval_ms / 1000.0)
     try:
-        engine = make_engine(config)
-    except (TypeError, ValueError, FileNotFoundError) as e:
+        if ns.engine_process:
+            from paged.server.core_client import EngineCoreClient
+
+            engine = EngineCoreClient(config)
+        else:
+            engine = make_engine(config)
+    except (TypeError, ValueError, FileNotFoundError, RuntimeError) as e:
         fail(str(e))
     settings = ServerSettings(served_model_name=ns.served_model_name or config.model,
                               max_waiting=ns.max_waiting, request_timeout_s=ns.request_timeout,

@@ -89,6 +89,9 @@ class EngineLoop:
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        close = getattr(self.engine, "close", None)  # an engine in its own process has one
+        if close is not None and not self._thread.is_alive():
+            close()
 
     @property
     def warmup_status(self) -> str:

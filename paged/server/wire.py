@@ -1,0 +1,89 @@
+"""The engine-core process's messages, as msgpack.
+
+Why msgpack over ZeroMQ: a step's outputs are small lists of ints, floats and short strings;
+msgpack packs them without a schema in a few microseconds (C extension), keeps ints as ints, and
+is what vLLM V1 uses between its API server and its EngineCore for the same reason. ZeroMQ gives
+message framing, a local ``ipc://`` transport and non-blocking polling without a home-made
+protocol. Only the start-up hand-over (the model's config and tokenizer, once) is pickled.
+
+Commands (server -> core), one msgpack list each:
+
+- ``["add", request_id, token_ids, params, timeout_s]`` with ``params`` the non-default fields
+  of `SamplingParams` as a dict;
+- ``["abort", [request_id, ...]]``;
+- ``["warmup"]`` (answered by ``["warm", compilations]``) and ``["stop"]``.
+
+Step messages (core -> server): ``["step", outputs, stats]`` after every step, with ``stats`` the
+`STAT_KEYS` values of ``kv_stats()`` and one entry per `RequestOutput`:
+``[request_id, finished, finish_reason, finish_time, arrival_time, first_token_time,
+num_cached_tokens, num_preemptions, samples]``, each sample
+``[index, new token ids, finish_reason, new logprobs or None, stop_reason, text or None]``
+(only the tokens and log-probabilities that are new since the previous message: the client keeps
+the rest; ``text`` only when a stop string ended the sample). ``["rejected", request_id, message]``
+when the core refuses an add the server's checks let through, ``["error", message]`` when the
+engine raised (the core then exits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+
+from paged.sampling import SamplingParams
+
+STAT_KEYS = ("num_running", "num_waiting", "num_blocks", "num_used_blocks",
+             "prefix_cache_hit_tokens", "num_preemptions")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes):
+    # Log-probabilities are dicts keyed by token id: int keys must be allowed.
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def params_to_wire(params: SamplingParams) -> dict:
+    """The fields that differ from the defaults (tuples become lists)."""
+    out = {}
+    for name, default in _DEFAULTS.items():
+        value = getattr(params, name)
+        if value != default:
+            out[name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def params_from_wire(fields: dict) -> SamplingParams:
+    fields = {k: tuple(v) if isinstance(_DEFAULTS[k], tuple) else v for k, v in fields.items()}
+    return SamplingParams(**fields)
+
+
+class DeltaEncoder:
+    """The core's side: encodes `RequestOutput`s as deltas against what it already sent."""
+
+    def __init__(self):
+        self._sent: dict[str, dict[int, int]] = {}  # request id -> sample index -> tokens sent
+
+    def encode(self, out) -> list:
+        rid = out.request_id
+        sent = self._sent.setdefault(rid, {})
+        samples = []
+        for o in out.outputs:
+            ids = o.token_ids
+            k = sent.get(o.index, 0)
+            sent[o.index] = len(ids)
+            lps = o.logprobs
+            stop = o.stop_reason
+            samples.append([o.index, ids[k:], o.finish_reason,
+                            None if lps is None else lps[k:], stop,
+                            o.text if isinstance(stop, str) else None])
+        if out.finished:
+            del self._sent[rid]
+        return [rid, out.finished, out.finish_reason, out.finish_time, out.arrival_time,
+                out.first_token_time, out.num_cached_tokens, out.num_preemptions, samples]
+
+    def forget(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
