@@ -12,6 +12,10 @@ in-process arm's (this process, the engine alone), the server process's and the 
 (this process), since on a small machine the client's CPU competes with the server's too. Per rate, the headline comparison is
 over the per-arm medians of each statistic across repeats; every run's own comparison is kept.
 
+With ``config.engine_process`` the server runs its engine core in a child process
+(``--engine_process true``): the online arm then measures that split, and the server's CPU
+seconds include the child's.
+
 Reported: TTFT and ITL at p50 / p90 / p99 for both and their differences (online - offline; the
 ITL difference is the server's added cost per token), output and request throughput and their
 ratio (online / offline) at the same offered load. Offline ITLs are gaps between the engine's
@@ -193,12 +197,26 @@ def _loadavg() -> list[float] | None:
 
 
 def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``; None elsewhere)."""
+    """User + system CPU seconds so far of process ``pid`` and its live descendants (the
+    engine-core process of ``--engine_process``) (Linux ``/proc``; None elsewhere)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
+    for child in _children(pid):
+        total += process_cpu_s(child) or 0.0
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            out += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    except (OSError, ValueError):
+        pass
+    return out
 
 
 def _one_load(c, engine, proc, base: str, rate: float, workloads) -> dict:
@@ -251,7 +269,8 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
     load_before = _loadavg()
     model = common.load_model(c.model)
     engine = serving.build_engine(engine_config, model)
-    proc, base = start_server(engine_config, c.model, c.server_start_timeout_s)
+    extra = ("--engine_process", "true") if c.engine_process else ()
+    proc, base = start_server(engine_config, c.model, c.server_start_timeout_s, extra)
     try:
         with common.Progress(len(loads), "[online_vs_offline]", unit="load") as bar:
             results = []

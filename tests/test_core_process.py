@@ -158,3 +158,41 @@ def test_a_dead_core_is_an_error_not_a_hang(server):
 def test_a_core_that_cannot_build_its_engine_says_why(tmp_path):
     with pytest.raises(RuntimeError, match="could not build the engine"):
         EngineCoreClient(EngineConfig(model=str(tmp_path)))  # a directory with no checkpoint
+
+
+def test_data_parallel_cores_route_and_match_one_engine(server, monkeypatch):
+    """D = 2 cores, one process each (each child sees two host devices and takes its own);
+    the prefix-aware router sends a repeated prompt back to the core that served it."""
+    from paged.server.core_replicas import CoreReplicas
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    import dataclasses
+
+    cores = CoreReplicas(dataclasses.replace(CONFIG, data_parallel_size=2))
+    try:
+        greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        with pytest.raises(ValueError, match="max_model_len"):
+            cores.add_request("long", "x" * 200, greedy)
+        assert not cores.has_request("long") and cores.router.num_routed == {}
+        owners = {}
+        for i, p in enumerate(PROMPTS):
+            cores.add_request(f"r{i}", p, greedy)
+            owners[f"r{i}"] = cores.replica_of(f"r{i}")
+        assert sorted(set(owners.values())) == [0, 1]  # cold prompts: least loaded, both used
+        with pytest.raises(ValueError, match="duplicate"):
+            cores.add_request("r0", PROMPTS[0], greedy)
+        done = {}
+        while cores.has_unfinished_requests() or cores.has_step_in_flight():
+            for o in cores.step():
+                if o.finished:
+                    done[o.request_id] = cores.tokenizer.decode(o.outputs[0].token_ids)
+        assert done == {f"r{i}": server["offline"][p] for i, p in enumerate(PROMPTS)}
+        stats = cores.kv_stats()
+        assert len(stats["replicas"]) == 2 and stats["num_used_blocks"] == 0
+        long_prompt = "def main():\n    return 1 + 2 + 3 + 4 + 5"  # more than two blocks
+        cores.add_request("a", long_prompt, greedy)
+        first = cores.replica_of("a")
+        cores.add_request("b", long_prompt + " + 6", greedy)
+        assert cores.replica_of("b") == first and cores.router.num_routed.get("prefix") == 1
+    finally:
+        cores.close()

@@ -43,6 +43,8 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.request_timeout_s = 600.0  # the HTTP client's per-request limit
     c.server_start_timeout_s = 300.0  # server start + warmup
     c.repeats = 3  # alternating offline / online runs, each with its own workload seed
+    # The server's engine core in its own process (paged.server --engine_process true).
+    c.engine_process = False
     c.per_request = False  # keep the per-request arrays (ttfts, itls, ...) in summary.json
     c.output_dir = ""  # default results/online_vs_offline/<UTC timestamp>/
     if arg == "smoke":

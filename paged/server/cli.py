@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="BOOL",
                         help="run the engine core in its own process (paged.server.core_process; "
                              "ZeroMQ + msgpack between them), so the HTTP event loop and the "
-                             "engine's host work do not share one GIL")
+                             "engine's host work do not share one GIL; with "
+                             "--data_parallel_size D, one process per replica, routed here")
     server.add_argument(*_flag_names("log_level"), default="warning",
                         choices=("critical", "error", "warning", "info", "debug"))
     engine = p.add_argument_group("engine (every EngineConfig field)")
@@ -170,11 +171,12 @@ def parse_args(argv: list[str] | None = None):
         from paged.warmup import server_buckets
 
         config = server_buckets(EngineConfig(**fields), set(fields))
-        import jax
+        if not ns.engine_process:  # else the core checks it: this process never starts a backend
+            import jax
 
-        from paged.config import check_attention_impl
+            from paged.config import check_attention_impl
 
-        check_attention_impl(config.attention_impl, jax.default_backend())
+            check_attention_impl(config.attention_impl, jax.default_backend())
     except (TypeError, ValueError) as e:
         fail(str(e))
     return config, ns
@@ -195,9 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     sys.setswitchinterval(ns.switch_interval_ms / 1000.0)
     try:
         if ns.engine_process:
-            from paged.server.core_client import EngineCoreClient
+            from paged.server.core_replicas import start_engine_core
 
-            engine = EngineCoreClient(config)
+            engine = start_engine_core(config)
         else:
             engine = make_engine(config)
     except (TypeError, ValueError, FileNotFoundError, RuntimeError) as e:

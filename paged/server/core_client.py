@@ -122,12 +122,13 @@ class EngineCoreClient:
       config: the `EngineConfig` (``random-small`` works as for ``make_engine``).
       poll_ms: how long ``step()`` waits for the core's next step before returning nothing (the
         server's loop then applies new commands and calls it again).
+      replica: ``(i, D)``: the core is replica ``i`` of ``D`` (`paged.server.core_replicas`).
 
     Raises:
       RuntimeError: the core could not build the engine (its message), or did not answer.
     """
 
-    def __init__(self, config, *, poll_ms: float = 5.0):
+    def __init__(self, config, *, poll_ms: float = 5.0, replica: tuple[int, int] | None = None):
         self._poll_ms = poll_ms
         self._ctx = zmq.Context()
         self._dir = tempfile.mkdtemp(prefix="paged-core-")
@@ -140,7 +141,7 @@ class EngineCoreClient:
         self._outs = self._ctx.socket(zmq.PULL)
         self._outs.bind(out_addr)
         self._proc = multiprocessing.get_context("spawn").Process(
-            target=run_core, args=(config, cmd_addr, out_addr), name="paged-engine-core",
+            target=run_core, args=(config, cmd_addr, out_addr, replica), name="paged-engine-core",
             daemon=True)
         self._proc.start()
         self._live: dict[str, RemoteOutput] = {}
@@ -170,6 +171,15 @@ class EngineCoreClient:
         return msg
 
     @property
+    def outputs_socket(self) -> zmq.Socket:
+        """The socket the core's messages arrive on (to wait on several cores at once)."""
+        return self._outs
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._live)
+
+    @property
     def pid(self) -> int | None:
         """The engine-core process's id."""
         return self._proc.pid
@@ -181,11 +191,20 @@ class EngineCoreClient:
     def add_request(self, request_id, prompt, params=None, *, timeout_s=None) -> None:
         """Checks as ``Engine.add_request`` does (raising TypeError / ValueError before anything
         is sent), then queues the request in the core."""
+        self.add_checked(*self.check(request_id, prompt, params, timeout_s))
+
+    def check(self, request_id, prompt, params=None, timeout_s=None) -> tuple:
+        """``Engine.add_request``'s checks, no side effect: ``(request id, token ids, params,
+        timeout)`` for `add_checked`, or TypeError / ValueError."""
         rid, token_ids, params, _, timeout_s, _ = check_request(
             self._table, request_id, prompt, params, None, timeout_s, None)
-        self._cmds.send(wire.pack(["add", rid, list(token_ids), wire.params_to_wire(params),
+        return rid, list(token_ids), params, timeout_s
+
+    def add_checked(self, request_id: str, token_ids: list[int], params, timeout_s) -> None:
+        """Queues a request that `check` passed."""
+        self._cmds.send(wire.pack(["add", request_id, token_ids, wire.params_to_wire(params),
                                    timeout_s]))
-        self._live[rid] = RemoteOutput(rid, list(token_ids))
+        self._live[request_id] = RemoteOutput(request_id, token_ids)
 
     def abort(self, request_id: str) -> bool:
         """True if the request was unfinished here (the core aborts it on its next command
@@ -216,10 +235,11 @@ class EngineCoreClient:
                 return msg[1]
             self._handle(msg, {})
 
-    def step(self) -> list[RemoteOutput]:
-        """The outputs of the core's steps since the last call (one per changed request)."""
+    def step(self, timeout_ms: float | None = None) -> list[RemoteOutput]:
+        """The outputs of the core's steps since the last call (one per changed request), after
+        waiting up to ``timeout_ms`` (default ``poll_ms``) for the first."""
         changed: dict[str, RemoteOutput] = {}
-        msg = self._recv(self._poll_ms)
+        msg = self._recv(self._poll_ms if timeout_ms is None else timeout_ms)
         while msg is not None:
             self._handle(msg, changed)
             msg = self._recv(0)

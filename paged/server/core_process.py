@@ -29,8 +29,13 @@ log = logging.getLogger(__name__)
 _IDLE_POLL_MS = 1000  # while idle: wake this often to see whether the server is still there
 
 
-def run_core(config, cmd_addr: str, out_addr: str, engine_kwargs: dict | None = None) -> None:
-    """The child's entry point (``multiprocessing`` spawn target)."""
+def run_core(config, cmd_addr: str, out_addr: str, replica: tuple[int, int] | None = None) -> None:
+    """The child's entry point (``multiprocessing`` spawn target).
+
+    ``replica``: ``(i, D)`` when this core is replica ``i`` of ``config.data_parallel_size = D``:
+    it builds a one-replica engine on the ``i``-th group of ``tensor_parallel_size`` devices of
+    ``jax.devices()`` (`paged.placement.split_devices`, as in-process replicas are placed).
+    """
     ctx = zmq.Context()
     cmds = ctx.socket(zmq.PULL)
     cmds.connect(cmd_addr)
@@ -41,7 +46,7 @@ def run_core(config, cmd_addr: str, out_addr: str, engine_kwargs: dict | None = 
     try:
         from paged.server.engines import make_engine
 
-        engine = make_engine(config, **(engine_kwargs or {}))
+        engine = make_engine(config, replica=replica)
     except BaseException as e:  # noqa: BLE001  (the server reports it and exits)
         outs.send(pickle.dumps(("failed", f"{type(e).__name__}: {e}")))
         outs.close()

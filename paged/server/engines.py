@@ -17,13 +17,33 @@ def random_small():
     return cfg, init_params(cfg, 0)
 
 
-def make_engine(config: EngineConfig, *, warmup: bool = False):
-    """The engine ``config`` describes (``random-small``: random weights), optionally warmed up."""
+def make_engine(config: EngineConfig, *, warmup: bool = False,
+                replica: tuple[int, int] | None = None):
+    """The engine ``config`` describes (``random-small``: random weights), optionally warmed up.
+
+    ``replica=(i, D)``: only replica ``i`` of ``D = config.data_parallel_size``, a one-replica
+    engine on the devices the in-process data-parallel engine would give replica ``i``."""
+    import dataclasses
+
     from paged import Engine
 
     kwargs = {}
     if config.model == "random-small":
         kwargs["model_config"], kwargs["params"] = random_small()
+    if replica is not None:
+        import jax
+
+        from paged.placement import split_devices
+
+        i, d = replica
+        config = dataclasses.replace(config, data_parallel_size=1)
+        if "model_config" not in kwargs:
+            from paged.models.registry import load_any
+
+            kwargs["model_config"], kwargs["params"], _ = load_any(
+                config.model, dtype=config.dtype, max_model_len=config.max_model_len)
+        kwargs["devices"] = split_devices(jax.devices(), d, config.tensor_parallel_size,
+                                          kwargs["model_config"].num_kv_heads)[i]
     engine = Engine(config, **kwargs)
     if warmup:
         engine.warmup()
