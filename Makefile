@@ -21,11 +21,16 @@ run: $(STAMP)
 	$(PY) -m experiments.fragmentation
 	$(PY) -m experiments.serve
 
+# Two pytest workers (pytest-xdist), whole files each (module fixtures and compiled shapes stay
+# in one worker): TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
+TEST_OPTS = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(TEST_OPTS) tests
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m "slow or not slow" tests
+	$(PY) -m pytest -q $(TEST_OPTS) -m "slow or not slow" tests
 
 # ruff reads only pyproject.toml / ruff.toml, and pyproject.toml holds the build system alone,
 # so the settings live here.
