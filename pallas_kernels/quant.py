@@ -58,8 +58,8 @@ def check_backend(kv_cache_dtype: str, backend: str | None = None) -> None:
     dtype = storage_dtype(kv_cache_dtype)
     backend = backend or jax.default_backend()
     try:
-        probe = jax.jit(lambda x: x.astype(dtype).astype(jnp.float32), backend=backend)
-        jax.block_until_ready(probe(jnp.ones((2,), jnp.float32)))
+        x = jax.device_put(jnp.ones((2,), jnp.float32), jax.devices(backend)[0])
+        jax.block_until_ready(jax.jit(lambda x: x.astype(dtype).astype(jnp.float32))(x))
     except Exception as err:  # noqa: BLE001  (any lowering failure means: not supported here)
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} ({dtype.name}) is not supported on "
                          f"the {backend!r} backend: {type(err).__name__}: {err}") from err
