@@ -78,11 +78,12 @@ def _log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def compare(exact_fn, quant_fn, params, prompt, max_tokens) -> dict:
-    """One prompt's quality figures (see the module docstring)."""
+def compare(exact_fn, quant_fn, params, prompt, want) -> dict:
+    """One prompt's quality figures (see the module docstring); ``want`` is the unquantized
+    model's greedy continuation."""
     import jax.numpy as jnp
 
-    want = _greedy(exact_fn, params, prompt, max_tokens)
+    max_tokens = len(want)
     got = _greedy(quant_fn, params, prompt, max_tokens)
     same = [a == b for a, b in zip(want, got, strict=True)]
     prefix = same.index(False) if False in same else len(same)
@@ -123,11 +124,12 @@ def main(c, formats) -> None:
             config, params = common.load_model(model)
             prompts = _prompt_ids(config.vocab_size, c.num_prompts)
             exact_fn = _forward(config, None)
+            wants = [_greedy(exact_fn, params, p, c.max_tokens) for p in prompts]
             for name, granularity in formats:
                 quant_fn = _forward(config, (name, granularity, c.page_size))
                 per_prompt = []
-                for prompt in prompts:
-                    per_prompt.append(compare(exact_fn, quant_fn, params, prompt, c.max_tokens))
+                for prompt, want in zip(prompts, wants, strict=True):
+                    per_prompt.append(compare(exact_fn, quant_fn, params, prompt, want))
                     bar.update()
                 row = {"model": model, "kv_cache_dtype": name, "kv_scale_granularity": granularity}
                 for key in per_prompt[0]:

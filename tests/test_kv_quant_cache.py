@@ -44,7 +44,7 @@ def test_a_page_written_in_chunks_reads_back_as_one_write(name, granularity):
         np.testing.assert_array_equal(a, b)
     # What the cache reads back is what the no-cache reference quantizes to.
     got_k, _ = kc.gather(whole, [2, 3], 6)  # [L, 6, Hkv, D]
-    want = quant.fake_quantize_sequence(jnp.swapaxes(k, 0, 0), quant.storage_dtype(name),
+    want = quant.fake_quantize_sequence(k, quant.storage_dtype(name),  # layers as the batch
                                         granularity, PAGE)
     np.testing.assert_allclose(got_k, np.asarray(want), rtol=1e-6, atol=1e-7)
 
