@@ -169,13 +169,27 @@ def provenance() -> dict[str, Any]:
     }
 
 
+#: KV storage formats compared side by side: (column, kv_cache_dtype, scale granularity).
+KV_DTYPES = (("model", "auto", "token"), ("int8", "int8", "token"), ("int8/page", "int8", "page"),
+             ("fp8", "fp8_e4m3", "token"))
+
+
 def kv_bytes_rows(layouts: list[dict], spec: accounting.ModelSpec) -> list[dict]:
-    """Each layout's allocated and valid positions in KV bytes of ``spec``'s model."""
+    """Each layout's allocated and valid positions in KV bytes of ``spec``'s model, and its
+    allocated bytes in each of ``KV_DTYPES`` (exact, scales included)."""
     per = spec.bytes_per_token
-    return [{"layout": r["layout"], "block_size": r["block_size"],
-             "allocated_bytes": r["allocated_positions"] * per,
-             "valid_bytes": r["valid_positions"] * per,
-             "wasted_bytes": r["wasted_positions"] * per} for r in layouts]
+    rows = []
+    for r in layouts:
+        page = r["block_size"] or r["max_len"]  # a fixed reservation is one page per request
+        by_dtype = {col: accounting.kv_bytes(spec, r["allocated_positions"], kv_cache_dtype=name,
+                                             scale_granularity=g, page_size=page)
+                    for col, name, g in KV_DTYPES}
+        rows.append({"layout": r["layout"], "block_size": r["block_size"],
+                     "allocated_bytes": r["allocated_positions"] * per,
+                     "valid_bytes": r["valid_positions"] * per,
+                     "wasted_bytes": r["wasted_positions"] * per,
+                     "allocated_bytes_by_kv_dtype": by_dtype})
+    return rows
 
 
 def format_kv_bytes(kv: dict) -> str:
@@ -183,11 +197,14 @@ def format_kv_bytes(kv: dict) -> str:
     m = kv["model"]
     lines = [f"KV bytes for {kv['config']} ({m['num_layers']} layers, {m['num_kv_heads']} KV heads, "
              f"head_dim {m['head_dim']}, {m['dtype']}): {kv['bytes_per_token']} B per token",
-             f"{'layout':<14}{'allocated MiB':>15}{'wasted MiB':>12}"]
+             f"{'layout':<14}{'allocated MiB':>15}{'wasted MiB':>12}"
+             + "".join(f"{col + ' MiB':>15}" for col, _, _ in KV_DTYPES)]
     for r in kv["layouts"]:
         name = "fixed" if r["layout"] == "fixed" else f"paged B={r['block_size']}"
+        by_dtype = r.get("allocated_bytes_by_kv_dtype", {})
         lines.append(f"{name:<14}{r['allocated_bytes'] / 2**20:>15.2f}"
-                     f"{r['wasted_bytes'] / 2**20:>12.2f}")
+                     f"{r['wasted_bytes'] / 2**20:>12.2f}"
+                     + "".join(f"{by_dtype.get(col, 0) / 2**20:>15.2f}" for col, _, _ in KV_DTYPES))
     return "\n".join(lines)
 
 

@@ -6,6 +6,7 @@ import dataclasses
 
 from paged import validate
 from paged.spec_config import SpeculativeConfig
+from pallas_kernels import quant
 
 KV_LAYOUTS = ("paged", "contiguous")
 SCHEDULINGS = ("continuous", "static")
@@ -14,6 +15,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_IMPLS = ("auto", "xla", "reference", "pallas", "pallas_tpu", "pallas_gpu", "interpret",
                    "interpret_tpu", "interpret_gpu")
 DTYPES = ("float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", *quant.QUANT_DTYPES)  # "auto" = ``dtype``
+KV_SCALE_GRANULARITIES = quant.GRANULARITIES
 ROUTERS = ("prefix_aware", "round_robin", "least_loaded")  # paged.routing.POLICIES
 
 
@@ -73,6 +76,12 @@ class EngineConfig:
       quarantine_steps: device steps a freed block waits before reuse (0 disables the window).
       debug_checks: check block-manager invariants and NaN-poison freed pages every step.
       dtype: KV cache and activation dtype.
+      kv_cache_dtype: "auto" (pages in ``dtype``) or a quantized page format: "int8",
+        "fp8_e4m3" or "fp8_e5m2" (symmetric, float32 scales; see ``pallas_kernels.quant``). The
+        KV write quantizes; every kernel dequantizes the tiles it reads.
+      kv_scale_granularity: quantized pages only: "token" (a scale per (token, KV head)) or "page"
+        (a scale per (page, KV head), fixed by the page's first token with 2x headroom; later
+        tokens clip to it).
       seed: engine seed (an integer >= 0); requests without a seed derive theirs from it and
         their arrival order.
       request_timeout_s: default per-request timeout (seconds since arrival), ``None`` = none.
@@ -118,6 +127,8 @@ class EngineConfig:
     quarantine_steps: int = 1
     debug_checks: bool = False
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
+    kv_scale_granularity: str = "token"
     seed: int = 0
     request_timeout_s: float | None = None
     max_steps_without_progress: int = 8
@@ -165,6 +176,10 @@ class EngineConfig:
         validate.one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         validate.one_of("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         validate.one_of("dtype", self.dtype, DTYPES)
+        validate.one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        validate.one_of("kv_scale_granularity", self.kv_scale_granularity, KV_SCALE_GRANULARITIES)
+        if self.kv_cache_dtype != "auto":
+            quant.storage_dtype(self.kv_cache_dtype)  # fp8 this JAX lacks: ValueError now
         validate.real("request_timeout_s", self.request_timeout_s, minimum=0, exclusive=True,
                       allow_none=True)
 
@@ -216,7 +231,8 @@ def engine_config(config: EngineConfig | None, backend: str) -> EngineConfig:
     Raises:
       TypeError: ``config`` is not an ``EngineConfig`` (a dict of settings is refused too: build
         ``EngineConfig(**settings)``).
-      ValueError: ``config.attention_impl`` cannot run on ``backend`` (``check_attention_impl``).
+      ValueError: ``config.attention_impl`` cannot run on ``backend`` (``check_attention_impl``),
+        or ``backend`` cannot store ``config.kv_cache_dtype`` (``quant.check_backend``).
     """
     if config is None:
         config = EngineConfig()
@@ -224,4 +240,6 @@ def engine_config(config: EngineConfig | None, backend: str) -> EngineConfig:
         raise TypeError(f"config must be an EngineConfig (or None for the defaults), got "
                         f"{type(config).__name__}: {config!r:.80}")
     check_attention_impl(config.attention_impl, backend)
+    if config.kv_cache_dtype != "auto":
+        quant.check_backend(config.kv_cache_dtype, backend)
     return config

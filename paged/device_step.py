@@ -70,13 +70,14 @@ def apply_copies(cache: KVCache, sched, host_k, host_v, freed_pages: list[int]) 
     if sched.swap_out:
         pages, slots = map(list, zip(*sched.swap_out))
         k, v = kc.swap_out(cache, pages)
-        host_k[:, :, slots], host_v[:, :, slots] = k, v
+        kc.host_set(host_k, slots, k)
+        kc.host_set(host_v, slots, v)
     if freed_pages:
         cache = kc.poison(cache, sorted(set(freed_pages)))
         freed_pages.clear()
     if sched.swap_in:
         slots, pages = map(list, zip(*sched.swap_in))
-        cache = kc.swap_in(cache, pages, host_k[:, :, slots], host_v[:, :, slots])
+        cache = kc.swap_in(cache, pages, kc.host_get(host_k, slots), kc.host_get(host_v, slots))
     if sched.copies:
         src, dst = map(list, zip(*sched.copies))
         cache = kc.copy_pages(cache, src, dst)

@@ -112,7 +112,8 @@ class Engine:
         self._freed_pages: list[int] = []
         self.core = core = HostCore(
             config, tokenizer=tokenizer, vocab_size=model_config.vocab_size,
-            model_salt=f"{config.model}|{model_config.to_dict()}|{config.dtype}",
+            model_salt=f"{config.model}|{model_config.to_dict()}|{config.dtype}"
+                       f"|{config.kv_cache_dtype}|{config.kv_scale_granularity}",
             on_free=self._freed_pages.extend if config.debug_checks else None)
         page_size, num_pages, host_blocks = core.page_size, core.num_pages, core.host_blocks
         self._inflight: InFlight | None = None  # the step dispatched and not read back yet
@@ -130,13 +131,11 @@ class Engine:
         core.reader.speculator = self.speculator
         self.cache = kc.KVCache.create(
             model_config.num_layers, model_config.num_kv_heads, num_pages, page_size,
-            model_config.head_dim, config.dtype, sharding=placement.kv)
+            model_config.head_dim, config.dtype, sharding=placement.kv,
+            kv_cache_dtype=config.kv_cache_dtype, scale_granularity=config.kv_scale_granularity)
         self._host_k = self._host_v = None
         if host_blocks:
-            shape = (model_config.num_layers, model_config.num_kv_heads, host_blocks, page_size,
-                     model_config.head_dim)
-            self._host_k = np.zeros(shape, np.dtype(self.cache.dtype))
-            self._host_v = np.zeros(shape, np.dtype(self.cache.dtype))
+            self._host_k, self._host_v = kc.host_buffers(self.cache, host_blocks)
         self.params = placement.put_params(params)
         out_size = kc.next_pow2(max(config.max_num_seqs, config.min_seq_bucket))
         # The plain step, and variants that also return log-probabilities and/or verify drafts.

@@ -4,6 +4,12 @@ Layout (the one of JAX's own Pallas paged-attention kernels, layers stacked in f
 
     k_pages, v_pages: [num_layers, num_kv_heads, num_pages, page_size, head_dim]
 
+With ``kv_cache_dtype`` int8 / fp8 each of ``k_pages`` and ``v_pages`` is a
+``pallas_kernels.quant.QuantizedPages`` pytree (values of that shape plus float32 scales
+``[num_layers, num_kv_heads, num_pages, S]``, ``S`` = page_size per token or 1 per page) instead of
+one array. Every page operation here maps the same page index over all leaves (the page axis is 2 in
+each), so copy-on-write, swap and poison move a page's scales with its values; the write quantizes.
+
 Page ``NULL_PAGE`` (0) is the null page: page-table padding points at it and padded tokens write
 into it. It is never handed to a sequence, so its content is garbage by design (debug mode even fills
 it with NaN) and no kernel may read it for a real position.
@@ -24,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged import validate
+from pallas_kernels import quant
+from pallas_kernels.quant import QuantizedPages
 
 NULL_PAGE = 0
 
@@ -33,12 +41,13 @@ class KVCache:
     """Stacked per-layer K/V pages.
 
     Attributes:
-      k_pages: ``[num_layers, num_kv_heads, num_pages, page_size, head_dim]``.
+      k_pages: ``[num_layers, num_kv_heads, num_pages, page_size, head_dim]``, or a
+        ``QuantizedPages`` of values that shape plus scales (see the module docstring).
       v_pages: same shape and dtype as ``k_pages``.
     """
 
-    k_pages: jax.Array  # [L, Hkv, P, page, D]
-    v_pages: jax.Array  # [L, Hkv, P, page, D]
+    k_pages: jax.Array | QuantizedPages  # [L, Hkv, P, page, D]
+    v_pages: jax.Array | QuantizedPages  # [L, Hkv, P, page, D]
 
     @classmethod
     def create(
@@ -51,12 +60,22 @@ class KVCache:
         dtype=jnp.float32,
         *,
         sharding: jax.sharding.Sharding | None = None,
+        kv_cache_dtype: str = "auto",
+        scale_granularity: str = "token",
     ) -> KVCache:
         """Allocates a zeroed cache; ``num_pages`` includes the null page.
 
+        Args:
+          dtype: the page dtype when ``kv_cache_dtype == "auto"``.
+          sharding: of the pages (KV heads on axis 1); scales get the same (their heads follow).
+          kv_cache_dtype: "auto" (``dtype``) or a quantized format ("int8", "fp8_e4m3",
+            "fp8_e5m2").
+          scale_granularity: "token" (per (token, KV head)) or "page" (per (page, KV head)).
+
         Raises:
           TypeError: a dimension is not an integer (``bool`` and floats included).
-          ValueError: a dimension is not positive, or ``num_pages < 2``.
+          ValueError: a dimension is not positive, ``num_pages < 2``, or an unknown
+            ``kv_cache_dtype`` / ``scale_granularity``.
         """
         dims = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, num_pages=num_pages,
                     page_size=page_size, head_dim=head_dim)
@@ -65,8 +84,14 @@ class KVCache:
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages} must be >= 2 (page 0 is the null page)")
         shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
-        zeros = functools.partial(jnp.zeros, shape, dtype)
+        if kv_cache_dtype == "auto":
+            zeros = functools.partial(jnp.zeros, shape, dtype)
+        else:
+            qdtype = quant.storage_dtype(kv_cache_dtype)
+            quant.scale_width(scale_granularity, page_size)
+            zeros = functools.partial(quant.zeros, shape, qdtype, scale_granularity)
         if sharding is not None:
+            # The scales' KV-head axis is axis 1 like the pages': one sharding serves every leaf.
             zeros = jax.jit(zeros, out_shardings=sharding)
         return cls(k_pages=zeros(), v_pages=zeros())
 
@@ -98,6 +123,12 @@ class KVCache:
     def nbytes(self) -> int:
         return int(self.k_pages.nbytes + self.v_pages.nbytes)
 
+    @property
+    def scale_nbytes(self) -> int:
+        """Bytes of the scales (0 for an unquantized cache)."""
+        return sum(int(s.nbytes) for s in (quant.split(self.k_pages)[1], quant.split(self.v_pages)[1])
+                   if s is not None)
+
 
 def write_layer(
     k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim], or [L, ...] with `layer`
@@ -113,8 +144,12 @@ def write_layer(
     With ``layer``, the pages are the stacked cache ``[L, Hkv, P, page, D]`` and the write goes
     into layer ``layer`` with one scatter on the stacked array: slicing the layer out, writing and
     setting it back would make XLA copy the layer every step instead of updating the donated cache
-    in place. Padded tokens must carry a slot inside ``NULL_PAGE`` (0 .. page_size-1).
+    in place. Padded tokens must carry a slot inside ``NULL_PAGE`` (0 .. page_size-1). Quantized
+    pages (``QuantizedPages``) are written by ``pallas_kernels.quant.write_tokens``.
     """
+    if isinstance(k_pages, QuantizedPages):
+        return _write_quantized(k_pages, k, slot_mapping, layer), _write_quantized(
+            v_pages, v, slot_mapping, layer)
     shape = k_pages.shape
     *lead, num_pages, page_size, d = shape
     flat = (*lead[:-1], lead[-1], num_pages * page_size, d)  # [(L,) Hkv, P * page, D]
@@ -129,6 +164,12 @@ def write_layer(
     k_pages = k_pages.reshape(flat).at[index].set(k, mode="drop")
     v_pages = v_pages.reshape(flat).at[index].set(v, mode="drop")
     return k_pages.reshape(shape), v_pages.reshape(shape)
+
+
+def _write_quantized(pages: QuantizedPages, x, slot_mapping, layer) -> QuantizedPages:
+    if layer is not None:
+        return quant.write_tokens(pages, x, slot_mapping, layer)
+    return quant.write_tokens(pages[None], x, slot_mapping, 0)[0]
 
 
 def _check_tokens(cache: KVCache, k, v, slot_mapping) -> None:
@@ -181,9 +222,7 @@ def _check_pages(cache: KVCache, name: str, pages) -> np.ndarray:
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _copy_pages(cache, src, dst):
-    k = cache.k_pages.at[:, :, dst].set(cache.k_pages[:, :, src])
-    v = cache.v_pages.at[:, :, dst].set(cache.v_pages[:, :, src])
-    return cache.replace(k_pages=k, v_pages=v)
+    return jax.tree.map(lambda x: x.at[:, :, dst].set(x[:, :, src]), cache)
 
 
 def copy_pages(cache: KVCache, src, dst) -> KVCache:
@@ -207,25 +246,49 @@ def copy_pages(cache: KVCache, src, dst) -> KVCache:
 
 @jax.jit
 def _read_pages(cache, pages):
-    return cache.k_pages[:, :, pages], cache.v_pages[:, :, pages]
+    return jax.tree.map(lambda x: x[:, :, pages], (cache.k_pages, cache.v_pages))
 
 
-def swap_out(cache: KVCache, pages) -> tuple[np.ndarray, np.ndarray]:
+def swap_out(cache: KVCache, pages):
     """Copies pages to host memory (the cache is not changed and not donated).
 
     Returns:
-      ``(k, v)`` numpy arrays of shape ``[num_layers, num_kv_heads, n, page_size, head_dim]``.
+      ``(k, v)`` numpy arrays of shape ``[num_layers, num_kv_heads, n, page_size, head_dim]`` (for
+      a quantized cache, ``QuantizedPages`` of numpy values and scales, ``n`` on axis 2 of both).
     """
     pages = _check_pages(cache, "pages", pages)
     n = pages.size
-    k, v = _read_pages(cache, jnp.asarray(pad_pages(pages)))
-    return np.asarray(k)[:, :, :n], np.asarray(v)[:, :, :n]
+    out = _read_pages(cache, jnp.asarray(pad_pages(pages)))
+    return jax.tree.map(lambda x: np.asarray(x)[:, :, :n], out)
+
+
+def host_buffers(cache: KVCache, num_blocks: int):
+    """Zeroed host swap space for ``num_blocks`` pages: ``(host_k, host_v)``, numpy (pytrees of
+    numpy for a quantized cache), the page axis 2 like the cache's."""
+    return (quant.host_zeros(cache.k_pages, num_blocks),
+            quant.host_zeros(cache.v_pages, num_blocks))
+
+
+def host_set(host, slots, pages) -> None:
+    """``host[:, :, slots] = pages`` on every leaf (in place)."""
+    def one(h, x):
+        h[:, :, slots] = x
+
+    jax.tree.map(one, host, pages)
+
+
+def host_get(host, slots):
+    """``host[:, :, slots]`` of every leaf (a copy)."""
+    return jax.tree.map(lambda h: h[:, :, slots], host)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _write_pages(cache, pages, k, v):
-    return cache.replace(k_pages=cache.k_pages.at[:, :, pages].set(k),
-                         v_pages=cache.v_pages.at[:, :, pages].set(v))
+    def put(x, new):
+        return x.at[:, :, pages].set(new)
+
+    return cache.replace(k_pages=jax.tree.map(put, cache.k_pages, k),
+                         v_pages=jax.tree.map(put, cache.v_pages, v))
 
 
 def swap_in(cache: KVCache, pages, k: np.ndarray, v: np.ndarray) -> KVCache:
@@ -234,28 +297,41 @@ def swap_in(cache: KVCache, pages, k: np.ndarray, v: np.ndarray) -> KVCache:
     Args:
       cache: the cache (donated).
       pages: i32[n] destination pages.
-      k, v: ``[num_layers, num_kv_heads, n, page_size, head_dim]`` from ``swap_out``.
+      k, v: ``[num_layers, num_kv_heads, n, page_size, head_dim]`` from ``swap_out`` (pytrees of
+        them, with scales, for a quantized cache).
     """
     pages = _check_pages(cache, "pages", pages)
     n = pages.size
-    expect = (cache.num_layers, cache.num_kv_heads, n, cache.page_size, cache.head_dim)
-    for name, x in (("k", k), ("v", v)):
-        if tuple(x.shape) != expect:
-            raise ValueError(f"{name}.shape={tuple(x.shape)} must be {expect}")
+    for name, x, like in (("k", k, cache.k_pages), ("v", v, cache.v_pages)):
+        if jax.tree.structure(x) != jax.tree.structure(like):
+            raise ValueError(f"{name} must have the structure of the cache's pages "
+                             f"({jax.tree.structure(like)}), got {jax.tree.structure(x)}")
+        for got, leaf in zip(jax.tree.leaves(x), jax.tree.leaves(like)):
+            expect = (*leaf.shape[:2], n, *leaf.shape[3:])
+            if tuple(got.shape) != expect:
+                raise ValueError(f"{name}.shape={tuple(got.shape)} must be {expect}")
     padded = pad_pages(pages)
     extra = padded.size - n
-    if extra:
+
+    def prepare(x, leaf):
         # Padding rewrites the null page with zeros: harmless, nothing reads it.
-        widths = [(0, 0), (0, 0), (0, extra), (0, 0), (0, 0)]
-        k, v = np.pad(k, widths), np.pad(v, widths)
-    return _write_pages(cache, jnp.asarray(padded), jnp.asarray(k, cache.dtype), jnp.asarray(v, cache.dtype))
+        x = np.pad(x, [(0, 0), (0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 3))
+        return jnp.asarray(x, leaf.dtype)
+
+    k = jax.tree.map(prepare, k, cache.k_pages)
+    v = jax.tree.map(prepare, v, cache.v_pages)
+    return _write_pages(cache, jnp.asarray(padded), k, v)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _poison(cache, pages):
-    nan = jnp.array(jnp.nan, cache.dtype)
-    return cache.replace(k_pages=cache.k_pages.at[:, :, pages].set(nan),
-                         v_pages=cache.v_pages.at[:, :, pages].set(nan))
+    def nan(x):
+        # int8 values cannot hold NaN: their scales (float32) can, and the product is NaN.
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return x.at[:, :, pages].set(jnp.array(jnp.nan, x.dtype))
+
+    return jax.tree.map(nan, cache)
 
 
 def poison(cache: KVCache, pages) -> KVCache:
@@ -273,7 +349,8 @@ def gather(cache: KVCache, page_indices, length: int) -> tuple[np.ndarray, np.nd
       length: number of valid tokens; needs ``ceil(length / page_size)`` pages.
 
     Returns:
-      ``(k, v)`` of shape ``[num_layers, length, num_kv_heads, head_dim]``.
+      ``(k, v)`` of shape ``[num_layers, length, num_kv_heads, head_dim]`` (float32, dequantized,
+      for a quantized cache).
     """
     pages = _check_pages(cache, "page_indices", page_indices)
     if length < 0 or -(-length // cache.page_size) > pages.size:
@@ -282,6 +359,8 @@ def gather(cache: KVCache, page_indices, length: int) -> tuple[np.ndarray, np.nd
     k, v = swap_out(cache, pages)  # [L, Hkv, n, page, D]
 
     def flat(x):
+        if isinstance(x, QuantizedPages):
+            x = np.asarray(quant.dequantize(x))
         x = np.moveaxis(x, 1, 3)  # [L, n, page, Hkv, D]
         return x.reshape(x.shape[0], -1, x.shape[3], x.shape[4])[:, :length]
 

@@ -27,6 +27,8 @@ from paged import validate
 __all__ = [
     "CATEGORIES",
     "ModelSpec",
+    "QUANT_ITEMSIZE",
+    "SCALE_BYTES",
     "allocated_positions",
     "block_table_bytes",
     "blocks_needed",
@@ -47,7 +49,15 @@ CATEGORIES = (
     "free",
     "null_page",
     "reserved",
+    "scales",
 )
+
+#: Bytes per stored value of each quantized ``kv_cache_dtype`` (``pallas_kernels.quant``'s formats)
+#: and of one scale (float32); "auto" stores the model dtype. Kept here as plain integers so the
+#: formulas need no JAX; a test checks them against the allocated arrays' ``nbytes``.
+QUANT_ITEMSIZE = {"int8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+SCALE_BYTES = 4
+SCALE_GRANULARITIES = ("token", "page")
 
 
 # ----------------------------------------------------------------------------- validation
@@ -67,9 +77,18 @@ def check_lengths(lengths: Iterable[int], *, allow_empty: bool = False) -> list[
 
 
 def kv_bytes(
-    num_layers: int, num_tokens: int, num_kv_heads: int, head_dim: int, bytes_per_scalar: int
+    num_layers, num_tokens: int, num_kv_heads: int | None = None, head_dim: int | None = None,
+    bytes_per_scalar: int | None = None, *, kv_cache_dtype: str | None = None,
+    scale_granularity: str | None = None, page_size: int | None = None,
 ) -> int:
     """KV bytes of ``num_tokens`` tokens: ``M_KV = 2 * L * n * h_kv * d_h * b``.
+
+    Two forms. ``kv_bytes(L, n, h_kv, d_h, b)``: the formula. ``kv_bytes(spec, n, *,
+    kv_cache_dtype=..., scale_granularity=..., page_size=...)`` with a :class:`ModelSpec`: exact
+    bytes of a (possibly quantized) cache, scales included: ``b`` is the stored value's size and a
+    quantized cache adds ``2 * L * h_kv * 4`` bytes per token ("token" scales) or per page of
+    ``page_size`` tokens, ``ceil(n / page_size)`` pages ("page" scales). The keywords override
+    the spec's own ``kv_cache_dtype`` / ``scale_granularity``.
 
     Args:
       num_layers: decoder layers ``L``.
@@ -86,12 +105,31 @@ def kv_bytes(
       TypeError: an argument is not an integer.
       ValueError: ``num_tokens`` is negative or another argument is not positive.
     """
+    if isinstance(num_layers, ModelSpec):
+        return _spec_kv_bytes(num_layers, num_tokens, kv_cache_dtype, scale_granularity,
+                              page_size)
     num_layers = validate.integer("num_layers", num_layers, minimum=1)
     num_tokens = validate.integer("num_tokens", num_tokens, minimum=0)
     num_kv_heads = validate.integer("num_kv_heads", num_kv_heads, minimum=1)
     head_dim = validate.integer("head_dim", head_dim, minimum=1)
     bytes_per_scalar = validate.integer("bytes_per_scalar", bytes_per_scalar, minimum=1)
     return 2 * num_layers * num_tokens * num_kv_heads * head_dim * bytes_per_scalar
+
+
+def _spec_kv_bytes(spec, num_tokens, kv_cache_dtype, scale_granularity, page_size) -> int:
+    overrides = {k: v for k, v in (("kv_cache_dtype", kv_cache_dtype),
+                                   ("scale_granularity", scale_granularity)) if v is not None}
+    spec = dataclasses.replace(spec, **overrides)
+    num_tokens = validate.integer("num_tokens", num_tokens, minimum=0)
+    values = num_tokens * spec.bytes_per_token
+    if spec.kv_cache_dtype == "auto":
+        return values
+    per_scale = 2 * spec.num_layers * spec.num_kv_heads * SCALE_BYTES
+    if spec.scale_granularity == "token":
+        return values + num_tokens * per_scale
+    if page_size is None:
+        raise ValueError("scale_granularity='page' needs page_size to count the pages' scales")
+    return values + blocks_needed(num_tokens, page_size) * per_scale
 
 
 def blocks_needed(n: int, block_size: int) -> int:
@@ -221,21 +259,31 @@ class ModelSpec:
       num_layers: decoder layers ``L``.
       num_kv_heads: KV heads ``h_kv``.
       head_dim: head dimension ``d_h``.
-      dtype: KV storage dtype; normalised to its name (``"float32"``, ``"bfloat16"``, ...).
+      dtype: model (and, with ``kv_cache_dtype="auto"``, KV storage) dtype; normalised to its
+        name (``"float32"``, ``"bfloat16"``, ...).
+      kv_cache_dtype: "auto" (``dtype``) or a quantized format ("int8", "fp8_e4m3", "fp8_e5m2":
+        one byte per value plus float32 scales).
+      scale_granularity: quantized only: "token" (a scale per (token, KV head)) or "page" (per
+        (page, KV head)).
     """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
+    scale_granularity: str = "token"
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             object.__setattr__(self, name, validate.integer(name, getattr(self, name), minimum=1))
         object.__setattr__(self, "dtype", _dtype_of(self.dtype).name)
+        validate.one_of("kv_cache_dtype", self.kv_cache_dtype, ("auto", *QUANT_ITEMSIZE))
+        validate.one_of("scale_granularity", self.scale_granularity, SCALE_GRANULARITIES)
 
     @classmethod
-    def from_model_config(cls, cfg: Any, *, dtype: Any = None) -> ModelSpec:
+    def from_model_config(cls, cfg: Any, *, dtype: Any = None, kv_cache_dtype: str = "auto",
+                          scale_granularity: str = "token") -> ModelSpec:
         """Reads ``num_layers``, ``num_kv_heads``, ``head_dim`` and ``dtype`` from any object.
 
         Args:
@@ -254,6 +302,8 @@ class ModelSpec:
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             dtype=cfg.dtype if dtype is None else dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            scale_granularity=scale_granularity,
         )
 
     @classmethod
@@ -275,16 +325,42 @@ class ModelSpec:
 
     @property
     def bytes_per_scalar(self) -> int:
-        """Bytes of one stored scalar ``b``."""
+        """Bytes of one stored value ``b`` (1 for a quantized cache)."""
+        if self.kv_cache_dtype != "auto":
+            return QUANT_ITEMSIZE[self.kv_cache_dtype]
         return _dtype_of(self.dtype).itemsize
 
     @property
     def bytes_per_token(self) -> int:
-        """KV bytes of one token over all layers: ``2 * L * h_kv * d_h * b``."""
+        """KV value bytes of one token over all layers: ``2 * L * h_kv * d_h * b`` (scales are
+        counted per block, :meth:`scale_bytes_per_block`)."""
         return kv_bytes(self.num_layers, 1, self.num_kv_heads, self.head_dim, self.bytes_per_scalar)
 
-    def bytes_per_block(self, block_size: int) -> int:
-        """KV bytes of one physical block of ``block_size`` positions over all layers."""
+    def scale_bytes_per_block(self, block_size: int) -> int:
+        """Scale bytes of one physical block over all layers (0 unless quantized)."""
+        block_size = validate.integer("block_size", block_size, minimum=1)
+        if self.kv_cache_dtype == "auto":
+            return 0
+        width = block_size if self.scale_granularity == "token" else 1
+        return 2 * self.num_layers * self.num_kv_heads * width * SCALE_BYTES
+
+    def value_bytes_per_block(self, block_size: int) -> int:
+        """KV value bytes of one physical block of ``block_size`` positions (no scales)."""
         return self.bytes_per_token * validate.integer("block_size", block_size, minimum=1)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """Bytes of one physical block of ``block_size`` positions over all layers, scales
+        included: what the pool allocates per page."""
+        return self.value_bytes_per_block(block_size) + self.scale_bytes_per_block(block_size)
+
+    def blocks_for_bytes(self, budget_bytes: int, block_size: int) -> int:
+        """Physical blocks (null page included) a pool of ``budget_bytes`` affords: the page
+        count each KV dtype gets from the same bytes.
+
+        Raises:
+          TypeError / ValueError: a non-integer or negative budget, or ``block_size < 1``.
+        """
+        budget_bytes = validate.integer("budget_bytes", budget_bytes, minimum=0)
+        return budget_bytes // self.bytes_per_block(block_size)
 
 

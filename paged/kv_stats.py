@@ -9,7 +9,9 @@ def kv_stats(engine) -> dict:
     """The engine's KV figures now (see ``Engine.kv_stats``)."""
     bm, config = engine.block_manager, engine.config
     stats = bm.stats()
-    spec = accounting.ModelSpec.from_model_config(engine.model_config, dtype=config.dtype)
+    spec = accounting.ModelSpec.from_model_config(
+        engine.model_config, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
+        scale_granularity=config.kv_scale_granularity)
     ledger = accounting.MemoryLedger.from_blocks(
         spec, engine.page_size, engine.cache.num_pages, used=bm.block_usage(),
         cached_free=bm.num_cached_blocks, free=bm.num_free_blocks,

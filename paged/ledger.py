@@ -36,6 +36,8 @@ class MemoryLedger:
       workspace_bytes: side cost, outside the pool.
       filled_positions: positions holding tokens in in-use blocks (shared ones counted once).
       in_use_positions: positions of in-use blocks.
+      scales: bytes of the scales of every block of the pool (quantized KV; 0 otherwise). The
+        other categories count value bytes only, so scales are counted once, here.
     """
 
     spec: ModelSpec
@@ -55,6 +57,7 @@ class MemoryLedger:
     filled_positions: int
     in_use_positions: int
     staged: int = 0
+    scales: int = 0
 
     def __post_init__(self):
         # The whole point of the ledger: no byte of the pool unaccounted for, none counted twice.
@@ -85,6 +88,8 @@ class MemoryLedger:
         return {
             "layout": self.layout,
             "dtype": self.spec.dtype,
+            "kv_cache_dtype": self.spec.kv_cache_dtype,
+            "scale_granularity": self.spec.scale_granularity,
             "block_size": self.block_size,
             "num_blocks": self.num_blocks,
             "bytes_per_block": self.spec.bytes_per_block(self.block_size),
@@ -154,13 +159,14 @@ class MemoryLedger:
                 f" = {accounted}"
             )
         per_token = spec.bytes_per_token
-        per_block = spec.bytes_per_block(block_size)
+        per_block = spec.value_bytes_per_block(block_size)
         own = sum(filled for ref, filled in blocks if ref == 1)
         shared = sum(filled for ref, filled in blocks if ref > 1)
         filled = own + shared
         staged = validate.integer("staged_positions", staged_positions, minimum=0, maximum=own)
         return cls(
             staged=staged * per_token,
+            scales=num_blocks * spec.scale_bytes_per_block(block_size),
             spec=spec,
             layout="paged",
             block_size=block_size,
@@ -216,6 +222,7 @@ class MemoryLedger:
         waste = sum(reservation_waste(n, max_len) for n in ns)
         per_token = spec.bytes_per_token
         return cls(
+            scales=num_slots * spec.scale_bytes_per_block(max_len),
             spec=spec,
             layout="reservation",
             block_size=max_len,

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged.sequence import UNKNOWN
-from paged.spec_config import SpeculativeConfig  # noqa: F401 (re-exported: its import path before paged.spec_config)
+from paged.spec_config import SpeculativeConfig
 
 
 class DraftModel:
@@ -66,10 +66,7 @@ class DraftModel:
         self.forward, self.propose = make_draft_fns(model_config, attention_impl)
         self.host_k = self.host_v = None
         if host_blocks:
-            shape = (model_config.num_layers, model_config.num_kv_heads, host_blocks, page_size,
-                     model_config.head_dim)
-            self.host_k = np.zeros(shape, np.dtype(self.cache.dtype))
-            self.host_v = np.zeros(shape, np.dtype(self.cache.dtype))
+            self.host_k, self.host_v = kc.host_buffers(self.cache, host_blocks)
 
     def mirror(self, device_batch) -> None:
         """Writes the draft's KV for a target step's batch."""

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import compat, softmax, validation
+from pallas_kernels import compat, quant, softmax, validation
 
 
 def _pow2(n: int) -> bool:
@@ -97,22 +97,43 @@ def load_pages(pages_ref, ids, page_valid, *, dtype, masked: bool = True):
 
     ``masked``: lanes of invalid pages are never dereferenced and read as 0. Otherwise (the form
     JAX's own GPU kernel uses, a fallback should the masked gather not lower) invalid pages are
-    redirected to the null page 0, which is read and later masked.
+    redirected to the null page 0, which is read and later masked. A ``QuantizedPages`` of refs
+    (values ``[P, page, D]``, scales ``[P, S]``) loads the pages' values and scales the same way
+    and dequantizes them here, in registers.
     """
-    _, page_size, head_dim = pages_ref.shape
+    values_ref, scales_ref = quant.split(pages_ref)
+    x = _load(values_ref, ids, page_valid, masked=masked)  # [ppb, page, D]
+    if scales_ref is not None:
+        scales = _load(scales_ref, ids, page_valid, masked=masked)  # [ppb, S]
+        x = quant.dequantize_tile(x, scales)
+    return x.reshape(ids.shape[0] * x.shape[1], x.shape[2]).astype(dtype)
+
+
+def head_spec(pages, head_of):
+    """BlockSpec of one KV head's whole pages (``[Hkv, P, page, D]`` -> ``[P, page, D]``), the
+    head chosen by ``head_of(*grid_indices)``; a ``QuantizedPages`` of BlockSpecs (scales
+    ``[Hkv, P, S]`` -> ``[P, S]``, the same head) for quantized pages."""
+    def spec(x):
+        return pl.BlockSpec((None, *x.shape[1:]),
+                            lambda *g: (head_of(*g),) + (0,) * (len(x.shape) - 1))
+
+    if isinstance(pages, quant.QuantizedPages):
+        return quant.QuantizedPages(spec(pages.values), spec(pages.scales))
+    return spec(pages)
+
+
+def _load(ref, ids, page_valid, *, masked: bool):
+    """``ref[ids]`` of a ``[P, ...]`` ref (every trailing axis whole), masked per page."""
     if not masked:
-        x = pages_ref[jnp.where(page_valid, ids, 0)]
-        return x.reshape(ids.shape[0] * page_size, head_dim).astype(dtype)
-    shape = (ids.shape[0], page_size, head_dim)
-    # Full integer indexers (not ids + slices): the form both Triton and interpret mode gather with.
-    index = (
-        jnp.broadcast_to(ids[:, None, None], shape),
-        jnp.broadcast_to(jnp.arange(page_size)[None, :, None], shape),
-        jnp.broadcast_to(jnp.arange(head_dim)[None, None, :], shape),
-    )
-    mask = jnp.broadcast_to(page_valid[:, None, None], shape)
-    x = compat.plgpu.load(pages_ref.at[index], mask=mask, other=0.0)
-    return x.reshape(ids.shape[0] * page_size, head_dim).astype(dtype)
+        return ref[jnp.where(page_valid, ids, 0)]
+    shape = (ids.shape[0], *ref.shape[1:])
+    lead = (slice(None),) + (None,) * (len(shape) - 1)
+    index = [jnp.broadcast_to(ids[lead], shape)]
+    for axis in range(1, len(shape)):
+        iota = jnp.arange(shape[axis]).reshape([-1 if a == axis else 1 for a in range(len(shape))])
+        index.append(jnp.broadcast_to(iota, shape))
+    mask = jnp.broadcast_to(page_valid[lead], shape)
+    return compat.plgpu.load(ref.at[tuple(index)], mask=mask, other=0)
 
 
 def scores(q, k, *, sm_scale, soft_cap):

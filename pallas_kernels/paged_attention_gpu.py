@@ -108,8 +108,8 @@ def paged_attention(
         grid=(batch, hkv, k_splits),
         in_specs=[
             pl.BlockSpec((None, None, block_h, d), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((None, *k_pages.shape[1:]), lambda b, h, s: (h, 0, 0, 0)),
-            pl.BlockSpec((None, *v_pages.shape[1:]), lambda b, h, s: (h, 0, 0, 0)),
+            gpu_common.head_spec(k_pages, lambda b, h, s: h),
+            gpu_common.head_spec(v_pages, lambda b, h, s: h),
             pl.BlockSpec((None, None, ppp), lambda b, h, s: (b, s, 0)),
             pl.BlockSpec((None, 1), lambda b, h, s: (b, 0)),
         ],

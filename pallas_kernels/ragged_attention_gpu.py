@@ -115,8 +115,8 @@ def ragged_paged_attention(
         grid=(hkv, q3.shape[1] // rows),
         in_specs=[
             tile,
-            pl.BlockSpec((None, *k_pages.shape[1:]), lambda h, qb: (h, 0, 0, 0)),
-            pl.BlockSpec((None, *v_pages.shape[1:]), lambda h, qb: (h, 0, 0, 0)),
+            gpu_common.head_spec(k_pages, lambda h, qb: h),
+            gpu_common.head_spec(v_pages, lambda h, qb: h),
             full(table),
             full(kv_lens),
             full(cu),

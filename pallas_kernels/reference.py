@@ -9,7 +9,8 @@ Conventions shared by all ops:
   * scores are ``q . k * sm_scale``, then ``soft_cap * tanh(scores / soft_cap)`` when ``soft_cap`` is
     set (Gemma-2 style), then masked, then softmax;
   * a query that sees no key (length 0, padding) outputs zeros;
-  * the output has ``q.dtype``.
+  * the output has ``q.dtype``;
+  * quantized pages (``quant.QuantizedPages``) are dequantized whole, in float32, first.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import softmax, validation
+from pallas_kernels import quant, softmax, validation
 
 
 def masked_softmax_attend(
@@ -57,6 +58,7 @@ def paged_attention(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0,
     shp = validation.check_paged_attention(
         q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale, soft_cap=soft_cap
     )
+    k_pages, v_pages = quant.as_float(k_pages), quant.as_float(v_pages)
     return _attend_pages(q, k_pages, v_pages, page_indices, lengths, shp, sm_scale=sm_scale,
                          soft_cap=soft_cap)  # fmt: skip
 
@@ -118,6 +120,7 @@ def ragged_paged_attention(
         sm_scale=sm_scale, soft_cap=soft_cap,
     )  # fmt: skip
     seq, limit = ragged_token_layout(q.shape[0], kv_lens, cu_q_lens, num_seqs)
+    k_pages, v_pages = quant.as_float(k_pages), quant.as_float(v_pages)
     return _attend_pages(q, k_pages, v_pages, page_indices[seq], limit, shp, sm_scale=sm_scale,
                          soft_cap=soft_cap)  # fmt: skip
 

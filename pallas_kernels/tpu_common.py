@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import compat, softmax, validation
+from pallas_kernels import compat, quant, softmax, validation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,17 +100,23 @@ def paged_pallas_call(kernel, *, num_scalar_prefetch, grid, q_spec, k_pages, ppb
     the kernel's own DMAs, and the scratch :func:`paged_kernel_setup` unpacks."""
     _, _, page_size, head_dim = k_pages.shape
     any_spec = pl.BlockSpec(memory_space=compat.any_memory_space())
+    values, scales = quant.split(k_pages)
     scratch = [
-        pltpu.VMEM((2, ppb, page_size, head_dim), k_pages.dtype),
-        pltpu.VMEM((2, ppb, page_size, head_dim), k_pages.dtype),
-        pltpu.SemaphoreType.DMA((2, 2)),
+        pltpu.VMEM((2, ppb, page_size, head_dim), values.dtype),
+        pltpu.VMEM((2, ppb, page_size, head_dim), values.dtype),
+        pltpu.SemaphoreType.DMA((2 if scales is None else 4, 2)),
         *softmax_scratch(rows, head_dim),
     ]
+    if scales is not None:  # quantized: the scales of each page DMA'd beside its values
+        scratch += [pltpu.VMEM((2, ppb, scales.shape[-1]), scales.dtype)] * 2
+    # A QuantizedPages argument gets a QuantizedPages of specs (its values and scales stay in HBM).
+    any_spec_of = lambda x: jax.tree.map(lambda _: any_spec, x)  # noqa: E731
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=num_scalar_prefetch, grid=grid,
-            in_specs=[q_spec, any_spec, any_spec], out_specs=q_spec, scratch_shapes=scratch,
+            in_specs=[q_spec, any_spec_of(k_pages), any_spec_of(k_pages)], out_specs=q_spec,
+            scratch_shapes=scratch,
         ),  # fmt: skip
         out_shape=out_shape,
         compiler_params=compat.tpu_compiler_params(dimension_semantics=("parallel", "arbitrary")),
@@ -134,10 +141,13 @@ def paged_kernel_setup(table_ref, refs, *, head, ppb):
     ``refs``: ``k_hbm``, ``v_hbm`` (ANY ``[Hkv, P, page, D]``), ``o_ref`` (VMEM ``[rows, D]``),
     then the scratch :func:`paged_pallas_call` allocates: ``k_buf``, ``v_buf`` (VMEM
     ``[2, ppb, page, D]``), ``sems`` (DMA ``[2 (K/V), 2 (slot)]``), ``m``, ``l`` (f32
-    ``[rows, 1]``) and ``acc`` (f32 ``[rows, D]``).
+    ``[rows, 1]``) and ``acc`` (f32 ``[rows, D]``); for quantized pages (``k_hbm`` / ``v_hbm``
+    each a ``QuantizedPages`` of refs) the scales' buffers ``ks_buf``, ``vs_buf`` (VMEM
+    ``[2, ppb, S]``) follow and ``sems`` is ``[4, 2]``.
     """
-    k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
-    copier = PageBlockCopier(table_ref, k_hbm, v_hbm, k_buf, v_buf, sems, head=head, ppb=ppb)
+    k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref, *scale_bufs = refs
+    copier = PageBlockCopier(table_ref, k_hbm, v_hbm, k_buf, v_buf, sems, head=head, ppb=ppb,
+                             scale_bufs=scale_bufs)
     state = VmemSoftmax(m_ref, l_ref, acc_ref)
     state.reset()
     return copier, state, o_ref
@@ -184,8 +194,15 @@ class PageBlockCopier:
     which the kernel masks. Start and wait are guarded by the same predicate so they pair up.
     """
 
-    def __init__(self, table_ref, k_hbm, v_hbm, k_buf, v_buf, sems, *, head, ppb):
-        self.table_ref, self.k_hbm, self.v_hbm = table_ref, k_hbm, v_hbm
+    def __init__(self, table_ref, k_hbm, v_hbm, k_buf, v_buf, sems, *, head, ppb, scale_bufs=()):
+        self.table_ref = table_ref
+        k_hbm, ks_hbm = quant.split(k_hbm)
+        v_hbm, vs_hbm = quant.split(v_hbm)
+        # (HBM source, VMEM buffer) pairs, one DMA semaphore row each: K, V, then the scales.
+        self.pairs = [(k_hbm, k_buf), (v_hbm, v_buf)]
+        self.scale_bufs = tuple(scale_bufs) or (None, None)
+        if ks_hbm is not None:
+            self.pairs += list(zip((ks_hbm, vs_hbm), scale_bufs, strict=True))
         self.k_buf, self.v_buf, self.sems = k_buf, v_buf, sems
         self.head, self.ppb = head, ppb
         self.page_size = k_buf.shape[2]
@@ -196,9 +213,7 @@ class PageBlockCopier:
             @pl.when(first_page + j < num_valid_pages)
             def _(j=j):
                 page = self.table_ref[table_offset + first_page + j]
-                for kv, (src, dst) in enumerate(
-                    ((self.k_hbm, self.k_buf), (self.v_hbm, self.v_buf))
-                ):
+                for kv, (src, dst) in enumerate(self.pairs):
                     copy = pltpu.make_async_copy(
                         src.at[self.head, page], dst.at[slot, j], self.sems.at[kv, slot]
                     )
@@ -236,8 +251,10 @@ class PageBlockCopier:
                 self.start(table_offset, (i + 1) * ppb, num_pages, 1 - slot)
 
             self.wait(table_offset, i * ppb, num_pages, slot)
-            k = self.k_buf[slot].astype(jnp.float32).reshape(bk, head_dim)  # values, not refs
-            v = self.v_buf[slot].astype(jnp.float32).reshape(bk, head_dim)
+            ks, vs = (None if b is None else b[slot] for b in self.scale_bufs)
+            # Values, not refs; quantized pages are dequantized here, in VMEM, block by block.
+            k = quant.dequantize_tile(self.k_buf[slot], ks).reshape(bk, head_dim)
+            v = quant.dequantize_tile(self.v_buf[slot], vs).reshape(bk, head_dim)
             v = jnp.where(i * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < limit, v, 0.0)
             key = i * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             state.update(scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap), v, visible(key))

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import quant
+
 #: Input dtypes every implementation accepts; accumulation is always float32.
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -67,9 +69,41 @@ def check_knobs(*, sm_scale, soft_cap) -> None:
             raise ValueError(f"{soft_cap=} must be None or a finite positive number")
 
 
+def _check_quantized(k_pages, v_pages) -> bool:
+    """Checks quantized pages (values int8 / fp8, float32 scales ``[..., P, S]`` with S = page or
+    1, the same layout for K and V); returns whether the pages are quantized."""
+    kq, vq = (isinstance(x, quant.QuantizedPages) for x in (k_pages, v_pages))
+    if kq != vq:
+        raise TypeError(f"k_pages and v_pages must both be QuantizedPages or both arrays, got "
+                        f"{type(k_pages).__name__} and {type(v_pages).__name__}")
+    if not kq:
+        return False
+    allowed = [quant.storage_dtype(name) for name in quant.QUANT_DTYPES]
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if jnp.dtype(x.values.dtype) not in allowed:
+            raise TypeError(f"{name}.values.dtype={x.values.dtype} must be one of "
+                            f"{[d.name for d in allowed]}")
+        if jnp.dtype(x.scales.dtype) != jnp.dtype(quant.SCALE_DTYPE):
+            raise TypeError(f"{name}.scales.dtype={x.scales.dtype} must be float32")
+        vshape, sshape = _shape(x.values), _shape(x.scales)
+        if len(vshape) < 2 or sshape[:-1] != vshape[:-2] or sshape[-1] not in (1, vshape[-2]):
+            raise ValueError(f"{name}.scales.shape={sshape} must be values.shape[:-2] + (S,) with "
+                             f"S = page_size or 1 (values.shape={vshape})")
+    if _shape(k_pages.scales) != _shape(v_pages.scales):
+        raise ValueError(f"v_pages.scales.shape={_shape(v_pages.scales)} must equal "
+                         f"k_pages.scales.shape={_shape(k_pages.scales)}")
+    return True
+
+
 def _check_pages(q_heads: int, q_dim: int, q_dtype, k_pages, v_pages) -> tuple[int, int, int]:
-    _check_float("k_pages", k_pages)
-    _check_float("v_pages", v_pages)
+    if _check_quantized(k_pages, v_pages):
+        # Quantized values: any float query (it is never quantized); the values' dtypes and
+        # the scales were checked above.
+        k_pages, v_pages = k_pages.values, v_pages.values
+        q_dtype = jnp.result_type(k_pages)
+    else:
+        _check_float("k_pages", k_pages)
+        _check_float("v_pages", v_pages)
     k_shape, v_shape = _shape(k_pages), _shape(v_pages)
     if len(k_shape) != 4:
         raise ValueError(
@@ -210,6 +244,11 @@ def layer_view(k_pages, v_pages, layer):
         return k_pages, v_pages
     out = []
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if isinstance(x, quant.QuantizedPages):
+            values = layer_view(x.values, x.values, layer)[0]
+            scales = jax.ShapeDtypeStruct(_shape(x.scales)[1:], x.scales.dtype)
+            out.append(quant.QuantizedPages(values, scales))
+            continue
         shape = _shape(x)
         if len(shape) != 5:
             raise ValueError(f"with layer={layer!r}, {name} must be the stacked cache "

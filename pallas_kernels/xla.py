@@ -7,6 +7,7 @@ running max / sum / accumulator in float32 (the online-softmax step of
 :mod:`pallas_kernels.softmax`, which the Pallas kernels use too), and stops after the last block
 any row can see (the trip count is traced, so short batches in a long page table cost only what
 they use).
+Quantized pages (:mod:`pallas_kernels.quant`) are dequantized per gathered block, never whole.
 Positions at or past a row's limit are masked with ``jnp.where`` in scores *and* values, so NaN
 garbage there never reaches the output.
 """
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import reference, softmax, validation
+from pallas_kernels import quant, reference, softmax, validation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,11 +116,16 @@ def paged_rows_attention(
     def body(i, carry):
         ids = lax.dynamic_slice_in_dim(row_pages, i * pages_per_block, pages_per_block, axis=1)
 
+        def take(x):  # [(L,) Hkv, P, ...] -> [Hkv, R, pages_per_block, ...]
+            x = _in_loop(x, ids)
+            return x[:, ids] if layer is None else jnp.moveaxis(x[layer, :, ids], 2, 0)
+
         def gather(pages):  # -> f32[Hkv, R, block, D], keys in (slot, page) order
-            pages = _in_loop(pages, ids)
-            g = pages[:, ids] if layer is None else jnp.moveaxis(pages[layer, :, ids], 2, 0)
+            # Quantized pages: the block's values and scales only, dequantized here.
+            values, scales = quant.split(pages)
+            g = quant.dequantize_tile(take(values), None if scales is None else take(scales))
             g = jnp.swapaxes(g, 2, 3)  # [Hkv, R, page, pages_per_block, D]
-            return g.reshape(num_kv_heads, rows, block, head_dim).astype(jnp.float32)
+            return g.reshape(num_kv_heads, rows, block, head_dim)
 
         pos = i * block + offsets
         valid = pos < limit  # [1, R, M, block]
@@ -220,9 +226,8 @@ def paged_attention(
         q, *validation.layer_view(k_pages, v_pages, layer), lengths, page_indices,
         sm_scale=sm_scale, soft_cap=soft_cap,
     )  # fmt: skip
-    q, k_pages, v_pages, lengths, page_indices = map(
-        jnp.asarray, (q, k_pages, v_pages, lengths, page_indices)
-    )
+    q, lengths, page_indices = map(jnp.asarray, (q, lengths, page_indices))
+    k_pages, v_pages = quant.asarray(k_pages), quant.asarray(v_pages)
     qg = q.reshape(q.shape[0], shp.num_kv_heads, shp.group, shp.head_dim)
     out = grouped_rows_attention(
         qg, k_pages, v_pages, page_indices.astype(jnp.int32), lengths[:, None],
@@ -248,9 +253,8 @@ def ragged_paged_attention(
         q, *validation.layer_view(k_pages, v_pages, layer), kv_lens, page_indices, cu_q_lens,
         num_seqs, sm_scale=sm_scale, soft_cap=soft_cap,
     )  # fmt: skip
-    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens = map(
-        jnp.asarray, (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
-    )
+    q, kv_lens, page_indices, cu_q_lens = map(jnp.asarray, (q, kv_lens, page_indices, cu_q_lens))
+    k_pages, v_pages = quant.asarray(k_pages), quant.asarray(v_pages)
     config = config or XlaConfig()
     num_tokens, max_num_seqs = q.shape[0], kv_lens.shape[0]
     cu = cu_q_lens.astype(jnp.int32)

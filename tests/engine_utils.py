@@ -31,19 +31,20 @@ def prompts(num: int, *, seed: int = 0, min_len: int = 3, max_len: int = 40) -> 
 
 
 @functools.cache
-def _dense_fn(config: LlamaConfig):
+def _dense_fn(config: LlamaConfig, kv_quant=None):
     model = Llama(config)
-    return jax.jit(lambda p, t: model.apply(p, t, method="dense"))
+    return jax.jit(lambda p, t: model.apply(p, t, method="dense", kv_quant=kv_quant))
 
 
 def greedy_reference(config: LlamaConfig, params, prompt: list[int], max_tokens: int,
-                     eos_id: int = 257) -> list[int]:
+                     eos_id: int = 257, kv_quant=None) -> list[int]:
     """No-cache generation: the full sequence is recomputed densely for every token.
 
     Tokens are right-padded to one length (causal attention ignores what comes after), so the
-    whole generation compiles once.
+    whole generation compiles once. ``kv_quant`` = ``(kv_cache_dtype, granularity, page_size)``
+    reproduces a quantized cache's quantize-on-write (``Llama.dense``).
     """
-    dense = _dense_fn(config)
+    dense = _dense_fn(config, kv_quant)
     tokens = list(prompt)
     width = len(prompt) + max_tokens
     out = []

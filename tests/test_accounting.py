@@ -191,6 +191,7 @@ def test_ledger_hand_computed():
         "free": 3 * 256,
         "null_page": 256,
         "reserved": 256,
+        "scales": 0,  # an unquantized pool has none
     }
     assert ledger.pool_bytes == 2560 == sum(ledger.categories().values())
     assert ledger.shared_saved_bytes == 2 * 2 * 64

@@ -171,3 +171,18 @@ def test_spec_decode_smoke(tmp_path):
     assert {r["method"] for r in rows} == {"ngram"}
     assert all(r["verify_rows"] > 0 and 0 <= r["alpha"] <= 1 for r in code)
     assert (tmp_path / "spec_decode.png").stat().st_size > 0
+
+
+def test_kv_quant_smoke(tmp_path):
+    _run("experiments.kv_quant", "--config=experiments/configs/kv_quant.py:smoke",
+         f"--config.output_dir={tmp_path}")
+    payload = json.loads((tmp_path / "kv_quant.json").read_text())
+    assert payload["evidence"] == "constructed" and payload["provenance"]["jax_version"]
+    rows = [r for r in payload["results"] if "kv_cache_dtype" in r]
+    assert {(r["kv_cache_dtype"], r["kv_scale_granularity"]) for r in rows} == {
+        ("int8", "token"), ("fp8_e5m2", "page")}
+    for r in rows:
+        assert 0 <= r["greedy_agreement"] <= 1 and 0 <= r["top1_agreement"] <= 1
+        assert r["kl_mean"] >= 0 and r["prompt_logprob_abs_err"] > 0
+    [cap] = [r["capacity_at_equal_bytes"] for r in payload["results"] if "capacity_at_equal_bytes" in r]
+    assert cap["pages"]["int8:token"] > cap["pages"]["bfloat16"]

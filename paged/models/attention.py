@@ -215,7 +215,8 @@ class PagedAttention(nn.Module):
             `AttentionMetadata`).
           positions: position of each token in its sequence (RoPE).
           k_pages: this layer's key pages (``layer=None``), or the whole stacked cache with
-            ``layer`` naming this layer's slot. The returned array replaces it (donate it in a
+            ``layer`` naming this layer's slot; a ``pallas_kernels.quant.QuantizedPages`` for a
+            quantized cache (the write quantizes, the kernel dequantizes). The returned array replaces it (donate it in a
             jitted step).
           v_pages: the value pages, likewise.
           md: the step's metadata.
@@ -229,6 +230,7 @@ class PagedAttention(nn.Module):
           rows of ``out`` are not meaningful.
         """
         import pallas_kernels as pk  # the dense (training) path does not need the kernels
+        from pallas_kernels import quant
 
         q, k, v, wo = self._qkv(x, positions, "TD")
         k_pages, v_pages = kv_cache.write_layer(k_pages, v_pages, k, v, md.slot_mapping,
@@ -236,7 +238,7 @@ class PagedAttention(nn.Module):
         # With `layer`, the kernel reads the stacked cache directly: slicing k_pages[layer] here
         # would copy the whole layer every step.
         out = pk.ragged_paged_attention(
-            q.astype(k_pages.dtype),
+            q.astype(quant.query_dtype(k_pages, self.dtype)),
             k_pages,
             v_pages,
             md.kv_lens,
@@ -257,6 +259,7 @@ class PagedAttention(nn.Module):
         positions: jax.Array,  # i32[B, T]
         *,
         attention_impl: str = "jnp",
+        kv_quant: tuple[str, str, int] | None = None,
     ) -> jax.Array:  # [B, T, D]
         """Dense causal path over contiguous sequences (training; the no-cache reference).
 
@@ -265,11 +268,21 @@ class PagedAttention(nn.Module):
           positions: position of each token (RoPE); causality is by row order, not by position.
           attention_impl: "jnp" (`causal_attention`, float32) or an ``impl`` of
             `pallas_kernels.flash_attention` ("xla", "pallas", ...).
+          kv_quant: ``(kv_cache_dtype, scale_granularity, page_size)``: K and V are replaced by
+            what a quantized paged cache reads back (`pallas_kernels.quant.fake_quantize_sequence`),
+            the reference of a quantized engine. None: exact.
 
         Returns:
           Attention output projected back to ``D``.
         """
         q, k, v, wo = self._qkv(x, positions, "BTD")
+        if kv_quant is not None:
+            from pallas_kernels import quant
+
+            name, granularity, page_size = kv_quant
+            dtype = quant.storage_dtype(name)
+            k, v = (quant.fake_quantize_sequence(t, dtype, granularity, page_size).astype(t.dtype)
+                    for t in (k, v))
         sm_scale = self.head_dim**-0.5
         if attention_impl == "jnp":
             out = causal_attention(q, k, v, sm_scale=sm_scale, soft_cap=self.soft_cap)

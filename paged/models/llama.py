@@ -51,8 +51,9 @@ class DecoderBlock(nn.Module):
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), k_pages, v_pages
 
-    def dense(self, x, positions, *, attention_impl="jnp"):
-        x = x + self.attn.dense(self.attn_norm(x), positions, attention_impl=attention_impl)
+    def dense(self, x, positions, *, attention_impl="jnp", kv_quant=None):
+        x = x + self.attn.dense(self.attn_norm(x), positions, attention_impl=attention_impl,
+                                kv_quant=kv_quant)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -145,6 +146,7 @@ class Llama(nn.Module):
         tokens: jax.Array,  # i32[B, T]
         *,
         attention_impl: str = "jnp",
+        kv_quant: tuple[str, str, int] | None = None,
     ) -> jax.Array:  # f32[B, T, V]
         """Full causal forward over contiguous sequences starting at position 0 (no cache).
 
@@ -152,6 +154,8 @@ class Llama(nn.Module):
           tokens: token ids.
           attention_impl: "jnp" (plain float32 reference) or an ``impl`` of
             `pallas_kernels.flash_attention`.
+          kv_quant: ``(kv_cache_dtype, scale_granularity, page_size)`` of a quantized cache to
+            reproduce (quantize-on-write, see `PagedAttention.dense`); None: exact.
 
         Returns:
           Next-token logits at every position.
@@ -159,5 +163,5 @@ class Llama(nn.Module):
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
         x = self._embed(tokens)
         for layer in self.layers:
-            x = layer.dense(x, positions, attention_impl=attention_impl)
+            x = layer.dense(x, positions, attention_impl=attention_impl, kv_quant=kv_quant)
         return self._logits(x)
