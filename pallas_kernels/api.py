@@ -299,11 +299,13 @@ def cascade_paged_attention(
         else:
             state_fn = functools.partial(_kernel("paged_attention_state", style), **kw,
                                          config=config, interpret=interpret)  # fmt: skip
-    return cascade.cascade(
-        state_fn, q, k_pages, v_pages, jnp.asarray(lengths), jnp.asarray(page_indices),
-        jnp.asarray(group_rows), jnp.asarray(prefix_lens), num_kv_heads=shp.num_kv_heads,
-        page_size=shp.page_size,
-    )  # fmt: skip
+    # One computation, also when called eagerly: dispatching the glue op by op while an
+    # interpret-mode kernel's callbacks still run deadlocks the CPU client (seen in TPU
+    # interpret mode); inside a caller's jit this is an ordinary nested call.
+    run = jax.jit(functools.partial(cascade.cascade, state_fn, num_kv_heads=shp.num_kv_heads,
+                                    page_size=shp.page_size))  # fmt: skip
+    return run(q, k_pages, v_pages, *map(jnp.asarray, (lengths, page_indices, group_rows,
+                                                       prefix_lens)))  # fmt: skip
 
 
 def flash_attention(
