@@ -14,7 +14,7 @@ attention computes, only how often a prefix is read (outputs equal to float roun
 
 The cost rule (``CascadeCost``, the one place its constants live): per layer and KV head, a group
 of ``n`` members sharing ``p`` tokens saves ``(n - 1) * p`` token reads; a cascade step also pays
-a second pass and a merge, a fixed cost measured as ``overhead_tokens`` token reads. "auto" takes
+a second pass and a merge, a fixed cost expressed as ``overhead_tokens`` token reads. "auto" takes
 the groups with ``n >= 2`` and ``(n - 1) * p >= min_group_saving_tokens`` and runs cascade when
 their total saving is at least ``overhead_tokens``; "on" takes every group of two or more sharing
 at least one full block; "off" never runs it.
@@ -33,10 +33,12 @@ MODES = ("auto", "on", "off")
 class CascadeCost:
     """The constants of the cascade decision (token reads per layer and KV head).
 
-    The defaults come from ``experiments/cascade.py`` on this repository's CPU target (XLA
-    path; see WORKSPACE.md, "Cascade attention", for the run and its figures). No GPU or TPU
-    figure was measured: there the per-token read is cheaper relative to a launch, so the
-    overhead in token reads is likely larger; measure before trusting these on an accelerator.
+    Not measured yet: the defaults are a stated guess (a cascade step costs about what reading
+    512 tokens per KV head costs; a group must save at least 64), not derived from kernel times.
+    Deriving them from the kernel's own timings (cascade vs ordinary over group size and prefix
+    length, on the target device) is open work; until then "auto" is conservative and "on" is
+    the mode that exercises cascade whenever any prefix is shared. Neither choice changes
+    outputs.
 
     Attributes:
       overhead_tokens: the fixed cost of a cascade step (second pass, merge, gathers of the group

@@ -24,8 +24,8 @@ from __future__ import annotations
 import time
 
 from paged.batch import BatchBuilder
-from paged.cascade_plan import CascadePlanner
 from paged.block_manager import BlockManager
+from paged.cascade_plan import CascadePlanner
 from paged.config import EngineConfig
 from paged.input_batch import InputBatch
 from paged.outputs import RequestOutput, check_outputs, collect_outputs, state_of
