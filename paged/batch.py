@@ -39,6 +39,8 @@ class DeviceBatch:
     page_indices: jax.Array  # i32[S, pages_per_seq]
     smp: jax.Array  # i32[7, N]: sample_rows, top_k, seed, sample_index, sample_pos, target, draft
     smp_f: jax.Array  # f32[2, N]: temperature, top_p
+    # i32[G, S + 1] shared-prefix groups of a decode-only step (paged.cascade_plan), or None.
+    casc: jax.Array | None = None
 
     tokens = property(lambda self: self.tok[0])  # i32[T]
     positions = property(lambda self: self.tok[1])  # i32[T]
@@ -58,7 +60,7 @@ class DeviceBatch:
         s = self.page_indices.shape[0]
         return AttentionMetadata(slot_mapping=self.tok[2], page_indices=self.page_indices,
                                  kv_lens=self.seq[0, :s], cu_q_lens=self.seq[1],
-                                 num_seqs=self.seq[0, s:])
+                                 num_seqs=self.seq[0, s:], cascade=self.casc)
 
 
 @dataclasses.dataclass
@@ -121,8 +123,10 @@ class BatchBuilder:
     """Turns the scheduler's choice into a ``StepBatch`` and advances the rows it serves."""
 
     def __init__(self, batch: InputBatch, block_manager, page_size: int, *,
-                 min_tokens: int = MIN_TOKENS, min_seqs: int = 1, debug: bool = False):
+                 min_tokens: int = MIN_TOKENS, min_seqs: int = 1, debug: bool = False,
+                 cascade=None):
         self.ib = batch
+        self.cascade = cascade  # paged.cascade_plan.CascadePlanner, or None
         self.bm = block_manager
         self.page_size = page_size
         self.min_tokens = min_tokens
@@ -164,9 +168,12 @@ class BatchBuilder:
                            page_indices=np.full((s_pad, self.ib.pages_per_seq), NULL_PAGE, np.int32),
                            smp=smp, smp_f=smp_f)
 
-    def build(self, decode_rows: np.ndarray, items, copies: bool) -> StepBatch:
+    def build(self, decode_rows: np.ndarray, items, copies: bool, *,
+              cascade: bool = True) -> StepBatch:
         """The step's batch: the decodes (rows ``decode_rows``, one token each) first, then the
         ``items`` (``ScheduledSeq``). ``copies``: the step copies pages on write (rows refreshed).
+        A decode-only step carries shared-prefix groups when the cascade planner takes some
+        (``cascade=False``: never, e.g. a draft model's proposals).
         """
         ib, page_size = self.ib, self.page_size
         nd = len(decode_rows)
@@ -235,6 +242,10 @@ class BatchBuilder:
             smp[0, :n_rows] = owner
             smp[4, :n_rows] = kv_lens
             slot_rows = all_rows
+            if cascade and self.cascade is not None:
+                casc = self.cascade.plan(pages[:s], kv_lens, s_pad)
+                if casc is not None:
+                    device = device.replace(casc=casc)
         row_of = np.take(all_rows, owner)
         ids = ib.tokens[row_of, pos]
         tok[0, :t] = ids

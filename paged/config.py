@@ -17,6 +17,7 @@ ATTENTION_IMPLS = ("auto", "xla", "reference", "pallas", "pallas_tpu", "pallas_g
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", *quant.QUANT_DTYPES)  # "auto" = ``dtype``
 KV_SCALE_GRANULARITIES = quant.GRANULARITIES
+CASCADE_MODES = ("auto", "on", "off")  # paged.cascade_plan.MODES
 ROUTERS = ("prefix_aware", "round_robin", "least_loaded")  # paged.routing.POLICIES
 
 
@@ -109,6 +110,11 @@ class EngineConfig:
         ``router_load_threshold``), "round_robin" or "least_loaded" (``paged.routing``).
       router_load_threshold: ``prefix_aware`` only: the load gap (waiting + running requests)
         up to which cache affinity wins over balance.
+      cascade_attention: shared-prefix (cascade) attention for decode-only steps
+        (``paged.cascade_plan``): "off" (ordinary paged attention, the default), "on" (every
+        group of two or more decodes whose block tables start with the same full blocks reads
+        that prefix once) or "auto" (only when the cost rule says it pays). Outputs do not
+        change (equal up to float rounding; greedy tokens identical in the tests).
     """
 
     model: str = "tiny"
@@ -140,6 +146,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     router: str = "prefix_aware"
     router_load_threshold: int = 16
+    cascade_attention: str = "off"
 
     def __new__(cls, *args, **kwargs):
         # A mistyped keyword gets "closest: ..." (as the studies' config keys do), not the
@@ -160,6 +167,7 @@ class EngineConfig:
         validate.integer("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=4096)
         validate.integer("router_load_threshold", self.router_load_threshold, minimum=0)
         validate.one_of("router", self.router, ROUTERS)
+        validate.one_of("cascade_attention", self.cascade_attention, CASCADE_MODES)
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks={self.num_blocks} must be >= 2 (block 0 is the null page)")
         validate.integer("seed", self.seed, minimum=0)

@@ -25,6 +25,7 @@ import time
 
 from paged.batch import BatchBuilder
 from paged.block_manager import BlockManager
+from paged.cascade_plan import CascadePlanner
 from paged.config import EngineConfig
 from paged.input_batch import InputBatch
 from paged.outputs import RequestOutput, check_outputs, collect_outputs, state_of
@@ -71,7 +72,8 @@ class HostCore:
         self.batch = InputBatch(config.max_model_len, self.pages_per_seq, tokenizer.eos_id)
         self.builder = BatchBuilder(self.batch, self.block_manager, page_size,
                                     min_tokens=config.min_token_bucket,
-                                    min_seqs=config.min_seq_bucket, debug=config.debug_checks)
+                                    min_seqs=config.min_seq_bucket, debug=config.debug_checks,
+                                    cascade=CascadePlanner(config.cascade_attention, page_size))
         self.scheduler = Scheduler(config, self.block_manager, self.batch)
         self.reader = StepReader(self)
         self._requests: dict[str, list[Sequence]] = {}  # unfinished or finished-unreported

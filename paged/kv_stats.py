@@ -38,6 +38,9 @@ def kv_stats(engine) -> dict:
         "num_swapped": len(sched.swapped),
         "num_requests_served": engine.num_requests_served,
         "block_manager": stats,
+        # Shared-prefix attention: mode, decode steps that used it, groups served and prefix
+        # token reads saved per layer and KV head (paged.cascade_plan.CascadePlanner.stats).
+        "cascade": engine.builder.cascade.stats(),
         "ledger": ledger.as_dict(),
     }
 

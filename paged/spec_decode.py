@@ -211,7 +211,7 @@ class Speculator:
             sel = np.flatnonzero(ks >= j)
             rj = rows[sel]
             ib.num_computed[rj] = p0[sel] + j - 1
-            batch = self.builder.build(rj, [], copies=False)
+            batch = self.builder.build(rj, [], copies=False, cascade=False)
             d.cache, toks, q = d.propose(d.params, d.cache, batch.device)
             ib.tokens[rj, p0[sel] + j] = np.asarray(toks)[:len(rj)]
             for i, idx in enumerate(sel.tolist()):

@@ -28,11 +28,13 @@ GPU; nothing outside this module names them, so they can be swapped without touc
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import jax
+import jax.numpy as jnp
 
-from pallas_kernels import reference, validation, xla
+from pallas_kernels import cascade, reference, validation, xla
 
 IMPLS = (
     "auto", "xla", "reference", "pallas", "pallas_tpu", "pallas_gpu",
@@ -49,6 +51,10 @@ _KERNELS = {
     "ragged_paged_attention": {
         "tpu": ("pallas_kernels.ragged_attention_tpu", "ragged_paged_attention"),
         "gpu": ("pallas_kernels.ragged_attention_gpu", "ragged_paged_attention"),
+    },
+    "paged_attention_state": {
+        "tpu": ("pallas_kernels.paged_attention_tpu", "paged_attention_state"),
+        "gpu": ("pallas_kernels.paged_attention_gpu", "paged_attention_state"),
     },
     "flash_attention": {
         "tpu": ("pallas_kernels.flash_attention_tpu", "flash_attention"),
@@ -232,6 +238,74 @@ def ragged_paged_attention(
     if kind == "reference":
         return reference.ragged_paged_attention(*args, **kw)
     return _kernel("ragged_paged_attention", style)(*args, **kw, config=config, interpret=interpret)
+
+
+def cascade_paged_attention(
+    q: jax.Array,  # [B, Hq, D]
+    k_pages: jax.Array,  # [Hkv, P, page, D]
+    v_pages: jax.Array,  # [Hkv, P, page, D]
+    lengths: jax.Array,  # i32[B]
+    page_indices: jax.Array,  # i32[B, pages_per_seq]
+    group_rows: jax.Array,  # i32[NG, R]
+    prefix_lens: jax.Array,  # i32[NG]
+    *,
+    sm_scale: float = 1.0,
+    soft_cap: float | None = None,
+    impl: str = "auto",
+    config=None,
+    layer=None,
+) -> jax.Array:  # [B, Hq, D]
+    """Decode attention with shared prefixes read once per group (cascade, :mod:`.cascade`).
+
+    Group ``g`` has the member sequences ``group_rows[g, :]`` (-1: empty slot; a group whose
+    first slot is -1 is padding) and shares its first ``prefix_lens[g] // page`` pages: attention
+    over them is computed for all members' query rows at once and merged with each member's
+    attention over its own remaining keys by log-sum-exp. Sequences in no group read all their
+    pages. The result equals :func:`paged_attention` (up to float rounding) when every member's
+    table starts with the group's shared pages (taken from its first member), each sequence is
+    in at most one group, and ``prefix_lens[g] <= lengths[b]`` for its members; none of these
+    traced facts is checked. Fixed ``[NG, R]`` shapes let a caller pad groups so that one
+    compilation serves any number of groups.
+
+    Args:
+      q, k_pages, v_pages, lengths, page_indices: as in :func:`paged_attention`.
+      group_rows: member sequence indices per group, -1 padded.
+      prefix_lens: shared prefix tokens per group (rounded down to whole pages).
+      sm_scale, soft_cap, impl, config, layer: as in :func:`paged_attention` (``config`` is the
+        chosen implementation's paged tuning dataclass, used by both passes).
+
+    Returns:
+      ``[B, Hq, D]`` in ``q.dtype``.
+
+    Raises:
+      ValueError / TypeError: bad shapes, dtypes, knobs or ``impl``.
+    """
+    shp, _, _ = validation.check_cascade_paged_attention(
+        q, *validation.layer_view(k_pages, v_pages, layer), lengths, page_indices, group_rows,
+        prefix_lens, sm_scale=sm_scale, soft_cap=soft_cap,
+    )  # fmt: skip
+    kind, style, interpret = resolve_impl(impl)
+    if impl == "auto" and kind == "pallas" and not auto_fits(style, shp, q.dtype, config):
+        kind, config = "xla", None
+    kw = {"sm_scale": sm_scale, "soft_cap": soft_cap}
+    if kind == "xla":
+        state_fn = functools.partial(xla.paged_attention, **kw, config=config, layer=layer,
+                                     state=True)  # fmt: skip
+    else:
+        if layer is not None:
+            k_pages, v_pages = k_pages[layer], v_pages[layer]
+        if kind == "reference":
+            state_fn = functools.partial(reference.paged_attention_state, **kw)
+        else:
+            state_fn = functools.partial(_kernel("paged_attention_state", style), **kw,
+                                         config=config, interpret=interpret)  # fmt: skip
+    # One computation, also when called eagerly: dispatching the glue op by op while an
+    # interpret-mode kernel's callbacks still run deadlocks the CPU client (seen in TPU
+    # interpret mode); inside a caller's jit this is an ordinary nested call.
+    run = jax.jit(functools.partial(cascade.cascade, state_fn, num_kv_heads=shp.num_kv_heads,
+                                    page_size=shp.page_size))  # fmt: skip
+    return run(q, k_pages, v_pages, *map(jnp.asarray, (lengths, page_indices, group_rows,
+                                                       prefix_lens)))  # fmt: skip
 
 
 def flash_attention(

@@ -79,6 +79,30 @@ def paged_attention(
     Raises:
       ValueError: shapes the kernel cannot tile (see module docstring).
     """
+    o, m, lsum, group = _partials(q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale,
+                                  soft_cap=soft_cap, config=config, interpret=interpret)
+    out = softmax.merge_partials(o, m, lsum)[:, :, :group]
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def paged_attention_state(
+    q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0, soft_cap=None,
+    config: GpuPagedConfig | None = None, interpret: bool = False,
+):  # fmt: skip
+    """As :func:`paged_attention`, but returns the unnormalised online-softmax state
+    ``(m f32[B, Hq], l f32[B, Hq], acc f32[B, Hq, D])`` (its split-K partials combined), which
+    cascade attention merges with another key range's state."""
+    o, m, lsum, group = _partials(q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale,
+                                  soft_cap=soft_cap, config=config, interpret=interpret)
+    m, lsum, acc = softmax.combine_states(o, m, lsum)
+    return (m[:, :, :group].reshape(q.shape[:2]), lsum[:, :, :group].reshape(q.shape[:2]),
+            acc[:, :, :group].reshape(q.shape))
+
+
+def _partials(q, k_pages, v_pages, lengths, page_indices, *, sm_scale, soft_cap, config,
+              interpret):  # fmt: skip
+    """Runs the split-K kernel; returns its partial states ``o`` f32[S, B, Hkv, block_h, D],
+    ``m``, ``l`` f32[S, B, Hkv, block_h] and the real rows per KV head (``G``)."""
     compat.require_triton()
     config = config or GpuPagedConfig()
     shp = validation.check_paged_attention(
@@ -127,5 +151,4 @@ def paged_attention(
         interpret=interpret,
         name="paged_attention_gpu",
     )(q4, k_pages, v_pages, table, lengths2)
-    out = softmax.merge_partials(o, m, lsum)[:, :, : shp.group]
-    return out.reshape(q.shape).astype(q.dtype)
+    return o, m, lsum, shp.group

@@ -41,27 +41,41 @@ def _kernel(
     ppb: int,
     sm_scale: float,
     soft_cap: float | None,
+    with_state: bool = False,
 ):
     b, h = pl.program_id(0), pl.program_id(1)
-    copier, state, o_ref = tpu_common.paged_kernel_setup(table_ref, refs, head=h, ppb=ppb)
+    copier, state, o_ref = tpu_common.paged_kernel_setup(
+        table_ref, refs, head=h, ppb=ppb, num_outputs=3 if with_state else 1
+    )
     length = jnp.minimum(lengths_ref[b], pages_per_seq * copier.page_size)
     copier.attend(
         state, q_ref[...].astype(jnp.float32), table_offset=b * pages_per_seq, limit=length,
         visible=lambda key: key < length, sm_scale=sm_scale, soft_cap=soft_cap,
     )  # fmt: skip
-    state.store(o_ref)
+    if with_state:
+        state.store_state(*o_ref)
+    else:
+        state.store(o_ref)
 
 
-def _call(q4, k_pages, v_pages, lengths, table, *, ppb, sm_scale, soft_cap, interpret):
+def _call(q4, k_pages, v_pages, lengths, table, *, ppb, sm_scale, soft_cap, interpret,
+          with_state=False):  # fmt: skip
     batch, num_kv_heads, group, head_dim = q4.shape
     q_spec = pl.BlockSpec((None, None, group, head_dim), lambda b, h, *_: (b, h, 0, 0))
     kernel = functools.partial(
-        _kernel, pages_per_seq=table.shape[1], ppb=ppb, sm_scale=sm_scale, soft_cap=soft_cap
-    )
+        _kernel, pages_per_seq=table.shape[1], ppb=ppb, sm_scale=sm_scale, soft_cap=soft_cap,
+        with_state=with_state,
+    )  # fmt: skip
+    out_shape, out_specs = jax.ShapeDtypeStruct(q4.shape, q4.dtype), None
+    if with_state:  # m, l f32[B, Hkv, G, 1] and acc f32[B, Hkv, G, D]
+        stat_spec = pl.BlockSpec((None, None, group, 1), lambda b, h, *_: (b, h, 0, 0))
+        stat = jax.ShapeDtypeStruct((*q4.shape[:3], 1), jnp.float32)
+        out_shape = [stat, stat, jax.ShapeDtypeStruct(q4.shape, jnp.float32)]
+        out_specs = [stat_spec, stat_spec, q_spec]
     return tpu_common.paged_pallas_call(
         kernel, num_scalar_prefetch=2, grid=(batch, num_kv_heads), q_spec=q_spec, k_pages=k_pages,
-        ppb=ppb, rows=group, out_shape=jax.ShapeDtypeStruct(q4.shape, q4.dtype),
-        interpret=interpret, name="paged_attention_tpu",
+        ppb=ppb, rows=group, out_shape=out_shape, interpret=interpret, name="paged_attention_tpu",
+        out_specs=out_specs,
     )(lengths, table.reshape(-1), q4, k_pages, v_pages)
 
 
@@ -75,6 +89,24 @@ def paged_attention(
     Raises:
       ValueError: shapes the kernel cannot tile (see module docstring).
     """
+    out = _run(q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale, soft_cap=soft_cap,
+               config=config, interpret=interpret, with_state=False)
+    return out.reshape(q.shape)
+
+
+def paged_attention_state(
+    q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0, soft_cap=None,
+    config: TpuPagedConfig | None = None, interpret: bool = False,
+):  # fmt: skip
+    """As :func:`paged_attention`, but returns the unnormalised online-softmax state
+    ``(m f32[B, Hq], l f32[B, Hq], acc f32[B, Hq, D])`` that cascade attention merges."""
+    m, lsum, acc = _run(q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale,
+                        soft_cap=soft_cap, config=config, interpret=interpret, with_state=True)
+    return m.reshape(q.shape[:2]), lsum.reshape(q.shape[:2]), acc.reshape(q.shape)
+
+
+def _run(q, k_pages, v_pages, lengths, page_indices, *, sm_scale, soft_cap, config, interpret,
+         with_state):  # fmt: skip
     config = config or TpuPagedConfig()
     shp = validation.check_paged_attention(
         q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale, soft_cap=soft_cap
@@ -84,11 +116,12 @@ def paged_attention(
     q4 = jnp.asarray(q).reshape(batch, shp.num_kv_heads, shp.group, shp.head_dim)
     lengths = jnp.asarray(lengths, jnp.int32)
     table = jnp.asarray(page_indices, jnp.int32)
-    kw = dict(ppb=ppb, sm_scale=float(sm_scale), soft_cap=soft_cap,
+    kw = dict(ppb=ppb, sm_scale=float(sm_scale), soft_cap=soft_cap, with_state=with_state,
               interpret=tpu_common.interpret_mode(config, interpret))  # fmt: skip
     outs = [
         _call(q4[lo:hi], k_pages, v_pages, lengths[lo:hi], table[lo:hi], **kw)
         for lo, hi in tpu_common.prefetch_chunks(config, shp, batch)
     ]
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
-    return out.reshape(q.shape)
+    if len(outs) == 1:
+        return outs[0]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *outs)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import quant, softmax, validation
+from pallas_kernels import cascade, quant, softmax, validation
 
 
 def masked_softmax_attend(
@@ -61,6 +61,46 @@ def paged_attention(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0,
     k_pages, v_pages = quant.as_float(k_pages), quant.as_float(v_pages)
     return _attend_pages(q, k_pages, v_pages, page_indices, lengths, shp, sm_scale=sm_scale,
                          soft_cap=soft_cap)  # fmt: skip
+
+
+def paged_attention_state(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0,
+                          soft_cap=None):  # fmt: skip
+    """The unnormalised online-softmax state of :func:`paged_attention` (reference):
+    ``(m f32[B, Hq], l f32[B, Hq], acc f32[B, Hq, D])`` with ``m`` the row max of the visible
+    scores (``-inf`` for no key), ``l = sum exp(s - m)`` and ``acc = sum exp(s - m) v``."""
+    shp = validation.check_paged_attention(
+        q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale, soft_cap=soft_cap
+    )
+    rows, seq_len = q.shape[0], shp.pages_per_seq * shp.page_size
+
+    def gather(pages):  # -> f32[R, Hkv, S, D]
+        g = pages[:, page_indices].reshape(shp.num_kv_heads, rows, seq_len, shp.head_dim)
+        return jnp.swapaxes(g, 0, 1).astype(jnp.float32)
+
+    qg = q.reshape(rows, shp.num_kv_heads, shp.group, shp.head_dim).astype(jnp.float32)
+    mask = (jnp.arange(seq_len)[None, :] < lengths[:, None])[:, None, None, :]  # [R, 1, 1, S]
+    s = jnp.einsum("rhgd,rhsd->rhgs", qg, gather(k_pages))
+    s = jnp.where(mask, softmax.scale_scores(s, sm_scale=sm_scale, soft_cap=soft_cap), -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None]), 0.0)
+    v = jnp.where(mask[:, :, 0, :, None], gather(v_pages), 0.0)
+    acc = jnp.einsum("rhgs,rhsd->rhgd", p, v)
+    return m.reshape(q.shape[:2]), jnp.sum(p, axis=-1).reshape(q.shape[:2]), acc.reshape(q.shape)
+
+
+def cascade_paged_attention(q, k_pages, v_pages, lengths, page_indices, group_rows, prefix_lens,
+                            *, sm_scale=1.0, soft_cap=None):  # fmt: skip
+    """Cascade (shared-prefix) decode attention (reference; arguments as in
+    :func:`pallas_kernels.cascade_paged_attention`): the two passes of
+    :func:`pallas_kernels.cascade.cascade` over :func:`paged_attention_state`."""
+    shp, _, _ = validation.check_cascade_paged_attention(
+        q, k_pages, v_pages, lengths, page_indices, group_rows, prefix_lens, sm_scale=sm_scale,
+        soft_cap=soft_cap,
+    )  # fmt: skip
+    state_fn = lambda *a: paged_attention_state(*a, sm_scale=sm_scale, soft_cap=soft_cap)  # noqa: E731
+    return cascade.cascade(state_fn, *map(jnp.asarray, (q, k_pages, v_pages, lengths, page_indices,
+                                                        group_rows, prefix_lens)),
+                           num_kv_heads=shp.num_kv_heads, page_size=shp.page_size)  # fmt: skip
 
 
 def _attend_pages(q, k_pages, v_pages, tables, limit, shp, *, sm_scale, soft_cap):

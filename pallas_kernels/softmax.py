@@ -78,13 +78,25 @@ def normalize(lsum, acc):
     return acc / (den if den.ndim == acc.ndim else den[..., None])
 
 
+def combine_states(o, m, lsum):
+    """Combines states computed over disjoint key ranges into one state, still unnormalised.
+
+    ``o`` f32 ``[S, ..., D]`` accumulators, ``m`` / ``lsum`` f32 ``[S, ...]``; returns the state
+    ``(m, l, acc)`` of the union of the ranges (``[...]``, ``[...]``, ``[..., D]``), exactly the
+    state one pass over all the keys would have reached (up to float rounding). Empty states
+    (``m = -inf``) weigh 0; all-empty rows stay empty.
+    """
+    m_max = jnp.max(m, axis=0)
+    m_safe = jnp.where(jnp.isfinite(m_max), m_max, 0.0)
+    w = jnp.exp(m - m_safe[None])
+    return m_max, jnp.sum(lsum * w, axis=0), jnp.sum(o * w[..., None], axis=0)
+
+
 def merge_partials(o, m, lsum):
     """Combines states computed over disjoint key ranges (split-K) and normalises.
 
     ``o`` f32 ``[S, ..., D]`` unnormalised accumulators, ``m`` / ``lsum`` f32 ``[S, ...]``; returns
     f32 ``[..., D]``. Empty partitions (``m = -inf``) weigh 0.
     """
-    m_max = jnp.max(m, axis=0)
-    m_safe = jnp.where(jnp.isfinite(m_max), m_max, 0.0)
-    w = jnp.exp(m - m_safe[None])
-    return normalize(jnp.sum(lsum * w, axis=0), jnp.sum(o * w[..., None], axis=0))
+    _, lsum, acc = combine_states(o, m, lsum)
+    return normalize(lsum, acc)

@@ -229,3 +229,94 @@ def mixed_batch(page_size: int, pages_per_seq: int) -> list[tuple[int, int]]:
         (1, 1),
         (top, 4),
     ]
+
+
+@dataclasses.dataclass
+class CascadeCase:
+    """A decode batch whose groups share prefix pages (see :func:`make_cascade_case`)."""
+
+    q: np.ndarray  # [B, Hq, D]
+    k_pages: np.ndarray  # [Hkv, P, page, D]
+    v_pages: np.ndarray
+    lengths: np.ndarray  # i32[B]
+    page_indices: np.ndarray  # i32[B, pages_per_seq]
+    group_rows: np.ndarray  # i32[NG, R], -1 padded
+    prefix_lens: np.ndarray  # i32[NG]
+
+
+def make_cascade_case(
+    rng: np.random.Generator,
+    groups,
+    lone,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    pages_per_seq: int,
+    num_groups: int | None = None,
+    group_size: int | None = None,
+    dtype=np.float32,
+) -> CascadeCase:
+    """Groups of sequences sharing prefix pages, plus sequences in no group, in a NaN pool.
+
+    ``groups`` is a list of ``(prefix_pages, suffix_lengths)``: the group's members share
+    ``prefix_pages`` physical pages, then each has ``suffix_lengths[i]`` tokens of its own (a
+    partial last page included). ``lone`` lists the lengths of sequences in no group. Members and
+    lone sequences are interleaved in a shuffled batch order. ``num_groups`` / ``group_size``
+    pad ``group_rows`` (-1) and ``prefix_lens`` (0) beyond what ``groups`` needs.
+    """
+    members, prefixes, seq_lens = [], [], []
+    for prefix, suffixes in groups:
+        members.append(list(range(len(seq_lens), len(seq_lens) + len(suffixes))))
+        prefixes.append(prefix)
+        seq_lens += [prefix * page_size + int(s) for s in suffixes]
+    seq_lens += [int(n) for n in lone]
+    order = rng.permutation(len(seq_lens))  # batch slot of each sequence
+    need = sum(p for p in prefixes) + sum(
+        -(-(n - (prefixes[g] * page_size if g is not None else 0)) // page_size)
+        for n, g in zip(seq_lens, [_group_of(i, members) for i in range(len(seq_lens))])
+    )
+    num_pages = 1 + need + 3
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    shape = (num_kv_heads, num_pages, page_size, head_dim)
+    k_pages, v_pages = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
+    batch = len(seq_lens)
+    page_indices = np.full((batch, pages_per_seq), NULL_PAGE, np.int32)
+    lengths = np.zeros(batch, np.int32)
+
+    def fill(ids, num_tokens):
+        for pages in (k_pages, v_pages):
+            kv = rng.standard_normal((num_kv_heads, len(ids) * page_size, head_dim))
+            kv[:, num_tokens:] = np.nan
+            pages[:, ids] = kv.reshape(num_kv_heads, len(ids), page_size, head_dim)
+
+    shared = [[int(free.pop()) for _ in range(p)] for p in prefixes]
+    for ids in shared:
+        fill(ids, len(ids) * page_size)
+    for i, n in enumerate(seq_lens):
+        g = _group_of(i, members)
+        head = shared[g] if g is not None else []
+        own = -(-(n - len(head) * page_size) // page_size)
+        ids = [int(free.pop()) for _ in range(own)]
+        fill(ids, n - len(head) * page_size)
+        table = head + ids
+        if len(table) > pages_per_seq:
+            raise ValueError(f"sequence of {n} tokens needs {len(table)} > {pages_per_seq=}")
+        page_indices[order[i], : len(table)] = table
+        lengths[order[i]] = n
+    num_groups = num_groups or max(1, len(groups))
+    group_size = group_size or max([1] + [len(m) for m in members])
+    group_rows = np.full((num_groups, group_size), -1, np.int32)
+    prefix_lens = np.zeros(num_groups, np.int32)
+    for g, (m, p) in enumerate(zip(members, prefixes)):
+        group_rows[g, : len(m)] = order[m]
+        prefix_lens[g] = p * page_size
+    q = random_q(rng, (batch, num_q_heads, head_dim), dtype)
+    cast = _caster(dtype)
+    return CascadeCase(q, cast(k_pages), cast(v_pages), lengths, page_indices, group_rows,
+                       prefix_lens)
+
+
+def _group_of(i: int, members) -> int | None:
+    return next((g for g, m in enumerate(members) if i in m), None)

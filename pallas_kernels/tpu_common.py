@@ -94,10 +94,11 @@ def prefetch_chunks(config: TpuPagedConfig, shp: validation.PagedShape, rows: in
 
 
 def paged_pallas_call(kernel, *, num_scalar_prefetch, grid, q_spec, k_pages, ppb, rows, out_shape,
-                      interpret, name):  # fmt: skip
+                      interpret, name, out_specs=None):  # fmt: skip
     """``pl.pallas_call`` of a paged kernel: scalar-prefetch grid ``grid`` (first axis parallel),
-    a query block ``q_spec`` of ``rows`` rows (the output's block too), K/V pages left in HBM for
-    the kernel's own DMAs, and the scratch :func:`paged_kernel_setup` unpacks."""
+    a query block ``q_spec`` of ``rows`` rows (the output's block too, unless ``out_specs`` says
+    otherwise), K/V pages left in HBM for the kernel's own DMAs, and the scratch
+    :func:`paged_kernel_setup` unpacks."""
     _, _, page_size, head_dim = k_pages.shape
     any_spec = pl.BlockSpec(memory_space=compat.any_memory_space())
     values, scales = quant.split(k_pages)
@@ -115,7 +116,8 @@ def paged_pallas_call(kernel, *, num_scalar_prefetch, grid, q_spec, k_pages, ppb
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=num_scalar_prefetch, grid=grid,
-            in_specs=[q_spec, any_spec_of(k_pages), any_spec_of(k_pages)], out_specs=q_spec,
+            in_specs=[q_spec, any_spec_of(k_pages), any_spec_of(k_pages)],
+            out_specs=out_specs or q_spec,
             scratch_shapes=scratch,
         ),  # fmt: skip
         out_shape=out_shape,
@@ -134,9 +136,10 @@ def softmax_scratch(rows: int, head_dim: int) -> list:
     ]
 
 
-def paged_kernel_setup(table_ref, refs, *, head, ppb):
+def paged_kernel_setup(table_ref, refs, *, head, ppb, num_outputs=1):
     """Unpacks the refs a paged kernel takes after its query block; returns
-    ``(copier, state, o_ref)``, the state reset.
+    ``(copier, state, o_ref)``, the state reset (``o_ref`` is a tuple of ``num_outputs`` refs
+    when that is not 1).
 
     ``refs``: ``k_hbm``, ``v_hbm`` (ANY ``[Hkv, P, page, D]``), ``o_ref`` (VMEM ``[rows, D]``),
     then the scratch :func:`paged_pallas_call` allocates: ``k_buf``, ``v_buf`` (VMEM
@@ -145,12 +148,14 @@ def paged_kernel_setup(table_ref, refs, *, head, ppb):
     each a ``QuantizedPages`` of refs) the scales' buffers ``ks_buf``, ``vs_buf`` (VMEM
     ``[2, ppb, S]``) follow and ``sems`` is ``[4, 2]``.
     """
-    k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref, *scale_bufs = refs
+    k_hbm, v_hbm = refs[:2]
+    outs = refs[2:2 + num_outputs]
+    k_buf, v_buf, sems, m_ref, l_ref, acc_ref, *scale_bufs = refs[2 + num_outputs:]
     copier = PageBlockCopier(table_ref, k_hbm, v_hbm, k_buf, v_buf, sems, head=head, ppb=ppb,
                              scale_bufs=scale_bufs)
     state = VmemSoftmax(m_ref, l_ref, acc_ref)
     state.reset()
-    return copier, state, o_ref
+    return copier, state, outs[0] if num_outputs == 1 else outs
 
 
 class VmemSoftmax:
@@ -179,6 +184,11 @@ class VmemSoftmax:
         """Writes the normalised output."""
         _, l_ref, acc_ref = self.refs
         o_ref[...] = softmax.normalize(l_ref[...], acc_ref[...]).astype(o_ref.dtype)
+
+    def store_state(self, m_out, l_out, acc_out):
+        """Writes the unnormalised state (``m``/``l`` f32[rows, 1], ``acc`` f32[rows, D])."""
+        for ref, out in zip(self.refs, (m_out, l_out, acc_out)):
+            out[...] = ref[...]
 
 
 def scores(q, k, *, sm_scale, soft_cap):

@@ -165,6 +165,23 @@ def check_paged_attention(q, k_pages, v_pages, lengths, page_indices, *, sm_scal
     return PagedShape(num_q_heads, num_kv_heads, head_dim, num_pages, page_size, pages_per_seq)
 
 
+def check_cascade_paged_attention(q, k_pages, v_pages, lengths, page_indices, group_rows,
+                                  prefix_lens, *, sm_scale, soft_cap):  # fmt: skip
+    """Validates ``cascade_paged_attention`` inputs; returns ``(PagedShape, num_groups,
+    group_size)``."""
+    shp = check_paged_attention(
+        q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale, soft_cap=soft_cap
+    )
+    _check_int("group_rows", group_rows)
+    _check_int("prefix_lens", prefix_lens)
+    shape = _shape(group_rows)
+    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
+        raise ValueError(f"group_rows.shape={shape} must be [num_groups >= 1, group_size >= 1]")
+    if _shape(prefix_lens) != (shape[0],):
+        raise ValueError(f"prefix_lens.shape={_shape(prefix_lens)} must be [num_groups={shape[0]}]")
+    return shp, shape[0], shape[1]
+
+
 def check_ragged_paged_attention(
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, soft_cap
 ):

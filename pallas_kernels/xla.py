@@ -81,8 +81,12 @@ def paged_rows_attention(
     soft_cap: float | None,
     config: XlaConfig,
     layer=None,
+    state: bool = False,
 ) -> jax.Array:  # f32[R, Hkv, M, D]
     """Query ``m`` of row ``r`` attends to keys ``[0, row_limit[r, m])`` of the pages ``row_pages[r]``.
+
+    With ``state=True`` returns the unnormalised online-softmax state instead, ``(m, l, acc)``
+    f32 ``[R, Hkv, M]``, ``[R, Hkv, M]``, ``[R, Hkv, M, D]`` (what cascade attention merges).
 
     A row is one gather of KV (per block) shared by its ``M`` queries: a decode sequence's query
     heads, or a chunk of consecutive tokens of one sequence times their heads. With ``layer``,
@@ -136,17 +140,21 @@ def paged_rows_attention(
         return softmax.online_softmax_step(carry, s, v, valid)
 
     init = softmax.initial_state((num_kv_heads, rows, num_queries), head_dim)
-    _, lsum, acc = lax.fori_loop(0, trips, body, init)
+    m, lsum, acc = lax.fori_loop(0, trips, body, init)
+    if state:
+        return tuple(jnp.swapaxes(x, 0, 1) for x in (m, lsum, acc))
     return jnp.swapaxes(softmax.normalize(lsum, acc), 0, 1)
 
 
-def grouped_rows_attention(q, k_pages, v_pages, row_pages, row_limit, count, *, config, **kw):
+def grouped_rows_attention(q, k_pages, v_pages, row_pages, row_limit, count, *, config,
+                           state=False, **kw):  # fmt: skip
     """:func:`paged_rows_attention` over groups of ``config.items_per_group`` rows.
 
-    Same arguments and result (f32[R, Hkv, M, D]), plus ``count`` (i32[]): the rows that are live,
-    a prefix; the others are skipped and come out zero. Small groups keep one group's gathered KV
-    block in cache (several times faster on CPU than one batch-wide gather), and the loop stops
-    after the last live row.
+    Same arguments and result (f32[R, Hkv, M, D], or the state with ``state=True``), plus
+    ``count`` (i32[]): the rows that are live, a prefix; the others are skipped and come out
+    zero (state: ``m = -inf``, ``l = 0``, which weighs nothing in a merge). Small groups keep one
+    group's gathered KV block in cache (several times faster on CPU than one batch-wide gather),
+    and the loop stops after the last live row.
     """
     rows = q.shape[0]
     per_group = min(config.items_per_group, rows)
@@ -160,13 +168,17 @@ def grouped_rows_attention(q, k_pages, v_pages, row_pages, row_limit, count, *, 
     def body(g, out):
         sl = lambda x: lax.dynamic_slice_in_dim(x, g * per_group, per_group, axis=0)  # noqa: E731
         o = paged_rows_attention(
-            sl(q), k_pages, v_pages, sl(row_pages), sl(row_limit), config=config, **kw
+            sl(q), k_pages, v_pages, sl(row_pages), sl(row_limit), config=config, state=state, **kw
         )
-        return lax.dynamic_update_slice_in_dim(out, o, g * per_group, axis=0)
+        return jax.tree.map(
+            lambda buf, x: lax.dynamic_update_slice_in_dim(buf, x, g * per_group, axis=0), out, o
+        )
 
     out = jnp.zeros(q.shape, jnp.float32)
+    if state:
+        out = (jnp.full(q.shape[:3], -jnp.inf, jnp.float32), jnp.zeros(q.shape[:3], jnp.float32), out)
     out = lax.fori_loop(0, (count + per_group - 1) // per_group, body, out)
-    return out[:rows]
+    return jax.tree.map(lambda x: x[:rows], out)
 
 
 def ragged_items(
@@ -219,9 +231,13 @@ def ragged_items(
 
 def paged_attention(
     q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0, soft_cap=None, config=None,
-    layer=None,
+    layer=None, state=False,
 ):  # fmt: skip
-    """``impl="xla"`` of :func:`pallas_kernels.paged_attention` (same arguments)."""
+    """``impl="xla"`` of :func:`pallas_kernels.paged_attention` (same arguments).
+
+    ``state=True`` returns the unnormalised online-softmax state ``(m f32[B, Hq], l f32[B, Hq],
+    acc f32[B, Hq, D])`` instead of the output (cascade attention merges states).
+    """
     shp = validation.check_paged_attention(
         q, *validation.layer_view(k_pages, v_pages, layer), lengths, page_indices,
         sm_scale=sm_scale, soft_cap=soft_cap,
@@ -232,8 +248,11 @@ def paged_attention(
     out = grouped_rows_attention(
         qg, k_pages, v_pages, page_indices.astype(jnp.int32), lengths[:, None],
         jnp.int32(q.shape[0]), sm_scale=sm_scale, soft_cap=soft_cap, config=config or XlaConfig(),
-        layer=layer,
+        layer=layer, state=state,
     )  # fmt: skip
+    if state:
+        m, lsum, acc = out
+        return m.reshape(q.shape[:2]), lsum.reshape(q.shape[:2]), acc.reshape(q.shape)
     return out.reshape(q.shape).astype(q.dtype)
 
 

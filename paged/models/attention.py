@@ -36,6 +36,9 @@ class AttentionMetadata:
     kv_lens: jax.Array  # i32[max_num_seqs]: tokens in the cache after this step's writes
     cu_q_lens: jax.Array  # i32[max_num_seqs + 1]: sequence i owns q rows cu[i]:cu[i+1]
     num_seqs: jax.Array  # i32[1]: real sequences (the rest are padding)
+    # Decode-only steps with shared prefixes (paged.cascade_plan): i32[G, max_num_seqs + 1], row
+    # g = (shared tokens, member sequences..., -1 padded); token row i is sequence i's decode.
+    cascade: jax.Array | None = None
 
 
 def build_metadata(
@@ -237,21 +240,32 @@ class PagedAttention(nn.Module):
                                                 layer=layer)
         # With `layer`, the kernel reads the stacked cache directly: slicing k_pages[layer] here
         # would copy the whole layer every step.
-        out = pk.ragged_paged_attention(
-            q.astype(quant.query_dtype(k_pages, self.dtype)),
-            k_pages,
-            v_pages,
-            md.kv_lens,
-            md.page_indices,
-            md.cu_q_lens,
-            md.num_seqs,
-            sm_scale=self.head_dim**-0.5,
-            soft_cap=self.soft_cap,
-            impl=attention_impl,
-            layer=layer,
-        )
+        q = q.astype(quant.query_dtype(k_pages, self.dtype))
+        if md.cascade is not None:
+            out = self._cascade(q, k_pages, v_pages, md, layer, attention_impl)
+        else:
+            out = pk.ragged_paged_attention(
+                q, k_pages, v_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+                sm_scale=self.head_dim**-0.5, soft_cap=self.soft_cap, impl=attention_impl,
+                layer=layer,
+            )  # fmt: skip
         out = jnp.einsum("TNH,NHD->TD", out.astype(self.dtype), wo)
         return out, k_pages, v_pages
+
+    def _cascade(self, q, k_pages, v_pages, md, layer, attention_impl):
+        """A decode-only step's attention with shared prefixes read once per group
+        (``pallas_kernels.cascade_paged_attention``): token row ``i < num_seqs`` is sequence
+        ``i``'s one query; padding rows get some sequence's output (not meaningful)."""
+        import pallas_kernels as pk
+
+        num_tokens, num_seqs = q.shape[0], md.kv_lens.shape[0]
+        rows = jnp.minimum(jnp.arange(num_seqs), num_tokens - 1)
+        out = pk.cascade_paged_attention(
+            q[rows], k_pages, v_pages, md.kv_lens, md.page_indices, md.cascade[:, 1:],
+            md.cascade[:, 0], sm_scale=self.head_dim**-0.5, soft_cap=self.soft_cap,
+            impl=attention_impl, layer=layer,
+        )  # fmt: skip
+        return out[jnp.minimum(jnp.arange(num_tokens), num_seqs - 1)]
 
     def dense(
         self,

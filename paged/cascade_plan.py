@@ -1,0 +1,159 @@
+"""Cascade attention on the host: finding shared-prefix groups in a decode step and deciding
+whether reading their prefixes once pays (``EngineConfig(cascade_attention=...)``).
+
+Groups come from the block tables the batch already holds: running decodes whose tables start
+with the same physical block share content there (prefix caching hands out a cached block only
+for an equal token prefix, a fork shares its parent's blocks, and copy-on-write separates a
+block before anyone writes into it). A group is every decode whose first block is the same; its
+prefix is the longest run of leading blocks all its members hold, cut to the whole blocks before
+every member's newest token (the token written this step is never in a shared prefix). A
+decode-only step gets ``AttentionMetadata.cascade`` (fixed shape ``[max_groups, S + 1]``, padded
+groups) and the model attends with ``pallas_kernels.cascade_paged_attention``; a step with a
+prefill chunk or a verification runs ordinary ragged attention. The choice never changes what
+attention computes, only how often a prefix is read (outputs equal to float rounding).
+
+The cost rule (``CascadeCost``, the one place its constants live): per layer and KV head, a group
+of ``n`` members sharing ``p`` tokens saves ``(n - 1) * p`` token reads; a cascade step also pays
+a second pass and a merge, a fixed cost expressed as ``overhead_tokens`` token reads. "auto" takes
+the groups with ``n >= 2`` and ``(n - 1) * p >= min_group_saving_tokens`` and runs cascade when
+their total saving is at least ``overhead_tokens``; "on" takes every group of two or more sharing
+at least one full block; "off" never runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+MODES = ("auto", "on", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class CascadeCost:
+    """The constants of the cascade decision (token reads per layer and KV head).
+
+    Not measured yet: the defaults are a stated guess (a cascade step costs about what reading
+    512 tokens per KV head costs; a group must save at least 64), not derived from kernel times.
+    Deriving them from the kernel's own timings (cascade vs ordinary over group size and prefix
+    length, on the target device) is open work; until then "auto" is conservative and "on" is
+    the mode that exercises cascade whenever any prefix is shared. Neither choice changes
+    outputs.
+
+    Attributes:
+      overhead_tokens: the fixed cost of a cascade step (second pass, merge, gathers of the group
+        rows) expressed as token reads it must save to break even.
+      min_group_saving_tokens: a group is worth taking when it saves at least this many token
+        reads ((members - 1) * prefix tokens).
+      max_groups: groups a step carries (the metadata's fixed first dimension, capped by half the
+        sequence bucket); the groups saving most are kept.
+    """
+
+    overhead_tokens: int = 512
+    min_group_saving_tokens: int = 64
+    max_groups: int = 8
+
+    def __post_init__(self):
+        for name in ("overhead_tokens", "min_group_saving_tokens", "max_groups"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}={value!r} must be a non-negative int")
+        if self.max_groups < 1:
+            raise ValueError(f"max_groups={self.max_groups} must be >= 1")
+
+
+def find_groups(tables: np.ndarray, kv_lens: np.ndarray, page_size: int) -> list[tuple[list[int], int]]:
+    """The shared-prefix groups of a decode batch.
+
+    Args:
+      tables: i32[S, pages_per_seq] block table of each decode (``NULL_PAGE`` past its blocks).
+      kv_lens: i32[S] tokens of each decode after this step (its newest at ``kv_lens - 1``).
+      page_size: tokens per block.
+
+    Returns:
+      ``(members, prefix_blocks)`` per group of two or more rows whose tables start with the same
+      block, ``prefix_blocks >= 1`` the leading blocks all members hold and none of them writes
+      this step; members in row order, groups ordered by their first member.
+    """
+    tables = np.asarray(tables)
+    usable = (np.asarray(kv_lens, np.int64) - 1) // page_size  # whole blocks before the newest
+    rows = np.flatnonzero(usable >= 1)
+    groups = []
+    if len(rows) < 2:
+        return groups
+    first = tables[rows, 0]
+    order = np.argsort(first, kind="stable")
+    starts = np.flatnonzero(np.diff(first[order], prepend=-1))
+    for lo, hi in zip(starts, [*starts[1:], len(order)]):
+        if hi - lo < 2:
+            continue
+        members = np.sort(rows[order[lo:hi]])
+        limit = int(usable[members].min())
+        block = tables[members, :limit]
+        same = np.all(block == block[:1], axis=0)
+        prefix = limit if same.all() else int(np.argmin(same))
+        groups.append((members.tolist(), prefix))
+    groups.sort(key=lambda g: g[0][0])
+    return groups
+
+
+class CascadePlanner:
+    """Chooses, per decode-only step, the groups cascade attention serves; counts what it did.
+
+    ``plan`` returns the step's packed metadata (i32[G, S + 1]: column 0 the group's shared
+    tokens, then its member rows, -1 padded; G = ``min(cost.max_groups, max(1, S // 2))``) or
+    None for an ordinary step.
+    """
+
+    def __init__(self, mode: str, page_size: int, cost: CascadeCost | None = None):
+        if mode not in MODES:
+            raise ValueError(f"cascade_attention={mode!r} must be one of {MODES}")
+        self.mode = mode
+        self.page_size = page_size
+        self.cost = cost or CascadeCost()
+        self.steps = 0
+        self.groups = 0
+        self.prefix_tokens_shared = 0  # prefix tokens not re-read: sum of (members - 1) * prefix
+
+    def num_groups(self, s_pad: int) -> int:
+        """The metadata's fixed number of group slots for a sequence bucket."""
+        return min(self.cost.max_groups, max(1, s_pad // 2))
+
+    def choose(self, groups: list[tuple[list[int], int]]) -> list[tuple[list[int], int]]:
+        """The groups worth serving under the mode and the cost rule (possibly none)."""
+        if self.mode == "off":
+            return []
+        if self.mode == "on":
+            return [g for g in groups if len(g[0]) >= 2 and g[1] >= 1]
+        ps, cost = self.page_size, self.cost
+        worth = [g for g in groups if (len(g[0]) - 1) * g[1] * ps >= cost.min_group_saving_tokens]
+        saved = sum((len(m) - 1) * p * ps for m, p in worth)
+        return worth if worth and saved >= cost.overhead_tokens else []
+
+    def plan(self, tables: np.ndarray, kv_lens: np.ndarray, s_pad: int) -> np.ndarray | None:
+        """The metadata of a decode-only step of ``len(kv_lens)`` rows in a bucket of ``s_pad``,
+        or None; counts the step when cascade is used."""
+        if self.mode == "off" or s_pad < 2:
+            return None
+        chosen = self.choose(find_groups(tables, kv_lens, self.page_size))
+        if not chosen:
+            return None
+        slots = self.num_groups(s_pad)
+        ps = self.page_size
+        chosen = sorted(chosen, key=lambda g: -(len(g[0]) - 1) * g[1])[:slots]
+        meta = np.full((slots, s_pad + 1), -1, np.int32)
+        meta[:, 0] = 0
+        for g, (members, prefix) in enumerate(chosen):
+            meta[g, 0] = prefix * ps
+            meta[g, 1:1 + len(members)] = members
+            self.prefix_tokens_shared += (len(members) - 1) * prefix * ps
+        self.steps += 1
+        self.groups += len(chosen)
+        return meta
+
+    def stats(self) -> dict:
+        """``{"mode", "steps", "groups", "prefix_tokens_shared"}`` counted so far: cascade steps,
+        groups served (summed over steps) and prefix token reads saved per layer and KV head
+        (``(members - 1) * prefix tokens``, summed over groups and steps)."""
+        return {"mode": self.mode, "steps": self.steps, "groups": self.groups,
+                "prefix_tokens_shared": self.prefix_tokens_shared}
