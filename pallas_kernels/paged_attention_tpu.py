@@ -41,22 +41,27 @@ def _kernel(
     ppb: int,
     sm_scale: float,
     soft_cap: float | None,
+    sliding_window: int | None,
 ):
     b, h = pl.program_id(0), pl.program_id(1)
     copier, state, o_ref = tpu_common.paged_kernel_setup(table_ref, refs, head=h, ppb=ppb)
     length = jnp.minimum(lengths_ref[b], pages_per_seq * copier.page_size)
+    start = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
     copier.attend(
         state, q_ref[...].astype(jnp.float32), table_offset=b * pages_per_seq, limit=length,
-        visible=lambda key: key < length, sm_scale=sm_scale, soft_cap=soft_cap,
+        visible=lambda key: (key < length) & (key >= start), sm_scale=sm_scale,
+        soft_cap=soft_cap, start=start,
     )  # fmt: skip
     state.store(o_ref)
 
 
-def _call(q4, k_pages, v_pages, lengths, table, *, ppb, sm_scale, soft_cap, interpret):
+def _call(q4, k_pages, v_pages, lengths, table, *, ppb, sm_scale, soft_cap, interpret,
+          sliding_window):
     batch, num_kv_heads, group, head_dim = q4.shape
     q_spec = pl.BlockSpec((None, None, group, head_dim), lambda b, h, *_: (b, h, 0, 0))
     kernel = functools.partial(
-        _kernel, pages_per_seq=table.shape[1], ppb=ppb, sm_scale=sm_scale, soft_cap=soft_cap
+        _kernel, pages_per_seq=table.shape[1], ppb=ppb, sm_scale=sm_scale, soft_cap=soft_cap,
+        sliding_window=sliding_window,
     )
     return tpu_common.paged_pallas_call(
         kernel, num_scalar_prefetch=2, grid=(batch, num_kv_heads), q_spec=q_spec, k_pages=k_pages,
@@ -67,7 +72,7 @@ def _call(q4, k_pages, v_pages, lengths, table, *, ppb, sm_scale, soft_cap, inte
 
 def paged_attention(
     q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0, soft_cap=None,
-    config: TpuPagedConfig | None = None, interpret: bool = False,
+    config: TpuPagedConfig | None = None, interpret: bool = False, sliding_window=None,
 ):  # fmt: skip
     """TPU-style Pallas implementation of :func:`pallas_kernels.paged_attention` (same arguments;
     ``config`` defaults to :class:`TpuPagedConfig`, ``interpret`` runs TPU interpret mode on CPU).
@@ -84,7 +89,7 @@ def paged_attention(
     q4 = jnp.asarray(q).reshape(batch, shp.num_kv_heads, shp.group, shp.head_dim)
     lengths = jnp.asarray(lengths, jnp.int32)
     table = jnp.asarray(page_indices, jnp.int32)
-    kw = dict(ppb=ppb, sm_scale=float(sm_scale), soft_cap=soft_cap,
+    kw = dict(ppb=ppb, sm_scale=float(sm_scale), soft_cap=soft_cap, sliding_window=sliding_window,
               interpret=tpu_common.interpret_mode(config, interpret))  # fmt: skip
     outs = [
         _call(q4[lo:hi], k_pages, v_pages, lengths[lo:hi], table[lo:hi], **kw)

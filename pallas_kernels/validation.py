@@ -67,6 +67,17 @@ def check_knobs(*, sm_scale, soft_cap) -> None:
             raise ValueError(f"{soft_cap=} must be None or a finite positive number")
 
 
+def check_sliding_window(sliding_window) -> None:
+    """``sliding_window`` is None (full causal attention) or a positive Python int W: a query at
+    position p sees keys ``[p - W + 1, p]`` only."""
+    if sliding_window is None:
+        return
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, (int, np.integer)):
+        raise TypeError(f"{sliding_window=} must be None or a positive int")
+    if sliding_window < 1:
+        raise ValueError(f"{sliding_window=} must be None or a positive int")
+
+
 def _check_pages(q_heads: int, q_dim: int, q_dtype, k_pages, v_pages) -> tuple[int, int, int]:
     _check_float("k_pages", k_pages)
     _check_float("v_pages", v_pages)
