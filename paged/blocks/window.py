@@ -8,10 +8,12 @@ query's window: block ``j`` (slots ``[j B, (j + 1) B)``) is recycled when
 ``NULL_PAGE``; ``Seq.front`` counts them) and are released through the step fence like any other
 block, so a step in flight that may still read them keeps them quarantined.
 
-A sequence then holds the blocks of positions ``[c - W + 1, len(tokens))``: with ``len(tokens)``
-at most ``c + 2`` (one decode slot in flight, one scheduled) that is at most
-``ceil(W / B) + 1`` blocks, however long the sequence grows (a prompt's blocks are all taken at
-admission and recycled as its prefill chunks advance).
+A sequence then holds the blocks of positions ``[c - W + 1, len(tokens))``. Stepping serially
+(``len(tokens) == c + 1`` when a decode step is built) that is at most ``ceil(W / B) + 1`` blocks
+however long the sequence grows; overlapped (``async_scheduling``), the next step's slot is
+appended before the previous step is read back and recycles, so one more block can be held for
+a step (it would be quarantined while that step runs anyway). A prompt's blocks are all taken at
+admission and recycled as its prefill chunks advance.
 
 Prefix caching: a recycled block that was keyed keeps its key and goes to the cached LRU like
 any freed keyed block (its content is exactly what a recompute of that prefix would write:
