@@ -24,6 +24,10 @@ IMPLS = {
     "interpret_gpu": GpuPagedConfig(pages_per_compute_block=2, queries_per_block=4),
 }
 WINDOWS = (5, 8, 13, 1000)
+# (impl, window): every implementation with windows below, at and above a page; the window longer
+# than every sequence (the full causal result) only where it is cheap.
+CASES = [(impl, w) for impl in IMPLS for w in WINDOWS
+         if w != 1000 or not impl.startswith("interpret")]
 
 
 def _recycle(case, first_pos, window):
@@ -39,8 +43,7 @@ def _recycle(case, first_pos, window):
     return k, v, table
 
 
-@pytest.mark.parametrize("impl", list(IMPLS))
-@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("impl,window", CASES)
 def test_decode_window(impl, window):
     rng = np.random.default_rng(window)
     lengths = [1, 5, 8, 9, 17, 24, 32]
@@ -56,8 +59,7 @@ def test_decode_window(impl, window):
     np.testing.assert_allclose(np.asarray(out, np.float64), want, **tol("float32"))
 
 
-@pytest.mark.parametrize("impl", list(IMPLS))
-@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("impl,window", CASES)
 def test_ragged_window(impl, window):
     rng = np.random.default_rng(window + 1)
     seqs = testing.mixed_batch(PAGE, PPS)

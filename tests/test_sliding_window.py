@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from paged import Engine, EngineConfig, SamplingParams
+from paged import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from paged.block_manager import BlockManager
 from paged.models import load_checkpoint
 from paged.models.config import LlamaConfig
@@ -138,5 +138,8 @@ def test_config_errors():
         BlockManager(8, 16, sliding_window=8)
     with pytest.raises(ValueError, match=r"sliding_window=32 is shorter than a page \(block_size=64"):
         Engine(EngineConfig(model="tiny-sliding", block_size=64))
+    with pytest.raises(ValueError, match="method='draft' cannot share"):
+        Engine(EngineConfig(model="tiny-sliding", speculative=SpeculativeConfig(
+            method="draft", model="tiny-draft", num_speculative_tokens=2)))
     with pytest.raises(ValueError, match="does not recycle"):
         BlockManager(8, 4, sliding_window=8).run_decode_steps([], [])

@@ -177,7 +177,9 @@ def recycling_window(model: LlamaConfig, engine) -> int | None:
       engine: the `EngineConfig` (its ``block_size`` and ``kv_layout``).
 
     Raises:
-      ValueError: a paged engine whose ``block_size`` is longer than the window.
+      ValueError: a paged engine whose ``block_size`` is longer than the window, or a draft
+        model (speculative ``method="draft"``) beside a target that recycles: the draft's own
+        KV lives on the target's block tables and would lose the blocks it still attends to.
     """
     windows = {w for w in model.layer_windows if w is not None}
     if windows and engine.kv_layout == "paged" and min(windows) < engine.block_size:
@@ -186,4 +188,9 @@ def recycling_window(model: LlamaConfig, engine) -> int | None:
                          f"{min(windows)}")
     if None in model.layer_windows:
         return None
+    spec = getattr(engine, "speculative", None)
+    if spec is not None and spec.method == "draft" and engine.kv_layout == "paged":
+        raise ValueError(f"speculative method='draft' cannot share the block tables of a model "
+                         f"whose every layer slides (sliding_window={model.sliding_window}): its "
+                         "blocks are recycled behind the window; use method='ngram'")
     return model.sliding_window
