@@ -15,7 +15,8 @@ shards with ``model.safetensors.index.json``; the ``bpe`` fixture also has a byt
 plus ``expected.json``: what transformers computes on the fixture's prompts in float32 from the
 weights as stored (rounded to the storage dtype, then upcast):
 
-* ``greedy``: 24 new tokens of a no-cache argmax loop (``model(ids).logits[:, -1].argmax()``,
+* ``greedy``: 24 new tokens (64 for the sliding-window fixtures ``mistral_sw`` and ``qwen2_sw``)
+  of a no-cache argmax loop (``model(ids).logits[:, -1].argmax()``,
   the whole sequence recomputed every step, no KV cache), with each step's logprob, top-5 and the
   gap between the two best logits (``min_margin``: the smallest gap, to see that float rounding
   cannot flip an argmax);
@@ -84,6 +85,17 @@ def _fixtures() -> dict[str, dict]:
         "mistral": {"cls": "Mistral", "dtype": "float32", "seed": 5, "cfg": {
             "vocab_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8,
             "sliding_window": 4096, "tie_word_embeddings": False}},
+        # Sliding windows shorter than the prompts (up to 130 tokens) and 64 new tokens: every
+        # layer of "mistral_sw" slides; "qwen2_sw" has a full layer 0 and a sliding layer 1
+        # (sliding above max_window_layers, as transformers reads Qwen2's config).
+        "mistral_sw": {"cls": "Mistral", "dtype": "float32", "seed": 7, "new_tokens": 64, "cfg": {
+            "vocab_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "sliding_window": 16, "tie_word_embeddings": True}},
+        "qwen2_sw": {"cls": "Qwen2", "dtype": "float32", "seed": 8, "new_tokens": 64, "cfg": {
+            "vocab_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 16,
+            "max_window_layers": 1,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}},
         "bpe": {"cls": "Llama", "dtype": "float32", "seed": 6, "tokenizer": True, "cfg": {
             "vocab_size": 384, "num_attention_heads": 4, "num_key_value_heads": 2,
             "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
@@ -148,11 +160,11 @@ def _f(x: float) -> float:
     return float(f"{x:.7g}")  # float32 precision is all the values carry
 
 
-def _greedy(model, ids: list[int]) -> dict:
+def _greedy(model, ids: list[int], new_tokens: int = NEW_TOKENS) -> dict:
     ids = list(ids)
     out, lps, top5, margins = [], [], [], []
     with torch.no_grad():
-        for _ in range(NEW_TOKENS):
+        for _ in range(new_tokens):
             logits = model(torch.tensor([ids])).logits[:, -1].float()[0]
             nxt = int(logits.argmax())
             logp = torch.log_softmax(logits, -1)
@@ -212,7 +224,7 @@ def build(name: str, spec: dict) -> Path:
     if hf_tok is not None:
         prompts = [{"ids": [config.bos_token_id]}] + _text_prompts(hf_tok) + prompts[-1:]
     for p in prompts:
-        p.update(_greedy(model, p["ids"]))
+        p.update(_greedy(model, p["ids"], spec.get("new_tokens", NEW_TOKENS)))
         p.update(_prompt_logprobs(model, p["ids"]))
         if hf_tok is not None:
             p["greedy_text"] = hf_tok.decode(p["greedy"], skip_special_tokens=True)
@@ -232,7 +244,7 @@ def build(name: str, spec: dict) -> Path:
         "architecture": model_cls.__name__,
         "storage_dtype": spec["dtype"],
         "seed": spec["seed"],
-        "new_tokens": NEW_TOKENS,
+        "new_tokens": spec.get("new_tokens", NEW_TOKENS),
         "method": "float32 transformers, no-cache argmax loop; teacher-forced log_softmax",
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__,

@@ -176,6 +176,11 @@ class BatchBuilder:
         (``cascade=False``: never, e.g. a draft model's proposals).
         """
         ib, page_size = self.ib, self.page_size
+        recycled = self.bm.take_recycled_seqs()  # rows whose tables lost blocks to a window
+        if recycled:
+            for r, sid in enumerate(ib.ids):
+                if sid in recycled:
+                    ib.num_blocks[r] = -1  # refreshed below if it runs
         nd = len(decode_rows)
         nc_d = ib.num_computed[decode_rows]
         stale = np.arange(nd) if copies else np.flatnonzero(

@@ -20,6 +20,10 @@ the facade over the parts in `paged.blocks`:
 * **Copy-on-write.** A writer never writes into a shared block (refcount > 1): appending into a
   shared partial block takes a fresh block and returns a ``(src, dst)`` page copy. A block whose
   keyed content is about to be rewritten in place leaves the cache and changes version.
+* **Sliding windows** (`paged.blocks.window`). With ``sliding_window=W`` (a model whose every
+  layer slides), a sequence's leading blocks that are wholly behind the window of every query it
+  will still compute are recycled after each ``mark_computed`` (and at admission): their table
+  entries become ``NULL_PAGE`` and the blocks are released like freed ones (quarantine applies).
 * **Quarantine** (`paged.blocks.fence`). A block whose last reference drops while a device step
   that may read it is in flight (``begin_step`` .. ``step_completed``) is not handed out, evicted
   or reported to ``on_free`` before that step completes (``quarantine_steps`` widens the window; 0
@@ -57,9 +61,11 @@ from paged.blocks.prefix_index import (
 from paged.blocks.progress import Progress
 from paged.blocks.swap import Swapper
 from paged.blocks.tables import SeqTables, count_arg
+from paged.blocks.window import WindowRecycler
 
 
-def _check_args(num_blocks, block_size, quarantine_steps, num_host_blocks, hash_fn, on_free):
+def _check_args(num_blocks, block_size, quarantine_steps, num_host_blocks, hash_fn, on_free,
+                sliding_window):
     if count_arg(num_blocks, "num_blocks") < 2:
         raise ValueError(f"{num_blocks=} must be >= 2 (the null page plus one usable block)")
     if count_arg(block_size, "block_size") < 1:
@@ -70,6 +76,9 @@ def _check_args(num_blocks, block_size, quarantine_steps, num_host_blocks, hash_
         raise ValueError(f"{hash_fn=} must be callable")
     if on_free is not None and not callable(on_free):
         raise ValueError(f"{on_free=} must be callable")
+    if sliding_window is not None and count_arg(sliding_window, "sliding_window") < block_size:
+        raise ValueError(f"{sliding_window=} is shorter than a block ({block_size=}): serve it "
+                         "with block_size <= sliding_window")
 
 
 class BlockManager:
@@ -91,6 +100,9 @@ class BlockManager:
         were evicted from the prefix cache to be reused), at the end of the call that freed them.
         No returned copy reads or writes them any more; the engine may poison them with NaN before
         the next step's copies and writes.
+      sliding_window: W when every layer of the model attends through a sliding window of W
+        tokens: blocks behind every future query's window are recycled (`paged.blocks.window`).
+        At least ``block_size``. None: full attention, nothing recycled.
 
     Raises:
       ValueError: for a bad argument.
@@ -99,8 +111,11 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  cache_salt: bytes | str = b"", hash_fn: HashFn | None = None,
                  quarantine_steps: int = 1, num_host_blocks: int = 0, debug: bool = False,
-                 on_free: Callable[[list[int]], None] | None = None):
-        _check_args(num_blocks, block_size, quarantine_steps, num_host_blocks, hash_fn, on_free)
+                 on_free: Callable[[list[int]], None] | None = None,
+                 sliding_window: int | None = None):
+        _check_args(num_blocks, block_size, quarantine_steps, num_host_blocks, hash_fn, on_free,
+                    sliding_window)
+        self.sliding_window = sliding_window
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
@@ -119,7 +134,9 @@ class BlockManager:
         self._progress = Progress(self._tables, self._keyer)
         self._admission = Admission(self._pool, self._keyer, self._tables, self.cache_salt)
         self._swap = Swapper(self._pool, self._fence, self._tables)
-        if not debug:
+        self._window = None if sliding_window is None else WindowRecycler(
+            self._tables, self._fence, sliding_window)
+        if not debug and self._window is None:
             # Nothing is left to do after these per-sequence calls (no check; blocks they evict
             # are reported by the part itself): skip the facade's frame.
             self.append_slots = self._tables.append_slots
@@ -254,7 +271,14 @@ class BlockManager:
             num_used_blocks=pool.num_used, num_quarantined_blocks=pool.num_held,
             num_indexed_blocks=len(self._index), num_seqs=len(self._tables.seqs),
             num_host_blocks=self.num_host_blocks, num_free_host_blocks=len(fence.host_free),
-            num_quarantined_host_blocks=fence.num_host_held)
+            num_quarantined_host_blocks=fence.num_host_held,
+            max_blocks_per_sequence=self._tables.max_blocks(),
+            recycled_blocks=0 if self._window is None else self._window.recycled_blocks)
+
+    def take_recycled_seqs(self) -> set:
+        """Sequences whose block tables lost leading blocks to the sliding window since the last
+        call (a copy of their table held elsewhere is stale); empty without a window."""
+        return set() if self._window is None else self._window.take_changed()
 
     def block_usage(self) -> list[tuple[int, int]]:
         """(refcount, filled token slots) of every used block, by block id; O(table entries).
@@ -306,6 +330,8 @@ class BlockManager:
           ValueError: duplicate ``seq_id`` or bad tokens/salt.
         """
         hit = self._admission.allocate(seq_id, prompt_token_ids, cache_salt)
+        if hit is not None and self._window is not None:
+            self._window.recycle((seq_id,))
         self._end_call()
         return hit
 
@@ -359,7 +385,11 @@ class BlockManager:
         ``append_decode_slots``, ``step_completed(begin_step())`` and ``mark_computed_many`` of
         the blocks each step filled, ids, LRU order, quarantine and keys included. ``False``
         (nothing changed) if the pool cannot supply it; ``ValueError`` for a bad call, before
-        any change (``paged.blocks.decode_run.run``)."""
+        any change (``paged.blocks.decode_run.run``). Not with a sliding window (ValueError):
+        recycling happens per step."""
+        if self._window is not None:
+            raise ValueError("run_decode_steps does not recycle sliding-window blocks; step "
+                             "instead (sliding_window is set)")
         done = decode_run.run(self._tables, self._progress, self._fence, seq_ids, token_ids)
         if done and self.debug:
             self.check_invariants()
@@ -389,7 +419,10 @@ class BlockManager:
             state change.
         """
         self._progress.mark_computed_many(seq_ids, num_computed_tokens)
-        if self.debug:
+        if self._window is not None:
+            self._window.recycle(seq_ids)
+            self._end_call()
+        elif self.debug:
             self.check_invariants()
 
     def reserve_lookahead(self, seq_id, k: int, token_ids: Sequence[int] | None = None
@@ -424,7 +457,10 @@ class BlockManager:
             slots.
         """
         self._progress.mark_computed(seq_id, num_computed_tokens)
-        if self.debug:
+        if self._window is not None:
+            self._window.recycle((seq_id,))
+            self._end_call()
+        elif self.debug:
             self.check_invariants()
 
     def fork(self, parent_seq_id, child_seq_id) -> None:

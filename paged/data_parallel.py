@@ -218,7 +218,7 @@ class DataParallelEngine:
         """The replicas' ``kv_stats()`` added up, and ``replicas``: each replica's own (with its
         ``num_running``, ``num_waiting`` and ``num_requests_served``). Geometry (block size,
         dtype, layout) is the replicas' common value; ``position_utilization`` is the average
-        weighted by in-use blocks."""
+        weighted by in-use blocks; ``max_blocks_per_sequence`` the largest replica's."""
         per = [e.kv_stats() for e in self.replicas]
         merged = _merge(per)
         used = [d["num_used_blocks"] for d in per]
@@ -226,6 +226,8 @@ class DataParallelEngine:
         merged["ledger"]["position_utilization"] = (
             None if not sum(used) else
             sum(u * n for u, n in zip(utils, used) if u is not None) / sum(used))
+        peak = max(d["max_blocks_per_sequence"] for d in per)  # a maximum, not a sum
+        merged["max_blocks_per_sequence"] = merged["block_manager"]["max_blocks_per_sequence"] = peak
         merged["data_parallel_size"] = len(self.replicas)
         merged["replicas"] = per
         return merged

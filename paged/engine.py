@@ -34,7 +34,7 @@ from paged.generate import generate
 from paged.host_core import HostCore
 from paged.kv_stats import kv_stats
 from paged.metrics import StepTiming
-from paged.models.config import LlamaConfig
+from paged.models.config import LlamaConfig, recycling_window
 from paged.models.tokenizer import ByteTokenizer
 from paged.outputs import CompletionOutput, RequestOutput
 from paged.placement import Placement
@@ -114,7 +114,8 @@ class Engine:
             config, tokenizer=tokenizer, vocab_size=model_config.vocab_size,
             model_salt=f"{config.model}|{model_config.to_dict()}|{config.dtype}"
                        f"|{config.kv_cache_dtype}|{config.kv_scale_granularity}",
-            on_free=self._freed_pages.extend if config.debug_checks else None)
+            on_free=self._freed_pages.extend if config.debug_checks else None,
+            sliding_window=recycling_window(model_config, config))
         page_size, num_pages, host_blocks = core.page_size, core.num_pages, core.host_blocks
         self._inflight: InFlight | None = None  # the step dispatched and not read back yet
         self.placement = placement = Placement.for_replica(

@@ -20,6 +20,10 @@ def kv_stats(engine) -> dict:
         workspace_bytes=workspace_bytes(engine.model_config, config),
         staged_positions=0 if engine.speculator is None else engine.speculator.num_staged)
     sched = engine.scheduler
+    ledger = ledger.as_dict()
+    # A flow beside the pool's categories (which are a snapshot and still sum to the pool): the
+    # bytes of blocks that left a sliding window and went back to the pool since the start.
+    ledger["recycled_bytes"] = stats["recycled_blocks"] * ledger["bytes_per_block"]
     return {
         "kv_layout": config.kv_layout,
         "block_size": engine.page_size,
@@ -37,11 +41,16 @@ def kv_stats(engine) -> dict:
         "num_waiting": len(sched.waiting),
         "num_swapped": len(sched.swapped),
         "num_requests_served": engine.num_requests_served,
+        # The most blocks one sequence held at once since the start (with a sliding window at
+        # most ceil(W / block_size) + 1 once its prompt is behind it), and the blocks freed
+        # because they left the window.
+        "max_blocks_per_sequence": stats["max_blocks_per_sequence"],
+        "recycled_blocks": stats["recycled_blocks"],
         "block_manager": stats,
         # Shared-prefix attention: mode, decode steps that used it, groups served and prefix
         # token reads saved per layer and KV head (paged.cascade_plan.CascadePlanner.stats).
         "cascade": engine.builder.cascade.stats(),
-        "ledger": ledger.as_dict(),
+        "ledger": ledger,
     }
 
 

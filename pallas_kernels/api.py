@@ -131,6 +131,7 @@ def paged_attention(
     impl: str = "auto",
     config=None,
     layer=None,
+    sliding_window: int | None = None,
 ) -> jax.Array:  # [B, Hq, D]
     """Decode attention: one query token per sequence over its paged KV cache.
 
@@ -149,6 +150,10 @@ def paged_attention(
       soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
       impl: implementation name, see :mod:`pallas_kernels.api`.
       config: optional tuning dataclass of the chosen implementation (e.g. ``XlaConfig``).
+      sliding_window: if set (a positive int W), the query at position ``lengths[b] - 1`` sees
+        only keys ``[lengths[b] - W, lengths[b])``; pages wholly behind the window are not read
+        (every implementation starts its page loop at the page holding key ``lengths[b] - W``),
+        so their table entries may be anything that is in bounds (a recycled block, the null page).
       layer: if given, ``k_pages``/``v_pages`` are the stacked cache ``[L, Hkv, P, page, D]`` and
         layer ``layer`` is read. The "xla" impl gathers straight from the stacked array: slicing a
         layer out of a donated stacked cache inside a jitted step makes XLA copy the whole layer
@@ -168,7 +173,8 @@ def paged_attention(
     kind, style, interpret = resolve_impl(impl)
     if impl == "auto" and kind == "pallas" and not auto_fits(style, shp, q.dtype, config):
         kind, config = "xla", None
-    kw = {"sm_scale": sm_scale, "soft_cap": soft_cap}
+    validation.check_sliding_window(sliding_window)
+    kw = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
     if kind == "xla":
         return xla.paged_attention(q, k_pages, v_pages, lengths, page_indices, **kw, config=config,
                                    layer=layer)
@@ -194,6 +200,7 @@ def ragged_paged_attention(
     impl: str = "auto",
     config=None,
     layer=None,
+    sliding_window: int | None = None,
 ) -> jax.Array:  # [T, Hq, D]
     """Causal attention for a mixed batch: prefill chunks, decodes and multi-token verification.
 
@@ -212,6 +219,8 @@ def ragged_paged_attention(
       cu_q_lens: cumulative query lengths, ``cu_q_lens[0] == 0``.
       num_seqs: number of live sequence slots, an ``i32[1]`` array or a Python int.
       sm_scale, soft_cap, impl, config, layer: as in :func:`paged_attention`.
+      sliding_window: if set (a positive int W), the row at position ``p`` sees keys
+        ``[p - W + 1, p]`` only; pages wholly behind every row's window are not read.
 
     Returns:
       ``[T, Hq, D]`` in ``q.dtype``.
@@ -226,7 +235,8 @@ def ragged_paged_attention(
     kind, style, interpret = resolve_impl(impl)
     if impl == "auto" and kind == "pallas" and not auto_fits(style, shp, q.dtype, config):
         kind, config = "xla", None
-    kw = {"sm_scale": sm_scale, "soft_cap": soft_cap}
+    validation.check_sliding_window(sliding_window)
+    kw = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
     if kind == "xla":
         return xla.ragged_paged_attention(
             q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kw, config=config,

@@ -150,19 +150,21 @@ def online_update(carry, s, v, valid):
 
 
 def attend_pages(carry, q, k_ref, v_ref, ids, *, first_key, limit, visible, masked, sm_scale,
-                 soft_cap):  # fmt: skip
+                 soft_cap, start=0):  # fmt: skip
     """Folds one compute block of pages into the register state ``carry``.
 
     ``ids`` i32[ppb] the block's page ids, holding keys ``first_key + [0, ppb * page)``; pages
-    starting at or past ``limit`` are not dereferenced (:func:`load_pages`) and value rows at or
-    past it are zeroed. ``visible(key)`` (``key`` i32[1, bk]) masks the keys each row of ``q``
-    ``[rows, D]`` sees.
+    starting at or past ``limit``, or ending at or before ``start`` (a sliding window's first
+    key), are not dereferenced (:func:`load_pages`) and value rows outside ``[start, limit)`` are
+    zeroed. ``visible(key)`` (``key`` i32[1, bk]) masks the keys each row of ``q`` ``[rows, D]``
+    sees.
     """
     ppb, page_size = ids.shape[0], k_ref.shape[1]
-    page_valid = first_key + jnp.arange(ppb) * page_size < limit
+    page_first = first_key + jnp.arange(ppb) * page_size
+    page_valid = (page_first < limit) & (page_first + page_size > start)
     k = load_pages(k_ref, ids, page_valid, dtype=q.dtype, masked=masked)
     v = load_pages(v_ref, ids, page_valid, dtype=q.dtype, masked=masked)
     key = first_key + jnp.arange(ppb * page_size)
-    v = jnp.where((key < limit)[:, None], v, jnp.zeros_like(v))
+    v = jnp.where(((key < limit) & (key >= start))[:, None], v, jnp.zeros_like(v))
     s = scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap)
     return online_update(carry, s, v, visible(key[None, :]))

@@ -43,6 +43,7 @@ def _kernel(
     masked: bool,
     sm_scale: float,
     soft_cap: float | None,
+    sliding_window: int | None,
 ):
     split = pl.program_id(2)
     page_size = k_ref.shape[1]
@@ -52,16 +53,20 @@ def _kernel(
     first_tok = split * ppp * page_size
     span = jnp.clip(length - first_tok, 0, ppp * page_size)
     q = q_ref[...]
+    start = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
 
     def body(i, carry):
         return attend_pages(
             carry, q, k_ref, v_ref, table_ref[pl.ds(i * ppb, ppb)], first_key=first_tok + i * bk,
-            limit=length, visible=lambda key: key < length, masked=masked, sm_scale=sm_scale,
-            soft_cap=soft_cap,
+            limit=length, visible=lambda key: (key < length) & (key >= start), masked=masked,
+            sm_scale=sm_scale, soft_cap=soft_cap, start=start,
         )  # fmt: skip
 
     init = softmax.initial_state(q.shape[:1], q.shape[1])
-    m, lsum, acc = lax.fori_loop(0, pl.cdiv(span, bk), body, init)
+    # A window's first key names this partition's first compute block that can matter (a
+    # partition wholly behind it runs no iteration and leaves an empty partial).
+    first = jnp.clip(start - first_tok, 0, ppp * page_size) // bk
+    m, lsum, acc = lax.fori_loop(first, pl.cdiv(span, bk), body, init)
     o_ref[...] = acc
     m_out[...] = m
     l_out[...] = lsum
@@ -69,7 +74,7 @@ def _kernel(
 
 def paged_attention(
     q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0, soft_cap=None,
-    config: GpuPagedConfig | None = None, interpret: bool = False,
+    config: GpuPagedConfig | None = None, interpret: bool = False, sliding_window=None,
 ):  # fmt: skip
     """GPU-style Pallas implementation of :func:`pallas_kernels.paged_attention` (same arguments;
     ``config`` defaults to :class:`GpuPagedConfig`, ``interpret=True`` runs on CPU). A
@@ -80,7 +85,8 @@ def paged_attention(
       ValueError: shapes the kernel cannot tile (see module docstring).
     """
     o, m, lsum, group = _partials(q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale,
-                                  soft_cap=soft_cap, config=config, interpret=interpret)
+                                  soft_cap=soft_cap, config=config, interpret=interpret,
+                                  sliding_window=sliding_window)
     out = softmax.merge_partials(o, m, lsum)[:, :, :group]
     return out.reshape(q.shape).astype(q.dtype)
 
@@ -100,7 +106,7 @@ def paged_attention_state(
 
 
 def _partials(q, k_pages, v_pages, lengths, page_indices, *, sm_scale, soft_cap, config,
-              interpret):  # fmt: skip
+              interpret, sliding_window=None):  # fmt: skip
     """Runs the split-K kernel; returns its partial states ``o`` f32[S, B, Hkv, block_h, D],
     ``m``, ``l`` f32[S, B, Hkv, block_h] and the real rows per KV head (``G``)."""
     compat.require_triton()
@@ -124,7 +130,8 @@ def _partials(q, k_pages, v_pages, lengths, page_indices, *, sm_scale, soft_cap,
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, block_h - shp.group), (0, 0)))
     lengths2 = jnp.asarray(lengths, jnp.int32).reshape(batch, 1)
     kernel = functools.partial(
-        _kernel, ppb=ppb, masked=config.masked_gather, sm_scale=float(sm_scale), soft_cap=soft_cap
+        _kernel, ppb=ppb, masked=config.masked_gather, sm_scale=float(sm_scale), soft_cap=soft_cap,
+        sliding_window=sliding_window,
     )
     part = lambda b, h, s: (s, b, h, 0)
     o, m, lsum = gpu_common.pallas_call(

@@ -41,6 +41,7 @@ def _kernel(
     ppb: int,
     sm_scale: float,
     soft_cap: float | None,
+    sliding_window: int | None = None,
     with_state: bool = False,
 ):
     b, h = pl.program_id(0), pl.program_id(1)
@@ -48,9 +49,11 @@ def _kernel(
         table_ref, refs, head=h, ppb=ppb, num_outputs=3 if with_state else 1
     )
     length = jnp.minimum(lengths_ref[b], pages_per_seq * copier.page_size)
+    start = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
     copier.attend(
         state, q_ref[...].astype(jnp.float32), table_offset=b * pages_per_seq, limit=length,
-        visible=lambda key: key < length, sm_scale=sm_scale, soft_cap=soft_cap,
+        visible=lambda key: (key < length) & (key >= start), sm_scale=sm_scale,
+        soft_cap=soft_cap, start=start,
     )  # fmt: skip
     if with_state:
         state.store_state(*o_ref)
@@ -59,12 +62,12 @@ def _kernel(
 
 
 def _call(q4, k_pages, v_pages, lengths, table, *, ppb, sm_scale, soft_cap, interpret,
-          with_state=False):  # fmt: skip
+          sliding_window=None, with_state=False):  # fmt: skip
     batch, num_kv_heads, group, head_dim = q4.shape
     q_spec = pl.BlockSpec((None, None, group, head_dim), lambda b, h, *_: (b, h, 0, 0))
     kernel = functools.partial(
         _kernel, pages_per_seq=table.shape[1], ppb=ppb, sm_scale=sm_scale, soft_cap=soft_cap,
-        with_state=with_state,
+        with_state=with_state, sliding_window=sliding_window,
     )  # fmt: skip
     out_shape, out_specs = jax.ShapeDtypeStruct(q4.shape, q4.dtype), None
     if with_state:  # m, l f32[B, Hkv, G, 1] and acc f32[B, Hkv, G, D]
@@ -81,7 +84,7 @@ def _call(q4, k_pages, v_pages, lengths, table, *, ppb, sm_scale, soft_cap, inte
 
 def paged_attention(
     q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0, soft_cap=None,
-    config: TpuPagedConfig | None = None, interpret: bool = False,
+    config: TpuPagedConfig | None = None, interpret: bool = False, sliding_window=None,
 ):  # fmt: skip
     """TPU-style Pallas implementation of :func:`pallas_kernels.paged_attention` (same arguments;
     ``config`` defaults to :class:`TpuPagedConfig`, ``interpret`` runs TPU interpret mode on CPU).
@@ -90,7 +93,8 @@ def paged_attention(
       ValueError: shapes the kernel cannot tile (see module docstring).
     """
     out = _run(q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale, soft_cap=soft_cap,
-               config=config, interpret=interpret, with_state=False)
+               config=config, interpret=interpret, with_state=False,
+               sliding_window=sliding_window)
     return out.reshape(q.shape)
 
 
@@ -106,7 +110,7 @@ def paged_attention_state(
 
 
 def _run(q, k_pages, v_pages, lengths, page_indices, *, sm_scale, soft_cap, config, interpret,
-         with_state):  # fmt: skip
+         with_state, sliding_window=None):  # fmt: skip
     config = config or TpuPagedConfig()
     shp = validation.check_paged_attention(
         q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale, soft_cap=soft_cap
@@ -117,6 +121,7 @@ def _run(q, k_pages, v_pages, lengths, page_indices, *, sm_scale, soft_cap, conf
     lengths = jnp.asarray(lengths, jnp.int32)
     table = jnp.asarray(page_indices, jnp.int32)
     kw = dict(ppb=ppb, sm_scale=float(sm_scale), soft_cap=soft_cap, with_state=with_state,
+              sliding_window=sliding_window,
               interpret=tpu_common.interpret_mode(config, interpret))  # fmt: skip
     outs = [
         _call(q4[lo:hi], k_pages, v_pages, lengths[lo:hi], table[lo:hi], **kw)

@@ -46,6 +46,7 @@ def _kernel(
     max_keys: int,
     sm_scale: float,
     soft_cap: float | None,
+    sliding_window: int | None,
 ):
     qb = pl.program_id(1)
     bk = ppb * k_ref.shape[1]
@@ -57,18 +58,20 @@ def _kernel(
     first, last = tile_sequences(cu_ref, 0, num_seqs_ref[0], row0, block_q)
 
     def visit_seq(s, carry):
-        limit, visible = sequence_in_tile(
+        start, limit, visible = sequence_in_tile(
             cu_ref[s], cu_ref[s + 1], kv_lens_ref[s], token, row0=row0, block_q=block_q,
-            max_keys=max_keys,
+            max_keys=max_keys, sliding_window=sliding_window,
         )  # fmt: skip
 
         def body(i, c):
             return attend_pages(
                 c, q, k_ref, v_ref, table_ref[s, pl.ds(i * ppb, ppb)], first_key=i * bk,
                 limit=limit, visible=visible, masked=masked, sm_scale=sm_scale, soft_cap=soft_cap,
+                start=start,
             )  # fmt: skip
 
-        return lax.fori_loop(0, pl.cdiv(limit, bk), body, carry)
+        # A window's first key names the first compute block that can matter.
+        return lax.fori_loop(start // bk, pl.cdiv(limit, bk), body, carry)
 
     init = softmax.initial_state((rows,), head_dim)
     _, lsum, acc = lax.fori_loop(first, last, visit_seq, init)
@@ -78,6 +81,7 @@ def _kernel(
 def ragged_paged_attention(
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale=1.0,
     soft_cap=None, config: GpuPagedConfig | None = None, interpret: bool = False,
+    sliding_window=None,
 ):  # fmt: skip
     """GPU-style Pallas implementation of :func:`pallas_kernels.ragged_paged_attention` (same
     arguments; ``config`` defaults to :class:`GpuPagedConfig`, whose ``k_splits`` is unused here;
@@ -104,6 +108,7 @@ def ragged_paged_attention(
     kernel = functools.partial(
         _kernel, ppb=ppb, masked=config.masked_gather, group_padded=group_padded,
         max_keys=shp.pages_per_seq * shp.page_size, sm_scale=float(sm_scale), soft_cap=soft_cap,
+        sliding_window=sliding_window,
     )  # fmt: skip
     full = lambda x: pl.BlockSpec(x.shape, lambda h, qb: (0,) * x.ndim)  # noqa: E731
     kv_lens = jnp.asarray(kv_lens, jnp.int32)

@@ -44,6 +44,7 @@ def _kernel(
     group: int,
     sm_scale: float,
     soft_cap: float | None,
+    sliding_window: int | None,
 ):
     h, qb = pl.program_id(0), pl.program_id(1)
     rows = q_ref.shape[0]
@@ -56,13 +57,13 @@ def _kernel(
                                  block_q)  # fmt: skip
 
     def visit_seq(s, carry):
-        limit, visible = tiling.sequence_in_tile(
+        start, limit, visible = tiling.sequence_in_tile(
             cu_ref[s], cu_ref[s + 1], kv_lens_ref[s], token, row0=row0, block_q=block_q,
-            max_keys=pages_per_seq * copier.page_size,
+            max_keys=pages_per_seq * copier.page_size, sliding_window=sliding_window,
         )  # fmt: skip
         copier.attend(
             state, q, table_offset=(s - seq_lo) * pages_per_seq, limit=limit, visible=visible,
-            sm_scale=sm_scale, soft_cap=soft_cap,
+            sm_scale=sm_scale, soft_cap=soft_cap, start=start,
         )  # fmt: skip
         return carry
 
@@ -71,13 +72,13 @@ def _kernel(
 
 
 def _call(q3, k_pages, v_pages, kv_lens, table, cu, num_seqs, *, seq_lo, seq_hi, ppb, group,
-          block_q, sm_scale, soft_cap, interpret):  # fmt: skip
+          block_q, sm_scale, soft_cap, interpret, sliding_window):  # fmt: skip
     num_kv_heads, total_rows, head_dim = q3.shape
     rows = block_q * group
     spec = pl.BlockSpec((None, rows, head_dim), lambda h, qb, *_: (h, qb, 0))
     kernel = functools.partial(
         _kernel, seq_lo=seq_lo, seq_hi=seq_hi, pages_per_seq=table.shape[1], ppb=ppb,
-        group=group, sm_scale=sm_scale, soft_cap=soft_cap,
+        group=group, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
     )  # fmt: skip
     return tpu_common.paged_pallas_call(
         kernel, num_scalar_prefetch=4, grid=(num_kv_heads, total_rows // rows), q_spec=spec,
@@ -89,6 +90,7 @@ def _call(q3, k_pages, v_pages, kv_lens, table, cu, num_seqs, *, seq_lo, seq_hi,
 def ragged_paged_attention(
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale=1.0,
     soft_cap=None, config: TpuPagedConfig | None = None, interpret: bool = False,
+    sliding_window=None,
 ):  # fmt: skip
     """TPU-style Pallas implementation of :func:`pallas_kernels.ragged_paged_attention` (same
     arguments; ``config`` defaults to :class:`TpuPagedConfig`, ``interpret`` runs TPU interpret
@@ -114,7 +116,7 @@ def ragged_paged_attention(
         part = _call(
             q3, k_pages, v_pages, *args, seq_lo=lo, seq_hi=hi, ppb=ppb, group=shp.group,
             block_q=block_q, sm_scale=float(sm_scale), soft_cap=soft_cap,
-            interpret=tpu_common.interpret_mode(config, interpret),
+            interpret=tpu_common.interpret_mode(config, interpret), sliding_window=sliding_window,
         )  # fmt: skip
         out = part if out is None else out + part
     return tiling.untile_outputs(out, q.shape[0], shp.group, shp.group).astype(q.dtype)

@@ -52,15 +52,17 @@ def masked_softmax_attend(
     return softmax.normalize(denom, jnp.einsum("...gs,...sd->...gd", p, v))
 
 
-def paged_attention(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0, soft_cap=None):
+def paged_attention(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0, soft_cap=None,
+                    sliding_window=None):
     """Decode attention of one query token per sequence over its paged KV (reference; arguments
     as in :func:`pallas_kernels.paged_attention`)."""
     shp = validation.check_paged_attention(
         q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale, soft_cap=soft_cap
     )
     k_pages, v_pages = quant.as_float(k_pages), quant.as_float(v_pages)
+    validation.check_sliding_window(sliding_window)
     return _attend_pages(q, k_pages, v_pages, page_indices, lengths, shp, sm_scale=sm_scale,
-                         soft_cap=soft_cap)  # fmt: skip
+                         soft_cap=soft_cap, sliding_window=sliding_window)  # fmt: skip
 
 
 def paged_attention_state(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0,
@@ -103,9 +105,19 @@ def cascade_paged_attention(q, k_pages, v_pages, lengths, page_indices, group_ro
                            num_kv_heads=shp.num_kv_heads, page_size=shp.page_size)  # fmt: skip
 
 
-def _attend_pages(q, k_pages, v_pages, tables, limit, shp, *, sm_scale, soft_cap):
-    """Row ``r`` of ``q`` [R, Hq, D] attends to keys ``[0, limit[r])`` of the pages ``tables[r]``
-    (i32[R, pages_per_seq]), gathering the whole page list of every row."""
+def window_start(limit: jax.Array, sliding_window: int | None) -> jax.Array:
+    """First key a query that sees keys below ``limit`` (its position + 1) may see: 0, or
+    ``limit - sliding_window`` clipped at 0 (keys ``[p - W + 1, p]`` for position ``p``)."""
+    if sliding_window is None:
+        return jnp.zeros_like(limit)
+    return jnp.maximum(limit - sliding_window, 0)
+
+
+def _attend_pages(q, k_pages, v_pages, tables, limit, shp, *, sm_scale, soft_cap,
+                  sliding_window=None):
+    """Row ``r`` of ``q`` [R, Hq, D] attends to keys ``[lo, limit[r])`` of the pages ``tables[r]``
+    (i32[R, pages_per_seq]), gathering the whole page list of every row; ``lo`` is 0, or
+    ``limit[r] - sliding_window`` with a window."""
     rows = q.shape[0]
     seq_len = shp.pages_per_seq * shp.page_size
 
@@ -114,7 +126,8 @@ def _attend_pages(q, k_pages, v_pages, tables, limit, shp, *, sm_scale, soft_cap
         return jnp.swapaxes(g.reshape(shp.num_kv_heads, rows, seq_len, shp.head_dim), 0, 1)
 
     qg = q.reshape(rows, shp.num_kv_heads, shp.group, shp.head_dim)
-    mask = jnp.arange(seq_len)[None, :] < limit[:, None]  # [R, S]
+    j = jnp.arange(seq_len)[None, :]
+    mask = (j < limit[:, None]) & (j >= window_start(limit, sliding_window)[:, None])  # [R, S]
     out = masked_softmax_attend(qg, gather(k_pages), gather(v_pages), mask[:, None, None, :],
                                 sm_scale=sm_scale, soft_cap=soft_cap)  # fmt: skip
     return out.reshape(q.shape).astype(q.dtype)
@@ -148,7 +161,7 @@ def ragged_token_layout(
 
 def ragged_paged_attention(
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale=1.0,
-    soft_cap=None,
+    soft_cap=None, sliding_window=None,
 ):  # fmt: skip
     """Causal attention for a mixed batch of prefill chunks, decodes and verifications (reference;
     arguments as in :func:`pallas_kernels.ragged_paged_attention`).
@@ -159,10 +172,11 @@ def ragged_paged_attention(
         q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
         sm_scale=sm_scale, soft_cap=soft_cap,
     )  # fmt: skip
+    validation.check_sliding_window(sliding_window)
     seq, limit = ragged_token_layout(q.shape[0], kv_lens, cu_q_lens, num_seqs)
     k_pages, v_pages = quant.as_float(k_pages), quant.as_float(v_pages)
     return _attend_pages(q, k_pages, v_pages, page_indices[seq], limit, shp, sm_scale=sm_scale,
-                         soft_cap=soft_cap)  # fmt: skip
+                         soft_cap=soft_cap, sliding_window=sliding_window)  # fmt: skip
 
 
 def flash_attention(q, k, v, *, kv_lens=None, causal=True, sm_scale=1.0, soft_cap=None):

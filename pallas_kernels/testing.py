@@ -34,11 +34,17 @@ def _seq_kv(pages, table_row, length):
     return kv[:, :length].astype(np.float64)
 
 
-def paged_attention_np(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0, soft_cap=None):
+def _window(pos: int, sliding_window: int | None) -> int:
+    """First key the query at ``pos`` sees."""
+    return 0 if sliding_window is None else max(pos + 1 - sliding_window, 0)
+
+
+def paged_attention_np(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0, soft_cap=None,
+                       sliding_window=None):
     """float64 numpy paged decode attention; q [B, Hq, D] -> [B, Hq, D] float64.
 
     Only the pages a sequence reads are converted to float64, so a few sequences of a large pool
-    stay cheap."""
+    stay cheap. ``sliding_window`` W: the query sees the last W keys only."""
     q, k_pages, v_pages = np.asarray(q, np.float64), np.asarray(k_pages), np.asarray(v_pages)
     lengths, page_indices = np.asarray(lengths), np.asarray(page_indices)
     batch, hq, d = q.shape
@@ -47,16 +53,19 @@ def paged_attention_np(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1
     for b in range(batch):
         k = _seq_kv(k_pages, page_indices[b], int(lengths[b]))
         v = _seq_kv(v_pages, page_indices[b], int(lengths[b]))
+        lo = _window(int(lengths[b]) - 1, sliding_window)
         for h in range(hkv):
             g = hq // hkv
             out[b, h * g : (h + 1) * g] = _attend64(
-                q[b, h * g : (h + 1) * g], k[h], v[h], sm_scale=sm_scale, soft_cap=soft_cap
-            )
+                q[b, h * g : (h + 1) * g], k[h, lo:], v[h, lo:], sm_scale=sm_scale,
+                soft_cap=soft_cap,
+            )  # fmt: skip
     return out
 
 
 def ragged_paged_attention_np(
-    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale=1.0, soft_cap=None
+    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale=1.0, soft_cap=None,
+    sliding_window=None,
 ):
     """float64 numpy ragged causal attention; q [T, Hq, D] -> [T, Hq, D] float64 (padding zeros).
     Converts only the pages each sequence reads."""
@@ -73,9 +82,10 @@ def ragged_paged_attention_np(
         for r in range(q_len):
             t = int(cu[i]) + r
             pos = kv_len - q_len + r
+            lo, hi = _window(pos, sliding_window), max(pos + 1, 0)
             for h in range(hkv):
                 out[t, h * g : (h + 1) * g] = _attend64(
-                    q[t, h * g : (h + 1) * g], k[h, : max(pos + 1, 0)], v[h, : max(pos + 1, 0)],
+                    q[t, h * g : (h + 1) * g], k[h, lo:hi], v[h, lo:hi],
                     sm_scale=sm_scale, soft_cap=soft_cap,
                 )  # fmt: skip
     return out

@@ -36,20 +36,29 @@ def tile_sequences(cu_ref, lo, hi, row0, block_q):
     return first, last
 
 
-def sequence_in_tile(q_start, q_end, kv_len, token, *, row0, block_q, max_keys):
+def sequence_in_tile(q_start, q_end, kv_len, token, *, row0, block_q, max_keys,
+                     sliding_window=None):
     """What sequence ``s`` (query rows ``[q_start, q_end)``, ``kv_len`` keys) means for one tile.
 
-    ``token`` holds the token row of each tile row (any shape). Returns ``(limit, visible)``:
-    ``limit`` the keys the tile's last row of ``s`` may see (causal; 0 when no row of the tile
-    belongs to ``s``), capped at ``max_keys``; ``visible(key)`` the mask of keys each row sees
-    (false on rows of other sequences), ``key`` broadcastable against ``token``.
+    ``token`` holds the token row of each tile row (any shape). Returns ``(start, limit,
+    visible)``: ``limit`` the keys the tile's last row of ``s`` may see (causal; 0 when no row of
+    the tile belongs to ``s``), capped at ``max_keys``; ``start`` the first key its first row may
+    see (0 without ``sliding_window``; ``first row's position + 1 - W`` with it, so pages wholly
+    below it are skipped); ``visible(key)`` the mask of keys each row sees (false on rows of other
+    sequences; with a window, keys ``[p - W + 1, p]`` of the row at position ``p``), ``key``
+    broadcastable against ``token``.
     """
+    tile_start = jnp.maximum(q_start, row0)
     tile_end = jnp.minimum(q_end, row0 + block_q)
     limit = jnp.clip(kv_len - q_end + tile_end, 0, max_keys)
-    limit = jnp.where(tile_end > jnp.maximum(q_start, row0), limit, 0)
+    limit = jnp.where(tile_end > tile_start, limit, 0)
     row_ok = (token >= q_start) & (token < q_end)
     row_limit = kv_len - q_end + token + 1
-    return limit, lambda key: row_ok & (key < row_limit)
+    if sliding_window is None:
+        return jnp.int32(0), limit, lambda key: row_ok & (key < row_limit)
+    start = jnp.clip(kv_len - q_end + tile_start + 1 - sliding_window, 0, limit)
+    row_start = row_limit - sliding_window
+    return start, limit, lambda key: row_ok & (key < row_limit) & (key >= row_start)
 
 
 def tile_queries(

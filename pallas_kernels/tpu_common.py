@@ -217,10 +217,10 @@ class PageBlockCopier:
         self.head, self.ppb = head, ppb
         self.page_size = k_buf.shape[2]
 
-    def _each(self, table_offset, first_page, num_valid_pages, slot, action):
+    def _each(self, table_offset, first_page, num_valid_pages, slot, action, first_valid=0):
         for j in range(self.ppb):
 
-            @pl.when(first_page + j < num_valid_pages)
+            @pl.when((first_page + j < num_valid_pages) & (first_page + j >= first_valid))
             def _(j=j):
                 page = self.table_ref[table_offset + first_page + j]
                 for kv, (src, dst) in enumerate(self.pairs):
@@ -229,45 +229,50 @@ class PageBlockCopier:
                     )
                     getattr(copy, action)()
 
-    def start(self, table_offset, first_page, num_valid_pages, slot):
-        self._each(table_offset, first_page, num_valid_pages, slot, "start")
+    def start(self, table_offset, first_page, num_valid_pages, slot, first_valid=0):
+        self._each(table_offset, first_page, num_valid_pages, slot, "start", first_valid)
 
-    def wait(self, table_offset, first_page, num_valid_pages, slot):
-        self._each(table_offset, first_page, num_valid_pages, slot, "wait")
+    def wait(self, table_offset, first_page, num_valid_pages, slot, first_valid=0):
+        self._each(table_offset, first_page, num_valid_pages, slot, "wait", first_valid)
 
-    def attend(self, state: VmemSoftmax, q, *, table_offset, limit, visible, sm_scale, soft_cap):
-        """Folds keys ``[0, limit)`` of one sequence (its page table at ``table_offset``) into
+    def attend(self, state: VmemSoftmax, q, *, table_offset, limit, visible, sm_scale, soft_cap,
+               start=0):
+        """Folds keys ``[start, limit)`` of one sequence (its page table at ``table_offset``) into
         ``state``.
 
         Double-buffered: block ``i+1``'s pages are DMA'd HBM -> VMEM while block ``i`` is computed;
-        only pages holding keys below ``limit`` are copied. ``visible(key)`` (``key`` i32[1, bk])
-        masks the keys each row of ``q`` f32[rows, D] sees; value rows at or past ``limit`` (stale
-        or NaN) are zeroed.
+        only pages holding keys in ``[start, limit)`` are copied, and the loop starts at the block
+        holding key ``start`` (a sliding window's first key: blocks wholly behind it are never
+        visited). ``visible(key)`` (``key`` i32[1, bk]) masks the keys each row of ``q``
+        f32[rows, D] sees; value rows outside ``[start, limit)`` (stale or NaN) are zeroed.
         """
         ppb, page_size, head_dim = self.ppb, self.page_size, self.k_buf.shape[3]
         bk = ppb * page_size
         num_pages = pl.cdiv(limit, page_size)
         num_blocks = pl.cdiv(limit, bk)
+        first_page = start // page_size
+        first_block = start // bk
 
-        @pl.when(num_blocks > 0)
+        @pl.when(num_blocks > first_block)
         def _():
-            self.start(table_offset, 0, num_pages, 0)
+            self.start(table_offset, first_block * ppb, num_pages, first_block % 2, first_page)
 
         def body(i, carry):
             slot = i % 2
 
             @pl.when(i + 1 < num_blocks)
             def _():
-                self.start(table_offset, (i + 1) * ppb, num_pages, 1 - slot)
+                self.start(table_offset, (i + 1) * ppb, num_pages, 1 - slot, first_page)
 
-            self.wait(table_offset, i * ppb, num_pages, slot)
+            self.wait(table_offset, i * ppb, num_pages, slot, first_page)
             ks, vs = (None if b is None else b[slot] for b in self.scale_bufs)
             # Values, not refs; quantized pages are dequantized here, in VMEM, block by block.
             k = quant.dequantize_tile(self.k_buf[slot], ks).reshape(bk, head_dim)
             v = quant.dequantize_tile(self.v_buf[slot], vs).reshape(bk, head_dim)
-            v = jnp.where(i * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < limit, v, 0.0)
+            row = i * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+            v = jnp.where((row < limit) & (row >= start), v, 0.0)
             key = i * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             state.update(scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap), v, visible(key))
             return carry
 
-        lax.fori_loop(0, num_blocks, body, 0)
+        lax.fori_loop(first_block, num_blocks, body, 0)

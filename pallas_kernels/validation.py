@@ -95,6 +95,17 @@ def _check_quantized(k_pages, v_pages) -> bool:
     return True
 
 
+def check_sliding_window(sliding_window) -> None:
+    """``sliding_window`` is None (full causal attention) or a positive Python int W: a query at
+    position p sees keys ``[p - W + 1, p]`` only."""
+    if sliding_window is None:
+        return
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, (int, np.integer)):
+        raise TypeError(f"{sliding_window=} must be None or a positive int")
+    if sliding_window < 1:
+        raise ValueError(f"{sliding_window=} must be None or a positive int")
+
+
 def _check_pages(q_heads: int, q_dim: int, q_dtype, k_pages, v_pages) -> tuple[int, int, int]:
     if _check_quantized(k_pages, v_pages):
         # Quantized values: any float query (it is never quantized); the values' dtypes and

@@ -82,8 +82,13 @@ def paged_rows_attention(
     config: XlaConfig,
     layer=None,
     state: bool = False,
+    sliding_window: int | None = None,
 ) -> jax.Array:  # f32[R, Hkv, M, D]
-    """Query ``m`` of row ``r`` attends to keys ``[0, row_limit[r, m])`` of the pages ``row_pages[r]``.
+    """Query ``m`` of row ``r`` attends to keys ``[0, row_limit[r, m])`` of the pages ``row_pages[r]``
+    (with ``sliding_window`` W: keys ``[row_limit - W, row_limit)``).
+
+    The loop over key blocks runs from the first block any query of the rows can see to the
+    last: with a window, blocks wholly behind every row's window are never gathered.
 
     With ``state=True`` returns the unnormalised online-softmax state instead, ``(m, l, acc)``
     f32 ``[R, Hkv, M]``, ``[R, Hkv, M]``, ``[R, Hkv, M, D]`` (what cascade attention merges).
@@ -105,6 +110,11 @@ def paged_rows_attention(
     row_limit = jnp.minimum(row_limit.astype(jnp.int32), pages_per_seq * page_size)
     row_max = jnp.max(row_limit, axis=1)  # [R] keys any query of the row sees
     trips = jnp.minimum((jnp.max(row_max) + block - 1) // block, num_blocks)
+    lo = reference.window_start(row_limit, sliding_window)  # [R, M or 1] first key seen
+    # First key any query of the row sees (queries that see nothing do not count).
+    row_lo = jnp.min(jnp.where(row_limit > 0, lo, pages_per_seq * page_size), axis=1)  # [R]
+    first = jnp.minimum(jnp.min(row_lo) // block, trips)
+    lo = lo[None, :, :, None]  # [1, R, M or 1, 1]
     # Work in [Hkv, R, ...]: the gather's natural layout, so no per-block transpose of K/V.
     qf = jnp.swapaxes(q, 0, 1).astype(jnp.float32)  # [Hkv, R, M, D]
     limit = row_limit[None, :, :, None]  # [1, R, M or 1, 1]
@@ -132,15 +142,16 @@ def paged_rows_attention(
             return g.reshape(num_kv_heads, rows, block, head_dim)
 
         pos = i * block + offsets
-        valid = pos < limit  # [1, R, M, block]
-        v_valid = (pos[None, :] < row_max[:, None])[None, :, :, None]  # [1, R, block, 1]
+        valid = (pos < limit) & (pos >= lo)  # [1, R, M, block]
+        v_valid = (pos[None, :] < row_max[:, None]) & (pos[None, :] >= row_lo[:, None])
+        v_valid = v_valid[None, :, :, None]  # [1, R, block, 1]
         s = jnp.einsum("hrmd,hrkd->hrmk", qf, gather(k_pages))
         s = softmax.scale_scores(s, sm_scale=sm_scale, soft_cap=soft_cap)
         v = jnp.where(v_valid, gather(v_pages), 0.0)
         return softmax.online_softmax_step(carry, s, v, valid)
 
     init = softmax.initial_state((num_kv_heads, rows, num_queries), head_dim)
-    m, lsum, acc = lax.fori_loop(0, trips, body, init)
+    m, lsum, acc = lax.fori_loop(first, trips, body, init)
     if state:
         return tuple(jnp.swapaxes(x, 0, 1) for x in (m, lsum, acc))
     return jnp.swapaxes(softmax.normalize(lsum, acc), 0, 1)
@@ -231,7 +242,7 @@ def ragged_items(
 
 def paged_attention(
     q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0, soft_cap=None, config=None,
-    layer=None, state=False,
+    layer=None, state=False, sliding_window=None,
 ):  # fmt: skip
     """``impl="xla"`` of :func:`pallas_kernels.paged_attention` (same arguments).
 
@@ -248,7 +259,7 @@ def paged_attention(
     out = grouped_rows_attention(
         qg, k_pages, v_pages, page_indices.astype(jnp.int32), lengths[:, None],
         jnp.int32(q.shape[0]), sm_scale=sm_scale, soft_cap=soft_cap, config=config or XlaConfig(),
-        layer=layer, state=state,
+        layer=layer, state=state, sliding_window=sliding_window,
     )  # fmt: skip
     if state:
         m, lsum, acc = out
@@ -258,7 +269,7 @@ def paged_attention(
 
 def ragged_paged_attention(
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-    sm_scale=1.0, soft_cap=None, config=None, layer=None,
+    sm_scale=1.0, soft_cap=None, config=None, layer=None, sliding_window=None,
 ):  # fmt: skip
     """``impl="xla"`` of :func:`pallas_kernels.ragged_paged_attention` (same arguments).
 
@@ -290,14 +301,14 @@ def ragged_paged_attention(
         items = ragged_items(num_tokens, kv_lens, cu_q_lens, num_seqs, size, select, max_items)
         part = _ragged_pass(
             q, k_pages, v_pages, page_indices, items, shp, chunk=size, sm_scale=sm_scale,
-            soft_cap=soft_cap, config=config, layer=layer,
+            soft_cap=soft_cap, config=config, layer=layer, sliding_window=sliding_window,
         )  # fmt: skip
         out = jnp.where(items["valid"][:, None, None, None], part, out)
     return out.reshape(q.shape).astype(q.dtype)
 
 
 def _ragged_pass(q, k_pages, v_pages, page_indices, items, shp, *, chunk, sm_scale, soft_cap,
-                 config, layer=None):  # fmt: skip
+                 config, layer=None, sliding_window=None):  # fmt: skip
     """Runs one pass of work items; returns f32[T, Hkv, G, D] (rows of other passes: garbage)."""
     num_tokens, _, d = q.shape
     hkv, group = shp.num_kv_heads, shp.group
@@ -308,6 +319,7 @@ def _ragged_pass(q, k_pages, v_pages, page_indices, items, shp, *, chunk, sm_sca
         q_items, k_pages, v_pages, page_indices.astype(jnp.int32)[items["seq"]],
         jnp.repeat(items["limit"], group, axis=1), items["count"],
         sm_scale=sm_scale, soft_cap=soft_cap, config=config, layer=layer,
+        sliding_window=sliding_window,
     )  # fmt: skip
     return out.reshape(width, hkv, chunk, group, d)[items["item"], :, items["slot"]]
 

@@ -211,10 +211,16 @@ def _bad_missing_shard(tmp_path):
     return ckpt, r"index\.json: shard 'model-00002-of-00002\.safetensors'"
 
 
-def _bad_sliding_window(tmp_path):
+def _bad_sliding_window(tmp_path):  # shorter than a page (block_size 16)
     ckpt = _copy(tmp_path, "mistral")
-    _edit_config(ckpt, sliding_window=64)
-    return ckpt, r"config\.json: sliding_window=64 < max_model_len=256"
+    _edit_config(ckpt, sliding_window=8)
+    return ckpt, r"sliding_window=8 is shorter than a page \(block_size=16\)"
+
+
+def _bad_layer_types(tmp_path):
+    ckpt = _copy(tmp_path, "qwen2_sw")
+    _edit_config(ckpt, layer_types=["full_attention", "chunked_attention"])
+    return ckpt, r"config\.json: layer_types has kinds \['chunked_attention'\] this model cannot run"
 
 
 def _bad_missing_key_in_config(tmp_path):
@@ -231,7 +237,8 @@ def _bad_rope(tmp_path):
 
 @pytest.mark.parametrize("make", [
     _bad_missing_dir, _bad_architecture, _bad_truncated, _bad_shape, _bad_absent_key,
-    _bad_missing_shard, _bad_sliding_window, _bad_missing_key_in_config, _bad_rope,
+    _bad_missing_shard, _bad_sliding_window, _bad_layer_types, _bad_missing_key_in_config,
+    _bad_rope,
 ], ids=lambda f: f.__name__[5:])  # fmt: skip
 def test_bad_checkpoint_raises_before_any_device_memory(tmp_path, make):
     ckpt, match = make(tmp_path)

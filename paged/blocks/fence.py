@@ -57,7 +57,10 @@ class StepFence:
         if self.held:
             state, release_at = self.pool.state, self.release_at
             for r in sorted(r for r in self.held if r <= step_id):
-                due = [b for b in self.held.pop(r) if state[b] == QUARANTINED and release_at[b] == r]
+                # dict.fromkeys: a block revived by a prefix hit and freed again in the same
+                # window (a sliding window recycles a hit's old blocks at once) is listed twice.
+                due = [b for b in dict.fromkeys(self.held.pop(r))
+                       if state[b] == QUARANTINED and release_at[b] == r]
                 self.pool.num_held -= len(due)
                 self.pool.make_reusable(due)
         if self.host_held:

@@ -42,7 +42,7 @@ def _check_seqs(pool: BlockPool, index: PrefixCacheIndex, tables: SeqTables) -> 
             fail(f"seq {sid!r} counts {seq.unknown} slots of unknown token id, "
                  f"holds {seq.tokens.count(None)}")
         if seq.host_table is not None:
-            if seq.table or len(seq.host_table) != -(-len(seq.tokens) // B):
+            if seq.table or len(seq.host_table) != -(-len(seq.tokens) // B) - seq.front:
                 fail(f"swapped seq {sid!r} table={seq.table} host={seq.host_table}")
             continue
         if len(seq.table) != -(-len(seq.tokens) // B):
@@ -55,7 +55,9 @@ def _check_seqs(pool: BlockPool, index: PrefixCacheIndex, tables: SeqTables) -> 
                  f"shared, keyed or dirty, or has a different number of free slots")
         if seq.key_at > (len(seq.keys) + 1) * B and tables.caching:
             fail(f"seq {sid!r} skips keying up to {seq.key_at} tokens with {len(seq.keys)} keys")
-        for i, b in enumerate(seq.table):
+        if seq.front and any(b != NULL_PAGE for b in seq.table[:seq.front]):
+            fail(f"seq {sid!r} recycled {seq.front} leading blocks, table {seq.table}")
+        for i, b in enumerate(seq.table[seq.front:], start=seq.front):
             if not 0 <= b < nb or b == NULL_PAGE:
                 fail(f"seq {sid!r} block {i} is {b}")
             if pool.state[b] != USED:

@@ -313,8 +313,8 @@ class PrefixKeyer:
                 parent = keys[-1] if i else None
                 while i < upto:
                     b = table[i]
-                    if copying and busy[b] > done:  # its copy has not run yet
-                        break
+                    if copying and busy[b] > done or i < seq.front:
+                        break  # its copy has not run yet, or it was recycled unkeyed
                     ids = tuple(tokens[i * B:(i + 1) * B])
                     if seq.unknown and None in ids:  # a slot of unknown token id: stop here
                         break

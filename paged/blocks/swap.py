@@ -10,6 +10,7 @@ from __future__ import annotations
 from paged.blocks.fence import StepFence
 from paged.blocks.pool import BlockPool
 from paged.blocks.tables import SeqTables
+from paged.kv_cache import NULL_PAGE
 
 
 class Swapper:
@@ -23,16 +24,18 @@ class Swapper:
     def swap_out(self, seq_id) -> list[tuple[int, int]] | None:
         seq = self.tables.resident(seq_id)
         fence = self.fence
-        if seq.swap_in_step == fence.last_begun + 1 or len(seq.table) > len(fence.host_free):
+        live = seq.table[seq.front:]  # recycled leading entries (a sliding window) stay behind
+        if seq.swap_in_step == fence.last_begun + 1 or len(live) > len(fence.host_free):
             return None
-        hosts = fence.take_host(len(seq.table))
-        seq.swap_out_step = fence.hold_for_copy(seq.table, hosts)
+        self.tables.note_peak(seq)
+        hosts = fence.take_host(len(live))
+        seq.swap_out_step = fence.hold_for_copy(live, hosts)
         # A CoW destination of the coming step is not filled yet: read its source (held,
         # unchanged until the step's writes), so the copies may run in any order.
         cow_src = fence.cow_src
-        pairs = [(cow_src.get(b, b), h) for b, h in zip(seq.table, hosts, strict=True)]
+        pairs = [(cow_src.get(b, b), h) for b, h in zip(live, hosts, strict=True)]
         seq.host_table = hosts
-        fence.release(reversed(seq.table))
+        fence.release(reversed(live))
         seq.table = []
         seq.dirty_tail = False
         seq.room = None
@@ -56,7 +59,7 @@ class Swapper:
         seq.swap_in_step = self.fence.hold_for_copy(fresh, seq.host_table)
         self.fence.release_host(seq.host_table)
         seq.host_table = None
-        seq.table = fresh
+        seq.table = [NULL_PAGE] * seq.front + fresh
         seq.keys = []  # re-keyed (and deduplicated) once the swap-in copy has run
         self.tables.fast_state(seq)
         self.swapped_in_blocks += len(pairs)

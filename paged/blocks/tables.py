@@ -7,6 +7,10 @@ the host), the number of slots whose KV is on device and the prefix-cache keys o
 blocks. A writer never writes into a shared block (refcount > 1): appending into a shared partial
 block takes a fresh block and returns a ``(src, dst)`` page copy. A block whose keyed content is
 about to be rewritten in place leaves the index and changes version.
+
+A sliding-window model recycles a sequence's leading blocks once they are behind every future
+query's window (`paged.blocks.window`): their table entries become ``NULL_PAGE`` and ``front``
+counts them; everything here that walks a table starts at ``front``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Hashable, Sequence
 from paged.blocks.fence import StepFence
 from paged.blocks.pool import BlockPool
 from paged.blocks.prefix_index import BlockKey, PrefixCacheIndex
+from paged.kv_cache import NULL_PAGE
 
 TOKEN_LIMIT = 2**63  # token ids are hashed as int64
 _INT = {int}
@@ -27,7 +32,7 @@ class Seq:
 
     # The decode step reads the first four: declared first, they share the object's cache lines.
     __slots__ = ("room", "tokens", "num_computed", "key_at", "table", "keys", "salt",  # noqa: RUF023
-                 "host_table", "dirty_tail", "swap_in_step", "swap_out_step", "unknown")
+                 "host_table", "dirty_tail", "swap_in_step", "swap_out_step", "unknown", "front")
 
     def __init__(self, table: list[int], tokens: list, num_computed: int, keys: list[BlockKey],
                  salt: bytes):
@@ -47,6 +52,7 @@ class Seq:
         # mark_computed may skip keying below this count; -1 forces the checked path.
         self.key_at = -1
         self.unknown = 0  # slots whose token id is None
+        self.front = 0  # leading table entries recycled (NULL_PAGE): behind the sliding window
 
 
 def count_arg(n, what: str) -> int:
@@ -103,6 +109,7 @@ class SeqTables:
         # The last decode batch: (a copy of its ids, their Seqs); dropped when seqs changes.
         self.decode_batch: tuple[list, list[Seq]] | None = None
         self.cow_copies = 0
+        self.peak_blocks = 0  # most live blocks a sequence held when it left (see max_blocks)
 
     # --- lookups ---------------------------------------------------------------------------
     def get(self, seq_id) -> Seq:
@@ -165,10 +172,11 @@ class SeqTables:
         child.dirty_tail = parent.dirty_tail
         child.unknown = parent.unknown
         child.swap_in_step = parent.swap_in_step
+        child.front = parent.front
         parent.room = None  # the tail block is shared now
         self.set_key_at(child)
         rc = self.pool.rc
-        for b in child.table:
+        for b in child.table[child.front:]:
             rc[b] += 1
         self.seqs[child_seq_id] = child
         self.decode_batch = None
@@ -178,10 +186,25 @@ class SeqTables:
         seq = self.get(seq_id)
         del self.seqs[seq_id]
         self.decode_batch = None
+        self.note_peak(seq)
         if seq.host_table is not None:
             self.fence.release_host(seq.host_table)
         else:
-            self.fence.release(reversed(seq.table))
+            self.fence.release(reversed(seq.table[seq.front:]))
+
+    def note_peak(self, seq: Seq) -> None:
+        """Counts ``seq``'s live blocks (device or host) into ``peak_blocks``."""
+        held = len(seq.host_table) if seq.host_table is not None else len(seq.table) - seq.front
+        if held > self.peak_blocks:
+            self.peak_blocks = held
+
+    def max_blocks(self) -> int:
+        """The most live blocks any sequence held at once since construction (the sequences
+        alive now included), as far as tables were seen: when a sequence left, was swapped out
+        or rolled back, or was recycled (`paged.blocks.window`)."""
+        for seq in self.seqs.values():
+            self.note_peak(seq)
+        return self.peak_blocks
 
     def block_usage(self) -> list[tuple[int, int]]:
         """(refcount, most slots any sequence fills) of every used block, by block id."""
@@ -191,7 +214,7 @@ class SeqTables:
             table = seq.table
             if not table:
                 continue
-            for b in table[:-1]:
+            for b in table[seq.front:-1]:
                 filled[b] = B
             last = table[-1]
             n = len(seq.tokens) - (len(table) - 1) * B
@@ -371,7 +394,9 @@ class SeqTables:
         B = self.block_size
         new_n = n - r
         keep = -(-new_n // B)
-        dropped = seq.table[keep:]
+        self.note_peak(seq)
+        seq.front = min(seq.front, keep)  # (rollback never reaches behind a window in practice)
+        dropped = [b for b in seq.table[keep:] if b != NULL_PAGE]
         del seq.table[keep:]
         del seq.tokens[new_n:]
         seq.num_computed = min(seq.num_computed, new_n)

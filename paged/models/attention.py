@@ -127,15 +127,20 @@ def causal_attention(
     *,
     sm_scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | None = None,
 ) -> jax.Array:  # [B, T, N, H]
-    """Dense causal GQA attention in float32; the T queries are the last T of the S keys."""
+    """Dense causal GQA attention in float32; the T queries are the last T of the S keys (with
+    ``sliding_window`` W, the query at position p sees keys ``[p - W + 1, p]`` only)."""
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     qg = q.astype(jnp.float32).reshape(b, t, kh, n // kh, h)
     logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32)) * sm_scale
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
-    mask = jnp.arange(s)[None, :] <= (jnp.arange(t) + (s - t))[:, None]  # [T, S]
+    pos = (jnp.arange(t) + (s - t))[:, None]
+    mask = jnp.arange(s)[None, :] <= pos  # [T, S]
+    if sliding_window is not None:
+        mask &= jnp.arange(s)[None, :] > pos - sliding_window
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v.astype(jnp.float32))
@@ -156,6 +161,8 @@ class PagedAttention(nn.Module):
         projections (Qwen2); off by default (no such params).
       rope: ``LlamaConfig.rope`` (scaled RoPE, see `paged.models.layers.rope_inv_freq`); replaces
         ``rope_theta`` when given.
+      sliding_window: W of a sliding-window layer (the token at position p attends to
+        ``[p - W + 1, p]``); None for full causal attention.
     """
 
     num_heads: int
@@ -166,6 +173,7 @@ class PagedAttention(nn.Module):
     dtype: jnp.dtype = jnp.float32
     qkv_bias: bool = False
     rope: tuple | None = None
+    sliding_window: int | None = None
 
     @nn.compact
     def _weights(self, d_model: int) -> tuple[jax.Array, ...]:
@@ -241,13 +249,13 @@ class PagedAttention(nn.Module):
         # With `layer`, the kernel reads the stacked cache directly: slicing k_pages[layer] here
         # would copy the whole layer every step.
         q = q.astype(quant.query_dtype(k_pages, self.dtype))
-        if md.cascade is not None:
+        if md.cascade is not None and self.sliding_window is None:
             out = self._cascade(q, k_pages, v_pages, md, layer, attention_impl)
         else:
             out = pk.ragged_paged_attention(
                 q, k_pages, v_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
                 sm_scale=self.head_dim**-0.5, soft_cap=self.soft_cap, impl=attention_impl,
-                layer=layer,
+                layer=layer, sliding_window=self.sliding_window,
             )  # fmt: skip
         out = jnp.einsum("TNH,NHD->TD", out.astype(self.dtype), wo)
         return out, k_pages, v_pages
@@ -299,7 +307,11 @@ class PagedAttention(nn.Module):
                     for t in (k, v))
         sm_scale = self.head_dim**-0.5
         if attention_impl == "jnp":
-            out = causal_attention(q, k, v, sm_scale=sm_scale, soft_cap=self.soft_cap)
+            out = causal_attention(q, k, v, sm_scale=sm_scale, soft_cap=self.soft_cap,
+                                   sliding_window=self.sliding_window)
+        elif self.sliding_window is not None:
+            raise ValueError(f"attention_impl={attention_impl!r} (flash_attention) has no sliding "
+                             "window; the dense path of a sliding layer takes 'jnp'")
         else:
             import pallas_kernels as pk
 

@@ -8,6 +8,9 @@ import jax.numpy as jnp
 
 _DTYPES = ("float32", "bfloat16", "float16")
 ROPE_SCALINGS = ("none", "linear", "llama3")
+# Hugging Face's names of the per-layer attention kinds this decoder runs.
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,11 @@ class LlamaConfig:
       rope_low_freq_factor: "llama3" only.
       rope_high_freq_factor: "llama3" only.
       rope_original_max_len: "llama3" only: the context length the model was pretrained with.
+      sliding_window: W of the layers of kind "sliding_attention": the token at position ``p``
+        attends to positions ``[p - W + 1, p]`` only (Hugging Face's meaning). None: no window.
+      layer_types: one kind per layer, "full_attention" or "sliding_attention" (Hugging Face's
+        ``layer_types``). None means every layer slides when ``sliding_window`` is set, else every
+        layer is full (Mistral's reading).
     """
 
     vocab_size: int = 258
@@ -60,6 +68,8 @@ class LlamaConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self):
         for name in (
@@ -95,11 +105,39 @@ class LlamaConfig:
             raise ValueError(f"rope_scaling={self.rope_scaling!r} must be one of {ROPE_SCALINGS}")
         if not self.rope_factor >= 1.0:
             raise ValueError(f"rope_factor={self.rope_factor!r} must be >= 1")
+        self._check_windows()
         if not 0.0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
             raise ValueError(
                 f"rope_low_freq_factor={self.rope_low_freq_factor!r} and rope_high_freq_factor="
                 f"{self.rope_high_freq_factor!r} must satisfy 0 < low < high"
             )
+
+    def _check_windows(self) -> None:
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"sliding_window={w!r} must be None or a positive int")
+        if self.layer_types is None:
+            return
+        if isinstance(self.layer_types, str) or not hasattr(self.layer_types, "__iter__"):
+            raise ValueError(f"layer_types={self.layer_types!r} must be a sequence of "
+                             f"{LAYER_TYPES}")
+        types = tuple(self.layer_types)
+        object.__setattr__(self, "layer_types", types)  # a list from JSON: hashable again
+        if len(types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for "
+                             f"num_layers={self.num_layers}")
+        bad = sorted({t for t in types if t not in LAYER_TYPES}, key=str)
+        if bad:
+            raise ValueError(f"layer_types {bad} cannot run here; supported: {LAYER_TYPES}")
+        if SLIDING in types and w is None:
+            raise ValueError("layer_types has 'sliding_attention' layers but sliding_window is None")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """The sliding window of each layer (None: full attention)."""
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(self.sliding_window if t == SLIDING else None for t in self.layer_types)
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -128,3 +166,36 @@ class LlamaConfig:
         if unknown:
             raise ValueError(f"unknown LlamaConfig keys {unknown}; known: {sorted(names)}")
         return cls(**d)
+
+
+def recycling_window(model: LlamaConfig, engine) -> int | None:
+    """The window whose blocks an engine may recycle: W when every layer slides, else None (a
+    model with full layers keeps every block; its sliding layers are only masked).
+
+    Args:
+      model: the model's config.
+      engine: the `EngineConfig` (its ``block_size`` and ``kv_layout``).
+
+    Raises:
+      ValueError: a paged engine whose ``block_size`` is longer than the window, cascade
+        attention on a model with a sliding layer (its kernel has no window), or a draft
+        model (speculative ``method="draft"``) beside a target that recycles: the draft's own
+        KV lives on the target's block tables and would lose the blocks it still attends to.
+    """
+    windows = {w for w in model.layer_windows if w is not None}
+    if windows and engine.kv_layout == "paged" and min(windows) < engine.block_size:
+        raise ValueError(f"sliding_window={min(windows)} is shorter than a page "
+                         f"(block_size={engine.block_size}): serve it with block_size <= "
+                         f"{min(windows)}")
+    if windows and getattr(engine, "cascade_attention", "off") != "off":
+        raise ValueError(f"cascade_attention={engine.cascade_attention!r} does not take "
+                         f"sliding-window layers (sliding_window={min(windows)}): use "
+                         "cascade_attention='off'")
+    if None in model.layer_windows:
+        return None
+    spec = getattr(engine, "speculative", None)
+    if spec is not None and spec.method == "draft" and engine.kv_layout == "paged":
+        raise ValueError(f"speculative method='draft' cannot share the block tables of a model "
+                         f"whose every layer slides (sliding_window={model.sliding_window}): its "
+                         "blocks are recycled behind the window; use method='ngram'")
+    return model.sliding_window

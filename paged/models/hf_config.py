@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from paged.models.config import LlamaConfig
+from paged.models.config import FULL, LAYER_TYPES, SLIDING, LlamaConfig
 
 # architecture -> model_type (the key of config.json that names it when "architectures" is absent)
 ARCHITECTURES = {
@@ -36,9 +36,9 @@ class HFModel:
       directory: the checkpoint directory.
       architecture: e.g. "LlamaForCausalLM".
       config: the `LlamaConfig` (``dtype`` is the requested compute dtype).
-      sliding_window: the window of Mistral / Qwen2 sliding-window attention, or None. A window at
-        least as long as every sequence changes nothing, so it is accepted only then:
-        ``config.max_seq_len`` is capped at it.
+      sliding_window: the window of the sliding layers (Mistral: every layer; Qwen2: the layers
+        at or above ``max_window_layers``, or as ``layer_types`` says), or None when no layer
+        slides; ``config.layer_types`` names each layer's kind.
       raw: the parsed ``config.json``.
     """
 
@@ -117,22 +117,34 @@ def _rope(cfg: dict, path: Path) -> dict:
     return out
 
 
-def _sliding_window(cfg: dict, path: Path, model_type: str, num_layers: int) -> int | None:
-    """The window that applies to at least one layer, or None."""
+def _layer_kinds(cfg: dict, path: Path, model_type: str, num_layers: int
+                 ) -> tuple[int | None, tuple[str, ...] | None]:
+    """``(sliding_window, layer_types)`` as transformers reads the config: Llama has no window;
+    Mistral slides every layer when ``sliding_window`` is set (``layer_types`` is ignored, as its
+    modeling code ignores it); Qwen2 slides only with ``use_sliding_window``, the layers at or
+    above ``max_window_layers`` unless a ``layer_types`` list names each layer's kind."""
     window = cfg.get("sliding_window")
-    if window is None:
-        return None
+    if model_type == "llama" or window is None:
+        return None, None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"{path}: sliding_window={window!r} must be a positive int or null")
-    if model_type == "qwen2":
-        layer_types = cfg.get("layer_types")
-        if isinstance(layer_types, list):
-            if "sliding_attention" not in layer_types:
-                return None
-        elif not cfg.get("use_sliding_window", False) or cfg.get(
-                "max_window_layers", num_layers) >= num_layers:
-            return None
-    return window
+    if model_type == "mistral":
+        return window, None
+    if not _get(cfg, path, "use_sliding_window", bool, False):
+        return None, None
+    types = cfg.get("layer_types")
+    if types is None:
+        first = _get(cfg, path, "max_window_layers", int, num_layers)
+        types = [SLIDING if i >= first else FULL for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ValueError(f"{path}: layer_types={types!r} must be a list of {num_layers} kinds")
+    bad = sorted({str(t) for t in types if t not in LAYER_TYPES})
+    if bad:
+        raise ValueError(f"{path}: layer_types has kinds {bad} this model cannot run; supported: "
+                         f"{list(LAYER_TYPES)}")
+    if SLIDING not in types:
+        return None, None
+    return window, tuple(types)
 
 
 def read_hf_config(directory: str | Path, *, dtype: str = "float32",
@@ -142,9 +154,8 @@ def read_hf_config(directory: str | Path, *, dtype: str = "float32",
     Args:
       directory: a checkpoint directory, or a ``config.json`` file itself.
       dtype: the engine's compute dtype ("float32", "bfloat16", "float16").
-      max_model_len: the longest sequence the engine will serve; a sliding window shorter than it
-        is refused (sliding-window attention is not implemented, and with a window at least this
-        long it would change nothing).
+      max_model_len: the longest sequence the engine will serve (unused: kept for callers;
+        sliding windows of any length are served).
 
     Returns:
       The `HFModel`.
@@ -152,7 +163,7 @@ def read_hf_config(directory: str | Path, *, dtype: str = "float32",
     Raises:
       ValueError: no such directory or file, malformed JSON, an unknown architecture, a missing
         or mistyped key, an activation other than SiLU, biases other than Qwen2's q/k/v, an
-        unsupported RoPE type, or a sliding window shorter than ``max_model_len``. The message
+        unsupported RoPE type, or ``layer_types`` with a kind this model cannot run. The message
         names the file and the key.
     """
     directory = Path(directory)
@@ -186,11 +197,7 @@ def read_hf_config(directory: str | Path, *, dtype: str = "float32",
         if cfg.get(key):
             raise ValueError(f"{path}: {key}={cfg[key]!r} is not supported (only Qwen2's q/k/v "
                              "biases are)")
-    window = _sliding_window(cfg, path, model_type, layers)
-    if window is not None and max_model_len is not None and window < max_model_len:
-        raise ValueError(
-            f"{path}: sliding_window={window} < max_model_len={max_model_len}: sliding-window "
-            f"attention is not implemented; serve with max_model_len <= {window}")
+    window, layer_types = _layer_kinds(cfg, path, model_type, layers)
     max_pos = _get(cfg, path, "max_position_embeddings", int, 4096)
     fields = dict(
         vocab_size=_get(cfg, path, "vocab_size", int),
@@ -200,11 +207,13 @@ def read_hf_config(directory: str | Path, *, dtype: str = "float32",
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         ffn_dim=_get(cfg, path, "intermediate_size", int),
-        max_seq_len=min(max_pos, window) if window else max_pos,
+        max_seq_len=max_pos,
         norm_eps=_get(cfg, path, "rms_norm_eps", float, 1e-6),
         dtype=dtype,
         tie_embeddings=_get(cfg, path, "tie_word_embeddings", bool, False),
         qkv_bias=model_type == "qwen2",
+        sliding_window=window,
+        layer_types=layer_types,
         **_rope(cfg, path),
     )
     try:

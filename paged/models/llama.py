@@ -27,6 +27,7 @@ class DecoderBlock(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
     config: LlamaConfig
+    sliding_window: int | None = None  # this layer's window (None: full attention)
 
     def setup(self):
         c = self.config
@@ -39,6 +40,7 @@ class DecoderBlock(nn.Module):
             dtype=c.compute_dtype,
             qkv_bias=c.qkv_bias,
             rope=c.rope if c.rope_scaling != "none" else None,
+            sliding_window=self.sliding_window,
         )
         self.mlp_norm = RMSNorm(eps=c.norm_eps, dtype=c.compute_dtype)
         self.mlp = SwiGLU(ffn_dim=c.ffn_dim, dtype=c.compute_dtype)
@@ -68,7 +70,7 @@ class Llama(nn.Module):
         self.embedding = self.param(
             "embedding", nn.initializers.normal(stddev=0.02), (c.vocab_size, c.d_model), jnp.float32
         )
-        self.layers = [DecoderBlock(c) for _ in range(c.num_layers)]
+        self.layers = [DecoderBlock(c, sliding_window=w) for w in c.layer_windows]
         self.final_norm = RMSNorm(eps=c.norm_eps, dtype=c.compute_dtype)
         if not c.tie_embeddings:
             self.lm_head = self.param(

@@ -7,6 +7,7 @@ Weights live in ``paged/models/weights/<name>.npz`` (float16 to stay small; load
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -21,7 +22,15 @@ from paged.models.config import LlamaConfig
 from paged.models.llama import Llama
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
-KNOWN_MODELS = ("tiny", "tiny-draft")
+KNOWN_MODELS = ("tiny", "tiny-draft", "tiny-sliding", "tiny-mixed")
+# Sliding variants of "tiny": its trained weights (trained with full attention) served with a
+# window of 32 tokens in every layer ("tiny-sliding") or in layers 1 and 3 ("tiny-mixed"). For
+# tests and studies of the machinery; the text they write is not what tiny was trained for.
+SLIDING_VARIANTS = {
+    "tiny-sliding": {"sliding_window": 32},
+    "tiny-mixed": {"sliding_window": 32, "layer_types": (
+        "full_attention", "sliding_attention", "full_attention", "sliding_attention")},
+}
 
 Params = dict[str, Any]
 
@@ -99,16 +108,19 @@ def load_from(npz: str | Path, js: str | Path) -> tuple[LlamaConfig, Params]:
 
 
 def model_info(name: str) -> dict:
-    """The json record of a bundled model (config, losses, command, corpus, ``npz_sha256``)."""
+    """The json record of a bundled model (config, losses, command, corpus, ``npz_sha256``; a
+    sliding variant gives tiny's record)."""
     _check_name(name)
-    return json.loads((WEIGHTS_DIR / f"{name}.json").read_text())
+    base = "tiny" if name in SLIDING_VARIANTS else name
+    return json.loads((WEIGHTS_DIR / f"{base}.json").read_text())
 
 
 def load_model(name: str) -> tuple[LlamaConfig, Params]:
     """Loads a bundled model.
 
     Args:
-      name: one of ``KNOWN_MODELS`` ("tiny", "tiny-draft"; both use `ByteTokenizer`).
+      name: one of ``KNOWN_MODELS`` ("tiny", "tiny-draft", and tiny's weights with sliding
+        windows: "tiny-sliding", "tiny-mixed"; all use `ByteTokenizer`).
 
     Returns:
       ``(config, params)``; params are float32 numpy arrays in a nested dict ready for
@@ -119,6 +131,9 @@ def load_model(name: str) -> tuple[LlamaConfig, Params]:
       FileNotFoundError: the weight files are missing from the installation.
     """
     _check_name(name)
+    if name in SLIDING_VARIANTS:
+        config, params = load_model("tiny")
+        return dataclasses.replace(config, **SLIDING_VARIANTS[name]), params
     npz, js = WEIGHTS_DIR / f"{name}.npz", WEIGHTS_DIR / f"{name}.json"
     for path in (npz, js):
         if not path.exists():
