@@ -143,3 +143,6 @@ def test_config_errors():
             method="draft", model="tiny-draft", num_speculative_tokens=2)))
     with pytest.raises(ValueError, match="does not recycle"):
         BlockManager(8, 4, sliding_window=8).run_decode_steps([], [])
+    for model in ("tiny-sliding", "tiny-mixed"):  # the cascade kernel has no window
+        with pytest.raises(ValueError, match="cascade_attention='on' does not take sliding"):
+            Engine(EngineConfig(model=model, cascade_attention="on"))
