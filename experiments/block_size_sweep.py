@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import common, serving
+from experiments import common, fragmentation, serving
 from paged import EngineConfig, SamplingParams, accounting
 from paged.workload import Workload, check_same_evidence
 
@@ -89,6 +89,16 @@ def formula_metrics(lengths, block_size: int, bytes_per_token: int) -> dict:
                 [int(n) for n in lengths], block_size=block_size),
             "tail_waste_positions": waste, "tail_waste_per_seq": waste / len(lengths),
             "tail_waste_bytes": waste * bytes_per_token}
+
+
+def kv_bytes_by_dtype(formula: dict, block_size: int, spec: accounting.ModelSpec) -> dict:
+    """The allocated bytes of :func:`formula_metrics` in each of ``fragmentation.KV_DTYPES`` (model
+    dtype, int8, int8 with page scales, fp8; exact, scales included), by fragmentation's helper."""
+    layout = {"layout": "paged", "block_size": block_size, "max_len": 0,
+              "allocated_positions": formula["allocated_positions"],
+              "valid_positions": formula["valid_positions"],
+              "wasted_positions": formula["tail_waste_positions"]}
+    return fragmentation.kv_bytes_rows([layout], spec)[0]["allocated_bytes_by_kv_dtype"]
 
 
 def ledger_position_metrics(categories: dict) -> dict:
@@ -292,12 +302,15 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
                "block_table_bytes": accounting.block_table_bytes(
                    c.engine.max_num_seqs, -(-c.engine.max_model_len // b), _TABLE_ENTRY_BYTES),
                "pool_positions": (-(-c.pool_positions // b)) * b}
+        row["kv_bytes_by_dtype"] = kv_bytes_by_dtype(row["formula"], b, spec)
         if b in timed:
             e = engines[b]
             row.update({"engine_config": dataclasses.asdict(e.config), "warmup_compile_s": built[b],
                         **aggregate(rounds[b]), "rounds": rounds[b]})
         rows.append(row)
         print(format_row(row), flush=True)
+        print(f"  B={b} allocated KV bytes by dtype: " + ", ".join(
+            f"{k} {v / 2**20:.2f} MiB" for k, v in row["kv_bytes_by_dtype"].items()), flush=True)
     print(format_table(rows, workload.evidence))
     payload = {
         "study": "block_size_sweep", "evidence": workload.evidence, "config": c.to_dict(),

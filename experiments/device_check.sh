@@ -15,9 +15,16 @@
 #            splits vs jax_gpu on the same arrays, read / copy roofline per point)
 #   ragged   experiments.kernel_bench :h200, ragged only -> $OUT/kernel_bench_h200_ragged.json
 #            (one process per stage: a hung Triton compile in one op does not eat another's time)
+#   kvdtype  experiments.kernel_bench :h200, decode on bf16 / int8 / fp8_e4m3 pools (B=64 ctx 4096,
+#            page scales) -> $OUT/kernel_bench_h200_kvdtype.json: per KV dtype, pallas_gpu and xla
+#            time, bytes at the dtype's own count (values + f32 scales + q + out) and the fraction
+#            of the read-only roofline measured on that dtype's own pool. NOT in the default
+#            STAGES (it would push the worst case past a 10-minute command); run it on its own:
+#              STAGES="install env kvdtype" GIT_REV=<sha> bash experiments/device_check.sh
+#            (~1-2 min estimated, never yet run on a GPU)
 #   summary  key numbers and every error's head to stdout and $OUT/summary.txt
 # Both benches write their JSON as they go, so a stage stopped by its limit still leaves results.
-# Outputs: at most 8 files directly under $OUT (env.txt, engine_bench.log, kernel_bench.log, four
+# Outputs: at most 9 files directly under $OUT (env.txt, engine_bench.log, kernel_bench.log, five
 # JSONs, summary.txt); logs over 15 MiB are cut to their first and last 7 MiB.
 #
 # On the device (repo root, .whl carried; .git does not travel, so pass the revision):
@@ -25,8 +32,9 @@
 # CPU dry run (smoke variants, JAX_PLATFORMS=cpu, about a minute here):
 #   DEVICE_CHECK_SMOKE=1 OUT=/tmp/devout PYTHON=.venv/bin/python bash experiments/device_check.sh
 # Knobs (env): OUT (default: a new temp dir), PYTHON (python3), GIT_REV, STAGES (default
-# "install env engine decode grid ragged"; summary always runs, install too while ml_collections
-# is missing), T_INSTALL T_ENV T_ENGINE T_DECODE T_GRID T_RAGGED (seconds), EB_FLAGS / KB_FLAGS (extra flags for the benches, word-split, e.g.
+# "install env engine decode grid ragged"; kvdtype on request; summary always runs, install too
+# while ml_collections is missing), T_INSTALL T_ENV T_ENGINE T_DECODE T_GRID T_RAGGED T_KVDTYPE
+# (seconds), EB_FLAGS / KB_FLAGS (extra flags for the benches, word-split, e.g.
 # KB_FLAGS="--config.repeats=5"), DEVICE_CHECK_SMOKE=1.
 #
 # Worst case 20 + 30 + 120 + 90 + 120 + 80 + 15 (summary) = 475 s, 535 s if every stage also used
@@ -51,9 +59,11 @@ if [ "$SMOKE" = 1 ]; then
   export JAX_PLATFORMS=cpu
   KB_VARIANT=smoke
   EB_VARIANT=smoke
+  KV_IMPLS="('interpret_gpu', 'xla')"
 else
   KB_VARIANT=h200
   EB_VARIANT=gpu
+  KV_IMPLS="('pallas_gpu', 'xla')"
 fi
 T_INSTALL=${T_INSTALL:-20}
 T_ENV=${T_ENV:-30}
@@ -61,6 +71,7 @@ T_ENGINE=${T_ENGINE:-120}
 T_DECODE=${T_DECODE:-90}
 T_GRID=${T_GRID:-120}
 T_RAGGED=${T_RAGGED:-80}
+T_KVDTYPE=${T_KVDTYPE:-120}
 STAGES=${STAGES:-install env engine decode grid ragged}
 EB_FLAGS=${EB_FLAGS:-}
 KB_FLAGS=${KB_FLAGS:-}
@@ -182,6 +193,7 @@ EB_JSON="$OUT/engine_bench_$EB_VARIANT.json"
 KB_DECODE="$OUT/kernel_bench_${KB_VARIANT}_decode.json"
 KB_RAGGED="$OUT/kernel_bench_${KB_VARIANT}_ragged.json"
 KB_GRID="$OUT/kernel_bench_${KB_VARIANT}_grid.json"
+KB_KV="$OUT/kernel_bench_${KB_VARIANT}_kvdtype.json"
 echo "device_check: OUT=$OUT smoke=$SMOKE stages=[$STAGES] GIT_REV=${GIT_REV:-unset}"
 
 if want install || ! "$PYTHON" -c "import ml_collections" 2>/dev/null; then  # the benches need it
@@ -217,6 +229,16 @@ if want ragged; then
     "--out=$KB_RAGGED" $KB_FLAGS
 fi
 
+if want kvdtype; then
+  # The model dtype ("auto": bf16 on h200) and the quantized pools in one process, same data.
+  # shellcheck disable=SC2086
+  run_stage kvdtype "$T_KVDTYPE" "$KB_LOG" "$KB_KV" "$PYTHON" -m experiments.kernel_bench \
+    "--config=experiments/configs/kernel_bench.py:$KB_VARIANT" "--config.ops=('decode',)" \
+    "--config.decode_impls=$KV_IMPLS" "--config.kv_impls=$KV_IMPLS" \
+    "--config.kv_cache_dtypes=('int8', 'fp8_e4m3')" "--config.kv_scale_granularity=page" \
+    "--out=$KB_KV" $KB_FLAGS
+fi
+
 # Logs: cap each at 15 MiB (first and last 7 MiB).
 for f in "$OUT"/*.log "$ENV_TXT"; do
   [ -f "$f" ] || continue
@@ -231,10 +253,10 @@ SUMMARY="$OUT/summary.txt"
 {
   echo "===== device_check summary ($(date -u +%FT%TZ), $((SECONDS - T_START))s total)"
   echo "stages:$STATUS"
-  timeout 15 "$PYTHON" - "$ENV_TXT" "$EB_JSON" "$KB_DECODE" "$KB_RAGGED" "$KB_GRID" <<'EOF' || echo "(summary script failed: rc=$?)"
+  timeout 15 "$PYTHON" - "$ENV_TXT" "$EB_JSON" "$KB_DECODE" "$KB_RAGGED" "$KB_GRID" "$KB_KV" <<'EOF' || echo "(summary script failed: rc=$?)"
 import json, os, sys
 
-env_txt, eb, kd, kr, kg = sys.argv[1:6]
+env_txt, eb, kd, kr, kg, kq = sys.argv[1:7]
 if os.path.exists(env_txt):
     keys = ("revision", "jax ", "devices", "device_kind", "memory bytes_limit", "import ok",
             "import FAILED", "ml_collections ", "jax_pallas_use_mosaic_gpu",
@@ -283,13 +305,24 @@ if d:
               f"{f(r, 'isolated_median_host_ms')} | {f(r, 'host_us_per_seq', '.2f')} us/seq | "
               f"{f(r, 'output_tokens_per_s', '.0f')} tok/s | compiles {r.get('num_compilations')}")
 
-for path in (kd, kr):
+for path in (kd, kr, kq):
+    if path == kq and not os.path.exists(path):  # kvdtype: only when asked for
+        continue
     d = load(path)
     if not d:
         continue
     print(f"{os.path.basename(path)}: complete={d.get('complete')} backend={d.get('backend')} "
           f"rev={d.get('git_revision')}")
-    for op in d.get("config", {}).get("ops", []):
+    for op, table in d.get("kv_dtypes", {}).items():  # per KV dtype: time, bytes, read roofline
+        for name, rows in table.items():
+            for kv, r in rows.items():
+                frac = r.get("frac_of_read_roofline")
+                print(f"  kv {op} {name:<12} {kv:<9} {r['median_ms']:.4f} ms bytes {r['bytes']} "
+                      f"{r['achieved_gbps']:.0f} GB/s ok={r.get('correct')} "
+                      + ("n/a" if frac is None else f"{100 * frac:.1f}%") + " of its read roofline"
+                      + (f" | time/auto {r['time_vs_auto']:.3f} bytes/auto {r['bytes_vs_auto']:.3f}"
+                         if "time_vs_auto" in r else ""))
+    for op in [*d.get("config", {}).get("ops", []), *d.get("kv_ops", [])]:
         rec = d.get(op)
         if rec is None:
             print(f"  {op}: not reached")

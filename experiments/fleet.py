@@ -100,7 +100,8 @@ def device(c):
 
 def engine_for(base, model, kv_gb: float, **overrides):
     cfg = dataclasses.replace(base, **overrides)
-    return dataclasses.replace(cfg, num_blocks=model.num_blocks(kv_gb * 1e9, cfg.block_size))
+    blocks = model.with_kv_cache(cfg).num_blocks(kv_gb * 1e9, cfg.block_size)  # quantized: more
+    return dataclasses.replace(cfg, num_blocks=blocks)
 
 
 def tenant_workload(c, num: int, rate: float, max_model_len: int) -> Workload:
@@ -294,12 +295,14 @@ def main(c, plan):
         def tight(model=model, **o):
             return engine_for(base, model, c.tight_kv_gb, **o)
 
-        sm = RooflineStepModel(dev, model, block_size=base.block_size)
+        # The engine's KV storage (kv_cache_dtype): quantized bytes read, values + scales.
+        sm = RooflineStepModel(dev, model.with_kv_cache(base), block_size=base.block_size)
         if "block_size" in c.studies:
             arms = [(f"block_size={b}", tight(block_size=b), "least_loaded") for b in c.block_sizes]
             res["block_size"] = []
             for arm in arms:  # the model counts CoW pages by the arm's block size
-                bsm = RooflineStepModel(dev, model, block_size=arm[1].block_size)
+                bsm = RooflineStepModel(dev, model.with_kv_cache(arm[1]),
+                                        block_size=arm[1].block_size)
                 res["block_size"] += _sweep(c, "block_size", model, bsm, [arm], plain_workload)
         if "batched_tokens" in c.studies:
             arms = [(f"max_num_batched_tokens={t}", tight(max_num_batched_tokens=t), "least_loaded")

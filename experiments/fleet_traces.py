@@ -73,7 +73,8 @@ def check(c, base) -> dict:
         if model not in MODELS:
             raise ValueError(f"trace_setups[{i}]: model {model!r}; known: {sorted(MODELS)}")
         dims = MODELS[model]
-        sm = TensorParallelRooflineStepModel(_fleet.device(c), dims, tensor_parallel=tp)
+        sm = TensorParallelRooflineStepModel(_fleet.device(c), dims.with_kv_cache(base),
+                                             tensor_parallel=tp)  # the base's KV storage
         kv = c.trace_memory_utilization * tp * c.trace_hbm_gb * 1e9 - _weight_bytes(dims)
         if kv <= 0:
             raise ValueError(f"trace_setups[{i}]: {model} weights ({_weight_bytes(dims) / 1e9:.1f}"
@@ -83,7 +84,8 @@ def check(c, base) -> dict:
         for j, arm in enumerate(c.trace_arms):
             name, overrides = common.named_pair(arm, f"trace_arms[{j}]", "engine field")
             cfg = dataclasses.replace(base, max_model_len=c.trace_max_model_len, **overrides)
-            cfg = dataclasses.replace(cfg, num_blocks=dims.num_blocks(kv, cfg.block_size))
+            blocks = dims.with_kv_cache(cfg).num_blocks(kv, cfg.block_size)
+            cfg = dataclasses.replace(cfg, num_blocks=blocks)
             arms.append((name, cfg))
         if not arms:
             raise ValueError("trace_arms=() names no arm")

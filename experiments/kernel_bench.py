@@ -177,9 +177,15 @@ def run(config: ml_collections.ConfigDict, *, peak_gbps: float | None = None,
             partial = record.get(op, {"impls": {}, "dense": {}})
             record[op] = {**partial, **lib.error_record(e, "bench")}
         record[op].update(build_s=build_s, op_s=time.perf_counter() - t0)
-        del data
         _print_op(op, record[op])
         save()
+        for kv in config.kv_cache_dtypes:  # the same data on quantized pools (values + scales)
+            _bench_quantized(config, op, kv, data, impls, record, peak=peak, say=say, save=save)
+        if config.kv_cache_dtypes:
+            record.setdefault("kv_dtypes", {})[op] = lib.kv_summary(record, op,
+                                                                    config.kv_cache_dtypes)
+            save()
+        del data
     target = lib.target_record(record, config)
     if target is not None:
         record["target"] = target
@@ -190,6 +196,34 @@ def run(config: ml_collections.ConfigDict, *, peak_gbps: float | None = None,
     record["load_average_end"] = list(os.getloadavg())  # other work on the machine meanwhile
     save()
     return record
+
+
+def _bench_quantized(config, op, kv, data, impls, record, *, peak, say, save) -> None:
+    """``op`` on ``data`` with K/V quantized to ``kv`` (record key ``op@kv``); no dense baseline."""
+    key = lib.kv_key(op, kv)
+    t0 = time.perf_counter()
+    try:
+        qdata = lib.quantize_data(data, config, kv, config.kv_scale_granularity)
+    except Exception as e:  # noqa: BLE001
+        record[key] = {"impls": {}, "dense": {}, **lib.error_record(e, "build")}
+        save()
+        return
+    record.setdefault("kv_ops", []).append(key)
+    qimpls = list(config.kv_impls) or lib.quant_impls(impls)
+
+    def update(rec):
+        record[key] = rec
+        save()
+
+    try:
+        record[key] = lib.bench_op(config, op, qdata, qimpls, peak_gbps=peak, on_update=update,
+                                   progress=say, dense=False)  # fmt: skip
+    except Exception as e:  # noqa: BLE001
+        record[key] = {**record.get(key, {"impls": {}, "dense": {}}), **lib.error_record(e, "bench")}
+    record[key].update(kv_cache_dtype=kv, kv_scale_granularity=config.kv_scale_granularity,
+                       op_s=time.perf_counter() - t0)  # fmt: skip
+    _print_op(key, record[key])
+    save()
 
 
 def _fmt(x, spec: str) -> str:
@@ -246,7 +280,7 @@ def _print_op(op: str, rec: dict) -> None:
 def failures(record: dict) -> list[str]:
     """``op:impl`` of every implementation that errored or failed its correctness check."""
     failed = []
-    for op in record["config"]["ops"]:
+    for op in [*record["config"]["ops"], *record.get("kv_ops", [])]:
         rec = record.get(op, {})
         if "error" in rec:
             failed.append(f"{op}:*")

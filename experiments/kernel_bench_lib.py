@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from pallas_kernels import testing, xla
+from pallas_kernels import quant, testing, xla
 from pallas_kernels.gpu_common import GpuPagedConfig, next_pow2
 from pallas_kernels.tpu_common import TpuPagedConfig
 
@@ -76,6 +76,9 @@ def build_decode(config, rng) -> dict:
         "live_rows": np.arange(batch),
         "dense_rows": dense_rows,
         "bytes": kv_bytes + 2 * q.size * size,
+        "q_bytes": 2 * q.size * size,
+        "kv_tokens": int(case.lengths.sum()),
+        "kv_pages": int(sum(-(-int(n) // page) for n in case.lengths)),
         "reference_bytes": 2 * batch * pps * page * h.num_kv_heads * h.head_dim * 4,
         "shape": f"B={batch} context={context} Hq={h.num_q_heads} Hkv={h.num_kv_heads} "
         f"D={h.head_dim} page={page} {config.dtype}",
@@ -112,12 +115,44 @@ def build_ragged(config, rng) -> dict:
         "live_rows": np.arange(live),
         "dense_rows": dense_rows,
         "bytes": kv_bytes + 2 * live * h.num_q_heads * h.head_dim * size,
+        "q_bytes": 2 * live * h.num_q_heads * h.head_dim * size,
+        "kv_tokens": sum(kv for kv, _ in seqs),
+        "kv_pages": sum(-(-kv // page) for kv, _ in seqs),
         "reference_bytes": 2 * q.shape[0] * pps * page * h.num_kv_heads * h.head_dim * 4,
         "shape": f"{len(seqs)} seqs ({config.ragged.num_prefills} prefill chunks of "
         f"{config.ragged.prefill_chunk}, {config.ragged.num_decodes} decodes, "
         f"{config.ragged.num_verify} verify x4) T={q.shape[0]} Hq={h.num_q_heads} "
         f"Hkv={h.num_kv_heads} D={h.head_dim} page={page} {config.dtype}",
     }
+
+
+def kv_read_bytes(data: dict, config, kv_cache_dtype: str, granularity: str) -> int:
+    """Bytes a step must move with a quantized pool: the valid keys' and values' quantized values
+    plus their float32 scales (per valid token for "token", per touched page for "page"), plus q
+    and the output in the model dtype (queries are never quantized)."""
+    h = config.heads
+    value = data["kv_tokens"] * h.head_dim * quant.storage_dtype(kv_cache_dtype).itemsize
+    scales = data["kv_tokens"] if granularity == "token" else data["kv_pages"]
+    scale_bytes = scales * jnp.dtype(quant.SCALE_DTYPE).itemsize
+    return int(2 * h.num_kv_heads * (value + scale_bytes) + data["q_bytes"])
+
+
+def quantize_data(data: dict, config, kv_cache_dtype: str, granularity: str) -> dict:
+    """``data`` (of :func:`build_decode` / :func:`build_ragged`) with K/V pools quantized
+    (:func:`pallas_kernels.quant.quantize_pool`) and ``bytes`` at the quantized byte count
+    (:func:`kv_read_bytes`); no dense baseline (flash_attention takes no quantized K/V)."""
+    dtype = quant.storage_dtype(kv_cache_dtype)
+    args = list(data["args"])
+    for i in (1, 2):
+        args[i] = quant.quantize_pool(jnp.asarray(args[i], jnp.float32), dtype, granularity)
+    return {**data, "args": tuple(args), "dense_args": (), "dense_rows": [],
+            "bytes": kv_read_bytes(data, config, kv_cache_dtype, granularity),
+            "shape": f"{data['shape']} kv={kv_cache_dtype}/{granularity}"}  # fmt: skip
+
+
+def quant_impls(impls) -> list[str]:
+    """The implementations that read quantized pages (JAX's own kernels do not)."""
+    return [i for i in impls if not split_variant(i)[0].startswith("jax_")]
 
 
 def split_variant(name: str) -> tuple[str, str]:
@@ -376,6 +411,8 @@ def float64_spot_check(op: str, data: dict, oracle: np.ndarray, config, sm_scale
     ``pallas_kernels.testing`` (which converts only those sequences' pages, so it stays cheap on a
     multi-GB pool)."""
     q, k_pages, v_pages, lengths, table = data["args"][:5]
+    if isinstance(k_pages, quant.QuantizedPages):  # the float64 truth on the dequantized values
+        k_pages, v_pages = quant.dequantize(k_pages), quant.dequantize(v_pages)
     if op == "decode":
         seqs = spot_check_rows(q.shape[0], config.oracle_check_seqs)
         rows = np.asarray(seqs, np.intp)
@@ -406,15 +443,25 @@ def quick_time(fn, args, repeats: int, calls: int = 1) -> dict:
 
 def copy_fn() -> Callable:
     """Reads and writes the whole K/V pool once (``x + z`` with ``z`` a runtime zero, which XLA
-    cannot fold away): the device's copy bandwidth on the very buffers the kernels read."""
-    return jax.jit(lambda k, v, z: (k + z, v + z))
+    cannot fold away): the device's copy bandwidth on the very buffers the kernels read (every
+    leaf: a quantized pool's values and scales)."""
+
+    def copy(k, v, z):
+        return jax.tree.map(lambda x: x + z.astype(x.dtype), (k, v))
+
+    return jax.jit(copy)
 
 
 def read_fn() -> Callable:
     """Reads the whole K/V pool once and writes two scalars: ``jnp.sum`` over each pool array in
     its own dtype, accumulated in float32 (the convert fuses into the reduction, so nothing of pool
-    size is written): the read-only roofline on the very buffers the kernels read."""
-    return jax.jit(lambda k, v: (jnp.sum(k, dtype=jnp.float32), jnp.sum(v, dtype=jnp.float32)))
+    size is written): the read-only roofline on the very buffers the kernels read (a quantized
+    pool: values and scales, each leaf summed in its own dtype)."""
+
+    def total(x):
+        return sum(jnp.sum(leaf, dtype=jnp.float32) for leaf in jax.tree.leaves(x))
+
+    return jax.jit(lambda k, v: (total(k), total(v)))
 
 
 def _cost(compiled) -> dict:
@@ -487,8 +534,11 @@ def bench_op(
     peak_gbps: float,
     on_update: Callable[[dict], None] | None = None,
     progress: Callable[[str], None] | None = None,
+    dense: bool = True,
 ) -> dict:
     """Checks then times ``impls`` on ``data``; returns the op's JSON record.
+
+    ``dense=False``: no dense baselines (quantized pools, see :func:`quantize_data`).
 
     Every failure (lowering, compile, run, numerics) is recorded under the implementation it
     belongs to and the others go on. ``on_update(rec)`` is called with the partial record after
@@ -501,7 +551,7 @@ def bench_op(
     rec = {"shape": data["shape"], "bytes": data["bytes"], "impls": {}, "dense": {},
            "datasheet_gbps": datasheet}  # fmt: skip
     t0 = time.perf_counter()
-    args = tuple(jnp.asarray(a) for a in data["args"])
+    args = tuple(jax.tree.map(jnp.asarray, a) for a in data["args"])
     dense_args = tuple(jnp.asarray(a) for a in data["dense_args"])
     jax.block_until_ready((args, dense_args))
     rec["to_device_s"] = time.perf_counter() - t0
@@ -590,7 +640,7 @@ def bench_op(
             entry.update(error_record(e, "timing"))
         update(rec)
         d = dense_impl(impl)
-        if d in rec["dense"]:
+        if not dense or d in rec["dense"]:
             continue
         say(f"{op}: dense {d} ...")
         t0 = time.perf_counter()
@@ -604,7 +654,7 @@ def bench_op(
             rec["dense"][d] = error_record(e, "correctness")
             say(f"{op}: dense {d} ERROR {type(e).__name__}: {str(e)[:300]}")
         update(rec)
-    if config.dense_head_major and "correct" in rec["dense"].get("xla", {}):
+    if dense and config.dense_head_major and "correct" in rec["dense"].get("xla", {}):
         # The same contiguous data with each head's keys contiguous: what paging costs against a
         # dense cache laid out for the kernel, not only against the [B, T, Hkv, D] layout.
         try:
@@ -662,6 +712,33 @@ def bench_op(
                 entry[f"{key}_rounds"] = ratios
     update(rec)
     return rec
+
+
+def kv_key(op: str, kv_cache_dtype: str) -> str:
+    """The record key of ``op`` on a quantized pool: ``"decode@int8"``; "auto" is ``op`` itself."""
+    return op if kv_cache_dtype == "auto" else f"{op}@{kv_cache_dtype}"
+
+
+def kv_summary(record: dict, op: str, kv_cache_dtypes) -> dict:
+    """Per implementation and KV dtype ("auto" = the model dtype): bytes moved at that dtype's own
+    byte count (values + scales + q + out), median ms, achieved GB/s, the fraction of the read-only
+    roofline measured on that dtype's own pool, and the time over the "auto" run's time (separate
+    timing rounds, not interleaved: read it as a rough ratio)."""
+    out: dict = {}
+    for kv in ("auto", *kv_cache_dtypes):
+        rec = record.get(kv_key(op, kv), {})
+        for impl, r in rec.get("impls", {}).items():
+            if "median_ms" not in r:
+                continue
+            row = {"bytes": rec["bytes"], "median_ms": r["median_ms"],
+                   "achieved_gbps": r["achieved_gbps"], "correct": r.get("correct"),
+                   "frac_of_read_roofline": r.get("frac_of_read_roofline")}  # fmt: skip
+            auto = out.get(impl, {}).get("auto")
+            if auto:
+                row["time_vs_auto"] = r["median_ms"] / auto["median_ms"]
+                row["bytes_vs_auto"] = rec["bytes"] / auto["bytes"]
+            out.setdefault(impl, {})[kv] = row
+    return out
 
 
 TARGET_STATISTIC = (

@@ -52,6 +52,7 @@ def test_smoke_config_end_to_end(tmp_path):
         xla_at = order.index("xla")
         assert order.index("dense:xla") == xla_at - 1
         assert order.index("dense:xla_head_major") == xla_at + 1
+    _check_kv_dtypes(record)
     grid = record["decode_grid"]  # one tiny point: every grid impl checked, timed, compared
     (point,) = grid["points"]
     assert (point["dtype"], point["context"], point["batch"]) == ("float32", 40, 3)
@@ -65,6 +66,38 @@ def test_smoke_config_end_to_end(tmp_path):
     assert target["statistic"].startswith("median over the timing rounds of the per-round ratio")
     assert target["ratio"] == record["decode"]["impls"]["xla"]["ratio_to_dense"]
     assert target["met"] == (target["ratio"] <= 1.25) and target["rounds"] >= 1
+
+
+def _check_kv_dtypes(record):
+    """The KV dtype factor: each op again on int8 / fp8 pages, bytes at their own exact count."""
+    cfg = record["config"]
+    assert cfg["kv_cache_dtypes"] == ["int8", "fp8_e4m3"] and cfg["kv_scale_granularity"] == "page"
+    hkv, d, hq = cfg["heads"]["num_kv_heads"], cfg["heads"]["head_dim"], cfg["heads"]["num_q_heads"]
+    # smoke shapes: decode 3 x 40 keys (5 pages of 8 each); ragged: one 24-key prefill chunk of 8
+    # rows, two 40-key decodes, one 40-key verify of 4 rows; pools of 18 and 23 pages (spares incl.).
+    tokens_pages_rows_pool = {"decode": (120, 15, 3, 18), "ragged": (144, 18, 14, 23)}
+    assert record["kv_ops"] == [f"{op}@{kv}" for op in ("decode", "ragged")
+                                for kv in cfg["kv_cache_dtypes"]]  # fmt: skip
+    for op, (tokens, pages, rows, pool_pages) in tokens_pages_rows_pool.items():
+        q_bytes = 2 * rows * hq * d * 4  # q + out, float32
+        assert record[op]["bytes"] == 2 * hkv * tokens * d * 4 + q_bytes
+        for kv in cfg["kv_cache_dtypes"]:
+            rec = record[f"{op}@{kv}"]
+            assert rec["kv_cache_dtype"] == kv and not rec["dense"]
+            assert rec["bytes"] == 2 * hkv * (tokens * d * 1 + pages * 4) + q_bytes  # 1-byte values
+            pool = 2 * hkv * pool_pages * (8 * d * 1 + 4)  # values + one f32 scale per page, head
+            assert rec["read"]["pool_bytes"] == pool and rec["copy"]["pool_bytes"] == pool
+            if kv == "int8":  # XLA CPU reads int8 in one pass; fp8 it converts first (recorded)
+                assert rec["read"]["single_pass"]
+            assert rec["oracle"] == "reference" and rec["oracle_check"]["correct"]
+            assert set(rec["impls"]) == set(cfg["kv_impls"])
+            for name, r in rec["impls"].items():
+                assert r["correct"] and r["median_ms"] > 0, (op, kv, name, r)
+                assert r["frac_of_read_roofline"] == r["achieved_gbps"] / rec["read"]["gbps"]
+                row = record["kv_dtypes"][op][name][kv]
+                assert row["bytes"] == rec["bytes"] and row["median_ms"] == r["median_ms"]
+                assert row["bytes_vs_auto"] == rec["bytes"] / record[op]["bytes"] < 0.5
+                assert row["time_vs_auto"] == r["median_ms"] / record[op]["impls"][name]["median_ms"]
 
 
 def test_configs_load_and_reject_unknown_variants():

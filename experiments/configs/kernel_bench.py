@@ -94,6 +94,13 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
     # Tuples, not lists: config_flags overrides tuples, e.g. --config.decode_impls="('xla',)".
     c.decode_impls = ("xla",)
     c.ragged_impls = ("xla",)
+    # KV dtype as a factor: each op (decode, ragged) also runs on the same data with K/V quantized
+    # to each of these formats (record key "decode@int8", ...; "auto", the model dtype, is the op
+    # itself), bytes counted at the quantized size (values + float32 scales); no dense baseline
+    # there. kv_impls: the implementations run on quantized pools (() = the op's, minus jax_*).
+    c.kv_cache_dtypes = ()
+    c.kv_scale_granularity = "page"
+    c.kv_impls = ()
     c.dense_head_major = True  # "xla" family: also time dense on [B, Hkv, T, D] K/V
     # Speed target, judged on ratio_to_dense: the median over rounds of per-round paged/dense
     # ratios (0: the variant has none).
@@ -146,6 +153,8 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
         c.decode_grid.repeats = 1
         c.decode_grid.min_timing_ms = 0.0
         c.target_max_ratio = 1.25  # only exercises the target record; meaningless here
+        c.kv_cache_dtypes = ("int8", "fp8_e4m3")
+        c.kv_impls = ("xla", "interpret_tpu", "interpret_gpu")
         c.note = "smoke: exercises every path on tiny shapes; timings are meaningless"
     elif arg == "h200":
         c.dtype = "bfloat16"

@@ -27,6 +27,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from paged import validate
+from paged.kv_formulas import QUANT_ITEMSIZE, SCALE_BYTES, SCALE_GRANULARITIES
+
 FEATURES: dict[str, Callable[[StepShape], float]] = {}
 
 
@@ -283,7 +286,11 @@ class ModelDims:
     """A Llama-style decoder's dimensions (no weights), for bytes and FLOPs per step.
 
     Attributes mirror ``paged.models.config.LlamaConfig``; ``bytes_per_param`` and
-    ``bytes_per_kv`` are the storage sizes (2 for bfloat16).
+    ``bytes_per_kv`` are the storage sizes (2 for bfloat16). ``kv_cache_dtype`` /
+    ``kv_scale_granularity`` are the engine's (``EngineConfig``; :meth:`with_kv_cache` copies
+    them): with a quantized format a KV value costs its own size (1 byte) and every (token, KV
+    head) or (page, KV head) adds a float32 scale, in the pool geometry (:meth:`num_blocks`) and in
+    every byte the roofline counts (:meth:`kv_read_bytes`, :meth:`kv_bytes_per_block`).
     """
 
     name: str
@@ -297,6 +304,18 @@ class ModelDims:
     bytes_per_param: int = 2
     bytes_per_kv: int = 2
     tie_embeddings: bool = False
+    kv_cache_dtype: str = "auto"
+    kv_scale_granularity: str = "token"
+
+    def __post_init__(self):
+        validate.one_of("kv_cache_dtype", self.kv_cache_dtype, ("auto", *QUANT_ITEMSIZE))
+        validate.one_of("kv_scale_granularity", self.kv_scale_granularity, SCALE_GRANULARITIES)
+
+    def with_kv_cache(self, config) -> ModelDims:
+        """These dims with the KV storage of ``config`` (an ``EngineConfig``): its
+        ``kv_cache_dtype`` and ``kv_scale_granularity``."""
+        return dataclasses.replace(self, kv_cache_dtype=config.kv_cache_dtype,
+                                   kv_scale_granularity=config.kv_scale_granularity)
 
     @classmethod
     def from_llama_config(cls, cfg, *, name: str = "model", bytes_per_param: int = 2,
@@ -324,8 +343,33 @@ class ModelDims:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """``2 * L * h_kv * d_h * b`` (as ``paged.accounting.ModelSpec.bytes_per_token``)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_kv
+        """``2 * L * h_kv * d_h * b`` with ``b`` the stored value's size (``bytes_per_kv``, or 1 for
+        int8 / fp8), scales excluded (as ``paged.accounting.ModelSpec.bytes_per_token``)."""
+        b = QUANT_ITEMSIZE.get(self.kv_cache_dtype, self.bytes_per_kv)
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * b
+
+    @property
+    def kv_bytes_per_scale(self) -> int:
+        """Bytes of one scale slot over the layers, K and V: ``2 * L * h_kv * 4`` (0 unquantized)."""
+        if self.kv_cache_dtype == "auto":
+            return 0
+        return 2 * self.num_layers * self.num_kv_heads * SCALE_BYTES
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of one pool block: its values and its scales (one per token or one per page)."""
+        scales = block_size if self.kv_scale_granularity == "token" else 1
+        return block_size * self.kv_bytes_per_token + scales * self.kv_bytes_per_scale
+
+    def kv_read_bytes(self, positions, block_size: int):
+        """Bytes of ``positions`` KV positions read or written: values plus scales, per position
+        ("token"; exact) or per page amortised over ``block_size`` positions ("page"; exact when
+        the positions fill whole pages, else it counts the partly filled pages' scales pro rata).
+        Unquantized: ``positions * kv_bytes_per_token``, the integer it always was."""
+        if self.kv_cache_dtype == "auto":
+            return positions * self.kv_bytes_per_token
+        if self.kv_scale_granularity == "token":
+            return positions * (self.kv_bytes_per_token + self.kv_bytes_per_scale)
+        return positions * self.kv_bytes_per_token + positions * self.kv_bytes_per_scale / block_size
 
     def to_dict(self) -> dict:
         """Its fields (also what enters a simulated replica's prefix-cache salt)."""
@@ -333,14 +377,16 @@ class ModelDims:
 
     def num_blocks(self, kv_bytes: float, block_size: int) -> int:
         """Pool blocks (null page included) that ``kv_bytes`` of KV memory holds."""
-        return int(kv_bytes // (self.kv_bytes_per_token * block_size)) + 1
+        return int(kv_bytes // self.kv_bytes_per_block(block_size)) + 1
 
     def model_spec(self):
         from paged.accounting import ModelSpec
 
         return ModelSpec(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
                          head_dim=self.head_dim,
-                         dtype="bfloat16" if self.bytes_per_kv == 2 else "float32")
+                         dtype="bfloat16" if self.bytes_per_kv == 2 else "float32",
+                         kv_cache_dtype=self.kv_cache_dtype,
+                         scale_granularity=self.kv_scale_granularity)
 
 
 LLAMA3_8B = ModelDims("Llama-3-8B", d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -372,8 +418,8 @@ class RooflineStepModel(StepTimeModel):
     def decode_times(self, n, kv0, k, padded_tokens, padded_seqs, after_idle=0):
         # ``time`` of each step, the same integer and float operations in the same order.
         m, d = self.model, self.device
-        kvb = m.kv_bytes_per_token
         w = m.weight_bytes
+        bs = self.block_size
         per_token = 2 * m.matmul_params * n + 2 * m.d_model * m.vocab_size * n
         attn = 4 * m.num_layers * m.num_heads * m.head_dim
         bw, fs, launch = d.mem_bandwidth, d.flop_s, d.launch_s
@@ -381,21 +427,21 @@ class RooflineStepModel(StepTimeModel):
         out = []
         for j in range(k):
             kv = kv0 + j * n
-            moved = w + kvb * (kv + n) + 2 * kvb * self.block_size * 0
+            moved = w + m.kv_read_bytes(kv + n, bs) + 2 * m.kv_bytes_per_block(bs) * 0
             flops = per_token + attn * kv
             out.append(host + (launch + max(moved / bw, flops / fs)))
         return out
 
     def time(self, s: StepShape) -> float:
         m, d = self.model, self.device
-        kvb = m.kv_bytes_per_token
-        moved = m.weight_bytes + kvb * (s.kv_read + s.num_tokens) + \
-            2 * kvb * self.block_size * s.copy_blocks
+        block = m.kv_bytes_per_block(self.block_size)
+        moved = m.weight_bytes + m.kv_read_bytes(s.kv_read + s.num_tokens, self.block_size) + \
+            2 * block * s.copy_blocks
         flops = 2 * m.matmul_params * s.num_tokens + 2 * m.d_model * m.vocab_size * s.num_samples \
             + 4 * m.num_layers * m.num_heads * m.head_dim * s.attn_pairs
         dev = d.launch_s + max(moved / d.mem_bandwidth, flops / d.flop_s)
         if s.swap_blocks:  # over the host link, not overlapped with the step
-            dev += kvb * self.block_size * s.swap_blocks / d.swap_bandwidth
+            dev += block * s.swap_blocks / d.swap_bandwidth
         return d.host_s[0] + d.host_s[1] * s.num_seqs + dev
 
     def describe(self) -> dict:
@@ -446,10 +492,11 @@ class TensorParallelRooflineStepModel(RooflineStepModel):
 
     def time(self, s: StepShape) -> float:
         m, d, t = self.model, self.device, self.tensor_parallel
-        kvb = m.kv_bytes_per_token
+        block = m.kv_bytes_per_block(self.block_size)
         head = m.d_model * m.vocab_size
-        moved = (m.matmul_params * m.bytes_per_param + kvb * (s.kv_read + s.num_tokens)
-                 + 2 * kvb * self.block_size * s.copy_blocks) / t + head * m.bytes_per_param
+        moved = (m.matmul_params * m.bytes_per_param
+                 + m.kv_read_bytes(s.kv_read + s.num_tokens, self.block_size)
+                 + 2 * block * s.copy_blocks) / t + head * m.bytes_per_param
         flops = (2 * m.matmul_params * s.num_tokens
                  + 4 * m.num_layers * m.num_heads * m.head_dim * s.attn_pairs) / t \
             + 2 * head * s.num_samples
@@ -459,7 +506,7 @@ class TensorParallelRooflineStepModel(RooflineStepModel):
             dev += 2 * m.num_layers * (self.allreduce_latency_s
                                        + 2 * (t - 1) / t * act / self.link_bandwidth)
         if s.swap_blocks:
-            dev += kvb * self.block_size * s.swap_blocks / (t * d.swap_bandwidth)
+            dev += block * s.swap_blocks / (t * d.swap_bandwidth)
         return d.host_s[0] + d.host_s[1] * s.num_seqs + dev
 
     def describe(self) -> dict:
