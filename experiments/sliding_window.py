@@ -14,7 +14,9 @@ after every step:
 
 * **blocks per sequence over time**: the non-null entries of each device-resident sequence's
   block table (mean and max over the running sequences of that step; plotted), and
-  ``kv_stats()["max_blocks_per_sequence"]``, the most any sequence held at once;
+  ``kv_stats()["max_blocks_per_sequence"]``, the most any sequence held at once (a sequence
+  preempted by recompute comes back with its generated tokens as prompt, and a prompt's blocks
+  are all taken at admission, so this can pass ``ceil(W / B) + 1`` in an arm that preempts);
 * ``recycled_blocks`` (blocks freed because they left the window) and the ledger's
   ``recycled_bytes``;
 * **admitted concurrency**: the peak number of device-resident running sequences over steps (the
@@ -147,7 +149,7 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
     plan = plan or check(c)
     ecfg, wl = plan["engine_config"], plan["workload"]
     base, params = common.load_model(c.model)
-    B, L = ecfg.block_size, ecfg.max_model_len
+    B = ecfg.block_size
     rows = []
     for name, w in plan["arms"]:
         engine = Engine(ecfg, model_config=windowed(base, w), params=params)
@@ -157,7 +159,9 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
         bar.close()
         # One more block with async_scheduling: the next slot is appended before the previous
         # step is read back and recycles (paged.blocks.window).
-        bound = math.ceil(L / B) if w is None else math.ceil(w / B) + 1 + ecfg.async_scheduling
+        longest = max(r.prompt_len + r.output_len for r in wl.requests) - 1  # last KV write
+        bound = (math.ceil(longest / B) if w is None
+                 else math.ceil(w / B) + 1 + ecfg.async_scheduling)
         rows.append({"arm": name, "sliding_window": w, "bound_blocks_per_sequence": bound,
                      "warmup_compilations": compiled, **res})
         print(f"{name}: peak running {res['peak_running_seqs']}, preemptions "
@@ -175,9 +179,12 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
         "definitions": {
             "blocks held": "non-null block-table entries of a device-resident running sequence, "
                            "read after each engine step",
-            "bound_blocks_per_sequence": "ceil(max_model_len / B) for full attention, "
-                                         "ceil(W / B) + 1 for a window (+ 1 with "
-                                         "async_scheduling), once the prompt is behind it",
+            "bound_blocks_per_sequence": "full attention: ceil(longest sequence's KV / B); "
+                                         "a window: ceil(W / B) + 1 (+ 1 with "
+                                         "async_scheduling) once the prompt is behind it; a "
+                                         "sequence preempted by recompute is readmitted with "
+                                         "its generated tokens as prompt and takes all of its "
+                                         "blocks at admission, so it can hold more for a step",
             "peak_running_seqs": "admitted concurrency: most device-resident running sequences "
                                  "after any step",
             "throughput_tok_s": "output tokens / wall seconds of the offline run (all requests "
