@@ -19,8 +19,10 @@ after every step:
   are all taken at admission, so this can pass ``ceil(W / B) + 1`` in an arm that preempts);
 * ``recycled_blocks`` (blocks freed because they left the window) and the ledger's
   ``recycled_bytes``;
-* **admitted concurrency**: the peak number of device-resident running sequences over steps (the
-  mean too), and **preemptions** (``kv_stats()["num_preemptions"]``);
+* **admitted concurrency**: the peak number of device-resident running sequences over steps, and
+  their mean and median over the steps that run any (offline, every arm admits all requests'
+  short prompts at t = 0, so the peak is the request count; the mean and median say how many the
+  pool keeps running once they grow), and **preemptions** (``kv_stats()["num_preemptions"]``);
 * **throughput** of the offline run: output tokens / wall seconds of the run (compilation excluded
   when ``config.warmup``), engine steps.
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -135,6 +138,7 @@ def run_arm(engine: Engine, workload: Workload, bar) -> dict:
         "throughput_tok_s": out_tokens / wall if wall > 0 else None,
         "peak_running_seqs": max(running, default=0),
         "mean_running_seqs": sum(running) / len(running) if running else 0.0,
+        "median_running_seqs": float(statistics.median(running)) if running else 0.0,
         "preemptions": stats["num_preemptions"] - stats0["num_preemptions"],
         "max_blocks_per_sequence": stats["max_blocks_per_sequence"],
         "recycled_blocks": stats["recycled_blocks"] - stats0["recycled_blocks"],
@@ -186,7 +190,10 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
                                          "its generated tokens as prompt and takes all of its "
                                          "blocks at admission, so it can hold more for a step",
             "peak_running_seqs": "admitted concurrency: most device-resident running sequences "
-                                 "after any step",
+                                 "after any step (offline: every short prompt is admitted at "
+                                 "t = 0, so this is the request count in every arm)",
+            "mean_running_seqs": "device-resident running sequences, mean over the steps that "
+                                 "run any (median_running_seqs: their median)",
             "throughput_tok_s": "output tokens / wall seconds of the offline run (all requests "
                                 "at t = 0; compilation excluded when config.warmup)"},
         "not_measured": "capacity at a latency SLO; fleet what-if (paged.sim models no "
@@ -203,10 +210,12 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
 def format_table(rows: list[dict], ecfg) -> str:
     lines = [f"same pool: num_blocks={ecfg.num_blocks}, B={ecfg.block_size}, "
              f"max_model_len={ecfg.max_model_len}, offline",
-             f"{'arm':18s}{'peak run':>9s}{'mean run':>9s}{'preempt':>8s}{'max blk':>8s}"
+             f"{'arm':18s}{'peak run':>9s}{'mean run':>9s}{'med run':>8s}{'preempt':>8s}"
+             f"{'max blk':>8s}"
              f"{'bound':>6s}{'recycled':>9s}{'tok/s':>8s}{'steps':>7s}"]
     for r in rows:
         lines.append(f"{r['arm']:18s}{r['peak_running_seqs']:>9d}{r['mean_running_seqs']:>9.1f}"
+                     f"{r['median_running_seqs']:>8.1f}"
                      f"{r['preemptions']:>8d}{r['max_blocks_per_sequence']:>8d}"
                      f"{r['bound_blocks_per_sequence']:>6d}{r['recycled_blocks']:>9d}"
                      f"{r['throughput_tok_s']:>8.1f}{r['steps']:>7d}")

@@ -44,4 +44,5 @@ def test_sliding_window_smoke(tmp_path):
     # W = 4: at most three blocks per sequence, all six fit at once: no preemption, more running on average.
     assert windows[0]["preemptions"] == 0
     assert windows[0]["mean_running_seqs"] > full["mean_running_seqs"]
+    assert windows[0]["median_running_seqs"] >= full["median_running_seqs"]
     assert windows[0]["steps"] < full["steps"]
