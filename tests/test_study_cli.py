@@ -33,6 +33,8 @@ CASES = [
     ("trace_stats", "smoke", "rate_bin=3", "rate_bin_s", "rate_bin_s=0", "rate_bin_s"),
     ("routing", "smoke", "data_parallel_siz=4", "data_parallel_size", "host_bench.steps=0",
      "host_bench.steps"),
+    ("sliding_window", "smoke", "window_fraction=(0.5,)", "window_fractions",
+     "window_fractions=(0.05,)", "window_fractions"),
 ]
 
 
@@ -94,7 +96,7 @@ def test_every_engine_field_is_a_config_key(tmp_path):
 
     names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
     for study in ("serve", "ablate", "capacity", "block_size_sweep", "prefix_sharing",
-                  "engine_bench", "routing"):
+                  "engine_bench", "routing", "sliding_window"):
         for variant in ("default", "smoke"):
             c = importlib.import_module(f"experiments.configs.{study}").get_config(variant)
             assert set(c.engine.keys()) == names, (study, variant)
