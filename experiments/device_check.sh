@@ -22,9 +22,13 @@
 #            STAGES (it would push the worst case past a 10-minute command); run it on its own:
 #              STAGES="install env kvdtype" GIT_REV=<sha> bash experiments/device_check.sh
 #            (~1-2 min estimated, never yet run on a GPU)
+#   cascade  (opt-in: add it to STAGES) experiments.cascade :h200 -> $OUT/cascade_h200.json
+#            (cascade vs ordinary paged decode, compiled GPU-style Pallas, bf16, groups 1-64 x
+#            prefix 256-8k; its JSON is rewritten after each point). Never run on a device yet;
+#            selecting it adds one file under $OUT and up to T_CASCADE (150 s) to the worst case.
 #   summary  key numbers and every error's head to stdout and $OUT/summary.txt
 # Both benches write their JSON as they go, so a stage stopped by its limit still leaves results.
-# Outputs: at most 9 files directly under $OUT (env.txt, engine_bench.log, kernel_bench.log, five
+# Outputs: at most 10 files directly under $OUT (env.txt, engine_bench.log, kernel_bench.log, six
 # JSONs, summary.txt); logs over 15 MiB are cut to their first and last 7 MiB.
 #
 # On the device (repo root, .whl carried; .git does not travel, so pass the revision):
@@ -32,9 +36,9 @@
 # CPU dry run (smoke variants, JAX_PLATFORMS=cpu, about a minute here):
 #   DEVICE_CHECK_SMOKE=1 OUT=/tmp/devout PYTHON=.venv/bin/python bash experiments/device_check.sh
 # Knobs (env): OUT (default: a new temp dir), PYTHON (python3), GIT_REV, STAGES (default
-# "install env engine decode grid ragged"; kvdtype on request; summary always runs, install too
-# while ml_collections is missing), T_INSTALL T_ENV T_ENGINE T_DECODE T_GRID T_RAGGED T_KVDTYPE
-# (seconds), EB_FLAGS / KB_FLAGS (extra flags for the benches, word-split, e.g.
+# "install env engine decode grid ragged"; kvdtype and cascade on request; summary always runs,
+# install too while ml_collections is missing), T_INSTALL T_ENV T_ENGINE T_DECODE T_GRID
+# T_RAGGED T_KVDTYPE T_CASCADE (seconds), EB_FLAGS / KB_FLAGS (extra flags for the benches, word-split, e.g.
 # KB_FLAGS="--config.repeats=5"), DEVICE_CHECK_SMOKE=1.
 #
 # Worst case 20 + 30 + 120 + 90 + 120 + 80 + 15 (summary) = 475 s, 535 s if every stage also used
@@ -72,6 +76,7 @@ T_DECODE=${T_DECODE:-90}
 T_GRID=${T_GRID:-120}
 T_RAGGED=${T_RAGGED:-80}
 T_KVDTYPE=${T_KVDTYPE:-120}
+T_CASCADE=${T_CASCADE:-150}
 STAGES=${STAGES:-install env engine decode grid ragged}
 EB_FLAGS=${EB_FLAGS:-}
 KB_FLAGS=${KB_FLAGS:-}
@@ -194,6 +199,7 @@ KB_DECODE="$OUT/kernel_bench_${KB_VARIANT}_decode.json"
 KB_RAGGED="$OUT/kernel_bench_${KB_VARIANT}_ragged.json"
 KB_GRID="$OUT/kernel_bench_${KB_VARIANT}_grid.json"
 KB_KV="$OUT/kernel_bench_${KB_VARIANT}_kvdtype.json"
+CAS_JSON="$OUT/cascade_${KB_VARIANT}.json"
 echo "device_check: OUT=$OUT smoke=$SMOKE stages=[$STAGES] GIT_REV=${GIT_REV:-unset}"
 
 if want install || ! "$PYTHON" -c "import ml_collections" 2>/dev/null; then  # the benches need it
@@ -227,6 +233,12 @@ if want ragged; then
   run_stage ragged "$T_RAGGED" "$KB_LOG" "$KB_RAGGED" "$PYTHON" -m experiments.kernel_bench \
     "--config=experiments/configs/kernel_bench.py:$KB_VARIANT" "--config.ops=('ragged',)" \
     "--out=$KB_RAGGED" $KB_FLAGS
+fi
+if want cascade; then
+  # cascade writes cascade.json into its output_dir (after every point); copied to $CAS_JSON.
+  run_stage cascade "$T_CASCADE" "$KB_LOG" - "$PYTHON" -m experiments.cascade \
+    "--config=experiments/configs/cascade.py:$KB_VARIANT" "--config.output_dir=$SITE/cascade"
+  [ -f "$SITE/cascade/cascade.json" ] && cp "$SITE/cascade/cascade.json" "$CAS_JSON"
 fi
 
 if want kvdtype; then

@@ -33,12 +33,23 @@ MODES = ("auto", "on", "off")
 class CascadeCost:
     """The constants of the cascade decision (token reads per layer and KV head).
 
-    Not measured yet: the defaults are a stated guess (a cascade step costs about what reading
-    512 tokens per KV head costs; a group must save at least 64), not derived from kernel times.
-    Deriving them from the kernel's own timings (cascade vs ordinary over group size and prefix
-    length, on the target device) is open work; until then "auto" is conservative and "on" is
-    the mode that exercises cascade whenever any prefix is shared. Neither choice changes
-    outputs.
+    Defaults measured for the "xla" path on CPU only (GPU and TPU were not measured; their
+    crossover may differ: the opt-in ``cascade`` stage of ``experiments/device_check.sh`` is the
+    H200 measurement, not run yet), by
+    ``experiments/cascade.py`` (committed run: ``experiments/results/cascade/cascade.json``, JAX
+    0.10.2 on 2 shared CPU cores, one group per step, groups of 1-16 sharing 64-1,024 tokens with
+    16-token suffixes, Hq=8, Hkv=2, D=64, page 16, float32). The study fits
+    ``t_cascade - t_ordinary = a - b * saved`` over the 20 points with two or more members
+    (``saved = (members - 1) * prefix tokens``): ``a`` = 44.5 us fixed extra cost, ``b`` = 76 ns per
+    saved token read (times are per layer call on those shapes), so cascade breaks even at
+    ``a / b`` = 583 saved token reads; ``overhead_tokens`` is that rounded up to whole pages (592).
+    The observed crossovers (smallest prefix from which cascade was faster, median over rounds, at
+    every longer prefix) were saving 256 (groups of 2), 384 (4), 3,584 (8) and 1,920 (16) token
+    reads: noisy (the fit's RMS residual is 132 us, per-round IQRs are wide), so the constant is
+    the fit, not any single crossover. Groups of 1 (no saving) ran 0.86-1.12x ordinary.
+    ``min_group_saving_tokens`` is not measured (the study times one group per step; a step's
+    group slots are a fixed shape, so an extra group adds no pass): it only keeps groups saving
+    less than 64 token reads out. Neither constant changes outputs.
 
     Attributes:
       overhead_tokens: the fixed cost of a cascade step (second pass, merge, gathers of the group
@@ -49,7 +60,7 @@ class CascadeCost:
         sequence bucket); the groups saving most are kept.
     """
 
-    overhead_tokens: int = 512
+    overhead_tokens: int = 592  # experiments/results/cascade: the XLA/CPU break-even fit
     min_group_saving_tokens: int = 64
     max_groups: int = 8
 

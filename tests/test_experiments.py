@@ -186,3 +186,22 @@ def test_kv_quant_smoke(tmp_path):
         assert r["kl_mean"] >= 0 and r["prompt_logprob_abs_err"] > 0
     [cap] = [r["capacity_at_equal_bytes"] for r in payload["results"] if "capacity_at_equal_bytes" in r]
     assert cap["pages"]["int8:token"] > cap["pages"]["bfloat16"]
+
+
+def test_cascade_smoke(tmp_path):
+    _run("experiments.cascade", "--config=experiments/configs/cascade.py:smoke",
+         f"--config.output_dir={tmp_path}")
+    payload = json.loads((tmp_path / "cascade.json").read_text())
+    assert payload["all_correct"] and payload["provenance"]["jax_version"]
+    points = payload["points"]
+    assert {(p["group_size"], p["prefix_tokens"]) for p in points} == {
+        (1, 32), (1, 64), (4, 32), (4, 64)}
+    for p in points:
+        assert p["ratio"]["rounds"] == 3 and p["cascade_ms"]["median"] > 0
+        # A group of n reads its prefix once: n * (prefix + suffix pages) vs prefix + n * suffix.
+        n, pages = p["group_size"], p["prefix_tokens"] // 16
+        bytes_per_page = 16 * 2 * 2 * 16 * 4  # page x K,V x Hkv x D x float32
+        assert p["kv_bytes"]["ordinary"] == n * (pages + 1) * bytes_per_page
+        assert p["kv_bytes"]["cascade"] == (pages + n) * bytes_per_page
+    assert set(payload["derived"]["crossovers"]) == {"1", "4"}
+    assert (tmp_path / "cascade.png").stat().st_size > 0
