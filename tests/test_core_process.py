@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import re
 import signal
-import socket
-import threading
 import time
 
 import httpx
@@ -23,43 +20,17 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("zmq")
 
+from server_utils import CONFIG, MAX_TOKENS, PROMPTS, serve_in_thread  # noqa: E402
+from server_utils import metric as _metric  # noqa: E402
+from server_utils import wait_idle as _wait_idle  # noqa: E402
+
 from paged import Engine, EngineConfig, SamplingParams  # noqa: E402
 from paged.server.app import ServerSettings, build_app  # noqa: E402
 from paged.server.core_client import EngineCoreClient  # noqa: E402
 
-CONFIG = EngineConfig(model="tiny", block_size=16, max_num_seqs=16, max_num_batched_tokens=64,
-                      max_model_len=128, attention_impl="xla", min_token_bucket=64,
-                      min_seq_bucket=16)
-PROMPTS = ["def main():", "import os", "class Foo:", "for i in range(10):"]
-MAX_TOKENS = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _metric(base: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(base + "/metrics").text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
-
-
-def _wait_idle(base: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (_metric(base, "paged:num_requests_running") == 0
-                and _metric(base, "paged:kv_cache_usage_perc") == 0):
-            return
-        time.sleep(0.05)
-    raise AssertionError(httpx.get(base + "/metrics").text[:2000])
-
 
 @pytest.fixture(scope="module")
 def server():
-    import uvicorn
-
     engine = Engine(CONFIG)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     offline = {p: o.text for p, o in zip(PROMPTS, engine.generate(PROMPTS, greedy))}
@@ -71,20 +42,10 @@ def server():
     del engine
     client = EngineCoreClient(CONFIG)
     app = build_app(client, ServerSettings(served_model_name="tiny"))
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    base = f"http://127.0.0.1:{port}"
-    yield {"base": base, "core": client, "offline": offline, "stop": (stop, stopped),
-           "n2": [o.text for o in n2.outputs],
-           "client": openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)}
-    srv.should_exit = True
-    thread.join(15)
+    with serve_in_thread(app) as base:
+        yield {"base": base, "core": client, "offline": offline, "stop": (stop, stopped),
+               "n2": [o.text for o in n2.outputs],
+               "client": openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)}
     client.close()  # already closed by the app's shutdown: a second close is a no-op
 
 
