@@ -39,4 +39,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check $(RUFF_OPTS) --select E,F,W,I,B,UP --ignore E501,E731,B905 paged pallas_kernels experiments tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .cache
