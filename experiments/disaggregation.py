@@ -217,8 +217,30 @@ def main(c, plan) -> dict:
         from experiments.disaggregation_plots import plot
 
         plot(payload, out_dir)
+    print(tables(payload), flush=True)
     print(f"wrote {out_dir / 'disaggregation.json'}", flush=True)
     return payload
+
+
+def tables(payload: dict) -> str:
+    """Markdown tables of a payload: per trace, fleet and SLO, goodput per GPU colocated against
+    the best split; then, per rate, colocated attainment against the best split's."""
+    lines = [("| trace | GPUs (link) | SLO TTFT/TPOT ms | goodput/GPU colocated | best split | "
+             "its goodput/GPU | ratio |"), "| --- | --- | --- | --- | --- | --- | --- |"]
+    rates = ["", ("| trace | GPUs | SLO | rate/GPU | colocated attainment | best split | "
+             "its attainment |"), "| --- | --- | --- | --- | --- | --- | --- |"]
+    for service, res in payload["results"].items():
+        for fleet in res["fleets"]:
+            for row in fleet["comparison"]:
+                lines.append(f"| {service} | {fleet['gpus']} ({fleet['link']}) | {row['slo']} | "
+                             f"{common_fmt(row['colocated'])} | {row['best_split']} | "
+                             f"{common_fmt(row['best_split_goodput'])} | "
+                             f"{common_fmt(row['ratio'])} |")
+                for r in row["per_rate"]:
+                    rates.append(f"| {service} | {fleet['gpus']} | {row['slo']} | "
+                                 f"{r['rate_per_gpu']:g} | {r['colocated']:.3f} | "
+                                 f"{r['best_split']} | {r['best_split_attainment']:.3f} |")
+    return "\n".join(lines + rates)
 
 
 def common_fmt(v) -> str:
