@@ -53,7 +53,7 @@ from paged import metrics
 from paged.request_checks import derive_seed
 from paged.sampling import SamplingParams
 from paged.sequence import UNKNOWN, Sequence
-from paged.sim.records import EVIDENCE, record_of, rejected_record
+from paged.sim.records import close_records, fleet_summary, record_of, rejected_record
 
 STEP, STRETCH, WAKE, TRANSFER = 1, 2, 0, 3
 
@@ -358,36 +358,13 @@ class DisaggregatedRun:
         for h in hands:  # unfinished hand-overs at the time limit
             if h.rid not in records and (h.end_s is None or h.end_s > end):
                 dropped(h, "aborted", end)
-        for rep in reps:
-            if rep.in_step:
-                rep.drop_step()
-            for rid in rep.unfinished_request_ids():
-                if rid not in records:
-                    rep.abort(rid, end)
-            for out in rep.report_aborts():
-                if out.finished and out.request_id not in records:
-                    records[out.request_id] = record_of(out, spec_of[out.request_id].prompt_len)
-        for spec in specs:
-            if spec.request_id not in records:
-                records[spec.request_id] = rejected_record(spec, max(end, spec.arrival_s))
-        recs = [records[s.request_id] for s in specs]
-        first = specs[0].arrival_s
-        last = max([r.finish_s for r in recs if r.finish_s is not None], default=first)
-        summary = metrics.summarize(recs, duration_s=max(last - first, 1e-9),
-                                    ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms,
-                                    evidence=EVIDENCE)
-        stats = [rep.stats() for rep in reps]
-        steps = sum(s["num_steps"] for s in stats)
+        recs = close_records(reps, records, specs, end)
+        summary, stats, steps = fleet_summary(recs, reps, workload, ttft_slo_ms, tpot_slo_ms)
         done = [h for h in hands if h.end_s is not None and not h.aborted]
         secs = sorted(h.end_s - h.start_s for h in done)
         waits = sorted(h.start_s - h.ready_s for h in done)
         summary.update(
-            num_engine_steps=steps, engine_preemptions=sum(s["num_preemptions"] for s in stats),
-            prefix_cache_hit_tokens=sum(s["prefix_cache_hit_tokens"] for s in stats),
-            peak_used_blocks=max(s["peak_used_blocks"] for s in stats),
-            kv_block_size=stats[0]["block_size"], kv_num_blocks=stats[0]["num_blocks"],
-            num_replicas=len(reps), num_prefill_replicas=P, workload_evidence=workload.evidence,
-            num_handovers=len(done), kv_transfer_bytes=sum(h.nbytes for h in done),
+            num_prefill_replicas=P, num_handovers=len(done), kv_transfer_bytes=sum(h.nbytes for h in done),
             mean_transfer_ms=_ms(secs, None), p99_transfer_ms=_ms(secs, 0.99),
             mean_handover_wait_ms=_ms(waits, None), p99_handover_wait_ms=_ms(waits, 0.99))
         if on_progress is not None:

@@ -30,4 +30,42 @@ def rejected_record(spec, now: float) -> metrics.RequestRecord:
         prompt_len=spec.prompt_len, output_len=0)
 
 
-__all__ = ["EVIDENCE", "STATUS", "record_of", "rejected_record"]
+def close_records(reps, records: dict, specs, now: float) -> list:
+    """The end of a run at ``now``: what is unfinished on ``reps`` is aborted (a step in flight
+    dropped), what never arrived is rejected; returns the records in workload order."""
+    spec_of = {s.request_id: s for s in specs}
+    for rep in reps:
+        if rep.in_step:
+            rep.drop_step()
+        for rid in rep.unfinished_request_ids():
+            if rid not in records:
+                rep.abort(rid, now)
+        for out in rep.report_aborts():
+            if out.finished:
+                records[out.request_id] = record_of(out, spec_of[out.request_id].prompt_len)
+    for spec in specs:
+        if spec.request_id not in records:
+            records[spec.request_id] = rejected_record(spec, max(now, spec.arrival_s))
+    return [records[s.request_id] for s in specs]
+
+
+def fleet_summary(recs: list, reps, workload, ttft_slo_ms, tpot_slo_ms) -> tuple[dict, list, int]:
+    """``paged.metrics.summarize`` of a run's records plus the fleet's counters; returns
+    (summary, each replica's ``stats()``, steps over all replicas)."""
+    first = recs[0].arrival_s if recs else 0.0
+    last = max([r.finish_s for r in recs if r.finish_s is not None], default=first)
+    summary = metrics.summarize(recs, duration_s=max(last - first, 1e-9),
+                                ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms,
+                                evidence=EVIDENCE)
+    stats = [rep.stats() for rep in reps]
+    steps = sum(s["num_steps"] for s in stats)
+    summary.update(
+        num_engine_steps=steps, engine_preemptions=sum(s["num_preemptions"] for s in stats),
+        prefix_cache_hit_tokens=sum(s["prefix_cache_hit_tokens"] for s in stats),
+        peak_used_blocks=max(s["peak_used_blocks"] for s in stats),
+        kv_block_size=stats[0]["block_size"], kv_num_blocks=stats[0]["num_blocks"],
+        num_replicas=len(reps), workload_evidence=workload.evidence)
+    return summary, stats, steps
+
+
+__all__ = ["EVIDENCE", "STATUS", "close_records", "fleet_summary", "record_of", "rejected_record"]

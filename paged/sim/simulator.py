@@ -37,7 +37,14 @@ from paged.routing import Router
 from paged.sampling import SamplingParams
 from paged.sim.disagg import DisaggregatedRun
 from paged.sim.handover import Handover
-from paged.sim.records import EVIDENCE, STATUS, record_of, rejected_record
+from paged.sim.records import (
+    EVIDENCE,
+    STATUS,
+    close_records,
+    fleet_summary,
+    record_of,
+    rejected_record,
+)
 from paged.sim.replica import SimReplica
 from paged.sim.step_model import StepTimeModel
 from paged.workload import Workload
@@ -321,21 +328,8 @@ class Simulator:
             collect(reps[r].take_outputs())
         end = min(t, max_time_s) if t != inf else max(
             [r.finish_s for r in records.values() if r.finish_s is not None], default=0.0)
-        self._stop(records, specs, spec_of, where, end)
-        recs = [records[s.request_id] for s in specs]
-        first = specs[0].arrival_s
-        last = max([r.finish_s for r in recs if r.finish_s is not None], default=first)
-        summary = metrics.summarize(recs, duration_s=max(last - first, 1e-9),
-                                    ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms,
-                                    evidence=EVIDENCE)
-        stats = [rep.stats() for rep in reps]
-        steps = sum(s["num_steps"] for s in stats)
-        summary.update(
-            num_engine_steps=steps, engine_preemptions=sum(s["num_preemptions"] for s in stats),
-            prefix_cache_hit_tokens=sum(s["prefix_cache_hit_tokens"] for s in stats),
-            peak_used_blocks=max(s["peak_used_blocks"] for s in stats),
-            kv_block_size=stats[0]["block_size"], kv_num_blocks=stats[0]["num_blocks"],
-            num_replicas=len(reps), workload_evidence=workload.evidence)
+        recs = close_records(reps, records, specs, end)
+        summary, stats, steps = fleet_summary(recs, reps, workload, ttft_slo_ms, tpot_slo_ms)
         if on_progress is not None:
             on_progress(len(records))
         return SimResult(records=recs, summary=summary, replicas=stats, routed=routed,
@@ -343,22 +337,6 @@ class Simulator:
                          sim_s=end, num_steps=steps,
                          schedule=[rep.schedule_log for rep in reps]
                          if reps[0].schedule_log is not None else None)
-
-    def _stop(self, records, specs, spec_of, where, now) -> None:
-        """The time limit: abort what is unfinished, reject what never arrived."""
-        for rep in self.replicas:
-            if rep.in_step:
-                rep.drop_step()
-            for rid in rep.unfinished_request_ids():
-                if rid not in records:
-                    rep.abort(rid, now)
-            for out in rep.report_aborts():
-                if out.finished:
-                    records[out.request_id] = record_of(out, spec_of[out.request_id].prompt_len)
-        for spec in specs:
-            if spec.request_id not in records:
-                records[spec.request_id] = rejected_record(spec, max(now, spec.arrival_s))
-
 
 def check_roles(num_replicas: int, prefill_replicas, handover, decode_config) -> None:
     """``Simulator``'s disaggregation settings: 0 <= P < num_replicas; a ``Handover`` exactly
