@@ -357,6 +357,7 @@ class DisaggregatedRun:
             [r.finish_s for r in records.values() if r.finish_s is not None], default=0.0)
         for h in hands:  # unfinished hand-overs at the time limit
             if h.rid not in records and (h.end_s is None or h.end_s > end):
+                h.aborted = True
                 dropped(h, "aborted", end)
         recs = close_records(reps, records, specs, end)
         summary, stats, steps = fleet_summary(recs, reps, workload, ttft_slo_ms, tpot_slo_ms)
