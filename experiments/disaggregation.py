@@ -222,6 +222,32 @@ def main(c, plan) -> dict:
     return payload
 
 
+def combine(payloads: list[dict]) -> dict:
+    """Several runs of this study over the same traces, fleets and SLOs (different rate grids)
+    as one payload: points pooled (a rate in two runs is taken from the first), comparisons
+    recomputed. Refuses runs whose workload labels or engines differ."""
+    first = payloads[0]
+    out = {**first, "results": {}, "combined_from": [p["provenance"] for p in payloads]}
+    for service, res in first["results"].items():
+        fleets = []
+        for k, fleet in enumerate(res["fleets"]):
+            points, seen = [], set()
+            for p in payloads:
+                other = p["results"][service]
+                if other["label"] != res["label"] or p["engine"] != first["engine"]:
+                    raise ValueError(f"{service}: runs of different workloads or engines")
+                for q in other["fleets"][k]["points"]:
+                    key = (q["prefill"], q["rate_per_gpu"])
+                    if key not in seen:
+                        seen.add(key)
+                        points.append(q)
+            slos = [row["slo"] for row in fleet["comparison"]]
+            fleets.append({**fleet, "points": points,
+                           "comparison": compare(points, slos, first["attainment_target"])})
+        out["results"][service] = {**res, "fleets": fleets}
+    return out
+
+
 def tables(payload: dict) -> str:
     """Markdown tables of a payload: per trace, fleet and SLO, goodput per GPU colocated against
     the best split; then, per rate, colocated attainment against the best split's."""

@@ -231,5 +231,9 @@ def test_disaggregation_smoke(tmp_path):
     best = max(v or 0 for k, v in gp.items() if k != "colocated")
     assert row["best_split_goodput"] == (best or None)
     assert "goodput/GPU colocated" in proc.stdout
+    from experiments.disaggregation import combine
+
+    both = combine([payload, payload])["results"]["conv"]["fleets"][0]
+    assert both["comparison"] == fleet["comparison"] and len(both["points"]) == len(points)
     assert (tmp_path / "attainment_conv_4gpu.png").stat().st_size > 0
     assert (tmp_path / "goodput_per_gpu.png").stat().st_size > 0
