@@ -158,3 +158,20 @@ def test_quantized_kv_hands_over_its_scales_and_the_network_is_slower():
     assert b == 131_072_000  # 128 KiB per token
     assert Handover(IB_NDR_400, LLAMA3_8B).time(b) == 20e-6 + b / 50e9  # 2.64 ms
     assert HANDOVER.time(b) == 10e-6 + b / 450e9  # 0.30 ms
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_on_the_decode_side_recomputes_or_swaps_there(mode):
+    w = _workload(num=30, rate=400.0, seed=7)
+    sim = _sim(_config(num_blocks=200), P=1, D=2,
+               decode_config=_config(num_blocks=20, preemption_mode=mode))
+    res = sim.run(w)
+    dec = res.replicas[1]
+    assert res.summary["completed"] == 30 and dec["num_preemptions"] > 0
+    assert sum(r.num_preemptions for r in res.records) == dec["num_preemptions"]
+    if mode == "recompute":  # the preempted sequence's prompt is recomputed on the decode side
+        assert dec["num_prefill_tokens"] > 0
+    else:
+        assert dec["num_swap_outs"] > 0 and dec["num_prefill_tokens"] == 0
+    assert res.replicas[0]["num_decode_tokens"] == 0
+    _all_blocks_back(sim)
