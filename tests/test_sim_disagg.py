@@ -171,7 +171,7 @@ def test_preemption_on_the_decode_side_recomputes_or_swaps_there(mode):
     assert sum(r.num_preemptions for r in res.records) == dec["num_preemptions"]
     if mode == "recompute":  # the preempted sequence's prompt is recomputed on the decode side
         assert dec["num_prefill_tokens"] > 0
-    else:
-        assert dec["num_swap_outs"] > 0 and dec["num_prefill_tokens"] == 0
+    else:  # (recompute too once the host slots run out)
+        assert dec["num_swap_outs"] > 0
     assert res.replicas[0]["num_decode_tokens"] == 0
     _all_blocks_back(sim)
