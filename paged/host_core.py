@@ -161,6 +161,35 @@ class HostCore:
         self._requests[child.request_id].append(child)
         self.scheduler.add_running(child)
 
+    # --- sequences whose prompt another replica computed (disaggregated decode) -----------
+    def reserve_received(self, seq: Sequence) -> bool:
+        """Blocks for the ``seq.num_computed_tokens`` slots whose KV another replica computed
+        (a hand-over about to start), all or nothing: ``False`` (nothing changed) if the pool
+        cannot hold them now. The sequence is not in the request table until
+        ``start_received``; ``release_received`` undoes this."""
+        n = seq.num_computed_tokens
+        ids = seq.token_ids[:n]
+        bm = self.block_manager
+        if not bm.can_allocate(ids, cache_salt=seq.cache_salt) or \
+                bm.allocate(seq.seq_id, ids, cache_salt=seq.cache_salt) is None:
+            return False
+        seq.num_slots = n
+        return True
+
+    def release_received(self, seq: Sequence) -> None:
+        """Frees the blocks ``reserve_received`` took (the hand-over was abandoned)."""
+        self.block_manager.free(seq.seq_id)
+        seq.num_slots = 0
+
+    def start_received(self, seq: Sequence) -> None:
+        """The reserved sequence's KV has arrived: its blocks count as computed (and get their
+        prefix-cache keys), and it joins the request table, running: its next step decodes."""
+        self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
+        self._num_requests += 1
+        self._num_deadlines += seq.deadline is not None
+        self._requests[seq.request_id] = [seq]
+        self.scheduler.add_running(seq)
+
     def _finish_request(self, request_id: str, reason: str, now: float) -> None:
         for seq in self._requests[request_id]:
             if not seq.finished:

@@ -205,3 +205,35 @@ def test_cascade_smoke(tmp_path):
         assert p["kv_bytes"]["cascade"] == (pages + n) * bytes_per_page
     assert set(payload["derived"]["crossovers"]) == {"1", "4"}
     assert (tmp_path / "cascade.png").stat().st_size > 0
+
+
+def test_disaggregation_smoke(tmp_path):
+    proc = _run("experiments.disaggregation",
+                "--config=experiments/configs/disaggregation.py:smoke",
+                f"--config.output_dir={tmp_path}")
+    payload = json.loads((tmp_path / "disaggregation.json").read_text())
+    assert payload["evidence"] == "simulated" and payload["workload_evidence"] == "real"
+    assert payload["provenance"]["git_revision"] and len(payload["load_average"]) == 3
+    [fleet] = payload["results"]["conv"]["fleets"]
+    points = fleet["points"]
+    # Colocated and every split of 4 GPUs, at each rate of the grid.
+    assert sorted({p["prefill"] for p in points}) == [0, 1, 2, 3]
+    assert sorted({p["rate_per_gpu"] for p in points}) == [2.0, 8.0]
+    for p in points:
+        s = p["summary"]
+        assert 0 <= p["attainment"]["2000/100"] <= 1
+        assert (s["num_handovers"] is None) == (p["prefill"] == 0)
+        if p["prefill"]:  # every hand-over moved 2 L n h_kv d_h b bytes of Llama-3-8B
+            assert s["kv_transfer_bytes"] % (2 * 32 * 8 * 128 * 2) == 0
+    [row] = fleet["comparison"]
+    gp = row["goodput_per_gpu"]
+    assert set(gp) == {"colocated", "1:3", "2:2", "3:1"}
+    best = max(v or 0 for k, v in gp.items() if k != "colocated")
+    assert row["best_split_goodput"] == (best or None)
+    assert "goodput/GPU colocated" in proc.stdout
+    from experiments.disaggregation import combine
+
+    both = combine([payload, payload])["results"]["conv"]["fleets"][0]
+    assert both["comparison"] == fleet["comparison"] and len(both["points"]) == len(points)
+    assert (tmp_path / "attainment_conv_4gpu.png").stat().st_size > 0
+    assert (tmp_path / "goodput_per_gpu.png").stat().st_size > 0

@@ -58,6 +58,8 @@ from paged.sequence import UNKNOWN
 from paged.sim.batches import light_batch, pseudo_tokens, step_shape
 from paged.sim.step_model import StepShape, StepTimeModel
 
+ROLES = ("both", "prefill", "decode")
+
 
 class _Dims:
     """The model facts the host code reads (vocabulary size; a salt for prefix keys)."""
@@ -83,17 +85,22 @@ class SimReplica:
       record_schedule: keep, per step, ``(start time, [(request id, tokens)], [preempted ids])``.
       name: for reports.
       fast_forward: allow ``plan`` / ``advance_to`` (module docstring); used only where exact.
+      role: ``"both"`` (colocated), ``"prefill"`` or ``"decode"`` (a disaggregated fleet,
+        ``paged.sim.disagg``); reported in ``stats``.
     """
 
     def __init__(self, config: EngineConfig, step_model: StepTimeModel, *, model_config=None,
                  build_device: bool = True, token_salt: int = 0, record_schedule: bool = False,
-                 name: str = "replica", fast_forward: bool = True):
+                 name: str = "replica", fast_forward: bool = True, role: str = "both"):
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         if not isinstance(step_model, StepTimeModel):
             raise TypeError(f"step_model must be a StepTimeModel, got {type(step_model).__name__}")
+        if role not in ROLES:
+            raise ValueError(f"role={role!r} must be one of {ROLES}")
         self.config = config
         self.name = name
+        self.role = role
         self.step_model = step_model
         self.tokenizer = ByteTokenizer()
         self.model_config = model_config or _Dims(self.tokenizer.vocab_size, "byte")
@@ -116,6 +123,9 @@ class SimReplica:
         self._ready: list = []  # outputs of requests a stretch finished, for ``take_outputs``
         self.version = 0  # bumped whenever a planned stretch is planned or cut
         self.num_fast_steps = 0  # steps applied by fast-forward
+        self.num_prefill_tokens = 0  # tokens computed in prefill chunks (recomputation included)
+        self.num_decode_tokens = 0  # tokens computed in decode steps
+        self.kv_transfer_bytes = 0  # KV bytes handed over (sent by prefill, received by decode)
         self.fast_forward = bool(
             fast_forward and not self.build_device and not config.debug_checks
             and getattr(step_model, "stateless", False) and config.policy == "decode-first"
@@ -165,6 +175,41 @@ class SimReplica:
     def report_aborts(self) -> list:
         """The outputs of the aborts not reported yet (by id), now, without a step."""
         return self.core.outputs(self.core.take_aborted())
+
+    # --- hand-overs (a disaggregated fleet, ``paged.sim.disagg``) ------------------------------
+    def hold_prompt(self, request_id: str, token_ids) -> None:
+        """A prefill replica keeps a prompt's blocks after the request left its schedule, until
+        the hand-over ends: the same number of blocks (with prefix caching the same blocks,
+        revived by their keys), taken at the instant the request's blocks were freed."""
+        if self.block_manager.allocate(("held", request_id), token_ids) is None:
+            raise RuntimeError(f"{self.name}: cannot hold the {len(token_ids)} prompt tokens of "
+                               f"{request_id!r} it just freed")
+
+    def release_prompt(self, request_id: str, sent_bytes: int) -> None:
+        """The hand-over ended (``sent_bytes`` moved; 0 if abandoned): the held blocks return
+        to the pool (full ones stay in the prefix cache)."""
+        self.block_manager.free(("held", request_id))
+        self.kv_transfer_bytes += sent_bytes
+
+    def new_seq_id(self) -> int:
+        return self.core.new_seq_id()
+
+    def reserve_received(self, seq) -> bool:
+        """A decode replica takes blocks for a handed-over prompt (``HostCore.reserve_received``);
+        False (nothing changed) if its pool cannot hold them now. Not mid-stretch."""
+        if self._stretch is not None:
+            raise RuntimeError(f"{self.name}: apply the planned stretch first (advance_to)")
+        return self.core.reserve_received(seq)
+
+    def cancel_received(self, seq) -> None:
+        self.core.release_received(seq)
+
+    def start_received(self, seq, received_bytes: int) -> None:
+        """The prompt's KV arrived: ``seq`` runs here from its next step. Not mid-stretch."""
+        if self._stretch is not None:
+            raise RuntimeError(f"{self.name}: apply the planned stretch first (advance_to)")
+        self.core.start_received(seq)
+        self.kv_transfer_bytes += received_bytes
 
     def drop_step(self) -> None:
         """Forgets the step in flight (the simulation's time limit: it never ends)."""
@@ -333,6 +378,7 @@ class SimReplica:
             busy += d
         self.busy_s = busy
         sched.num_fast_decode_steps += m
+        self.num_decode_tokens += n * m
         self.num_steps += m
         self.num_fast_steps += m
         rows = np.arange(n)
@@ -386,6 +432,13 @@ class SimReplica:
             core.idle_step(sched)
             return None, core.outputs(ended)
         shape = self.shape_of(sched)
+        nd = len(sched.decode_rows)
+        for it in sched.scheduled:
+            if it.seq.is_decoding:
+                nd += it.num_new_tokens
+            else:
+                self.num_prefill_tokens += it.num_new_tokens
+        self.num_decode_tokens += nd
         if self.schedule_log is not None:
             ib = self.batch
             ran = [(ib.seqs[r].request_id, 1) for r in sched.decode_rows.tolist()]
@@ -442,7 +495,10 @@ class SimReplica:
     def stats(self) -> dict:
         bm = self.block_manager.stats()
         sched = self.scheduler
-        return {"name": self.name, "num_steps": self.num_steps, "busy_s": self.busy_s,
+        return {"name": self.name, "role": self.role, "num_steps": self.num_steps,
+                "busy_s": self.busy_s, "num_prefill_tokens": self.num_prefill_tokens,
+                "num_decode_tokens": self.num_decode_tokens,
+                "kv_transfer_bytes": self.kv_transfer_bytes,
                 "num_fast_forward_steps": self.num_fast_steps,
                 "num_preemptions": sched.num_preemptions, "num_swap_outs": sched.num_swap_outs,
                 "prefix_cache_hit_tokens": bm.get("hit_tokens", 0),

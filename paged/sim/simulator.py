@@ -35,12 +35,19 @@ from paged import metrics
 from paged.config import EngineConfig
 from paged.routing import Router
 from paged.sampling import SamplingParams
+from paged.sim.disagg import DisaggregatedRun
+from paged.sim.handover import Handover
+from paged.sim.records import (
+    EVIDENCE,
+    STATUS,
+    close_records,
+    fleet_summary,
+    record_of,
+    rejected_record,
+)
 from paged.sim.replica import SimReplica
 from paged.sim.step_model import StepTimeModel
 from paged.workload import Workload
-
-EVIDENCE = "simulated"
-STATUS = {"stop": "finished", "length": "finished", "abort": "aborted", "timeout": "timeout"}
 
 
 @dataclasses.dataclass
@@ -60,6 +67,8 @@ class SimResult:
       sim_s: simulated time at the end.
       num_steps: steps over all replicas.
       schedule: per replica, its schedule log (``record_schedule=True``), else None.
+      handovers: a disaggregated run's hand-overs, one dict each (``paged.sim.disagg``); None
+        for colocated replicas.
     """
 
     records: list
@@ -73,6 +82,7 @@ class SimResult:
     schedule: list | None = None
     evidence: str = EVIDENCE
     cpu_s: float | None = None
+    handovers: list | None = None
 
     def to_json(self, *, with_records: bool = False) -> dict:
         out = {"evidence": self.evidence, "summary": self.summary, "replicas": self.replicas,
@@ -80,18 +90,9 @@ class SimResult:
                "sim_s": self.sim_s, "num_steps": self.num_steps, "cpu_s": self.cpu_s}
         if with_records:
             out["records"] = [r.as_dict() for r in self.records]
+        if self.handovers is not None:
+            out["handovers"] = self.handovers
         return out
-
-
-def record_of(out, prompt_len: int) -> metrics.RequestRecord:
-    """A finished request's ``RequestOutput`` as a ``RequestRecord`` (simulated times)."""
-    status = STATUS.get(out.finish_reason, "aborted")
-    return metrics.RequestRecord(
-        request_id=out.request_id, status=status, arrival_s=out.arrival_time,
-        first_scheduled_s=out.first_scheduled_time, first_token_s=out.first_token_time,
-        finish_s=out.finish_time, token_times=tuple(out.token_times), prompt_len=prompt_len,
-        output_len=len(out.token_ids), num_preemptions=out.num_preemptions,
-        num_cached_tokens=out.num_cached_tokens)
 
 
 class Simulator:
@@ -112,14 +113,22 @@ class Simulator:
       fast_forward: let replicas plan stretches of pure decode steps and apply them in bulk
         (``SimReplica.plan``; only with ``build_device=False`` and a stateless step model); the
         results are those of stepping.
+      prefill_replicas: P > 0 disaggregates: replicas ``0 .. P-1`` only prefill (prompt and
+        first token; routed to by ``router``), ``P .. num_replicas-1`` only decode, and each
+        prompt's KV is handed over (``paged.sim.disagg``). 0: colocated replicas. ``step_model``
+        as a callable gives each role its own model (by replica index).
+      handover: a ``paged.sim.handover.Handover`` (link and model), required when P > 0.
+      decode_config: the decode replicas' ``EngineConfig`` (default ``config``); P > 0 only.
     """
 
     def __init__(self, config: EngineConfig, step_model: StepTimeModel | Callable[[int], StepTimeModel],
                  *, num_replicas: int = 1, router: Router | None = None, model_config=None,
                  build_device: bool = True, record_schedule: bool = False,
-                 idle_wake_s: float = 0.0, fast_forward: bool = True):
+                 idle_wake_s: float = 0.0, fast_forward: bool = True, prefill_replicas: int = 0,
+                 handover: Handover | None = None, decode_config: EngineConfig | None = None):
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas={num_replicas!r} must be an int >= 1")
+        check_roles(num_replicas, prefill_replicas, handover, decode_config)
         make = step_model if callable(step_model) and not isinstance(step_model, StepTimeModel) \
             else (lambda i: step_model)
         if not (idle_wake_s >= 0 and math.isfinite(idle_wake_s)):
@@ -127,10 +136,21 @@ class Simulator:
         self.idle_wake_s = float(idle_wake_s)
         self.config = config
         self.router = router or Router("least_loaded")
-        self.replicas = [SimReplica(config, make(i), model_config=model_config,
-                                    build_device=build_device, record_schedule=record_schedule,
-                                    name=f"replica{i}", fast_forward=fast_forward)
-                         for i in range(num_replicas)]
+        self.prefill_replicas, self.handover = prefill_replicas, handover
+        P = prefill_replicas
+        if not P:
+            self.replicas = [SimReplica(config, make(i), model_config=model_config,
+                                        build_device=build_device, record_schedule=record_schedule,
+                                        name=f"replica{i}", fast_forward=fast_forward)
+                             for i in range(num_replicas)]
+            return
+        dcfg = decode_config or config
+        self.replicas = [
+            SimReplica(config if i < P else dcfg, make(i), model_config=model_config,
+                       build_device=build_device, record_schedule=record_schedule,
+                       name=f"prefill{i}" if i < P else f"decode{i - P}",
+                       fast_forward=fast_forward and i >= P, role="prefill" if i < P else "decode")
+            for i in range(num_replicas)]
 
     def run(self, workload: Workload, **kw) -> SimResult:
         """Serves ``workload``; see ``_run`` for the arguments. Python's cyclic garbage collector
@@ -140,7 +160,13 @@ class Simulator:
         gc.disable()
         cpu0 = time.process_time()
         try:
-            res = self._run(workload, **kw)
+            if self.prefill_replicas:
+                P = self.prefill_replicas
+                res = SimResult(**DisaggregatedRun(
+                    self.replicas[:P], self.replicas[P:], self.router, self.handover,
+                    self.idle_wake_s, self.config.seed).run(workload, **kw))
+            else:
+                res = self._run(workload, **kw)
         finally:
             if enabled:
                 gc.enable()
@@ -254,7 +280,7 @@ class Simulator:
                     reps[r].add_request(spec.request_id, prompt, params, arrival_time=spec.arrival_s,
                                         timeout_s=timeout_s)
                 except ValueError:
-                    records[spec.request_id] = _rejected(spec, spec.arrival_s)
+                    records[spec.request_id] = rejected_record(spec, spec.arrival_s)
                     continue
                 routed[r] += 1
                 where[spec.request_id] = r
@@ -302,21 +328,8 @@ class Simulator:
             collect(reps[r].take_outputs())
         end = min(t, max_time_s) if t != inf else max(
             [r.finish_s for r in records.values() if r.finish_s is not None], default=0.0)
-        self._stop(records, specs, spec_of, where, end)
-        recs = [records[s.request_id] for s in specs]
-        first = specs[0].arrival_s
-        last = max([r.finish_s for r in recs if r.finish_s is not None], default=first)
-        summary = metrics.summarize(recs, duration_s=max(last - first, 1e-9),
-                                    ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms,
-                                    evidence=EVIDENCE)
-        stats = [rep.stats() for rep in reps]
-        steps = sum(s["num_steps"] for s in stats)
-        summary.update(
-            num_engine_steps=steps, engine_preemptions=sum(s["num_preemptions"] for s in stats),
-            prefix_cache_hit_tokens=sum(s["prefix_cache_hit_tokens"] for s in stats),
-            peak_used_blocks=max(s["peak_used_blocks"] for s in stats),
-            kv_block_size=stats[0]["block_size"], kv_num_blocks=stats[0]["num_blocks"],
-            num_replicas=len(reps), workload_evidence=workload.evidence)
+        recs = close_records(reps, records, specs, end)
+        summary, stats, steps = fleet_summary(recs, reps, workload, ttft_slo_ms, tpot_slo_ms)
         if on_progress is not None:
             on_progress(len(records))
         return SimResult(records=recs, summary=summary, replicas=stats, routed=routed,
@@ -325,34 +338,32 @@ class Simulator:
                          schedule=[rep.schedule_log for rep in reps]
                          if reps[0].schedule_log is not None else None)
 
-    def _stop(self, records, specs, spec_of, where, now) -> None:
-        """The time limit: abort what is unfinished, reject what never arrived."""
-        for rep in self.replicas:
-            if rep.in_step:
-                rep.drop_step()
-            for rid in rep.unfinished_request_ids():
-                if rid not in records:
-                    rep.abort(rid, now)
-            for out in rep.report_aborts():
-                if out.finished:
-                    records[out.request_id] = record_of(out, spec_of[out.request_id].prompt_len)
-        for spec in specs:
-            if spec.request_id not in records:
-                records[spec.request_id] = _rejected(spec, max(now, spec.arrival_s))
-
-
-def _rejected(spec, now: float) -> metrics.RequestRecord:
-    return metrics.RequestRecord(
-        request_id=spec.request_id, status="rejected", arrival_s=spec.arrival_s,
-        first_scheduled_s=None, first_token_s=None, finish_s=None, token_times=(),
-        prompt_len=spec.prompt_len, output_len=0)
+def check_roles(num_replicas: int, prefill_replicas, handover, decode_config) -> None:
+    """``Simulator``'s disaggregation settings: 0 <= P < num_replicas; a ``Handover`` exactly
+    when P > 0; ``decode_config`` only then (ValueError / TypeError before anything is built)."""
+    P = prefill_replicas
+    if isinstance(P, bool) or not isinstance(P, int) or P < 0:
+        raise ValueError(f"prefill_replicas={P!r} must be an int >= 0")
+    if P and P >= num_replicas:
+        raise ValueError(f"prefill_replicas={P} must be below num_replicas={num_replicas} "
+                         "(at least one decode replica)")
+    if not P and (handover is not None or decode_config is not None):
+        raise ValueError("handover / decode_config set with prefill_replicas=0: roles need "
+                         "prefill_replicas >= 1")
+    if P and not isinstance(handover, Handover):
+        raise TypeError(f"prefill_replicas={P} needs handover=Handover(link, model), got "
+                        f"{type(handover).__name__}")
+    if decode_config is not None and not isinstance(decode_config, EngineConfig):
+        raise TypeError(f"decode_config must be an EngineConfig, got "
+                        f"{type(decode_config).__name__}")
 
 
 def simulate(config: EngineConfig, step_model, workload: Workload, **kw) -> SimResult:
     """``Simulator(config, step_model, ...).run(workload, ...)``: keyword arguments go to the
     one that takes them."""
     init = {k: kw.pop(k) for k in ("num_replicas", "router", "model_config", "build_device",
-                                   "record_schedule", "idle_wake_s", "fast_forward") if k in kw}
+                                   "record_schedule", "idle_wake_s", "fast_forward",
+                                   "prefill_replicas", "handover", "decode_config") if k in kw}
     return Simulator(config, step_model, **init).run(workload, **kw)
 
 
@@ -364,4 +375,5 @@ def check_not_mixed(results: Sequence[Mapping]) -> str:
     return check_same_evidence(results)
 
 
-__all__ = ["EVIDENCE", "SimResult", "Simulator", "check_not_mixed", "record_of", "simulate"]
+__all__ = ["EVIDENCE", "STATUS", "SimResult", "Simulator", "check_not_mixed", "check_roles", "record_of",
+           "rejected_record", "simulate"]
