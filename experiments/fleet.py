@@ -39,7 +39,8 @@ from paged.workload import (
     synthetic_prompt,
 )
 
-STUDIES = ("block_size", "batched_tokens", "preemption", "replicas", "speed", "point", "traces")
+STUDIES = ("block_size", "batched_tokens", "preemption", "replicas", "speed", "point", "traces",
+           "kv_dtype", "window", "cascade")  # the last three: experiments/fleet_whatifs.py
 WORKLOADS = ("tenants", "plain")
 
 
@@ -84,7 +85,9 @@ def check(c) -> dict:
         dataclasses.replace(base, block_size=b)
     for t in c.batched_tokens:
         dataclasses.replace(base, max_num_batched_tokens=t)
-    plan = {"base": base}
+    from experiments import fleet_whatifs
+
+    plan = {"base": base, "whatifs": fleet_whatifs.check(c, base)}
     if "traces" in c.studies:
         from experiments import fleet_traces
 
@@ -140,7 +143,8 @@ def run_point(c, cfg, sm, make_wl, rate, replicas=1, router="least_loaded") -> d
     keep = ("completed", "num_requests", "request_throughput", "output_throughput",
             "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "request_goodput",
             "engine_preemptions", "prefix_cache_hit_tokens", "prefix_cache_hit_rate",
-            "peak_used_blocks", "kv_num_blocks", "num_engine_steps")
+            "peak_used_blocks", "kv_num_blocks", "num_engine_steps", "max_blocks_per_sequence",
+            "recycled_blocks", "cascade_steps", "cascade_prefix_tokens_shared")
     return {"rate": rate, "meets_slo": meets(s, c), "evidence": s["evidence"],
             "summary": {k: s.get(k) for k in keep}, "routed": res.routed, "router": res.router,
             "wall_s": res.wall_s, "sim_s": res.sim_s}
@@ -287,9 +291,11 @@ def point(c, cfg, sm) -> dict:
 
 def main(c, plan):
     out_dir = common.output_dir(c, "fleet")
+    from experiments import fleet_whatifs
+
     base, dev = plan["base"], device(c)
     results = {}
-    for name in (c.models if set(c.studies) - {"traces"} else ()):
+    for name in (c.models if set(c.studies) - {"traces", *fleet_whatifs.WHATIFS} else ()):
         model = MODELS[name]
         res = results[name] = {}
         def tight(model=model, **o):
@@ -330,6 +336,9 @@ def main(c, plan):
             res["speed"] = speed(c, engine_for(base, model, c.kv_gb), sm, max(c.replicas))
         if "point" in c.studies:
             res["point"] = point(c, engine_for(base, model, c.kv_gb), sm)
+    for study, arms in plan["whatifs"].items():  # KV format what-ifs, per model
+        for name, rows in fleet_whatifs.run(c, study, arms, dev).items():
+            results.setdefault(name, {})[study] = rows
     traces = None
     if "traces" in c.studies:
         from experiments import fleet_traces
@@ -344,7 +353,7 @@ def main(c, plan):
     label = check_not_mixed(labels) if labels else EVIDENCE
     path = common.write_json(out_dir / "fleet.json", {
         "study": "fleet", "evidence": label, "device": dataclasses.asdict(dev),
-        "models": {n: dataclasses.asdict(MODELS[n]) for n in c.models},
+        "models": {n: dataclasses.asdict(MODELS[n]) for n in dict.fromkeys((*c.models, *results))},
         "slo": {"p99_ttft_ms": c.ttft_slo_ms, "p99_tpot_ms": c.tpot_slo_ms},
         "results": results, **({"traces": traces, "traces_slo": {
             "p99_ttft_ms": c.trace_ttft_slo_ms, "p99_tpot_ms": c.trace_tpot_slo_ms}}
