@@ -360,6 +360,8 @@ def main(c, plan):
             if traces is not None else {}),
         "config": c.to_dict(), "provenance": {**common.provenance(),
                                               "load_average": list(os.getloadavg())}})
+    if plan["whatifs"] and c.plots:
+        fleet_whatifs.plot(results, (c.ttft_slo_ms, c.tpot_slo_ms), out_dir)
     if traces is not None and c.plots:
         from experiments import fleet_traces
 

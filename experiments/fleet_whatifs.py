@@ -128,3 +128,45 @@ def _at_capacity(row) -> dict | None:
     """The point at the arm's capacity: its summary (peak blocks, preemptions, throughput)."""
     at = [p for p in row["points"] if p["rate"] == row["capacity_rps"]]
     return at[0]["summary"] if at else None
+
+
+def plot(results: dict, slo: tuple[float, float], out_dir) -> list:
+    """One PNG per what-if in ``results`` (``{model: {study: rows}}``): p99 TTFT and p99 TPOT
+    against offered rate, a line per arm, the SLO dashed, each arm's capacity dotted."""
+    from experiments.plots import _plt
+
+    plt = _plt()
+    paths = []
+    for study in WHATIFS:
+        runs = [(m, rows) for m, r in results.items() for s, rows in r.items() if s == study]
+        if not runs:
+            continue
+        fig, axes = plt.subplots(len(runs), 2, figsize=(11, 3.8 * len(runs)), squeeze=False)
+        for (model, rows), (ax_ttft, ax_tpot) in zip(runs, axes):
+            for row in rows:
+                pts = sorted(row["points"], key=lambda p: p["rate"])
+                xs = [p["rate"] for p in pts]
+                for ax, key in ((ax_ttft, "p99_ttft_ms"), (ax_tpot, "p99_tpot_ms")):
+                    line, = ax.plot(xs, [_nan(p["summary"][key]) for p in pts], marker="o", ms=3,
+                                    label=f"{row['arm']} (cap {fleet.fmt(row['capacity_rps'], '.2f').strip()})")
+                    if row["capacity_rps"]:
+                        ax.axvline(row["capacity_rps"], color=line.get_color(), ls=":", lw=0.8)
+            for ax, key, limit in ((ax_ttft, "p99 TTFT (ms)", slo[0]), (ax_tpot, "p99 TPOT (ms)", slo[1])):
+                ax.axhline(limit, color="grey", ls="--", lw=0.8)
+                ax.set_xscale("log")
+                ax.set_yscale("log")
+                ax.set_xlabel("offered rate (req/s)")
+                ax.set_ylabel(key)
+                ax.set_title(f"{model}: {study} (simulated, H200 roofline)", fontsize=9)
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / f"whatif_{study}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _nan(v):
+    return float("nan") if v is None else v
