@@ -627,7 +627,7 @@ def load_model_json(d: Mapping) -> StepTimeModel:
     return LinearStepModel.from_json(d)
 
 
-__all__ = ["DEFAULT_FEATURES", "FEATURES", "H200", "LLAMA3_8B", "MODELS", "QWEN25_7B",
+__all__ = ["DEFAULT_FEATURES", "FEATURES", "H200", "LLAMA3_8B", "MISTRAL_7B", "MODELS", "QWEN25_7B",
            "DeviceSpec", "LinearStepModel", "ModelDims", "NoisyStepModel", "ReplayStepModel",
            "RooflineStepModel", "StepShape", "StepTimeModel", "fit_linear", "load_model_json",
            "ratio_quantiles"]
