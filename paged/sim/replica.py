@@ -89,15 +89,15 @@ class SimReplica:
         blocks recycled behind the window by the real block manager, and its steps' shapes count
         only in-window KV (``step_shape``; fast-forward is off: ``run_decode_steps`` does not
         recycle). Default: the byte vocabulary, full attention.
-
-    With ``config.cascade_attention`` on or auto, a decode-only step's shape counts the shared
-    prefix reads its groups save (``shape_of``; ``paged.cascade_plan``'s groups and cost rule);
-    fast-forward is off then.
       build_device: build the real padded device batch every step (see the module docstring).
       token_salt: mixed into the pseudo-tokens (a different "model").
       record_schedule: keep, per step, ``(start time, [(request id, tokens)], [preempted ids])``.
       name: for reports.
       fast_forward: allow ``plan`` / ``advance_to`` (module docstring); used only where exact.
+
+    With ``config.cascade_attention`` on or auto, a decode-only step's shape counts the shared
+    prefix reads its groups save (``shape_of``; ``paged.cascade_plan``'s groups and cost rule);
+    fast-forward is off then.
     """
 
     def __init__(self, config: EngineConfig, step_model: StepTimeModel, *, model_config=None,
