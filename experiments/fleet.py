@@ -181,9 +181,9 @@ def capacity(c, run) -> tuple[float | None, list[dict]]:
     return lo, points
 
 
-def _sweep(c, label, model, sm, arms, make_wl, replicas=1, bracket=None, duration_s=None):
+def sweep(c, label, model, sm, arms, make_wl, replicas=1, bracket=None, duration_s=None):
     out = []
-    run_c = c if duration_s is None else _with(c, duration_s=duration_s)
+    run_c = c if duration_s is None else WithChanges(c, duration_s=duration_s)
     progress = common.Progress(len(arms), f"fleet {model.name} {label}", unit="arm",
                                summary=False)
     for name, cfg, router in arms:
@@ -211,7 +211,7 @@ def _scaled(c, replicas, bracket=None):
                                  bisect_steps=c.replica_bisect_steps if bracket else c.bisect_steps)
 
 
-class _with:
+class WithChanges:
     """``c`` with some keys replaced (attribute reads fall through to ``c``)."""
 
     def __init__(self, c, **changes):
@@ -309,15 +309,15 @@ def main(c, plan):
             for arm in arms:  # the model counts CoW pages by the arm's block size
                 bsm = RooflineStepModel(dev, model.with_kv_cache(arm[1]),
                                         block_size=arm[1].block_size)
-                res["block_size"] += _sweep(c, "block_size", model, bsm, [arm], plain_workload)
+                res["block_size"] += sweep(c, "block_size", model, bsm, [arm], plain_workload)
         if "batched_tokens" in c.studies:
             arms = [(f"max_num_batched_tokens={t}", tight(max_num_batched_tokens=t), "least_loaded")
                     for t in c.batched_tokens]
-            res["batched_tokens"] = _sweep(c, "batched_tokens", model, sm, arms, plain_workload)
+            res["batched_tokens"] = sweep(c, "batched_tokens", model, sm, arms, plain_workload)
         if "preemption" in c.studies:
             arms = [(f"preemption_mode={m}", tight(preemption_mode=m), "least_loaded")
                     for m in ("recompute", "swap")]
-            res["preemption"] = _sweep(c, "preemption", model, sm, arms, plain_workload)
+            res["preemption"] = sweep(c, "preemption", model, sm, arms, plain_workload)
         if "replicas" in c.studies and name in c.replica_models:
             cfg = engine_for(base, model, c.kv_gb)
             res["replicas"] = []
@@ -325,7 +325,7 @@ def main(c, plan):
             for n in sorted(c.replicas):
                 routers = c.routers if n > 1 else ("least_loaded",)
                 arms = [(f"{n}x {r}", cfg, r) for r in routers]
-                res["replicas"] += _sweep(c, "replicas", model, sm, arms, tenant_workload,
+                res["replicas"] += sweep(c, "replicas", model, sm, arms, tenant_workload,
                                           replicas=n, bracket=bracket,
                                           duration_s=c.replica_duration_s)
                 caps = [a["capacity_rps"] for a in res["replicas"][-len(arms):] if a["capacity_rps"]]

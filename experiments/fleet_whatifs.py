@@ -100,15 +100,15 @@ def _arms(c, base, model, specs) -> list:
 
 
 def run(c, study: str, plan, dev) -> dict:
-    """The capacity of each arm of ``study``; ``{model name: [arm result]}`` (``fleet._sweep``'s
+    """The capacity of each arm of ``study``; ``{model name: [arm result]}`` (``fleet.sweep``'s
     rows, each with its pool's ``kv_bytes``)."""
     out = {}
     for name, arms in plan:
         model = MODELS[name]
         if study == "window":
-            run_c, make_wl = fleet._with(c, duration_s=c.window_duration_s), fleet.plain_workload
+            run_c, make_wl = fleet.WithChanges(c, duration_s=c.window_duration_s), fleet.plain_workload
         elif study == "cascade":
-            run_c = fleet._with(c, num_prefixes=c.cascade_num_prefixes,
+            run_c = fleet.WithChanges(c, num_prefixes=c.cascade_num_prefixes,
                                 prefix_len=c.cascade_prefix_len)
             make_wl = fleet.tenant_workload
         else:
@@ -116,7 +116,7 @@ def run(c, study: str, plan, dev) -> dict:
         rows = []
         for arm, cfg, dims in arms:
             sm = RooflineStepModel(dev, dims, block_size=cfg.block_size)
-            [row] = fleet._sweep(run_c, study, model, sm, [(arm, cfg, "least_loaded")], make_wl)
+            [row] = fleet.sweep(run_c, study, model, sm, [(arm, cfg, "least_loaded")], make_wl)
             row.update(kv_bytes=kv_budget(c, model), step_model=sm.describe(),
                        at_capacity=_at_capacity(row))
             rows.append(row)
