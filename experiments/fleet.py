@@ -182,6 +182,8 @@ def capacity(c, run) -> tuple[float | None, list[dict]]:
 
 
 def sweep(c, label, model, sm, arms, make_wl, replicas=1, bracket=None, duration_s=None):
+    """The capacity of each ``(name, EngineConfig, router)`` arm under step model ``sm`` on
+    ``make_wl``'s workload; one row per arm (its points, capacity, wall time)."""
     out = []
     run_c = c if duration_s is None else WithChanges(c, duration_s=duration_s)
     progress = common.Progress(len(arms), f"fleet {model.name} {label}", unit="arm",
