@@ -36,6 +36,17 @@ what the test runs)::
     python -m experiments.fleet --config=experiments/configs/fleet.py:traces
     python -m experiments.fleet --config=experiments/configs/fleet.py:traces \
         --config.trace_window="(1200, 2400)" --config.trace_system_prompt_len=512
+
+KV what-ifs (``experiments/fleet_whatifs.py``; each arm's pool from the same KV bytes,
+``whatif_kv_gb`` or one H200's HBM after the weights): variants ``kv_dtype`` (Llama-3-8B per
+``kv_dtypes``, constructed and the Azure traces), ``window`` (``window_model`` Mistral-7B with its
+4,096-token window against full attention), ``cascade`` (``cascade_modes`` on shared system
+prompts), each with a ``_smoke`` form::
+
+    python -m experiments.fleet --config=experiments/configs/fleet.py:kv_dtype \
+        --config.trace_window="(1200.0, 1800.0)"
+    python -m experiments.fleet --config=experiments/configs/fleet.py:window
+    python -m experiments.fleet --config=experiments/configs/fleet.py:cascade
 """
 
 import ml_collections
