@@ -39,7 +39,8 @@ from paged.workload import (
     synthetic_prompt,
 )
 
-STUDIES = ("block_size", "batched_tokens", "preemption", "replicas", "speed", "point", "traces")
+STUDIES = ("block_size", "batched_tokens", "preemption", "replicas", "speed", "point", "traces",
+           "kv_dtype", "window", "cascade")  # the last three: experiments/fleet_whatifs.py
 WORKLOADS = ("tenants", "plain")
 
 
@@ -84,7 +85,9 @@ def check(c) -> dict:
         dataclasses.replace(base, block_size=b)
     for t in c.batched_tokens:
         dataclasses.replace(base, max_num_batched_tokens=t)
-    plan = {"base": base}
+    from experiments import fleet_whatifs
+
+    plan = {"base": base, "whatifs": fleet_whatifs.check(c, base)}
     if "traces" in c.studies:
         from experiments import fleet_traces
 
@@ -140,7 +143,8 @@ def run_point(c, cfg, sm, make_wl, rate, replicas=1, router="least_loaded") -> d
     keep = ("completed", "num_requests", "request_throughput", "output_throughput",
             "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "request_goodput",
             "engine_preemptions", "prefix_cache_hit_tokens", "prefix_cache_hit_rate",
-            "peak_used_blocks", "kv_num_blocks", "num_engine_steps")
+            "peak_used_blocks", "kv_num_blocks", "num_engine_steps", "max_blocks_per_sequence",
+            "recycled_blocks", "cascade_steps", "cascade_prefix_tokens_shared")
     return {"rate": rate, "meets_slo": meets(s, c), "evidence": s["evidence"],
             "summary": {k: s.get(k) for k in keep}, "routed": res.routed, "router": res.router,
             "wall_s": res.wall_s, "sim_s": res.sim_s}
@@ -177,9 +181,11 @@ def capacity(c, run) -> tuple[float | None, list[dict]]:
     return lo, points
 
 
-def _sweep(c, label, model, sm, arms, make_wl, replicas=1, bracket=None, duration_s=None):
+def sweep(c, label, model, sm, arms, make_wl, replicas=1, bracket=None, duration_s=None):
+    """The capacity of each ``(name, EngineConfig, router)`` arm under step model ``sm`` on
+    ``make_wl``'s workload; one row per arm (its points, capacity, wall time)."""
     out = []
-    run_c = c if duration_s is None else _with(c, duration_s=duration_s)
+    run_c = c if duration_s is None else WithChanges(c, duration_s=duration_s)
     progress = common.Progress(len(arms), f"fleet {model.name} {label}", unit="arm",
                                summary=False)
     for name, cfg, router in arms:
@@ -207,7 +213,7 @@ def _scaled(c, replicas, bracket=None):
                                  bisect_steps=c.replica_bisect_steps if bracket else c.bisect_steps)
 
 
-class _with:
+class WithChanges:
     """``c`` with some keys replaced (attribute reads fall through to ``c``)."""
 
     def __init__(self, c, **changes):
@@ -287,9 +293,11 @@ def point(c, cfg, sm) -> dict:
 
 def main(c, plan):
     out_dir = common.output_dir(c, "fleet")
+    from experiments import fleet_whatifs
+
     base, dev = plan["base"], device(c)
     results = {}
-    for name in (c.models if set(c.studies) - {"traces"} else ()):
+    for name in (c.models if set(c.studies) - {"traces", *fleet_whatifs.WHATIFS} else ()):
         model = MODELS[name]
         res = results[name] = {}
         def tight(model=model, **o):
@@ -303,15 +311,15 @@ def main(c, plan):
             for arm in arms:  # the model counts CoW pages by the arm's block size
                 bsm = RooflineStepModel(dev, model.with_kv_cache(arm[1]),
                                         block_size=arm[1].block_size)
-                res["block_size"] += _sweep(c, "block_size", model, bsm, [arm], plain_workload)
+                res["block_size"] += sweep(c, "block_size", model, bsm, [arm], plain_workload)
         if "batched_tokens" in c.studies:
             arms = [(f"max_num_batched_tokens={t}", tight(max_num_batched_tokens=t), "least_loaded")
                     for t in c.batched_tokens]
-            res["batched_tokens"] = _sweep(c, "batched_tokens", model, sm, arms, plain_workload)
+            res["batched_tokens"] = sweep(c, "batched_tokens", model, sm, arms, plain_workload)
         if "preemption" in c.studies:
             arms = [(f"preemption_mode={m}", tight(preemption_mode=m), "least_loaded")
                     for m in ("recompute", "swap")]
-            res["preemption"] = _sweep(c, "preemption", model, sm, arms, plain_workload)
+            res["preemption"] = sweep(c, "preemption", model, sm, arms, plain_workload)
         if "replicas" in c.studies and name in c.replica_models:
             cfg = engine_for(base, model, c.kv_gb)
             res["replicas"] = []
@@ -319,7 +327,7 @@ def main(c, plan):
             for n in sorted(c.replicas):
                 routers = c.routers if n > 1 else ("least_loaded",)
                 arms = [(f"{n}x {r}", cfg, r) for r in routers]
-                res["replicas"] += _sweep(c, "replicas", model, sm, arms, tenant_workload,
+                res["replicas"] += sweep(c, "replicas", model, sm, arms, tenant_workload,
                                           replicas=n, bracket=bracket,
                                           duration_s=c.replica_duration_s)
                 caps = [a["capacity_rps"] for a in res["replicas"][-len(arms):] if a["capacity_rps"]]
@@ -330,6 +338,9 @@ def main(c, plan):
             res["speed"] = speed(c, engine_for(base, model, c.kv_gb), sm, max(c.replicas))
         if "point" in c.studies:
             res["point"] = point(c, engine_for(base, model, c.kv_gb), sm)
+    for study, arms in plan["whatifs"].items():  # KV format what-ifs, per model
+        for name, rows in fleet_whatifs.run(c, study, arms, dev).items():
+            results.setdefault(name, {})[study] = rows
     traces = None
     if "traces" in c.studies:
         from experiments import fleet_traces
@@ -344,13 +355,15 @@ def main(c, plan):
     label = check_not_mixed(labels) if labels else EVIDENCE
     path = common.write_json(out_dir / "fleet.json", {
         "study": "fleet", "evidence": label, "device": dataclasses.asdict(dev),
-        "models": {n: dataclasses.asdict(MODELS[n]) for n in c.models},
+        "models": {n: dataclasses.asdict(MODELS[n]) for n in dict.fromkeys((*c.models, *results))},
         "slo": {"p99_ttft_ms": c.ttft_slo_ms, "p99_tpot_ms": c.tpot_slo_ms},
         "results": results, **({"traces": traces, "traces_slo": {
             "p99_ttft_ms": c.trace_ttft_slo_ms, "p99_tpot_ms": c.trace_tpot_slo_ms}}
             if traces is not None else {}),
         "config": c.to_dict(), "provenance": {**common.provenance(),
                                               "load_average": list(os.getloadavg())}})
+    if plan["whatifs"] and c.plots:
+        fleet_whatifs.plot(results, (c.ttft_slo_ms, c.tpot_slo_ms), out_dir)
     if traces is not None and c.plots:
         from experiments import fleet_traces
 

@@ -4,7 +4,8 @@ Evidence: ``simulated`` (``paged.sim``: the real scheduler and block manager, a 
 over a ``real`` trace (``paged.workload.load_azure_trace``). Per trace and per setup (a model on T
 H200s in tensor parallel, ``TensorParallelRooflineStepModel``; T = 1 is the plain
 ``RooflineStepModel``) and per arm (engine overrides: paged + continuous batching + prefix
-caching, without prefix caching, contiguous KV + static batching, block sizes), the highest offered
+caching, without prefix caching, contiguous KV + static batching, block sizes, KV cache dtypes:
+each arm's step model reads and writes the arm's own KV format), the highest offered
 rate at which every request finishes (by ``max_time_factor * span + 30`` simulated seconds) with
 p99 TTFT and p99 TPOT within the SLO.
 
@@ -162,7 +163,9 @@ def run(c, plan) -> dict:
                 bracket = types.SimpleNamespace(rate_lo=nat * c.trace_speedup_lo,
                                                 rate_hi=nat * c.trace_speedup_hi,
                                                 bisect_steps=c.trace_bisect_steps)
-                bsm = dataclasses.replace(sm, block_size=cfg.block_size)
+                # The arm's own KV storage and block size (a quantized arm reads fewer bytes).
+                bsm = dataclasses.replace(sm, model=sm.model.with_kv_cache(cfg),
+                                          block_size=cfg.block_size)
                 memo = {}  # the bracket search may ask for a rate twice
 
                 def point(r, cfg=cfg, bsm=bsm, memo=memo, base=base):

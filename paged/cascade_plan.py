@@ -141,17 +141,24 @@ class CascadePlanner:
         saved = sum((len(m) - 1) * p * ps for m, p in worth)
         return worth if worth and saved >= cost.overhead_tokens else []
 
+    def select(self, tables: np.ndarray, kv_lens: np.ndarray,
+               s_pad: int) -> list[tuple[list[int], int]]:
+        """The groups ``plan`` serves in a decode-only step (``find_groups``'s ``(members,
+        prefix_blocks)``, chosen by the mode and the cost rule, the ``num_groups(s_pad)`` saving
+        most), counting nothing: also what the simulator prices (``paged.sim``)."""
+        if self.mode == "off" or s_pad < 2:
+            return []
+        chosen = self.choose(find_groups(tables, kv_lens, self.page_size))
+        return sorted(chosen, key=lambda g: -(len(g[0]) - 1) * g[1])[:self.num_groups(s_pad)]
+
     def plan(self, tables: np.ndarray, kv_lens: np.ndarray, s_pad: int) -> np.ndarray | None:
         """The metadata of a decode-only step of ``len(kv_lens)`` rows in a bucket of ``s_pad``,
         or None; counts the step when cascade is used."""
-        if self.mode == "off" or s_pad < 2:
-            return None
-        chosen = self.choose(find_groups(tables, kv_lens, self.page_size))
+        chosen = self.select(tables, kv_lens, s_pad)
         if not chosen:
             return None
         slots = self.num_groups(s_pad)
         ps = self.page_size
-        chosen = sorted(chosen, key=lambda g: -(len(g[0]) - 1) * g[1])[:slots]
         meta = np.full((slots, s_pad + 1), -1, np.int32)
         meta[:, 0] = 0
         for g, (members, prefix) in enumerate(chosen):

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -237,3 +240,43 @@ def test_disaggregation_smoke(tmp_path):
     assert both["comparison"] == fleet["comparison"] and len(both["points"]) == len(points)
     assert (tmp_path / "attainment_conv_4gpu.png").stat().st_size > 0
     assert (tmp_path / "goodput_per_gpu.png").stat().st_size > 0
+
+@pytest.mark.parametrize("variant", ["kv_dtype_smoke", "window_smoke", "cascade_smoke"])
+def test_fleet_kv_whatifs_smoke(tmp_path, variant):
+    """The fleet study's KV what-ifs (experiments/fleet_whatifs.py): every arm has a capacity
+    row, its pool sized from one byte budget in its own format, its roofline in that format."""
+    from experiments import fleet
+    from experiments.configs import fleet as fleet_config
+    from paged.sim.step_model import MODELS
+
+    c = fleet_config.get_config(variant)
+    c.output_dir = str(tmp_path)
+    fleet.main(c, fleet.check(c))
+    payload = json.loads((tmp_path / "fleet.json").read_text())
+    assert payload["evidence"] == "simulated" and payload["provenance"]["git_revision"]
+    study = variant.removesuffix("_smoke")
+    [(name, rows)] = [(n, r[study]) for n, r in payload["results"].items() if study in r]
+    model = MODELS[name]
+    for row in rows:
+        assert row["capacity_rps"] and all(p["evidence"] == "simulated" for p in row["points"])
+        eng, dims = row["engine"], row["step_model"]["model"]
+        assert dims["kv_cache_dtype"] == eng["kv_cache_dtype"]
+        per_block = model.with_kv_cache(types.SimpleNamespace(**eng)).kv_bytes_per_block(
+            eng["block_size"])
+        assert eng["num_blocks"] == int(row["kv_bytes"] // per_block) + 1
+    if study == "kv_dtype":
+        blocks = {r["engine"]["kv_cache_dtype"]: r["engine"]["num_blocks"] for r in rows}
+        assert blocks["int8"] == blocks["fp8_e4m3"] > 1.9 * blocks["auto"]  # 1 byte + f32 scales
+        arms = payload["traces"]["conv"]["arms"]
+        assert [a["step_model"]["model"]["kv_cache_dtype"] for a in arms] == [
+            "auto", "fp8_e4m3", "int8"]
+    if study == "window":
+        win, full = rows
+        assert win["step_model"]["model"]["sliding_window"] == 4096
+        assert full["step_model"]["model"]["sliding_window"] is None
+        assert win["at_capacity"]["max_blocks_per_sequence"] <= 4096 // 16 + 1 < \
+            full["at_capacity"]["max_blocks_per_sequence"]
+    if study == "cascade":
+        by = {r["engine"]["cascade_attention"]: r["at_capacity"] for r in rows}
+        assert by["off"]["cascade_steps"] == 0 < by["on"]["cascade_steps"]
+

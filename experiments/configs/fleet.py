@@ -36,6 +36,17 @@ what the test runs)::
     python -m experiments.fleet --config=experiments/configs/fleet.py:traces
     python -m experiments.fleet --config=experiments/configs/fleet.py:traces \
         --config.trace_window="(1200, 2400)" --config.trace_system_prompt_len=512
+
+KV what-ifs (``experiments/fleet_whatifs.py``; each arm's pool from the same KV bytes,
+``whatif_kv_gb`` or one H200's HBM after the weights): variants ``kv_dtype`` (Llama-3-8B per
+``kv_dtypes``, constructed and the Azure traces), ``window`` (``window_model`` Mistral-7B with its
+4,096-token window against full attention), ``cascade`` (``cascade_modes`` on shared system
+prompts), each with a ``_smoke`` form::
+
+    python -m experiments.fleet --config=experiments/configs/fleet.py:kv_dtype \
+        --config.trace_window="(1200.0, 1800.0)"
+    python -m experiments.fleet --config=experiments/configs/fleet.py:window
+    python -m experiments.fleet --config=experiments/configs/fleet.py:cascade
 """
 
 import ml_collections
@@ -100,6 +111,16 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.trace_memory_utilization = 0.9  # KV = this x T x hbm - weights
     c.trace_prompt_seed = 0  # synthetic prompt ids (the traces have counts only)
     c.trace_system_prompt_len = 0  # > 0: ASSUME every request shares a system prompt this long
+    # KV what-ifs (experiments/fleet_whatifs.py; not among the defaults): each arm's pool holds
+    # what ``whatif_kv_gb`` GB (0: one H200's HBM after the weights, as the traces) affords.
+    c.whatif_kv_gb = 0.0
+    c.kv_dtypes = ("auto", "fp8_e4m3", "int8")  # ``kv_dtype``: one arm per KV cache dtype
+    c.window_model = "Mistral-7B"  # ``window``: its sliding window against full attention
+    c.window_max_model_len = 16384  # ShareGPT-like lengths scale with it (many pass the window)
+    c.window_duration_s = 120.0  # offered load per point (long outputs need a longer run)
+    c.cascade_modes = ("off", "auto", "on")  # ``cascade``: one arm per cascade_attention
+    c.cascade_num_prefixes = 4  # tenants sharing a long system prompt each
+    c.cascade_prefix_len = 1024
     c.plots = True
     c.seed = 0
     c.output_dir = ""
@@ -131,6 +152,38 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
             c.trace_arms = c.trace_arms[:3]
             c.trace_max_model_len = 4096
             c.trace_bisect_steps = 1
+    elif arg in ("kv_dtype", "kv_dtype_smoke"):
+        c.studies = ("kv_dtype", "traces")
+        c.models = ("Llama-3-8B",)
+        c.trace_setups = (("Llama-3-8B", 1),)
+        c.trace_arms = tuple((f"kv_cache_dtype={d}", {"kv_cache_dtype": d}) for d in c.kv_dtypes)
+        if arg == "kv_dtype_smoke":
+            c.studies = ("kv_dtype", "traces")
+            c.duration_s, c.max_requests, c.bisect_steps = 2.0, 120, 0
+            c.trace_services = ("conv",)
+            c.trace_window = (180.0, 240.0)
+            c.trace_subsample = 0.1
+            c.trace_max_model_len = 2048
+            c.trace_bisect_steps = 0
+            c.plots = False
+    elif arg in ("window", "window_smoke"):
+        c.studies = ("window",)
+        # Outputs of up to ~16k tokens at ~20 ms each outlast 2 x the arrival span: let every
+        # request finish (capacity is then the SLO's, not the time limit's).
+        c.max_time_factor = 5.0
+        if arg == "window_smoke":
+            c.window_max_model_len = 8192
+            c.window_duration_s = 4.0
+            c.max_requests = 12
+            c.bisect_steps = 0
+            c.rate_lo, c.rate_hi = 1.0, 2.0
+    elif arg in ("cascade", "cascade_smoke"):
+        c.studies = ("cascade",)
+        c.models = ("Llama-3-8B",)
+        if arg == "cascade_smoke":
+            c.duration_s, c.max_requests, c.bisect_steps = 2.0, 60, 0
+            c.cascade_prefix_len = 256
     elif arg != "default":
-        raise ValueError(f"unknown variant {arg!r}; known: default, smoke, traces, traces_smoke")
+        raise ValueError(f"unknown variant {arg!r}; known: default, smoke, traces, traces_smoke, "
+                         "kv_dtype, kv_dtype_smoke, window, window_smoke, cascade, cascade_smoke")
     return c

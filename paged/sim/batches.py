@@ -25,13 +25,27 @@ def pseudo_tokens(seeds, sample_index, positions, salt: int = 0) -> np.ndarray:
 
 
 def step_shape(ib: InputBatch, builder: BatchBuilder, sched: SchedulerOutput, *,
-               after_idle: bool = False) -> StepShape:
+               after_idle: bool = False, window: int | None = None) -> StepShape:
     """The shape of the step ``sched`` describes, read from the input batch before the step is
     committed (``BatchBuilder.commit`` moves the computed counts on). The engine's steps are
-    measured with the same function (``experiments/calibrate.py``)."""
+    measured with the same function (``experiments/calibrate.py``).
+
+    ``window``: W when every layer attends through a sliding window (``paged.blocks.window``):
+    the query at position ``p`` reads positions ``[p - W + 1, p]``, so a decode reads
+    ``min(kv_len, W)`` positions and a chunk of ``n`` tokens after ``c`` computed ones reads the
+    union of its queries' windows, ``min(c + n, W + n - 1)``, and scores
+    ``sum over its positions p of min(p + 1, W)`` pairs. Counted in positions, as without a window
+    (the kernels' page loops start at the first page that can matter, so they read up to one
+    partly used page more at each end; not counted, as the tail page is not counted without one).
+    """
     rows = sched.decode_rows
     nd = len(rows)
-    kv = int(ib.num_computed[rows].sum()) + nd if nd else 0
+    if not nd:
+        kv = 0
+    elif window is None:
+        kv = int(ib.num_computed[rows].sum()) + nd
+    else:
+        kv = int(np.minimum(ib.num_computed[rows] + 1, window).sum())
     pairs = kv
     t = dec = samples = nd
     prefill = 0
@@ -39,8 +53,12 @@ def step_shape(ib: InputBatch, builder: BatchBuilder, sched: SchedulerOutput, *,
         q, n = item.seq, item.num_new_tokens
         c = q.num_computed_tokens
         t += n
-        kv += c + n
-        pairs += n * c + n * (n + 1) // 2
+        if window is None:
+            kv += c + n
+            pairs += n * c + n * (n + 1) // 2
+        else:
+            kv += min(c + n, window + n - 1)
+            pairs += window_pairs(c + n, window) - window_pairs(c, window)
         if n == 1 and c >= q.num_prompt_tokens:
             dec += 1
         else:
@@ -53,6 +71,14 @@ def step_shape(ib: InputBatch, builder: BatchBuilder, sched: SchedulerOutput, *,
                      kv_read=kv, attn_pairs=pairs, num_samples=samples, padded_tokens=tp,
                      padded_seqs=sp, swap_blocks=len(sched.swap_in) + len(sched.swap_out),
                      copy_blocks=len(sched.copies), after_idle=int(after_idle))
+
+
+def window_pairs(m: int, window: int) -> int:
+    """Query x key pairs of positions ``0 .. m - 1`` under a sliding window of ``window``:
+    ``sum_{p < m} min(p + 1, window)``."""
+    if m <= window:
+        return m * (m + 1) // 2
+    return window * (window + 1) // 2 + (m - window) * window
 
 
 def light_batch(ib: InputBatch, sched: SchedulerOutput) -> StepBatch:
@@ -82,4 +108,4 @@ def light_batch(ib: InputBatch, sched: SchedulerOutput) -> StepBatch:
                      item_ends=ends, stop_any=stop_any, decode_rows=rows, epoch=ib.epoch)
 
 
-__all__ = ["light_batch", "pseudo_tokens", "step_shape"]
+__all__ = ["light_batch", "pseudo_tokens", "step_shape", "window_pairs"]

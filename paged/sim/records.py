@@ -63,6 +63,10 @@ def fleet_summary(recs: list, reps, workload, ttft_slo_ms, tpot_slo_ms) -> tuple
         num_engine_steps=steps, engine_preemptions=sum(s["num_preemptions"] for s in stats),
         prefix_cache_hit_tokens=sum(s["prefix_cache_hit_tokens"] for s in stats),
         peak_used_blocks=max(s["peak_used_blocks"] for s in stats),
+        max_blocks_per_sequence=max(s["max_blocks_per_sequence"] for s in stats),
+        recycled_blocks=sum(s["recycled_blocks"] for s in stats),
+        cascade_steps=sum(s["cascade_steps"] for s in stats),
+        cascade_prefix_tokens_shared=sum(s["cascade_prefix_tokens_shared"] for s in stats),
         kv_block_size=stats[0]["block_size"], kv_num_blocks=stats[0]["num_blocks"],
         num_replicas=len(reps), workload_evidence=workload.evidence)
     return summary, stats, steps

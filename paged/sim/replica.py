@@ -42,14 +42,17 @@ the state stepping leaves (tests compare records, schedules and counters).
 from __future__ import annotations
 
 import collections
+import dataclasses
 from bisect import bisect_left, bisect_right
 
 import numpy as np
 
 from paged.batch import StepBatch
+from paged.cascade_plan import CascadePlanner
 from paged.config import EngineConfig
 from paged.host_core import HostCore
 from paged.input_batch import HAS_STOP_IDS, LIMIT, SAMPLE_INDEX, SEED
+from paged.models.config import recycling_window
 from paged.models.tokenizer import ByteTokenizer
 from paged.request_checks import check_request
 from paged.routing import cached_prefix_tokens
@@ -62,7 +65,11 @@ ROLES = ("both", "prefill", "decode")
 
 
 class _Dims:
-    """The model facts the host code reads (vocabulary size; a salt for prefix keys)."""
+    """The model facts the host code reads (vocabulary size; a salt for prefix keys; full
+    attention)."""
+
+    sliding_window = None
+    layer_windows = (None,)
 
     def __init__(self, vocab_size: int, salt: str):
         self.vocab_size = vocab_size
@@ -78,8 +85,12 @@ class SimReplica:
     Args:
       config: the engine settings (``async_scheduling`` is ignored: steps are serial).
       step_model: seconds per step from its shape.
-      model_config: an object with ``vocab_size`` and ``to_dict()`` (a ``LlamaConfig``); it
-        enters the prefix-cache salt as in the engine. Default: the byte vocabulary.
+      model_config: an object with ``vocab_size``, ``layer_windows`` and ``to_dict()`` (a
+        ``LlamaConfig`` or a ``paged.sim.step_model.ModelDims``); it enters the prefix-cache salt
+        as in the engine, and a model whose every layer slides (``recycling_window``) has its
+        blocks recycled behind the window by the real block manager, and its steps' shapes count
+        only in-window KV (``step_shape``; fast-forward is off: ``run_decode_steps`` does not
+        recycle). Default: the byte vocabulary, full attention.
       build_device: build the real padded device batch every step (see the module docstring).
       token_salt: mixed into the pseudo-tokens (a different "model").
       record_schedule: keep, per step, ``(start time, [(request id, tokens)], [preempted ids])``.
@@ -87,6 +98,10 @@ class SimReplica:
       fast_forward: allow ``plan`` / ``advance_to`` (module docstring); used only where exact.
       role: ``"both"`` (colocated), ``"prefill"`` or ``"decode"`` (a disaggregated fleet,
         ``paged.sim.disagg``); reported in ``stats``.
+
+    With ``config.cascade_attention`` on or auto, a decode-only step's shape counts the shared
+    prefix reads its groups save (``shape_of``; ``paged.cascade_plan``'s groups and cost rule);
+    fast-forward is off then.
     """
 
     def __init__(self, config: EngineConfig, step_model: StepTimeModel, *, model_config=None,
@@ -104,13 +119,22 @@ class SimReplica:
         self.step_model = step_model
         self.tokenizer = ByteTokenizer()
         self.model_config = model_config or _Dims(self.tokenizer.vocab_size, "byte")
+        # W when every layer slides (the engine's rule and errors: window shorter than a block,
+        # cascade attention); the shape counts in-window reads under any KV layout.
+        self.window = recycling_window(self.model_config, config)
         self.core = core = HostCore(
             config, tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size,
-            model_salt=f"{config.model}|{self.model_config.to_dict()}|{config.dtype}")
+            model_salt=f"{config.model}|{self.model_config.to_dict()}|{config.dtype}",
+            sliding_window=self.window)
         self.page_size, self.num_pages = core.page_size, core.num_pages
         self.block_manager, self.batch, self.scheduler = (
             core.block_manager, core.batch, core.scheduler)
         self._builder, self._reader = core.builder, core.reader
+        # Cascade attention's groups, chosen as the engine's builder chooses them (counted here:
+        # a light batch never asks the builder's planner).
+        self._cascade = CascadePlanner(config.cascade_attention, self.page_size)
+        self.cascade_steps = 0
+        self.cascade_prefix_tokens_shared = 0
         self.num_steps = 0
         self.build_device = bool(build_device)
         self.token_salt = int(token_salt)
@@ -128,6 +152,7 @@ class SimReplica:
         self.kv_transfer_bytes = 0  # KV bytes handed over (sent by prefill, received by decode)
         self.fast_forward = bool(
             fast_forward and not self.build_device and not config.debug_checks
+            and self.window is None and config.cascade_attention == "off"
             and getattr(step_model, "stateless", False) and config.policy == "decode-first"
             and config.scheduling == "continuous"
             and all(not 0 <= e < 256 for e in self._reader.eos_ids))
@@ -472,8 +497,24 @@ class SimReplica:
         return self.core.outputs(ended, batch.decode, made, touched)
 
     def shape_of(self, sched: SchedulerOutput) -> StepShape:
-        """The scheduled step's shape (call before the step is committed)."""
-        return step_shape(self.batch, self._builder, sched, after_idle=self._idle)
+        """The scheduled step's shape (call before the step is committed); a decode-only step
+        with cascade attention on carries the prefix reads its groups save (``kv_shared``)."""
+        shape = step_shape(self.batch, self._builder, sched, after_idle=self._idle,
+                           window=self.window)
+        if self._cascade.mode == "off" or sched.scheduled or not len(sched.decode_rows):
+            return shape
+        ib, rows = self.batch, sched.decode_rows
+        tables = [self.block_manager.block_table(ib.ids[r]) for r in rows.tolist()]
+        pages = np.zeros((len(tables), max(map(len, tables))), np.int64)  # NULL_PAGE padded
+        for i, t in enumerate(tables):
+            pages[i, :len(t)] = t
+        groups = self._cascade.select(pages, ib.num_computed[rows] + 1, shape.padded_seqs)
+        if not groups:
+            return shape
+        saved = sum((len(m) - 1) * p for m, p in groups) * self.page_size
+        self.cascade_steps += 1
+        self.cascade_prefix_tokens_shared += saved
+        return dataclasses.replace(shape, kv_shared=saved)
 
     def _tokens(self, batch: StepBatch) -> np.ndarray:
         """The step's "sampled" tokens, one per sample slot (decodes first)."""
@@ -503,7 +544,11 @@ class SimReplica:
                 "num_preemptions": sched.num_preemptions, "num_swap_outs": sched.num_swap_outs,
                 "prefix_cache_hit_tokens": bm.get("hit_tokens", 0),
                 "peak_used_blocks": bm["peak_used_blocks"], "num_blocks": self.num_pages,
-                "block_size": self.page_size}
+                "block_size": self.page_size,
+                "max_blocks_per_sequence": bm["max_blocks_per_sequence"],
+                "recycled_blocks": bm["recycled_blocks"], "sliding_window": self.window,
+                "cascade_steps": self.cascade_steps,
+                "cascade_prefix_tokens_shared": self.cascade_prefix_tokens_shared}
 
 
 class _Stretch:

@@ -54,6 +54,9 @@ class StepShape:
       copy_blocks: pages copied on write.
       after_idle: 1 if the engine was idle (no unfinished request) before this step: on a CPU the
         first step after a pause runs cold (caches, parked threads), which a fit can price.
+      kv_shared: of ``kv_read``, the positions cascade attention does not read again: a group of
+        ``m`` decodes sharing ``p`` prefix tokens reads them once, not ``m`` times, so
+        ``(m - 1) * p`` summed over the step's groups (``paged.cascade_plan``; 0 without cascade).
     """
 
     num_tokens: int
@@ -68,6 +71,7 @@ class StepShape:
     swap_blocks: int = 0
     copy_blocks: int = 0
     after_idle: int = 0
+    kv_shared: int = 0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -291,6 +295,10 @@ class ModelDims:
     them): with a quantized format a KV value costs its own size (1 byte) and every (token, KV
     head) or (page, KV head) adds a float32 scale, in the pool geometry (:meth:`num_blocks`) and in
     every byte the roofline counts (:meth:`kv_read_bytes`, :meth:`kv_bytes_per_block`).
+    ``sliding_window``: W when every layer attends through a sliding window of W tokens (Mistral's
+    ``sliding_window``), else None; the replica then recycles blocks behind the window and counts
+    only in-window KV positions read (``paged.sim.batches.step_shape``). A model with full and
+    sliding layers is not modelled.
     """
 
     name: str
@@ -306,10 +314,19 @@ class ModelDims:
     tie_embeddings: bool = False
     kv_cache_dtype: str = "auto"
     kv_scale_granularity: str = "token"
+    sliding_window: int | None = None
 
     def __post_init__(self):
         validate.one_of("kv_cache_dtype", self.kv_cache_dtype, ("auto", *QUANT_ITEMSIZE))
         validate.one_of("kv_scale_granularity", self.kv_scale_granularity, SCALE_GRANULARITIES)
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"sliding_window={w!r} must be None or an int >= 1")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's window (None: full attention), as ``LlamaConfig.layer_windows``."""
+        return (self.sliding_window,) * self.num_layers
 
     def with_kv_cache(self, config) -> ModelDims:
         """These dims with the KV storage of ``config`` (an ``EngineConfig``): its
@@ -372,8 +389,12 @@ class ModelDims:
         return positions * self.kv_bytes_per_token + positions * self.kv_bytes_per_scale / block_size
 
     def to_dict(self) -> dict:
-        """Its fields (also what enters a simulated replica's prefix-cache salt)."""
-        return dataclasses.asdict(self)
+        """Its fields (also what enters a simulated replica's prefix-cache salt); without
+        ``sliding_window`` when it is None (the salt of a full-attention model is unchanged)."""
+        d = dataclasses.asdict(self)
+        if d["sliding_window"] is None:
+            del d["sliding_window"]
+        return d
 
     def num_blocks(self, kv_bytes: float, block_size: int) -> int:
         """Pool blocks (null page included) that ``kv_bytes`` of KV memory holds."""
@@ -395,18 +416,24 @@ QWEN25_7B = ModelDims("Qwen2.5-7B", d_model=3584, num_layers=28, num_heads=28, n
                       head_dim=128, ffn_dim=18944, vocab_size=152064)
 LLAMA3_70B = ModelDims("Llama-3-70B", d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8,
                        head_dim=128, ffn_dim=28672, vocab_size=128256)
-MODELS = {m.name: m for m in (LLAMA3_8B, QWEN25_7B, LLAMA3_70B)}
+# Mistral-7B v0.1 (its config.json: sliding_window 4096 on every layer, 32k positions).
+MISTRAL_7B = ModelDims("Mistral-7B", d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                       head_dim=128, ffn_dim=14336, vocab_size=32000, sliding_window=4096)
+MODELS = {m.name: m for m in (LLAMA3_8B, QWEN25_7B, LLAMA3_70B, MISTRAL_7B)}
 
 
 @dataclasses.dataclass(frozen=True)
 class RooflineStepModel(StepTimeModel):
     """``t = host + launch + max(bytes / bandwidth, flops / flop_s)`` per step.
 
-    Bytes: the weights once per step, the KV read (``kv_read`` positions) and written
-    (``num_tokens``), copy-on-write pages (read + write); swapped pages cross the host link
-    (``swap_bandwidth``) before the step. FLOPs: ``2 * matmul_params``
-    per token, the LM head per sample, attention ``4 * L * Hq * D`` per query-key pair
-    (``attn_pairs``). Activations are not counted.
+    Bytes: the weights once per step, the KV read (``kv_read - kv_shared`` positions: a
+    cascade group's shared prefix is read once; in-window positions only for a sliding-window
+    model, as ``step_shape`` counts them) and written (``num_tokens``), copy-on-write pages (read +
+    write); swapped pages cross the host link (``swap_bandwidth``) before the step. FLOPs:
+    ``2 * matmul_params`` per token, the LM head per sample, attention ``4 * L * Hq * D`` per
+    query-key pair (``attn_pairs``; cascade computes the same scores). Activations are not
+    counted, nor cascade's second pass and merge (a model: the planner's ``CascadeCost`` prices
+    them from CPU timings, not the H200's).
     """
 
     device: DeviceSpec
@@ -435,8 +462,8 @@ class RooflineStepModel(StepTimeModel):
     def time(self, s: StepShape) -> float:
         m, d = self.model, self.device
         block = m.kv_bytes_per_block(self.block_size)
-        moved = m.weight_bytes + m.kv_read_bytes(s.kv_read + s.num_tokens, self.block_size) + \
-            2 * block * s.copy_blocks
+        moved = m.weight_bytes + m.kv_read_bytes(s.kv_read - s.kv_shared + s.num_tokens,
+                                                 self.block_size) + 2 * block * s.copy_blocks
         flops = 2 * m.matmul_params * s.num_tokens + 2 * m.d_model * m.vocab_size * s.num_samples \
             + 4 * m.num_layers * m.num_heads * m.head_dim * s.attn_pairs
         dev = d.launch_s + max(moved / d.mem_bandwidth, flops / d.flop_s)
@@ -495,7 +522,7 @@ class TensorParallelRooflineStepModel(RooflineStepModel):
         block = m.kv_bytes_per_block(self.block_size)
         head = m.d_model * m.vocab_size
         moved = (m.matmul_params * m.bytes_per_param
-                 + m.kv_read_bytes(s.kv_read + s.num_tokens, self.block_size)
+                 + m.kv_read_bytes(s.kv_read - s.kv_shared + s.num_tokens, self.block_size)
                  + 2 * block * s.copy_blocks) / t + head * m.bytes_per_param
         flops = (2 * m.matmul_params * s.num_tokens
                  + 4 * m.num_layers * m.num_heads * m.head_dim * s.attn_pairs) / t \
@@ -600,7 +627,7 @@ def load_model_json(d: Mapping) -> StepTimeModel:
     return LinearStepModel.from_json(d)
 
 
-__all__ = ["DEFAULT_FEATURES", "FEATURES", "H200", "LLAMA3_8B", "MODELS", "QWEN25_7B",
+__all__ = ["DEFAULT_FEATURES", "FEATURES", "H200", "LLAMA3_8B", "MISTRAL_7B", "MODELS", "QWEN25_7B",
            "DeviceSpec", "LinearStepModel", "ModelDims", "NoisyStepModel", "ReplayStepModel",
            "RooflineStepModel", "StepShape", "StepTimeModel", "fit_linear", "load_model_json",
            "ratio_quantiles"]
