@@ -129,6 +129,10 @@ class HandOver:
     def num_parked(self) -> int:
         return len(self._parked)
 
+    def parked_request_ids(self) -> list[str]:
+        """Requests parked on a prefill replica, waiting for a decode replica (FIFO order)."""
+        return [r for _, r in self._parked]
+
     def held_seq_ids(self, replica: int) -> list:
         """Sequence ids whose blocks replica ``replica`` still holds for a dispatched transfer."""
         return [i for f in self._flights if f.record.source == replica for i in f.old_ids]
