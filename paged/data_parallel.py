@@ -237,11 +237,15 @@ class DataParallelEngine:
         return outputs
 
     def warmup(self, **kwargs) -> int:
-        """``Engine.warmup`` on every replica (each compiles for its own devices); returns the
-        number of step shapes."""
+        """``Engine.warmup`` on every replica (each compiles for its own devices), and with
+        prefill replicas the hand-over's transfers (``HandOver.warmup``); returns the number of
+        step shapes."""
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() must run before requests are added")
-        return max(e.warmup(**kwargs) for e in self.replicas)
+        shapes = max(e.warmup(**kwargs) for e in self.replicas)
+        if self.handover is not None:  # and the hand-over's gather / scatter page buckets
+            self.handover.warmup()
+        return shapes
 
     # --- introspection ------------------------------------------------------------------
     @property
@@ -278,6 +282,11 @@ class DataParallelEngine:
         for key in _OWN:
             merged.pop(key)
         merged["prefill_replicas"] = self.config.prefill_replicas
+        if self.handover is not None:  # each hand-over is on two replicas: count it once
+            records = self.handover.records
+            merged["num_handovers"] = len(records)
+            merged["kv_transfer_bytes"] = sum(r.bytes for r in records)
+            merged["kv_transfer_wire_bytes"] = sum(r.wire_bytes for r in records)
         used = [d["num_used_blocks"] for d in per]
         utils = [d["ledger"]["position_utilization"] for d in per]
         merged["ledger"]["position_utilization"] = (

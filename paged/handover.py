@@ -22,8 +22,8 @@ samples its first token on a prefill replica; at the end of that step ``HandOver
    takes the scattered cache as input, so it reads the pages only after they landed. The
    request then belongs to the decode replica's table (sequence ids re-issued there; parallel
    samples fork from the received prompt blocks);
-4. **releases** the prefill replica's blocks once the moved arrays are ready (polled at each
-   step end, never waited for): until then they stay referenced under their old sequence ids, so
+4. **releases** the prefill replica's blocks once the moved arrays are ready (a helper thread
+   waits for them and stamps the time; the engine checks at each step end and never waits): until then they stay referenced under their old sequence ids, so
    the pool cannot hand them out; when freed, the step fence quarantines them as usual.
 
 Why a gather + ``device_put`` + scatter: the pool's pages of one request are scattered over the
@@ -44,6 +44,7 @@ nothing new until the decode side drains.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import time
 
@@ -67,8 +68,9 @@ class HandOverRecord:
         hit_tokens`` (plus the scales of a quantized cache): ``accounting.kv_bytes``.
       wire_bytes: bytes of the arrays moved: whole pages, padded to a power of two.
       dispatched: ``time.perf_counter()`` when the transfer was dispatched.
-      seconds: from dispatch to the step end at which the moved arrays were seen ready (an upper
-        bound at step granularity); ``None`` until then.
+      seconds: from dispatch until the moved arrays were ready on the destination (a helper
+        thread waits for them; it includes the wait for the source's step in flight, which the
+        gather follows); ``None`` until the step end that sees it.
     """
 
     request_id: str
@@ -87,7 +89,12 @@ class HandOverRecord:
 class _Flight:
     record: HandOverRecord
     old_ids: list  # the sequences' ids on the source, whose blocks are still held there
-    arrays: tuple  # the moved (k, v) on the destination
+    landed: concurrent.futures.Future  # perf_counter() when the moved (k, v) were ready
+
+
+def _wait(arrays) -> float:
+    jax.block_until_ready(arrays)
+    return time.perf_counter()
 
 
 class HandOver:
@@ -119,6 +126,9 @@ class HandOver:
         self.sent_bytes, self.received_bytes, self.wire_bytes = [0] * n, [0] * n, [0] * n
         self.num_handovers = [0] * n
         self.records: list[HandOverRecord] = []
+        # Waits for moved arrays off the engine's thread, so a transfer's time is measured when
+        # it lands, not when the next step end looks (the engine itself never waits on it).
+        self._waiter = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="handover")
 
     @property
     def busy(self) -> bool:
@@ -146,7 +156,7 @@ class HandOver:
         now = time.perf_counter() if now is None else now
         for i in self.prefill:
             self._parked.extend((i, r) for r in self.replicas[i].core.park_prefilled())
-        self._release(now)
+        self._release()
         moved = []
         while self._parked:
             i, request_id = self._parked[0]
@@ -164,11 +174,11 @@ class HandOver:
             self.replicas[i].core.note_progress()
         return moved
 
-    def _release(self, now: float) -> None:
+    def _release(self) -> None:
         keep = []
         for f in self._flights:
-            if all(x.is_ready() for x in jax.tree.leaves(f.arrays)):
-                f.record.seconds = now - f.record.dispatched
+            if f.landed.done():
+                f.record.seconds = f.landed.result() - f.record.dispatched
                 bm = self.replicas[f.record.source].block_manager
                 for seq_id in f.old_ids:
                     bm.free(seq_id)
@@ -221,12 +231,31 @@ class HandOver:
             accounting.kv_bytes(self.spec, n - hit, page_size=size),
             sum(int(x.nbytes) for x in jax.tree.leaves((k, v))), now)
         self.records.append(record)
-        self._flights.append(_Flight(record, old_ids, (k, v)))
+        self._flights.append(_Flight(record, old_ids, self._waiter.submit(_wait, (k, v))))
         for r in (i, j):
             self.num_handovers[r] += 1
             self.wire_bytes[r] += record.wire_bytes
         self.sent_bytes[i] += record.bytes
         self.received_bytes[j] += record.bytes
+
+    def warmup(self) -> int:
+        """Compiles every page-count bucket of the gather on each prefill replica and of the
+        scatter on each decode replica (null pages only: nothing live is read or written), so no
+        hand-over pays for a compilation. Returns the number of buckets."""
+        e = self.replicas[self.prefill[0]]
+        counts = []
+        c = 1
+        while c < 2 * e.pages_per_seq:  # up to next_pow2(pages_per_seq)
+            counts.append(c)
+            c *= 2
+        for i in self.prefill:
+            for j in self.decode:
+                for c in counts:
+                    dst = self.replicas[j]
+                    k, v = jax.device_put(self.replicas[i].send_pages([0] * c), dst.placement.kv)
+                    dst.receive_pages([0] * c, k, v)
+        jax.block_until_ready([self.replicas[j].cache for j in self.decode])
+        return len(counts)
 
     def replica_stats(self, i: int) -> dict:
         """Replica ``i``'s hand-over figures: ``kv_transfer_bytes`` (sent by a prefill replica,
