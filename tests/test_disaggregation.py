@@ -209,3 +209,10 @@ def test_bad_disaggregation_settings_are_refused(kw, exc, match):
     with pytest.raises(exc, match=match):
         EngineConfig(**kw)
 
+
+
+def test_engine_core_processes_refuse_prefill_replicas():
+    from paged.server.core_replicas import CoreReplicas
+
+    with pytest.raises(ValueError, match="prefill_replicas=1 needs the replicas in one process"):
+        CoreReplicas(EngineConfig(data_parallel_size=2, prefill_replicas=1))

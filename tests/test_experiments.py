@@ -205,3 +205,14 @@ def test_cascade_smoke(tmp_path):
         assert p["kv_bytes"]["cascade"] == (pages + n) * bytes_per_page
     assert set(payload["derived"]["crossovers"]) == {"1", "4"}
     assert (tmp_path / "cascade.png").stat().st_size > 0
+
+
+def test_disagg_engine_smoke(tmp_path):
+    _run("experiments.disagg_engine", "--config=experiments/configs/disagg_engine.py:smoke",
+         f"--config.output_dir={tmp_path}")
+    payload = json.loads((tmp_path / "disagg_engine.json").read_text())
+    assert payload["functional_check"] is True and "not a performance claim" in payload["note"]
+    colocated, split = payload["arms"]
+    assert [r["role"] for r in colocated["replicas"]] == ["both"] * 4
+    assert [r["role"] for r in split["replicas"]] == ["prefill"] + ["decode"] * 3
+    assert split["handovers"]["count"] == 6 and split["roles_kept"] and split["all_finished"]
