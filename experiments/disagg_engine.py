@@ -85,7 +85,7 @@ def main(config, plan) -> None:
         engine = serving.build_engine(engine_config, model)
         arm = serving.run_arm(name, engine, workload, ttft_slo_ms=config.ttft_slo_ms,
                               tpot_slo_ms=config.tpot_slo_ms, max_wall_s=config.max_wall_s,
-                              model_name=config.model)
+                              progress=False, model_name=config.model)  # one line per arm below
         replicas = _replicas(engine)
         roles_kept = all(r["num_decode_tokens"] == 0 for r in replicas if r["role"] == "prefill") \
             and all(r["num_prefill_tokens"] == 0 for r in replicas if r["role"] == "decode")
