@@ -80,6 +80,7 @@ def main(config, plan) -> None:
     out = common.output_dir(config, "disagg_engine")
     load_before = os.getloadavg()
     arms = []
+    bar = common.Progress(len(engines), "disagg_engine", unit="arms", lines=True)
     for p, engine_config in zip(config.splits, engines):
         name = "colocated" if p == 0 else f"P:D={p}:{config.data_parallel_size - p}"
         engine = serving.build_engine(engine_config, model)
@@ -99,6 +100,8 @@ def main(config, plan) -> None:
                      "replicas": replicas, "handovers": _handovers(engine)})
         print(f"{name}: {s['completed']} done, p50 TTFT {s['median_ttft_ms']} ms, "
               f"p50 TPOT {s['median_tpot_ms']} ms, roles kept {roles_kept} ({NOTE})", flush=True)
+        bar.set(len(arms), arm=name)
+    bar.close()
     payload = {"study": "disagg_engine", "functional_check": True, "note": NOTE,
                "evidence": workload.evidence, "config": config.to_dict(),
                "load_before": load_before, "load_after": os.getloadavg(),
