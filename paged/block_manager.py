@@ -280,12 +280,18 @@ class BlockManager:
         call (a copy of their table held elsewhere is stale); empty without a window."""
         return set() if self._window is None else self._window.take_changed()
 
-    def block_usage(self) -> list[tuple[int, int]]:
+    def block_usage(self, *, excluding: Sequence = ()) -> list[tuple[int, int]]:
         """(refcount, filled token slots) of every used block, by block id; O(table entries).
 
-        A shared block counts the most slots any of its sequences fills.
+        A shared block counts the most slots any of its sequences fills. ``excluding``: sequence
+        ids whose blocks are left out unless another sequence holds them too (blocks held for a
+        hand-over, counted apart: ``num_blocks_only_in``).
         """
-        return self._tables.block_usage()
+        return self._tables.block_usage(frozenset(excluding))
+
+    def num_blocks_only_in(self, seq_ids: Sequence) -> int:
+        """Blocks that only the sequences ``seq_ids`` hold (no other sequence shares them)."""
+        return len(self._tables.blocks_only_in(frozenset(seq_ids))) if seq_ids else 0
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], *,
                              cache_salt: bytes | str | None = None, probe=None) -> int:

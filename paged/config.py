@@ -110,6 +110,10 @@ class EngineConfig:
         ``router_load_threshold``), "round_robin" or "least_loaded" (``paged.routing``).
       router_load_threshold: ``prefix_aware`` only: the load gap (waiting + running requests)
         up to which cache affinity wins over balance.
+      prefill_replicas: P of the D replicas only prefill (prompt and first token); the other
+        D - P only decode, and each request's KV pages are handed from its prefill replica to a
+        decode replica (``paged.handover``). 0 (the default): every replica does both. Needs
+        P < D, the paged layout, continuous scheduling and no speculation.
       cascade_attention: shared-prefix (cascade) attention for decode-only steps
         (``paged.cascade_plan``): "off" (ordinary paged attention, the default), "on" (every
         group of two or more decodes whose block tables start with the same full blocks reads
@@ -147,6 +151,7 @@ class EngineConfig:
     router: str = "prefix_aware"
     router_load_threshold: int = 16
     cascade_attention: str = "off"
+    prefill_replicas: int = 0
 
     def __new__(cls, *args, **kwargs):
         # A mistyped keyword gets "closest: ..." (as the studies' config keys do), not the
@@ -168,6 +173,7 @@ class EngineConfig:
         validate.integer("router_load_threshold", self.router_load_threshold, minimum=0)
         validate.one_of("router", self.router, ROUTERS)
         validate.one_of("cascade_attention", self.cascade_attention, CASCADE_MODES)
+        validate.integer("prefill_replicas", self.prefill_replicas, minimum=0, maximum=4096)
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks={self.num_blocks} must be >= 2 (block 0 is the null page)")
         validate.integer("seed", self.seed, minimum=0)
@@ -190,6 +196,21 @@ class EngineConfig:
             quant.storage_dtype(self.kv_cache_dtype)  # fp8 this JAX lacks: ValueError now
         validate.real("request_timeout_s", self.request_timeout_s, minimum=0, exclusive=True,
                       allow_none=True)
+        self._check_roles()
+
+    def _check_roles(self) -> None:
+        """Prefill/decode disaggregation: settings it needs (ValueError naming them)."""
+        p, d = self.prefill_replicas, self.data_parallel_size
+        if not p:
+            return
+        if p >= d:
+            raise ValueError(f"prefill_replicas={p} must be < data_parallel_size={d}: at least "
+                             f"one replica must decode (0 prefill replicas: all do both)")
+        for name, value, need in (("kv_layout", self.kv_layout, "paged"),
+                                  ("scheduling", self.scheduling, "continuous"),
+                                  ("speculative", self.speculative, None)):
+            if value != need:
+                raise ValueError(f"prefill_replicas={p} needs {name}={need!r}, got {value!r:.80}")
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -16,6 +16,13 @@ serialises: each replica's scheduling, batch build and dispatch, then each repli
 ``async_scheduling`` a replica's read-back waits for the step dispatched in the previous call,
 which ran while the host served the other replicas; without it, for the step just dispatched.
 
+With ``prefill_replicas = P > 0`` the first P replicas only prefill and the other D - P only
+decode: a request is routed (prefix-aware by default) among the prefill replicas, computes its
+prompt and first token there, and is handed with its KV pages to a decode replica at the end of
+that step (``paged.handover``). Prefill replicas read each step back before the next is
+scheduled (``async_scheduling`` off there), so a request's first token is known, and the request
+handed over, before its replica could schedule a decode for it.
+
 Requests keep their engine-wide identity: request ids are unique across replicas, and an unseeded
 request's seed derives from the engine's seed and its arrival order over the whole engine (as in a
 single engine), so which replica serves a request does not change its samples.
@@ -30,7 +37,10 @@ import jax
 
 from paged.config import EngineConfig, engine_config
 from paged.generate import generate
+from paged.handover import HandOver
+from paged.kv_formulas import ModelSpec
 from paged.metrics import StepTiming
+from paged.models.config import recycling_window
 from paged.placement import split_devices
 from paged.request_checks import check_request, derive_seed
 from paged.routing import EngineReplica, Router
@@ -40,6 +50,8 @@ log = logging.getLogger(__name__)
 
 # kv_stats() keys that describe the geometry (equal across replicas), not amounts to add up.
 _SAME = frozenset({"kv_layout", "layout", "dtype", "block_size", "bytes_per_block"})
+# Per-replica keys that describe one replica only (dropped from the merged totals).
+_OWN = ("role", "num_parked")
 
 
 class DataParallelEngine:
@@ -60,13 +72,18 @@ class DataParallelEngine:
     Attributes:
       replicas: the replica engines, in device order (replica i runs on devices
         ``[i * T, (i + 1) * T)`` of the device list).
-      router: the ``paged.routing.Router`` choosing each request's replica.
+      router: the ``paged.routing.Router`` choosing each request's replica (among the
+        prefill replicas when ``prefill_replicas > 0``).
       routed: request id -> the replica it was routed to, for every request ever added (a study
         reads where its requests went from here).
+      roles: per replica, "prefill", "decode" or "both" (``prefill_replicas = 0``).
+      handover: the ``paged.handover.HandOver`` moving prefilled requests to decode replicas
+        (its ``records``: one per hand-over), or ``None`` without roles.
 
     Raises:
       ValueError: D x T more than the devices, KV heads not divisible by T, a ``mesh=`` (it names
-        one replica's devices), or anything a single engine refuses.
+        one replica's devices), prefill replicas with a model whose every layer slides or over
+        several processes, or anything a single engine refuses.
     """
 
     def __init__(self, config: EngineConfig | None = None, *, replica_factory, model_config=None,
@@ -84,16 +101,35 @@ class DataParallelEngine:
         groups = split_devices(jax.devices() if devices is None else devices,
                                config.data_parallel_size, config.tensor_parallel_size,
                                model_config.num_kv_heads)
-        one = dataclasses.replace(config, data_parallel_size=1)
+        one = dataclasses.replace(config, data_parallel_size=1, prefill_replicas=0)
+        p = config.prefill_replicas
+        if p and recycling_window(model_config, config) is not None:
+            raise ValueError(f"prefill_replicas={p}: a model whose every layer slides recycles "
+                             f"blocks behind its window; hand-over does not move those")
+        # A prefill replica reads each step back before scheduling the next (module docstring).
+        prefill = dataclasses.replace(one, async_scheduling=False)
+        self.roles = ["prefill"] * p + ["decode"] * (len(groups) - p) if p else ["both"] * len(groups)
         self.config = config
-        self.replicas = [replica_factory(one, model_config=model_config, params=params, devices=g)
-                         for g in groups]
+        self.replicas = [replica_factory(prefill if role == "prefill" else one,
+                                         model_config=model_config, params=params, devices=g)
+                         for g, role in zip(groups, self.roles)]
+        if p and any(r.leader is not None for r in self.replicas):
+            raise ValueError(f"prefill_replicas={p} runs in one process (devices of one host)")
         first = self.replicas[0]
         self.model_config, self.tokenizer, self.page_size = (
             first.model_config, first.tokenizer, first.page_size)
         self.vocab_size = model_config.vocab_size
         self.router = Router(config.router, config.router_load_threshold)
-        self._views = [EngineReplica(r) for r in self.replicas]
+        # New requests go to the prefill replicas (all replicas when there are no roles).
+        self._entry = [i for i, r in enumerate(self.roles) if r != "decode"]
+        self._views = [EngineReplica(self.replicas[i]) for i in self._entry]
+        self.handover = None
+        if p:
+            spec = ModelSpec.from_model_config(
+                model_config, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
+                scale_granularity=config.kv_scale_granularity)
+            self.handover = HandOver(self.replicas, self.roles,
+                                     Router(config.router, config.router_load_threshold), spec)
         self._requests: dict[str, int] = {}  # unfinished or unreported request -> its replica
         self.routed: dict[str, int] = {}
         self._num_requests = 0
@@ -135,7 +171,7 @@ class DataParallelEngine:
         """Routes a checked request to a replica and adds it there; an unseeded request's seed
         derives from the engine's seed and its arrival order over the whole engine."""
         request_id, token_ids, cache_salt = checked[0], checked[1], checked[5]
-        i = self.router.route(token_ids, self._views, cache_salt)
+        i = self._entry[self.router.route(token_ids, self._views, cache_salt)]
         if seed is None:
             seed = derive_seed(self.config.seed, self._num_requests)
         self.replicas[i].add_checked(checked, seed=seed)
@@ -148,7 +184,9 @@ class DataParallelEngine:
         return self._requests.get(request_id)
 
     def abort(self, request_id: str) -> bool:
-        """``Engine.abort`` on the request's replica (its blocks are freed there)."""
+        """``Engine.abort`` on the request's replica (its blocks are freed there; a request
+        parked for a hand-over is aborted on its prefill replica, one handed over on its decode
+        replica)."""
         i = self._requests.get(request_id)
         if i is None:
             log.warning("abort(%r): no unfinished request with this id", request_id)
@@ -160,7 +198,8 @@ class DataParallelEngine:
 
     def has_unfinished_requests(self) -> bool:
         """``Engine.has_unfinished_requests`` of any replica (a step in flight counts)."""
-        return any(e.has_unfinished_requests() for e in self.replicas)
+        return (any(e.has_unfinished_requests() for e in self.replicas)
+                or self.handover is not None and self.handover.busy)
 
     def has_step_in_flight(self) -> bool:
         return any(e.has_step_in_flight() for e in self.replicas)
@@ -185,6 +224,9 @@ class DataParallelEngine:
         for out in outputs:
             if out.finished:
                 self._requests.pop(out.request_id, None)
+        if self.handover is not None:
+            for request_id, j in self.handover.run():
+                self._requests[request_id] = j
         self.num_steps += any(p.launched is not None for p in pending)
         timing = StepTiming()
         for e in self.replicas:
@@ -195,11 +237,15 @@ class DataParallelEngine:
         return outputs
 
     def warmup(self, **kwargs) -> int:
-        """``Engine.warmup`` on every replica (each compiles for its own devices); returns the
-        number of step shapes."""
+        """``Engine.warmup`` on every replica (each compiles for its own devices), and with
+        prefill replicas the hand-over's transfers (``HandOver.warmup``); returns the number of
+        step shapes."""
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() must run before requests are added")
-        return max(e.warmup(**kwargs) for e in self.replicas)
+        shapes = max(e.warmup(**kwargs) for e in self.replicas)
+        if self.handover is not None:  # and the hand-over's gather / scatter page buckets
+            self.handover.warmup()
+        return shapes
 
     # --- introspection ------------------------------------------------------------------
     @property
@@ -216,11 +262,31 @@ class DataParallelEngine:
 
     def kv_stats(self) -> dict:
         """The replicas' ``kv_stats()`` added up, and ``replicas``: each replica's own (with its
-        ``num_running``, ``num_waiting`` and ``num_requests_served``). Geometry (block size,
+        ``num_running``, ``num_waiting``, ``num_requests_served``, its ``role`` ("prefill",
+        "decode" or "both"), ``num_prefill_tokens`` / ``num_decode_tokens`` (tokens it computed
+        in prompt chunks and in decode steps), ``kv_transfer_bytes`` (M_KV of the tokens sent by
+        a prefill replica or received by a decode replica), ``kv_transfer_wire_bytes`` (whole,
+        padded pages moved), ``num_handovers`` and ``num_parked``). Geometry (block size,
         dtype, layout) is the replicas' common value; ``position_utilization`` is the average
         weighted by in-use blocks; ``max_blocks_per_sequence`` the largest replica's."""
-        per = [e.kv_stats() for e in self.replicas]
+        per = []
+        for i, e in enumerate(self.replicas):
+            ho = self.handover
+            d = e.kv_stats(held_for_transfer=() if ho is None else ho.held_seq_ids(i))
+            d["role"] = self.roles[i]
+            d.update(ho.replica_stats(i) if ho is not None else {
+                "kv_transfer_bytes": 0, "kv_transfer_wire_bytes": 0, "num_handovers": 0,
+                "num_parked": 0})
+            per.append(d)
         merged = _merge(per)
+        for key in _OWN:
+            merged.pop(key)
+        merged["prefill_replicas"] = self.config.prefill_replicas
+        if self.handover is not None:  # each hand-over is on two replicas: count it once
+            records = self.handover.records
+            merged["num_handovers"] = len(records)
+            merged["kv_transfer_bytes"] = sum(r.bytes for r in records)
+            merged["kv_transfer_wire_bytes"] = sum(r.wire_bytes for r in records)
         used = [d["num_used_blocks"] for d in per]
         utils = [d["ledger"]["position_utilization"] for d in per]
         merged["ledger"]["position_utilization"] = (

@@ -442,6 +442,24 @@ class Engine:
 
         return (SpecStats() if self.speculator is None else self.speculator.stats).as_dict()
 
-    def kv_stats(self) -> dict:
-        """Pool occupancy, prefix-cache and preemption counters, and the memory ledger (bytes)."""
-        return kv_stats(self)
+    def kv_stats(self, *, held_for_transfer=()) -> dict:
+        """Pool occupancy, prefix-cache and preemption counters, and the memory ledger (bytes).
+        ``held_for_transfer``: sequence ids whose blocks a hand-over still holds (ledger
+        category ``transfer``; parked sequences are counted there anyway)."""
+        return kv_stats(self, held_for_transfer)
+
+    # --- hand-over between replicas (paged.handover) ------------------------------------
+    def send_pages(self, pages):
+        """This replica's ``pages`` gathered into new device arrays (``kv_cache.gather_pages``:
+        sharded as the cache, nothing donated)."""
+        return kc.gather_pages(self.cache, pages)
+
+    def receive_pages(self, pages, k, v) -> None:
+        """Writes pages sent by another replica, already placed on this replica's KV sharding,
+        into ``pages`` (``kv_cache.scatter_pages``; the cache is donated and replaced). Pages
+        freed since the last step are poisoned first (debug), so the poison the next step would
+        apply cannot land on what arrives here."""
+        if self._freed_pages:
+            self.cache = kc.poison(self.cache, sorted(set(self._freed_pages)))
+            self._freed_pages.clear()
+        self.cache = kc.scatter_pages(self.cache, pages, k, v)

@@ -53,6 +53,9 @@ class HostCore:
       host_blocks: host swap slots (``preemption_mode="swap"``; else 0).
       block_manager, batch, builder, scheduler, reader: the collaborators, built here.
       num_requests_served: finished requests reported (any finish reason).
+      num_prefill_tokens, num_decode_tokens, num_recompute_tokens: tokens scheduled in prompt
+        chunks of never-preempted sequences, in decode (and verify) rows, and in chunks that
+        recompute a preempted sequence's KV (``count_tokens``).
     """
 
     def __init__(self, config: EngineConfig, *, tokenizer, vocab_size: int, model_salt: str,
@@ -86,6 +89,7 @@ class HostCore:
         self._num_requests = 0
         self._steps_without_progress = 0
         self.num_requests_served = 0
+        self.num_prefill_tokens = self.num_decode_tokens = self.num_recompute_tokens = 0
 
     # --- what request checks and routers read ------------------------------------------
     @property
@@ -195,6 +199,46 @@ class HostCore:
             if not seq.finished:
                 self.scheduler.finish(seq, reason, now)
 
+    # --- hand-over between replicas (paged.handover) -----------------------------------
+    def park_prefilled(self) -> list[str]:
+        """Requests whose prompt is computed and first token known leave the scheduler (a
+        prefill replica's step end): their running sequences get status ``TRANSFER`` and keep
+        their blocks; the requests stay in this table (abort and timeout work as before) until
+        ``release_request``. Returns their ids in admission order."""
+        ready = dict.fromkeys(s.request_id for s in self.scheduler.running
+                              if s.num_output_tokens > 0 and not s.pending)
+        for request_id in ready:
+            for seq in self._requests[request_id]:
+                if seq.status is SeqStatus.RUNNING:
+                    self.scheduler.detach(seq)
+        return list(ready)
+
+    def transfer_seqs(self, request_id: str) -> list[Sequence]:
+        """The unfinished (``TRANSFER``) sequences of a parked request; empty once it ended."""
+        return [s for s in self._requests.get(request_id, ()) if s.status is SeqStatus.TRANSFER]
+
+    def parked_seq_ids(self) -> list[int]:
+        """Sequence ids of every parked (``TRANSFER``) sequence: blocks held for a hand-over."""
+        return [s.seq_id for seqs in self._requests.values() for s in seqs
+                if s.status is SeqStatus.TRANSFER]
+
+    def release_request(self, request_id: str) -> list[Sequence]:
+        """A parked request leaves this table for another replica's; its sequences are returned
+        (their blocks here are the caller's to free). Not counted as served."""
+        seqs = self._requests.pop(request_id)
+        self._num_deadlines -= seqs[0].deadline is not None
+        return seqs
+
+    def adopt_request(self, request_id: str, seqs: list[Sequence]) -> None:
+        """A request handed over from another replica joins this table: its unfinished
+        sequences, whose blocks this block manager already holds under their (new) ids, run."""
+        self._requests[request_id] = seqs
+        self._num_deadlines += seqs[0].deadline is not None
+        for seq in seqs:
+            seq.out_state = None
+            if not seq.finished:
+                self.scheduler.add_running(seq)
+
     # --- the host halves of a step ------------------------------------------------------
     def take_ended(self, now: float) -> list[str]:
         """The requests to report first in this step: those whose deadline passed at ``now``
@@ -229,7 +273,25 @@ class HostCore:
         sched = self.scheduler.schedule(now)
         if not sched.is_empty:
             self._steps_without_progress = 0
+            self.count_tokens(sched)
         return sched
+
+    def count_tokens(self, sched: SchedulerOutput) -> None:
+        """Adds a plan's tokens to the prefill / decode / recompute counts (read before the
+        step advances the rows). A single token after the prompt, or a verify row, is decode;
+        a chunk of a sequence preempted before is recompute; any other chunk is prefill."""
+        decode, prefill, recompute = len(sched.decode_rows), 0, 0
+        for item in sched.scheduled:
+            s, k = item.seq, item.num_new_tokens
+            if item.num_draft or (k == 1 and s.num_computed_tokens >= s.num_prompt_tokens):
+                decode += k
+            elif s.num_preemptions:
+                recompute += k
+            else:
+                prefill += k
+        self.num_decode_tokens += decode
+        self.num_prefill_tokens += prefill
+        self.num_recompute_tokens += recompute
 
     def note_progress(self) -> None:
         """A step ran that the scheduler did not plan (a simulator's fast-forwarded steps)."""

@@ -323,6 +323,51 @@ def swap_in(cache: KVCache, pages, k: np.ndarray, v: np.ndarray) -> KVCache:
     return _write_pages(cache, jnp.asarray(padded), k, v)
 
 
+def gather_pages(cache: KVCache, pages):
+    """Reads pages into new device arrays on the cache's devices (the cache is not donated): the
+    sending half of a hand-over between replicas (``paged.handover``).
+
+    Args:
+      cache: the cache (not donated; a later step that donates it is ordered after this read by
+        the runtime).
+      pages: i32[n] pages; padded here with ``NULL_PAGE`` to a power of two (bounded
+        recompilation).
+
+    Returns:
+      ``(k, v)``: ``[num_layers, num_kv_heads, pad(n), page_size, head_dim]`` device arrays
+      sharded as the cache (KV heads stay on their shard), or ``QuantizedPages`` of values and
+      scales for a quantized cache.
+    """
+    pages = _check_pages(cache, "pages", pages)
+    return _read_pages(cache, jnp.asarray(pad_pages(pages)))
+
+
+def scatter_pages(cache: KVCache, pages, k, v) -> KVCache:
+    """Writes ``gather_pages``' arrays (already on this cache's devices) into ``pages``: the
+    receiving half of a hand-over. DONATES ``cache``.
+
+    Args:
+      cache: the cache (donated).
+      pages: i32[n] destination pages, distinct; padded with ``NULL_PAGE`` to the length of the
+        arrays (the padding rows land in the null page, which nothing reads).
+      k, v: as ``gather_pages`` returns them, ``pad(n)`` pages on axis 2.
+
+    Raises:
+      ValueError: the arrays' page count is not ``pad(n)``, or their structure differs from the
+        cache's pages.
+    """
+    pages = _check_pages(cache, "pages", pages)
+    padded = pad_pages(pages)
+    for name, x, like in (("k", k, cache.k_pages), ("v", v, cache.v_pages)):
+        if jax.tree.structure(x) != jax.tree.structure(like):
+            raise ValueError(f"{name} must have the structure of the cache's pages")
+        for got, leaf in zip(jax.tree.leaves(x), jax.tree.leaves(like)):
+            expect = (*leaf.shape[:2], padded.size, *leaf.shape[3:])
+            if tuple(got.shape) != expect:
+                raise ValueError(f"{name}.shape={tuple(got.shape)} must be {expect}")
+    return _write_pages(cache, jnp.asarray(padded), k, v)
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _poison(cache, pages):
     def nan(x):

@@ -49,6 +49,7 @@ CATEGORIES = (
     "free",
     "null_page",
     "reserved",
+    "transfer",
     "scales",
 )
 

@@ -5,15 +5,18 @@ from __future__ import annotations
 from paged import accounting
 
 
-def kv_stats(engine) -> dict:
-    """The engine's KV figures now (see ``Engine.kv_stats``)."""
+def kv_stats(engine, held_for_transfer=()) -> dict:
+    """The engine's KV figures now (see ``Engine.kv_stats``). ``held_for_transfer``: sequence
+    ids whose blocks a hand-over still holds besides the parked ones (``paged.handover``)."""
     bm, config = engine.block_manager, engine.config
     stats = bm.stats()
+    held = [*engine.core.parked_seq_ids(), *held_for_transfer]
     spec = accounting.ModelSpec.from_model_config(
         engine.model_config, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
         scale_granularity=config.kv_scale_granularity)
     ledger = accounting.MemoryLedger.from_blocks(
-        spec, engine.page_size, engine.cache.num_pages, used=bm.block_usage(),
+        spec, engine.page_size, engine.cache.num_pages, used=bm.block_usage(excluding=held),
+        transfer=bm.num_blocks_only_in(held),
         cached_free=bm.num_cached_blocks, free=bm.num_free_blocks,
         reserved=bm.num_quarantined_blocks,
         block_table_bytes=accounting.block_table_bytes(config.max_num_seqs, engine.pages_per_seq),
@@ -41,6 +44,10 @@ def kv_stats(engine) -> dict:
         "num_waiting": len(sched.waiting),
         "num_swapped": len(sched.swapped),
         "num_requests_served": engine.num_requests_served,
+        # Tokens scheduled in prompt chunks, decode rows and recompute chunks (HostCore).
+        "num_prefill_tokens": engine.core.num_prefill_tokens,
+        "num_decode_tokens": engine.core.num_decode_tokens,
+        "num_recompute_tokens": engine.core.num_recompute_tokens,
         # The most blocks one sequence held at once since the start (with a sliding window at
         # most ceil(W / block_size) + 1 once its prompt is behind it), and the blocks freed
         # because they left the window.

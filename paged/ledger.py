@@ -36,6 +36,8 @@ class MemoryLedger:
       workspace_bytes: side cost, outside the pool.
       filled_positions: positions holding tokens in in-use blocks (shared ones counted once).
       in_use_positions: positions of in-use blocks.
+      transfer: bytes of blocks held for a hand-over to another replica (prefill/decode
+        disaggregation: a prefilled request's pages waiting for, or in, their transfer).
       scales: bytes of the scales of every block of the pool (quantized KV; 0 otherwise). The
         other categories count value bytes only, so scales are counted once, here.
     """
@@ -58,6 +60,7 @@ class MemoryLedger:
     in_use_positions: int
     staged: int = 0
     scales: int = 0
+    transfer: int = 0
 
     def __post_init__(self):
         # The whole point of the ledger: no byte of the pool unaccounted for, none counted twice.
@@ -118,6 +121,7 @@ class MemoryLedger:
         block_table_bytes: int = 0,
         workspace_bytes: int = 0,
         staged_positions: int = 0,
+        transfer: int = 0,
     ) -> MemoryLedger:
         """Ledger of a paged pool from per-block counts.
 
@@ -134,10 +138,12 @@ class MemoryLedger:
           workspace_bytes: bytes of attention/sampling workspace (outside the pool).
           staged_positions: filled positions of blocks owned by one sequence that hold
             speculative tokens not verified yet (counted as ``staged``, not ``effective_kv``).
+          transfer: blocks held for a hand-over to another replica (not in ``used``).
 
         Raises:
           TypeError: a count is not an integer or ``used`` holds a non-pair.
-          ValueError: a count is out of range, or ``len(used) + cached_free + free + reserved + 1``
+          ValueError: a count is out of range, or ``len(used) + cached_free + free + reserved +
+            transfer + 1``
             differs from ``num_blocks``.
         """
         block_size = validate.integer("block_size", block_size, minimum=1)
@@ -148,6 +154,7 @@ class MemoryLedger:
                 ("cached_free", cached_free),
                 ("free", free),
                 ("reserved", reserved),
+                ("transfer", transfer),
             )
         }
         blocks = _check_used(used, block_size)
@@ -178,6 +185,7 @@ class MemoryLedger:
             free=counts["free"] * per_block,
             null_page=per_block,
             reserved=counts["reserved"] * per_block,
+            transfer=counts["transfer"] * per_block,
             shared_saved_bytes=sum((ref - 1) * f for ref, f in blocks) * per_token,
             block_table_bytes=validate.integer("block_table_bytes", block_table_bytes, minimum=0),
             workspace_bytes=validate.integer("workspace_bytes", workspace_bytes, minimum=0),

@@ -115,6 +115,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def detach(self, seq: Sequence) -> None:
+        """A running sequence leaves the queues for a hand-over to another replica
+        (``paged.handover``): no row, never scheduled or preempted here again; its blocks stay
+        held until the hand-over frees them (``finish`` frees them on abort or timeout)."""
+        self._unrun(seq)
+        seq.status = SeqStatus.TRANSFER
+
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 

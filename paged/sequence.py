@@ -19,6 +19,7 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"  # not on device: new, or preempted by recompute
     RUNNING = "running"  # owns device blocks (and an input-batch row)
     SWAPPED = "swapped"  # KV parked in host slots
+    TRANSFER = "transfer"  # prefilled, its KV waiting to move to a decode replica (no row)
     FINISHED = "finished"
 
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -71,3 +75,15 @@ def pallas_model(seed: int = 0):
     params = jax.tree_util.tree_map_with_path(
         lambda path, x: x * 20.0 if "embedding" in jax.tree_util.keystr(path) else x, params)
     return PALLAS, params
+
+
+def run_on_host_devices(script: str, marker: str, num_devices: int = 4) -> str:
+    """Runs ``script`` in a new Python process with ``num_devices`` forced CPU host devices
+    (``XLA_FLAGS`` must be set before JAX starts, hence the process), from the repository root;
+    asserts it exited 0 and printed ``marker``; returns its stdout."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and marker in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    return proc.stdout

@@ -191,6 +191,7 @@ def test_ledger_hand_computed():
         "free": 3 * 256,
         "null_page": 256,
         "reserved": 256,
+        "transfer": 0,  # no pages held for a hand-over between replicas
         "scales": 0,  # an unquantized pool has none
     }
     assert ledger.pool_bytes == 2560 == sum(ledger.categories().values())

@@ -7,18 +7,11 @@ argument checks run here on the one CPU device.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import jax
 import pytest
-from engine_utils import small_model
+from engine_utils import run_on_host_devices, small_model
 
 from paged import Engine, EngineConfig
-
-ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
 import sys
@@ -140,11 +133,7 @@ print("DP_OK")
 
 
 def test_replicas_and_tensor_parallel_give_the_single_device_tokens():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0 and "DP_OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    run_on_host_devices(SCRIPT, "DP_OK")
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -280,3 +280,13 @@ def test_fleet_kv_whatifs_smoke(tmp_path, variant):
         by = {r["engine"]["cascade_attention"]: r["at_capacity"] for r in rows}
         assert by["off"]["cascade_steps"] == 0 < by["on"]["cascade_steps"]
 
+
+def test_disagg_engine_smoke(tmp_path):
+    _run("experiments.disagg_engine", "--config=experiments/configs/disagg_engine.py:smoke",
+         f"--config.output_dir={tmp_path}")
+    payload = json.loads((tmp_path / "disagg_engine.json").read_text())
+    assert payload["functional_check"] is True and "not a performance claim" in payload["note"]
+    colocated, split = payload["arms"]
+    assert [r["role"] for r in colocated["replicas"]] == ["both"] * 4
+    assert [r["role"] for r in split["replicas"]] == ["prefill"] + ["decode"] * 3
+    assert split["handovers"]["count"] == 6 and split["roles_kept"] and split["all_finished"]

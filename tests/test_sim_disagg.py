@@ -175,3 +175,17 @@ def test_preemption_on_the_decode_side_recomputes_or_swaps_there(mode):
         assert dec["num_swap_outs"] > 0
     assert res.replicas[0]["num_decode_tokens"] == 0
     _all_blocks_back(sim)
+
+
+def test_the_engine_setting_disaggregates_the_simulator_alike():
+    """``EngineConfig(data_parallel_size=D, prefill_replicas=P)``, the engine's own setting, gives
+    the simulator its P:D split (D replicas unless ``num_replicas`` says otherwise)."""
+    w = _workload(num=12)
+    explicit = _sim(_config(num_blocks=400), P=1, D=3).run(w)
+    sim = Simulator(_config(num_blocks=400, data_parallel_size=3, prefill_replicas=1), MODEL,
+                    handover=HANDOVER, build_device=False)
+    res = sim.run(w)
+    assert [r["role"] for r in res.replicas] == ["prefill", "decode", "decode"]
+    assert _key(res) == _key(explicit) and res.handovers == explicit.handovers
+    with pytest.raises(TypeError, match="needs handover"):
+        Simulator(_config(data_parallel_size=3, prefill_replicas=1), MODEL)

@@ -206,11 +206,14 @@ class SeqTables:
             self.note_peak(seq)
         return self.peak_blocks
 
-    def block_usage(self) -> list[tuple[int, int]]:
-        """(refcount, most slots any sequence fills) of every used block, by block id."""
+    def block_usage(self, skip=frozenset()) -> list[tuple[int, int]]:
+        """(refcount, most slots any sequence fills) of every used block, by block id; blocks
+        only the sequences in ``skip`` hold are left out."""
         filled: dict[int, int] = {}
         B = self.block_size
-        for seq in self.seqs.values():
+        for seq_id, seq in self.seqs.items():
+            if seq_id in skip:
+                continue
             table = seq.table
             if not table:
                 continue
@@ -221,6 +224,13 @@ class SeqTables:
             if filled.get(last, 0) < n:
                 filled[last] = n
         return [(self.pool.rc[b], filled[b]) for b in sorted(filled)]
+
+    def blocks_only_in(self, seq_ids: frozenset) -> set[int]:
+        """The blocks that the sequences ``seq_ids`` hold and no other sequence does."""
+        mine, others = set(), set()
+        for i, seq in self.seqs.items():
+            (mine if i in seq_ids else others).update(seq.table[seq.front:])
+        return mine - others
 
     # --- fast-path state -------------------------------------------------------------------
     def fast_state(self, seq: Seq) -> None:

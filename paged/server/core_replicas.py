@@ -75,6 +75,9 @@ class CoreReplicas:
         d = config.data_parallel_size
         if d < 2:
             raise ValueError(f"data_parallel_size={d}: use EngineCoreClient for one core")
+        if config.prefill_replicas:  # a hand-over moves device arrays within one process
+            raise ValueError(f"prefill_replicas={config.prefill_replicas} needs the replicas in "
+                             f"one process: serve without engine-core processes")
         self.clients: list[EngineCoreClient] = []
         try:
             for i in range(d):

@@ -102,7 +102,8 @@ class Simulator:
       config: every replica's ``EngineConfig``.
       step_model: one ``StepTimeModel`` shared by the replicas, or a callable ``index -> model``
         (a model with state, such as ``ReplayStepModel``, needs one per replica).
-      num_replicas: >= 1.
+      num_replicas: >= 1 (default 1, or ``config.data_parallel_size`` when P comes from
+        ``config.prefill_replicas``).
       router: a ``paged.routing.Router`` (default least loaded).
       model_config: passed to each ``SimReplica`` (vocabulary, prefix-cache salt).
       build_device: build the real padded device batch every step (``SimReplica``).
@@ -115,17 +116,25 @@ class Simulator:
         results are those of stepping.
       prefill_replicas: P > 0 disaggregates: replicas ``0 .. P-1`` only prefill (prompt and
         first token; routed to by ``router``), ``P .. num_replicas-1`` only decode, and each
-        prompt's KV is handed over (``paged.sim.disagg``). 0: colocated replicas. ``step_model``
+        prompt's KV is handed over (``paged.sim.disagg``). 0: colocated replicas. Default
+        ``config.prefill_replicas`` (the engine's own setting). ``step_model``
         as a callable gives each role its own model (by replica index).
       handover: a ``paged.sim.handover.Handover`` (link and model), required when P > 0.
       decode_config: the decode replicas' ``EngineConfig`` (default ``config``); P > 0 only.
     """
 
     def __init__(self, config: EngineConfig, step_model: StepTimeModel | Callable[[int], StepTimeModel],
-                 *, num_replicas: int = 1, router: Router | None = None, model_config=None,
-                 build_device: bool = True, record_schedule: bool = False,
-                 idle_wake_s: float = 0.0, fast_forward: bool = True, prefill_replicas: int = 0,
-                 handover: Handover | None = None, decode_config: EngineConfig | None = None):
+                 *, num_replicas: int | None = None, router: Router | None = None,
+                 model_config=None, build_device: bool = True, record_schedule: bool = False,
+                 idle_wake_s: float = 0.0, fast_forward: bool = True,
+                 prefill_replicas: int | None = None, handover: Handover | None = None,
+                 decode_config: EngineConfig | None = None):
+        if prefill_replicas is None:  # the engine's own setting: EngineConfig(D, prefill_replicas=P)
+            prefill_replicas = config.prefill_replicas
+            if prefill_replicas and num_replicas is None:
+                num_replicas = config.data_parallel_size
+        if num_replicas is None:
+            num_replicas = 1
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas={num_replicas!r} must be an int >= 1")
         check_roles(num_replicas, prefill_replicas, handover, decode_config)
