@@ -100,7 +100,8 @@ class EngineReplica:
 
     @property
     def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        sched = self.engine.scheduler
+        return len(sched.running) + len(sched.loading)  # loading: admitted, copying its prefix
 
     def cached_prefix_tokens(self, token_ids, cache_salt=None, probe=None) -> int:
         return cached_prefix_tokens(self.engine.block_manager, token_ids, cache_salt, probe)
