@@ -48,8 +48,11 @@ CASES = {
     "n2-ngram": dict(n=2, speculative=SpeculativeConfig(method="ngram",
                                                         num_speculative_tokens=2)),
     "int8": dict(kv_cache_dtype="int8"),
+    # The draft model's cache gets the same offloads and loads (its own host store): its
+    # proposals, hence the accepted counts, are those of the run without a tier.
+    "draft": dict(speculative=SpeculativeConfig(num_speculative_tokens=2)),
 }
-SLOW = {"n2-ngram", "int8"}
+SLOW = {"n2-ngram", "int8", "draft"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c
@@ -67,6 +70,9 @@ def test_greedy_tokens_identical_with_the_tier_on_and_off(case):
     if case in ("recompute", "swap-serial"):
         assert engine.kv_stats()["num_preemptions"] > 0
     assert engine_off.kv_stats()["host_tier"]["num_blocks"] == 0
+    if case == "draft":
+        accepted = [e.spec_decode_stats()["num_accepted_tokens"] for e in (engine_off, engine)]
+        assert accepted[0] == accepted[1] > 0
 
 
 def test_the_tier_bytes_are_exact_and_bounded():
