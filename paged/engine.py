@@ -423,13 +423,20 @@ class Engine:
     def warmup(self, *, logprobs: bool = True, parallel_sampling: bool = True,
                progress: bool = False) -> int:
         """Compiles every step a request can select (``paged.warmup``: each step shape, plain and
-        with log-probabilities, the sample-slot shapes of ``n > 1``, n-gram verify steps), so no
-        request pays for a compilation; ``logprobs=False`` / ``parallel_sampling=False`` skip what
-        a workload never asks for. Returns the number of compilations."""
+        with log-probabilities, the sample-slot shapes of ``n > 1``, n-gram verify steps, and the
+        host tier's copies), so no request pays for a compilation; ``logprobs=False`` /
+        ``parallel_sampling=False`` skip what a workload never asks for. Returns the number of
+        step compilations."""
         from paged import warmup
 
-        return warmup.run(self, logprobs=logprobs, parallel_sampling=parallel_sampling,
-                          progress=progress)
+        n = warmup.run(self, logprobs=logprobs, parallel_sampling=parallel_sampling,
+                       progress=progress)
+        if self.host_tier is not None:  # the tier's copies, at every padded page count
+            self.cache = self.host_tier.warm(self.cache)
+            if self._draft_tier is not None:
+                draft = self.speculator.draft
+                draft.cache = self._draft_tier.warm(draft.cache)
+        return n
 
     def compile_step(self, variant: tuple[bool, bool], shape: tuple[int, int, int]) -> None:
         """Runs the ``(with_logprobs, with_verify)`` step once on an all-padding batch of

@@ -265,7 +265,8 @@ class Scheduler:
             # they fork, not read back yet).
             samples = seq.params.n if seq.sample_index == 0 and seq.num_output_tokens == 0 else 1
             if forks is None:
-                forks = sum(s.params.n - 1 for s in self.running if s.params.n > 1 and s.sample_index == 0
+                forks = sum(s.params.n - 1 for s in (*self.running, *self.loading)
+                            if s.params.n > 1 and s.sample_index == 0
                             and (s.num_output_tokens == 0 or s.num_output_tokens == 1 and s.pending))
             if len(self.running) + len(self.loading) + forks + samples > self.config.max_num_seqs:
                 break
