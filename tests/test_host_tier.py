@@ -180,3 +180,28 @@ def test_bad_arguments():
         BlockManager(5, 2, num_host_tier_blocks=-1)
     with pytest.raises(ValueError, match="sliding"):
         BlockManager(5, 2, num_host_tier_blocks=2, sliding_window=4)
+
+
+def test_server_metrics_export_the_tier_counters():
+    from paged.server.metrics import ServerMetrics
+
+    class FakeEngine:
+        def __init__(self):
+            self.tier = {"num_blocks": 8, "used_blocks": 2, "hit_tokens": 32,
+                         "offloaded_bytes": 4096, "loaded_bytes": 2048, "load_wait_s": 0.5}
+
+        def kv_stats(self):
+            return {"num_running": 1, "num_waiting": 0, "num_blocks": 9, "num_used_blocks": 3,
+                    "prefix_cache_hit_tokens": 48, "num_preemptions": 0,
+                    "host_tier": dict(self.tier)}
+
+    m, engine = ServerMetrics(), FakeEngine()
+    m.update_engine(engine)
+    engine.tier["hit_tokens"] = 40
+    m.update_engine(engine)
+    text = m.render().decode()
+    assert "paged:host_tier_hit_tokens_total 40.0" in text
+    assert "paged:host_tier_offloaded_bytes_total 4096.0" in text
+    assert "paged:host_tier_loaded_bytes_total 2048.0" in text
+    assert "paged:host_tier_load_wait_seconds_total 0.5" in text
+    assert "paged:host_tier_usage_perc 0.25" in text
