@@ -53,7 +53,7 @@ CASES = {
     # The draft model's cache gets the same offloads and loads (its own host store). Verification
     # hides a wrong draft KV from the tokens (and acceptance barely moves), so the draft's pages
     # are compared directly.
-    "draft": dict(speculative=SpeculativeConfig(num_speculative_tokens=2)),
+    "draft": dict(speculative=SpeculativeConfig(method="draft", num_speculative_tokens=2)),
 }
 SLOW = {"n2-ngram", "int8", "draft"}
 
