@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 from paged.blocks import decode_run
 from paged.blocks.admission import Admission, as_salt
 from paged.blocks.fence import StepFence
+from paged.blocks.host_tier import HostTier, TierCopies
 from paged.blocks.invariants import check_invariants
 from paged.blocks.pool import STATE_NAMES, BlockPool
 from paged.blocks.prefix_index import (
@@ -112,9 +113,12 @@ class BlockManager:
                  cache_salt: bytes | str = b"", hash_fn: HashFn | None = None,
                  quarantine_steps: int = 1, num_host_blocks: int = 0, debug: bool = False,
                  on_free: Callable[[list[int]], None] | None = None,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, num_host_tier_blocks: int = 0):
         _check_args(num_blocks, block_size, quarantine_steps, num_host_blocks, hash_fn, on_free,
                     sliding_window)
+        if count_arg(num_host_tier_blocks, "num_host_tier_blocks") and sliding_window is not None:
+            raise ValueError(f"{num_host_tier_blocks=}: the host tier does not serve a sliding-"
+                             f"window model ({sliding_window=})")
         self.sliding_window = sliding_window
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -132,7 +136,12 @@ class BlockManager:
         self._tables = SeqTables(self._pool, self._fence, self._index, block_size,
                                  enable_prefix_caching=self.enable_prefix_caching, debug=debug)
         self._progress = Progress(self._tables, self._keyer)
-        self._admission = Admission(self._pool, self._keyer, self._tables, self.cache_salt)
+        self._tier = None
+        if num_host_tier_blocks:
+            self._tier = HostTier(num_host_tier_blocks, self._keyer, self._fence)
+            self._pool.spill = self._tier.offer
+        self._admission = Admission(self._pool, self._keyer, self._tables, self.cache_salt,
+                                    self._tier)
         self._swap = Swapper(self._pool, self._fence, self._tables)
         self._window = None if sliding_window is None else WindowRecycler(
             self._tables, self._fence, sliding_window)
@@ -168,6 +177,8 @@ class BlockManager:
         if step_id > self._fence.last_begun:
             raise ValueError(f"{step_id=} was not begun (last begun: {self._fence.last_begun})")
         self._fence.complete(step_id)
+        if self._tier is not None:
+            self._tier.complete(step_id)
         if self._pool.died or self.debug:
             self._end_call()
 
@@ -483,6 +494,8 @@ class BlockManager:
         """Releases ``seq_id``: its blocks (tail first, so tail blocks are evicted first) or, if
         swapped out, its host slots. Quarantined while a step that may read them is in flight."""
         self._tables.remove(seq_id)
+        if self._tier is not None:
+            self._tier.forget(seq_id)
         self._end_call()
 
     def evict_cached(self, num_blocks: int | None = None) -> int:
@@ -492,6 +505,44 @@ class BlockManager:
         self._pool.evict(n)
         self._end_call()
         return n
+
+    # --- host tier -------------------------------------------------------------------------
+    @property
+    def num_host_tier_blocks(self) -> int:
+        """Host-tier slots (0: no tier)."""
+        return 0 if self._tier is None else self._tier.num_slots
+
+    def is_loading(self, seq_id) -> bool:
+        """Whether ``seq_id`` waits for its host-tier load (the copy step has not completed):
+        it must not be scheduled yet. False without a tier."""
+        return self._tier is not None and self._tier.is_loading(seq_id)
+
+    def loading_tokens(self, seq_id) -> int:
+        """Prompt tokens ``seq_id`` loads from the host tier (0 once loaded, or without one)."""
+        return 0 if self._tier is None else self._tier.loading_tokens(seq_id)
+
+    def take_tier_copies(self) -> TierCopies | None:
+        """The host tier's offloads, loads and dead slots recorded since the last call, for the
+        step about to launch (after ``begin_step``); ``None`` when there are none. The step
+        applies them among its copies: offload reads first (before poison and writes), then
+        loads."""
+        return None if self._tier is None else self._tier.take_copies()
+
+    def host_tier_stats(self) -> dict:
+        """The tier's counters and slots per state (all ints); empty without a tier."""
+        if self._tier is None:
+            return {}
+        return dict(self._tier.stats, num_blocks=self._tier.num_slots, **self._tier.counts())
+
+    def tiered_prefix_tokens(self, token_ids: Sequence[int], *,
+                             cache_salt: bytes | str | None = None, probe=None
+                             ) -> tuple[int, int]:
+        """``(device, host)``: leading tokens of ``token_ids`` the device prefix cache holds,
+        and the tokens after them the host tier holds (as admission counts hits). Read only."""
+        salt = self.cache_salt if cache_salt is None else as_salt(cache_salt)
+        hits = self._keyer.match(token_ids, salt, probe)
+        host = [] if self._tier is None else self._tier.match(list(token_ids), salt, hits)
+        return len(hits) * self.block_size, len(host) * self.block_size
 
     # --- swap ------------------------------------------------------------------------------
     def swap_out(self, seq_id) -> list[tuple[int, int]] | None:
@@ -538,3 +589,9 @@ class BlockManager:
           AssertionError: with a message naming the first violation found.
         """
         check_invariants(self._pool, self._fence, self._index, self._tables)
+        if self._tier is not None:
+            self._tier.check()
+            for seq_id in self._tier.loading:
+                if seq_id not in self._tables.seqs:
+                    raise AssertionError(f"BlockManager invariant violated: loading sequence "
+                                         f"{seq_id!r} is not resident")

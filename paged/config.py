@@ -119,6 +119,11 @@ class EngineConfig:
         group of two or more decodes whose block tables start with the same full blocks reads
         that prefix once) or "auto" (only when the cost rule says it pays). Outputs do not
         change (equal up to float rounding; greedy tokens identical in the tests).
+      host_kv_cache_bytes: bytes of host memory for a second prefix-cache tier (0: none). Blocks
+        the device pool evicts are copied there and loaded back on a later prefix hit
+        (``paged.blocks.host_tier``); as many whole blocks (all layers and KV heads, scales
+        included) as fit. Separate from the swap slots of ``num_host_blocks``. Paged layout
+        with prefix caching, single-process engines, full-attention models only; per replica.
     """
 
     model: str = "tiny"
@@ -152,6 +157,7 @@ class EngineConfig:
     router_load_threshold: int = 16
     cascade_attention: str = "off"
     prefill_replicas: int = 0
+    host_kv_cache_bytes: int = 0
 
     def __new__(cls, *args, **kwargs):
         # A mistyped keyword gets "closest: ..." (as the studies' config keys do), not the
@@ -168,6 +174,7 @@ class EngineConfig:
                          allow_none=True)
         validate.integer("num_host_blocks", self.num_host_blocks, minimum=0, allow_none=True)
         validate.integer("quarantine_steps", self.quarantine_steps, minimum=0)
+        validate.integer("host_kv_cache_bytes", self.host_kv_cache_bytes, minimum=0)
         validate.integer("data_parallel_size", self.data_parallel_size, minimum=1, maximum=4096)
         validate.integer("tensor_parallel_size", self.tensor_parallel_size, minimum=1, maximum=4096)
         validate.integer("router_load_threshold", self.router_load_threshold, minimum=0)
@@ -196,6 +203,11 @@ class EngineConfig:
             quant.storage_dtype(self.kv_cache_dtype)  # fp8 this JAX lacks: ValueError now
         validate.real("request_timeout_s", self.request_timeout_s, minimum=0, exclusive=True,
                       allow_none=True)
+        if self.host_kv_cache_bytes and (self.kv_layout != "paged"
+                                         or not self.enable_prefix_caching):
+            raise ValueError(f"host_kv_cache_bytes={self.host_kv_cache_bytes} needs "
+                             f"kv_layout='paged' and enable_prefix_caching=True (got "
+                             f"{self.kv_layout!r}, {self.enable_prefix_caching})")
         self._check_roles()
 
     def _check_roles(self) -> None:
@@ -208,7 +220,8 @@ class EngineConfig:
                              f"one replica must decode (0 prefill replicas: all do both)")
         for name, value, need in (("kv_layout", self.kv_layout, "paged"),
                                   ("scheduling", self.scheduling, "continuous"),
-                                  ("speculative", self.speculative, None)):
+                                  ("speculative", self.speculative, None),
+                                  ("host_kv_cache_bytes", self.host_kv_cache_bytes, 0)):
             if value != need:
                 raise ValueError(f"prefill_replicas={p} needs {name}={need!r}, got {value!r:.80}")
 

@@ -63,21 +63,28 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
     return step, lambda: traces[0]
 
 
-def apply_copies(cache: KVCache, sched, host_k, host_v, freed_pages: list[int]) -> KVCache:
+def apply_copies(cache: KVCache, sched, host_k, host_v, freed_pages: list[int], tier=None,
+                 tier_copies=None) -> KVCache:
     """The device-side effects of scheduling, in an order that never loses live KV: swap-out
-    (read into ``host_k``/``host_v`` before anything can overwrite the freed pages), NaN poison of
-    ``freed_pages`` (debug; the list is emptied), swap-in, copy-on-write."""
+    and host-tier offload (read before anything can overwrite the freed or evicted pages), NaN
+    poison of ``freed_pages`` (debug; the list is emptied), swap-in and host-tier loads (into
+    fresh pages), copy-on-write. ``tier``: a ``paged.host_tier_store.HostTierStore`` with the
+    step's ``tier_copies`` (``BlockManager.take_tier_copies``), or ``None``."""
     if sched.swap_out:
         pages, slots = map(list, zip(*sched.swap_out))
         k, v = kc.swap_out(cache, pages)
         kc.host_set(host_k, slots, k)
         kc.host_set(host_v, slots, v)
+    if tier is not None:
+        cache = tier.apply(cache, tier_copies, phase="offload")
     if freed_pages:
         cache = kc.poison(cache, sorted(set(freed_pages)))
         freed_pages.clear()
     if sched.swap_in:
         slots, pages = map(list, zip(*sched.swap_in))
         cache = kc.swap_in(cache, pages, kc.host_get(host_k, slots), kc.host_get(host_v, slots))
+    if tier is not None:
+        cache = tier.apply(cache, tier_copies, phase="load")
     if sched.copies:
         src, dst = map(list, zip(*sched.copies))
         cache = kc.copy_pages(cache, src, dst)

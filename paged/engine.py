@@ -32,6 +32,7 @@ from paged.config import EngineConfig, engine_config
 from paged.device_step import apply_copies, compile_shapes, make_step_fn
 from paged.generate import generate
 from paged.host_core import HostCore
+from paged.host_tier_store import HostTierStore, tier_blocks
 from paged.kv_stats import kv_stats
 from paged.metrics import StepTiming
 from paged.models.config import LlamaConfig, recycling_window
@@ -115,7 +116,8 @@ class Engine:
             model_salt=f"{config.model}|{model_config.to_dict()}|{config.dtype}"
                        f"|{config.kv_cache_dtype}|{config.kv_scale_granularity}",
             on_free=self._freed_pages.extend if config.debug_checks else None,
-            sliding_window=recycling_window(model_config, config))
+            sliding_window=recycling_window(model_config, config),
+            host_tier_blocks=tier_blocks(config, model_config))
         page_size, num_pages, host_blocks = core.page_size, core.num_pages, core.host_blocks
         self._inflight: InFlight | None = None  # the step dispatched and not read back yet
         self.placement = placement = Placement.for_replica(
@@ -137,6 +139,13 @@ class Engine:
         self._host_k = self._host_v = None
         if host_blocks:
             self._host_k, self._host_v = kc.host_buffers(self.cache, host_blocks)
+        # The host tier's slots (one store per cache: a draft model's gets the same copies).
+        self.host_tier = self._draft_tier = None
+        if core.block_manager.num_host_tier_blocks:
+            n = core.block_manager.num_host_tier_blocks
+            self.host_tier = HostTierStore(self.cache, n, poison=config.debug_checks)
+            if self.speculator is not None and self.speculator.draft is not None:
+                self._draft_tier = HostTierStore(self.speculator.draft.cache, n)
         self.params = placement.put_params(params)
         out_size = kc.next_pow2(max(config.max_num_seqs, config.min_seq_bucket))
         # The plain step, and variants that also return log-probabilities and/or verify drafts.
@@ -392,9 +401,12 @@ class Engine:
         if self.leader is not None:
             self.leader.copies(sched, self._freed_pages)
         draft = None if self.speculator is None else self.speculator.draft
+        tier = self.core.block_manager.take_tier_copies()
         if draft is not None:  # the same copies on the draft's cache (no poison: see DraftModel)
-            draft.cache = apply_copies(draft.cache, sched, draft.host_k, draft.host_v, [])
-        self.cache = apply_copies(self.cache, sched, self._host_k, self._host_v, self._freed_pages)
+            draft.cache = apply_copies(draft.cache, sched, draft.host_k, draft.host_v, [],
+                                       self._draft_tier, tier)
+        self.cache = apply_copies(self.cache, sched, self._host_k, self._host_v, self._freed_pages,
+                                  self.host_tier, tier)
 
     # --- outputs ------------------------------------------------------------------------
     def generate(self, prompts: SequenceT[str | SequenceT[int]] | str,
@@ -411,13 +423,20 @@ class Engine:
     def warmup(self, *, logprobs: bool = True, parallel_sampling: bool = True,
                progress: bool = False) -> int:
         """Compiles every step a request can select (``paged.warmup``: each step shape, plain and
-        with log-probabilities, the sample-slot shapes of ``n > 1``, n-gram verify steps), so no
-        request pays for a compilation; ``logprobs=False`` / ``parallel_sampling=False`` skip what
-        a workload never asks for. Returns the number of compilations."""
+        with log-probabilities, the sample-slot shapes of ``n > 1``, n-gram verify steps, and the
+        host tier's copies), so no request pays for a compilation; ``logprobs=False`` /
+        ``parallel_sampling=False`` skip what a workload never asks for. Returns the number of
+        step compilations."""
         from paged import warmup
 
-        return warmup.run(self, logprobs=logprobs, parallel_sampling=parallel_sampling,
-                          progress=progress)
+        n = warmup.run(self, logprobs=logprobs, parallel_sampling=parallel_sampling,
+                       progress=progress)
+        if self.host_tier is not None:  # the tier's copies, at every padded page count
+            self.cache = self.host_tier.warm(self.cache)
+            if self._draft_tier is not None:
+                draft = self.speculator.draft
+                draft.cache = self._draft_tier.warm(draft.cache)
+        return n
 
     def compile_step(self, variant: tuple[bool, bool], shape: tuple[int, int, int]) -> None:
         """Runs the ``(with_logprobs, with_verify)`` step once on an all-padding batch of

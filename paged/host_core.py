@@ -47,6 +47,7 @@ class HostCore:
       on_free: called with the block ids the pool frees (debug poisoning), or ``None``.
       sliding_window: W when every layer of the model slides (blocks behind the window are
         recycled, `paged.blocks.window`); ignored by the contiguous layout.
+      host_tier_blocks: host-tier slots (`paged.blocks.host_tier`; 0: no tier).
 
     Attributes:
       page_size, num_pages: the KV pool's geometry (page 0 is the null page).
@@ -59,7 +60,7 @@ class HostCore:
     """
 
     def __init__(self, config: EngineConfig, *, tokenizer, vocab_size: int, model_salt: str,
-                 on_free=None, sliding_window: int | None = None):
+                 on_free=None, sliding_window: int | None = None, host_tier_blocks: int = 0):
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -74,7 +75,8 @@ class HostCore:
             enable_prefix_caching=config.enable_prefix_caching and config.kv_layout == "paged",
             cache_salt=model_salt, quarantine_steps=config.quarantine_steps,
             num_host_blocks=host_blocks, debug=config.debug_checks, on_free=on_free,
-            sliding_window=sliding_window if config.kv_layout == "paged" else None)
+            sliding_window=sliding_window if config.kv_layout == "paged" else None,
+            num_host_tier_blocks=host_tier_blocks)
         self.batch = InputBatch(config.max_model_len, self.pages_per_seq, tokenizer.eos_id)
         self.builder = BatchBuilder(self.batch, self.block_manager, page_size,
                                     min_tokens=config.min_token_bucket,

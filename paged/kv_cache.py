@@ -249,6 +249,24 @@ def _read_pages(cache, pages):
     return jax.tree.map(lambda x: x[:, :, pages], (cache.k_pages, cache.v_pages))
 
 
+def read_pages(cache: KVCache, pages):
+    """Dispatches a copy of pages (the cache is not changed and not donated) and returns at once.
+
+    Returns:
+      ``(k, v)`` device arrays of shape ``[num_layers, num_kv_heads, n', page_size, head_dim]``
+      (``QuantizedPages`` of values and scales for a quantized cache), ``n'`` the page count
+      padded to a power of two: ``to_host`` of them waits for the copy. A step dispatched after
+      this call on the same cache (donating it) is ordered after the read.
+    """
+    pages = _check_pages(cache, "pages", pages)
+    return _read_pages(cache, jnp.asarray(pad_pages(pages)))
+
+
+def to_host(pages, n: int):
+    """The first ``n`` pages of ``read_pages``'s result as numpy (waits for the copy)."""
+    return jax.tree.map(lambda x: np.asarray(x)[:, :, :n], pages)
+
+
 def swap_out(cache: KVCache, pages):
     """Copies pages to host memory (the cache is not changed and not donated).
 
@@ -256,10 +274,7 @@ def swap_out(cache: KVCache, pages):
       ``(k, v)`` numpy arrays of shape ``[num_layers, num_kv_heads, n, page_size, head_dim]`` (for
       a quantized cache, ``QuantizedPages`` of numpy values and scales, ``n`` on axis 2 of both).
     """
-    pages = _check_pages(cache, "pages", pages)
-    n = pages.size
-    out = _read_pages(cache, jnp.asarray(pad_pages(pages)))
-    return jax.tree.map(lambda x: np.asarray(x)[:, :, :n], out)
+    return to_host(read_pages(cache, pages), len(pages))
 
 
 def host_buffers(cache: KVCache, num_blocks: int):

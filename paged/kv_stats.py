@@ -27,6 +27,8 @@ def kv_stats(engine, held_for_transfer=()) -> dict:
     # A flow beside the pool's categories (which are a snapshot and still sum to the pool): the
     # bytes of blocks that left a sliding window and went back to the pool since the start.
     ledger["recycled_bytes"] = stats["recycled_blocks"] * ledger["bytes_per_block"]
+    tier = host_tier_stats(bm.host_tier_stats(), ledger["bytes_per_block"], sched)
+    ledger["host_tier"] = tier.pop("ledger")
     return {
         "kv_layout": config.kv_layout,
         "block_size": engine.page_size,
@@ -58,6 +60,42 @@ def kv_stats(engine, held_for_transfer=()) -> dict:
         # token reads saved per layer and KV head (paged.cascade_plan.CascadePlanner.stats).
         "cascade": engine.builder.cascade.stats(),
         "ledger": ledger,
+        "host_tier": tier,
+    }
+
+
+def host_tier_stats(counters: dict, bytes_per_block: int, sched) -> dict:
+    """``kv_stats()["host_tier"]`` from ``BlockManager.host_tier_stats()`` (all zero without a
+    tier), with its byte split under ``"ledger"``: cached, loading (read by a load in flight),
+    offloading (written by an offload in flight) and free slots, summing to ``bytes``."""
+    c = {k: counters.get(k, 0) for k in (
+        "num_blocks", "free", "cached", "writing", "held", "hits", "hit_tokens",
+        "offloaded_blocks", "loaded_blocks", "deduplicated_blocks", "dropped_blocks",
+        "evicted_blocks")}
+    used = c["cached"] + c["writing"] + c["held"]
+    return {
+        "num_blocks": c["num_blocks"],
+        "used_blocks": used,
+        "bytes": c["num_blocks"] * bytes_per_block,
+        "used_bytes": used * bytes_per_block,
+        "hits": c["hits"],
+        "hit_tokens": c["hit_tokens"],
+        "offloaded_blocks": c["offloaded_blocks"],
+        "loaded_blocks": c["loaded_blocks"],
+        "offloaded_bytes": c["offloaded_blocks"] * bytes_per_block,
+        "loaded_bytes": c["loaded_blocks"] * bytes_per_block,
+        # Evictions whose key the tier held already (no copy), evictions it could not take
+        # (every slot in flight), and its own LRU evictions.
+        "deduplicated_blocks": c["deduplicated_blocks"],
+        "dropped_blocks": c["dropped_blocks"],
+        "evicted_blocks": c["evicted_blocks"],
+        "num_loading": len(sched.loading),
+        "num_loads": sched.num_loads,
+        "load_wait_s": sched.load_wait_s,
+        "ledger": {"cached": c["cached"] * bytes_per_block,
+                   "loading": c["held"] * bytes_per_block,
+                   "offloading": c["writing"] * bytes_per_block,
+                   "free": c["free"] * bytes_per_block},
     }
 
 

@@ -59,6 +59,9 @@ def check_config(config) -> None:
     if config.speculative is not None:
         raise ValueError("speculative decoding is not supported when the engine's devices span "
                          "processes")
+    if config.host_kv_cache_bytes:
+        raise ValueError("host_kv_cache_bytes is not supported when the engine's devices span "
+                         "processes")
 
 
 def role(placement, config, pages_per_seq: int):

@@ -84,6 +84,8 @@ class RequestOutput:
     num_preemptions = property(lambda self: self._state[3])
     num_cached_tokens = property(lambda self: self._state[4])
     finish_reason = property(lambda self: self._state[5])
+    # Of ``num_cached_tokens`` (both tiers), the prompt tokens loaded from the host tier.
+    num_host_cached_tokens = property(lambda self: self._state[8])
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -142,16 +144,18 @@ def state_of(seqs: list[Sequence], finished: bool, finish_time: float | None,
               decode: Callable[[list[int]], str]) -> tuple:
     """A ``RequestOutput``'s recorded fields: request id, finished, finish time, preemptions
     (all samples), cached prompt tokens, sample 0's finish reason, the other samples'
-    (sequence, token count, finish reason), and the tokenizer's decode."""
+    (sequence, token count, finish reason), the tokenizer's decode, and the cached prompt tokens
+    loaded from the host tier."""
     head = seqs[0]
     others = tuple((s, s.num_known_tokens, s.finish_reason) for s in seqs[1:])
     preemptions = head.num_preemptions if not others else sum(s.num_preemptions for s in seqs)
     return (head.request_id, finished, finish_time, preemptions, head.num_cached_tokens,
-            head.finish_reason, others, decode)
+            head.finish_reason, others, decode, head.num_host_cached_tokens)
 
 
 def output_fields(out: RequestOutput) -> tuple:
     return (out.request_id, out.finished, out.finish_time, out.num_preemptions, out.num_cached_tokens,
+            out.num_host_cached_tokens,
             out.arrival_time, out.first_scheduled_time, out.first_token_time, out.prompt_token_ids,
             out.token_times, [(o.index, o.token_ids, o.finish_reason) for o in out.outputs])
 

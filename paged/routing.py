@@ -20,7 +20,11 @@ Policies:
 ``BlockManager.cached_prefix_tokens(tokens)`` answers the prefix query without side effects: it
 walks the prompt's full blocks through the manager's prefix-cache index exactly as admission does
 (same digest function, full-key and content-version checks), but touches no pool state, no
-admission memo and no counters. ``PrefixProbe`` shares the digests of
+admission memo and no counters. With a host tier (``EngineConfig.host_kv_cache_bytes``) the
+query sees both tiers: the tokens after the device hits that the host tier holds count
+``HOST_TIER_WEIGHT`` (one half) each, since a host hit costs a host-to-device copy and a step in
+``loading`` where a device hit costs nothing (a chosen weight, not a measured one). ``PrefixProbe``
+shares the digests of
 one prompt across replicas whose managers use the same block size, hash function and salt, so a
 fleet of N replicas hashes each prompt once, not N times.
 """
@@ -32,6 +36,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+HOST_TIER_WEIGHT = 0.5  # a host-tier hit token, in device hit tokens, for routing
 
 
 class Replica(Protocol):
@@ -77,8 +82,10 @@ class PrefixProbe:
 
 def cached_prefix_tokens(bm, token_ids: Sequence[int], cache_salt: bytes | None = None,
                          probe: PrefixProbe | None = None) -> int:
-    """``bm.cached_prefix_tokens`` (a ``BlockManager``'s side-effect-free prefix query)."""
-    return bm.cached_prefix_tokens(token_ids, cache_salt=cache_salt, probe=probe)
+    """A ``BlockManager``'s side-effect-free prefix query over both tiers: device hit tokens
+    plus ``HOST_TIER_WEIGHT`` times the host tier's (``bm.tiered_prefix_tokens``)."""
+    device, host = bm.tiered_prefix_tokens(token_ids, cache_salt=cache_salt, probe=probe)
+    return device + int(host * HOST_TIER_WEIGHT)
 
 
 class EngineReplica:
@@ -93,7 +100,8 @@ class EngineReplica:
 
     @property
     def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        sched = self.engine.scheduler
+        return len(sched.running) + len(sched.loading)  # loading: admitted, copying its prefix
 
     def cached_prefix_tokens(self, token_ids, cache_salt=None, probe=None) -> int:
         return cached_prefix_tokens(self.engine.block_manager, token_ids, cache_salt, probe)
@@ -174,4 +182,4 @@ class Router:
         return i
 
 
-__all__ = ["POLICIES", "EngineReplica", "PrefixProbe", "Replica", "Router", "cached_prefix_tokens"]
+__all__ = ["HOST_TIER_WEIGHT", "POLICIES", "EngineReplica", "PrefixProbe", "Replica", "Router", "cached_prefix_tokens"]

@@ -10,7 +10,10 @@ Plain Python over the block manager. Each ``schedule()`` reads top to bottom:
    than a call per sequence;
 2. swapped sequences come back when nothing was preempted this step;
 3. waiting requests are admitted (prefix-cache lookup, whole prompt allocated at once, all or
-   nothing) while the sequence and token budgets last, chunking long prompts.
+   nothing) while the sequence and token budgets last, chunking long prompts. A request whose
+   prefix hits the host tier waits in ``loading`` (not scheduled, counted against
+   ``max_num_seqs``) until the step that copies its blocks to the device completes, and then
+   runs; the tokens loaded per step are bounded by the token budget.
 
 "prefill-first" admits waiting requests before serving running ones. "static" is request-level
 batching: a batch is admitted only when nothing runs, and runs until every member finished.
@@ -91,6 +94,10 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.swapped: collections.deque[Sequence] = collections.deque()
+        self.loading: list[Sequence] = []  # admitted, waiting for host-tier loads (by admission)
+        self._load_start: dict[int, float] = {}  # seq id -> when its loading began
+        self.load_wait_s = 0.0  # seconds sequences spent loading, summed
+        self.num_loads = 0  # admissions that loaded from the host tier
         self.num_preemptions = 0
         self.num_swap_outs = 0
 
@@ -113,7 +120,7 @@ class Scheduler:
         self.batch.remove(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.loading)
 
     def detach(self, seq: Sequence) -> None:
         """A running sequence leaves the queues for a hand-over to another replica
@@ -123,7 +130,7 @@ class Scheduler:
         seq.status = SeqStatus.TRANSFER
 
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
+        return len(self.waiting) + len(self.running) + len(self.swapped) + len(self.loading)
 
     def finish(self, seq: Sequence, reason: str, now: float) -> None:
         """Removes ``seq`` from its queue and releases its blocks (respecting quarantine)."""
@@ -133,6 +140,9 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq in self.swapped:
             self.swapped.remove(seq)
+        elif seq.status is SeqStatus.LOADING:
+            self.loading.remove(seq)
+            self._load_start.pop(seq.seq_id, None)
         seq.drop_unknown()
         if self.bm.has_seq(seq.seq_id):
             self.bm.free(seq.seq_id)
@@ -144,9 +154,12 @@ class Scheduler:
     # --- the step -----------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                         self.config.max_num_batched_tokens)
+        if self.loading:
+            self._finish_loads(now)
         if self.config.scheduling == "static":
-            if not self.running and not self.swapped:
+            if not self.running and not self.swapped and not self.loading:
                 self._admit(out, budget, now, static=True)
             self._serve_running(out, budget, now)
         elif self.config.policy == "prefill-first":
@@ -247,8 +260,9 @@ class Scheduler:
         # Static batching admits a whole batch (as many as fit, up to max_num_seqs) even when its
         # prompts exceed one step's token budget; members left without tokens are served later.
         forks = None  # samples that running requests will still fork (counted when needed)
-        while self.waiting and (
-                len(self.running) < self.config.max_num_seqs if static else budget.seqs and budget.tokens):
+        while self.waiting and budget.loads > 0 and (
+                len(self.running) + len(self.loading) < self.config.max_num_seqs if static
+                else budget.seqs and budget.tokens):
             seq = self.waiting[0]
             if seq.pending:  # its newest token is not known yet
                 break
@@ -258,9 +272,10 @@ class Scheduler:
             # they fork, not read back yet).
             samples = seq.params.n if seq.sample_index == 0 and seq.num_output_tokens == 0 else 1
             if forks is None:
-                forks = sum(s.params.n - 1 for s in self.running if s.params.n > 1 and s.sample_index == 0
+                forks = sum(s.params.n - 1 for s in (*self.running, *self.loading)
+                            if s.params.n > 1 and s.sample_index == 0
                             and (s.num_output_tokens == 0 or s.num_output_tokens == 1 and s.pending))
-            if len(self.running) + forks + samples > self.config.max_num_seqs:
+            if len(self.running) + len(self.loading) + forks + samples > self.config.max_num_seqs:
                 break
             if not self.bm.can_allocate(seq.token_ids, cache_salt=seq.cache_salt):
                 break
@@ -269,16 +284,37 @@ class Scheduler:
                 break
             seq.num_slots = len(seq.token_ids)
             self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
             seq.num_computed_tokens = num_cached
+            loaded = self.bm.loading_tokens(seq.seq_id)  # host-tier hits, copied by this step
             if seq.num_preemptions == 0:  # the first admission; a re-admission keeps its count
                 seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
+                seq.num_host_cached_tokens = min(loaded, seq.num_cached_tokens)
                 seq.out_state = None  # its outputs' recorded counters changed
             forks += samples - 1
+            if loaded:
+                seq.status = SeqStatus.LOADING
+                self.loading.append(seq)
+                self._load_start[seq.seq_id] = now
+                self.num_loads += 1
+                budget.loads -= loaded
+                continue
+            seq.status = SeqStatus.RUNNING
             self._run(seq)
             n = min(seq.num_uncomputed, budget.tokens)
             if n and budget.seqs:
                 self._schedule(out, budget, seq, n, now)
+
+    def _finish_loads(self, now: float) -> None:
+        """Sequences whose host-tier load completed run from this step on (admission order)."""
+        still = []
+        for seq in self.loading:
+            if self.bm.is_loading(seq.seq_id):
+                still.append(seq)
+                continue
+            self.load_wait_s += now - self._load_start.pop(seq.seq_id)
+            seq.status = SeqStatus.RUNNING
+            self._run(seq)
+        self.loading = still
 
     # --- helpers ------------------------------------------------------------------------
     def _grow(self, seq: Sequence, n: int) -> list[tuple[int, int]] | None:
@@ -329,3 +365,4 @@ class Scheduler:
 class _Budget:
     tokens: int
     seqs: int
+    loads: int  # host-tier tokens this step may still load

@@ -20,6 +20,7 @@ class SeqStatus(enum.Enum):
     RUNNING = "running"  # owns device blocks (and an input-batch row)
     SWAPPED = "swapped"  # KV parked in host slots
     TRANSFER = "transfer"  # prefilled, its KV waiting to move to a decode replica (no row)
+    LOADING = "loading"  # admitted; waits for its host-tier prefix blocks to reach the device
     FINISHED = "finished"
 
 
@@ -38,7 +39,8 @@ class Sequence:
     """
 
     __slots__ = ("seq_id", "request_id", "num_prompt_tokens", "params", "seed", "arrival_time",
-                 "sample_index", "status", "num_cached_tokens", "first_scheduled_time",
+                 "sample_index", "status", "num_cached_tokens", "num_host_cached_tokens",
+                 "first_scheduled_time",
                  "first_token_time", "finish_time", "finish_reason", "num_preemptions", "deadline",
                  "cache_salt", "out_state", "row", "batch", "_tokens", "_times", "_computed",
                  "_slots", "logprobs", "prompt_logprobs", "stop_reason", "stop_text", "stop_watch")
@@ -55,6 +57,7 @@ class Sequence:
         self.sample_index = sample_index
         self.status = SeqStatus.WAITING
         self.num_cached_tokens = 0
+        self.num_host_cached_tokens = 0  # of those, loaded from the host tier
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -92,6 +95,7 @@ class Sequence:
                          self.params, self.seed, self.arrival_time, sample_index=sample_index,
                          deadline=self.deadline, cache_salt=self.cache_salt)
         child.num_cached_tokens = self.num_cached_tokens
+        child.num_host_cached_tokens = self.num_host_cached_tokens
         child.first_scheduled_time = self.first_scheduled_time
         child.first_token_time = self.first_token_time
         child.num_preemptions = self.num_preemptions

@@ -290,3 +290,19 @@ def test_disagg_engine_smoke(tmp_path):
     assert [r["role"] for r in colocated["replicas"]] == ["both"] * 4
     assert [r["role"] for r in split["replicas"]] == ["prefill"] + ["decode"] * 3
     assert split["handovers"]["count"] == 6 and split["roles_kept"] and split["all_finished"]
+
+def test_kv_tiers_smoke(tmp_path):
+    _run("experiments.kv_tiers", "--config=experiments/configs/kv_tiers.py:smoke",
+         f"--config.output_dir={tmp_path}")
+    payload = json.loads((tmp_path / "kv_tiers.json").read_text())
+    assert payload["evidence"] == "constructed" and payload["provenance"]["jax_version"]
+    off, on = payload["arms"]
+    assert (off["host_multiplier"], on["host_multiplier"]) == (0, 4)
+    assert off["completed"] == on["completed"] == 12
+    assert payload["workload"]["meta"]["distinct_prefix_blocks"] > payload["engine_config"][
+        "num_blocks"]
+    assert off["host_hit_rate"] == 0 and on["host_hit_rate"] > 0
+    assert on["host_tier"]["offloaded_blocks"] > 0 and on["host_tier"]["loaded_blocks"] > 0
+    assert on["host_kv_cache_bytes"] == 4 * payload["device_pool_bytes"]
+    for arm in (off, on):
+        assert 0 < arm["ttft_p50_s"] <= arm["ttft_p99_s"] and arm["throughput_tok_s"] > 0

@@ -37,8 +37,22 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.factors.attention_impl = ("xla",)
         c.factors.enable_prefix_caching = (True,)
         c.max_wall_s = 60.0
+    elif arg in ("cascade", "cascade_smoke"):
+        # Cascade attention off / auto / on while serving (issue: TPOT with cascade on and off):
+        # one minute of the real conversation trace's arrivals (time-scaled to what the tiny model
+        # carries on CPU) with one shared system prompt ASSUMED (the traces have no contents),
+        # labelled as a derivation. Prefix caching on, so the prompt's blocks are shared.
+        c.factors = ml_collections.ConfigDict(dict(cascade_attention=("off", "auto", "on")))
+        c.workload.azure = "conv"
+        c.workload.window = (1200.0, 1260.0)
+        c.workload.time_scale = 2.0
+        c.workload.system_prompt_len = 96
+        c.max_wall_s = 180.0
+        if arg == "cascade_smoke":
+            c.workload.window = (1200.0, 1203.0)
+            c.factors.cascade_attention = ("off", "on")
     elif arg != "default":
-        raise ValueError(f"unknown variant {arg!r}; known: default, smoke")
+        raise ValueError(f"unknown variant {arg!r}; known: default, smoke, cascade, cascade_smoke")
     del c.arms
     # The factors set these engine fields per arm: unset in config.engine (a setting there would be
     # overridden, so the study refuses it).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from paged.blocks.host_tier import HostTier
 from paged.blocks.pool import CACHED, BlockPool
 from paged.blocks.prefix_index import BlockKey, PrefixKeyer
 from paged.blocks.tables import SeqTables, token_list
@@ -29,10 +30,14 @@ class Admission:
     Args:
       pool, keyer, tables: the block pool, prefix keyer and sequence tables.
       cache_salt: the default salt of every key.
+      tier: the host tier, or ``None``. With one, the blocks after the device's hits that the
+        tier holds are hits too: they take fresh device blocks (as misses would, so capacity is
+        checked as without a tier) and are loaded into them by the coming step.
     """
 
-    def __init__(self, pool: BlockPool, keyer: PrefixKeyer, tables: SeqTables, cache_salt: bytes):
-        self.pool, self.keyer, self.tables = pool, keyer, tables
+    def __init__(self, pool: BlockPool, keyer: PrefixKeyer, tables: SeqTables, cache_salt: bytes,
+                 tier: HostTier | None = None):
+        self.pool, self.keyer, self.tables, self.tier = pool, keyer, tables, tier
         self.cache_salt = cache_salt
         # (tokens, salt, index generation, hits) of the last can_allocate; tokens are ours.
         self._memo: tuple[list[int], bytes, int, list[tuple[int, BlockKey]]] | None = None
@@ -76,16 +81,21 @@ class Admission:
             st["failed_allocations"] += 1
             self._memo = (tokens, salt, self.keyer.index.generation, hits)  # nothing changed
             return None
-        pool = self.pool
+        pool, tier, B = self.pool, self.tier, self.keyer.block_size
+        host = [] if tier is None else tier.match(tokens, salt, hits)
         for b, _ in hits:  # revive before taking fresh blocks: never evict what we are about to hit
             pool.acquire(b)
+        if host:
+            tier.hold(host)  # likewise: taking blocks spills to the tier, which must keep these
         table = [b for b, _ in hits] + pool.take(need)
-        self.tables.add(seq_id, table, tokens, hits, salt)
-        num_hit = len(hits) * self.keyer.block_size
+        num_hit = (len(hits) + len(host)) * B
+        self.tables.add(seq_id, table, tokens, hits, salt, num_computed=num_hit)
+        if host:
+            tier.load(seq_id, host, table[len(hits):len(hits) + len(host)])
         st["allocations"] += 1
         if self.keyer.enabled:
-            st["hits"] += len(hits)
-            st["misses"] += (len(tokens) - 1) // self.keyer.block_size - len(hits)
+            st["hits"] += len(hits) + len(host)
+            st["misses"] += (len(tokens) - 1) // B - len(hits) - len(host)
             st["hit_tokens"] += num_hit
             st["query_tokens"] += len(tokens)
         return num_hit

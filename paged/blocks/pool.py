@@ -50,6 +50,9 @@ class BlockPool:
         self.evictions = 0
         self.revived = 0  # refcount-0 blocks brought back by a prefix hit
         self.died: list[int] = []
+        # Called with (block, key) of each block the LRU evicts, before its index entry goes (a
+        # host tier copies it out, `paged.blocks.host_tier`); None: evicted content is lost.
+        self.spill: Callable[[int, object], None] | None = None
 
     @property
     def num_allocatable(self) -> int:
@@ -75,10 +78,12 @@ class BlockPool:
 
     def _evict_lru(self, n: int, *, to_free: bool) -> list[int]:
         """Drops the ``n`` least recent cached blocks from the LRU and the index."""
-        lru, remove = self.lru, self.index.remove
+        lru, remove, spill = self.lru, self.index.remove, self.spill
         evicted = []
         for _ in range(n):
             b, digest = lru.popitem(last=False)
+            if spill is not None:
+                spill(b, self.index.key[b])
             remove(b, digest)
             evicted.append(b)
         self.evictions += n

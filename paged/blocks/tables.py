@@ -151,10 +151,12 @@ class SeqTables:
 
     # --- creation and removal --------------------------------------------------------------
     def add(self, seq_id, table: list[int], tokens: list[int], hits: list[tuple[int, BlockKey]],
-            salt: bytes) -> Seq:
-        """Creates ``seq_id`` over ``table`` whose first ``len(hits)`` blocks are computed hits."""
-        seq = self.seqs[seq_id] = Seq(table, tokens, len(hits) * self.block_size,
-                                      [k for _, k in hits], salt)
+            salt: bytes, num_computed: int | None = None) -> Seq:
+        """Creates ``seq_id`` over ``table`` whose first ``len(hits)`` blocks are computed hits
+        (``num_computed``: more computed tokens, in blocks loaded from the host tier, keyed once
+        their copy ran)."""
+        computed = len(hits) * self.block_size if num_computed is None else num_computed
+        seq = self.seqs[seq_id] = Seq(table, tokens, computed, [k for _, k in hits], salt)
         self.decode_batch = None
         self.fast_state(seq)  # the tail block is fresh
         return seq

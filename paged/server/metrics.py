@@ -10,6 +10,11 @@ Names follow vLLM's with the ``paged:`` prefix (``--metrics_prefix vllm``: vLLM'
   ``paged:prompt_tokens_total``, ``paged:generation_tokens_total`` and
   ``paged:request_success_total`` (label ``finished_reason``), ``paged:request_aborted_total``
   (client hung up, or stop strings ended every sample);
+- the host KV tier (``kv_stats()["host_tier"]``; all zero without one): gauge
+  ``paged:host_tier_usage_perc`` (used over all host-tier blocks), counters
+  ``paged:host_tier_hit_tokens_total`` (the host tier's share of the prefix-cache hits),
+  ``paged:host_tier_offloaded_bytes_total``, ``paged:host_tier_loaded_bytes_total`` and
+  ``paged:host_tier_load_wait_seconds_total`` (time sequences waited in ``loading``, summed);
 - histograms ``paged:time_to_first_token_seconds``, ``paged:time_per_output_token_seconds``
   (per request: (finish - first token) / (tokens - 1)), ``paged:e2e_request_latency_seconds``.
 
@@ -72,6 +77,17 @@ class ServerMetrics:
         self.e2e = Histogram(f"{p}:e2e_request_latency_seconds", "Arrival to finish.",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self._hits = self._preempts = 0
+        self.host_usage = Gauge(f"{p}:host_tier_usage_perc",
+                                "Fraction of host KV tier blocks in use.", registry=r)
+        # kv_stats()["host_tier"] key -> counter fed its increments.
+        self._host_counters = {
+            key: Counter(f"{p}:host_tier_{name}", doc, registry=r) for key, name, doc in (
+                ("hit_tokens", "hit_tokens", "Prompt tokens loaded from the host KV tier."),
+                ("offloaded_bytes", "offloaded_bytes", "Bytes copied to the host KV tier."),
+                ("loaded_bytes", "loaded_bytes", "Bytes loaded from the host KV tier."),
+                ("load_wait_s", "load_wait_seconds",
+                 "Seconds sequences waited for host KV tier loads."))}
+        self._host_seen = dict.fromkeys(self._host_counters, 0)
 
     def update_engine(self, engine, pending: int = 0) -> dict:
         """Gauges and counters from ``engine.kv_stats()`` (call from the engine's thread);
@@ -87,6 +103,13 @@ class ServerMetrics:
         if preempts > self._preempts:
             self.preemptions.inc(preempts - self._preempts)
         self._hits, self._preempts = hits, preempts
+        tier = s.get("host_tier", {})
+        self.host_usage.set(tier.get("used_blocks", 0) / max(tier.get("num_blocks", 0), 1))
+        for key, counter in self._host_counters.items():
+            value = tier.get(key, 0)
+            if value > self._host_seen[key]:
+                counter.inc(value - self._host_seen[key])
+                self._host_seen[key] = value
         return s
 
     def observe_finished(self, out, reason: str) -> None:
