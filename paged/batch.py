@@ -153,9 +153,11 @@ class BatchBuilder:
         return sorted({self.buckets(t, s, n) for t in pow2s(max_tokens)
                        for s in pow2s(min(max_seqs, t)) for n in pow2s(t)})
 
-    def empty(self, t_pad: int, s_pad: int, n_pad: int) -> DeviceBatch:
+    def empty(self, t_pad: int, s_pad: int, n_pad: int, cascade: bool = False) -> DeviceBatch:
         """An all-padding batch of the given shape (compiles the step without touching real KV):
-        tokens write the null page, sequences have no keys, samples are greedy."""
+        tokens write the null page, sequences have no keys, samples are greedy. ``cascade``:
+        with the planner's shared-prefix metadata, every group padding (the cascade variant a
+        decode-only step of this shape takes; needs a planner that is not off)."""
         smp_f = np.zeros((2, n_pad), np.float32)
         smp_f[1] = 1.0  # top_p
         tok = np.zeros((4, t_pad), np.int32)
@@ -163,10 +165,16 @@ class BatchBuilder:
         tok[3] = -1  # nothing fed
         smp = np.zeros((7, n_pad), np.int32)
         smp[5:] = -1  # score the sampled token; nothing to verify
+        casc = None
+        if cascade:
+            if self.cascade is None or self.cascade.mode == "off":
+                raise ValueError("cascade=True needs a cascade planner that is not off")
+            casc = np.full((self.cascade.num_groups(s_pad), s_pad + 1), -1, np.int32)
+            casc[:, 0] = 0  # no prefix tokens, no members: a padding group
         return DeviceBatch(tok=tok,
                            seq=np.zeros((2, s_pad + 1), np.int32),
                            page_indices=np.full((s_pad, self.ib.pages_per_seq), NULL_PAGE, np.int32),
-                           smp=smp, smp_f=smp_f)
+                           smp=smp, smp_f=smp_f, casc=casc)
 
     def build(self, decode_rows: np.ndarray, items, copies: bool, *,
               cascade: bool = True) -> StepBatch:

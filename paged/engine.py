@@ -438,10 +438,10 @@ class Engine:
                 draft.cache = self._draft_tier.warm(draft.cache)
         return n
 
-    def compile_step(self, variant: tuple[bool, bool], shape: tuple[int, int, int]) -> None:
+    def compile_step(self, variant: tuple[bool, bool], shape: tuple) -> None:
         """Runs the ``(with_logprobs, with_verify)`` step once on an all-padding batch of
-        ``shape`` (tokens, sequences, sample slots), which compiles it; no KV is touched
-        (``paged.warmup``'s unit)."""
+        ``shape`` (tokens, sequences, sample slots; a fourth element True: with cascade
+        metadata), which compiles it; no KV is touched (``paged.warmup``'s unit)."""
         fn = self._variants[variant]
         extra = (None, None) if variant[1] else ()
         self.cache = compile_shapes(lambda *a: fn(*a, *extra)[:2], self.params, self.cache,

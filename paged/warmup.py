@@ -11,7 +11,11 @@ request selects:
 - ``n > 1``: the forked prompt samples n slots, so the sample-slot bucket may exceed the sequence
   bucket (up to ``next_pow2(max_num_seqs)``: resident samples never exceed ``max_num_seqs``);
 - n-gram speculation: the verify variant (with and without log-probabilities), sample slots from
-  the sequence bucket up to the token bucket.
+  the sequence bucket up to the token bucket;
+- ``cascade_attention`` on or auto: a decode-only step that serves shared-prefix groups carries
+  their metadata (``paged.cascade_plan``, i32[G, S + 1]), one more compiled shape per decode-only
+  bucket with two or more sequences, plain and log-probability variants; listed as
+  ``(tokens, sequences, slots, True)``.
 
 `plan` lists all of them (``logprobs=False`` / ``parallel_sampling=False`` leave out what a
 workload never asks for); `run` compiles them on all-padding batches (no KV touched), with a
@@ -42,6 +46,11 @@ def plan(engine, *, logprobs: bool = True, parallel_sampling: bool = True) -> li
         shapes |= {builder.buckets(t, s, n) for t, s, _ in list(shapes) for n in _pow2s(s, top)}
     variants = [PLAIN] + ([LOGPROBS] if logprobs else [])
     out = [(v, shape) for v in variants for shape in sorted(shapes)]
+    planner = builder.cascade
+    if planner is not None and planner.mode != "off":
+        pow2s = _pow2s(1, next_pow2(config.max_num_seqs))
+        decode_only = sorted({builder.buckets(s, s, s) for s in pow2s})
+        out += [(v, (*shape, True)) for v in variants for shape in decode_only if shape[1] >= 2]
     spec = engine.speculator
     if spec is not None and spec.draft is None:
         verify = sorted(builder.verify_shapes(*budget))
@@ -64,7 +73,8 @@ def run(engine, *, logprobs: bool = True, parallel_sampling: bool = True,
                   summary=False) as bar:
         for i, (variant, shape) in enumerate(steps):
             engine.compile_step(variant, shape)
-            bar.set(i + 1, shape="x".join(map(str, shape)) + " " + _NAMES[variant])
+            bar.set(i + 1, shape="x".join(map(str, shape[:3])) + " " + _NAMES[variant]
+                    + (" cascade" if len(shape) > 3 else ""))
     return engine.trace_count() - before
 
 

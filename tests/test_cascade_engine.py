@@ -140,3 +140,18 @@ def test_greedy_tokens_identical_on_off_auto(case):
     assert stats_off == {"mode": "off", "steps": 0, "groups": 0, "prefix_tokens_shared": 0}
     assert stats_on["steps"] > 0 and stats_on["groups"] >= stats_on["steps"]
     assert stats_on["prefix_tokens_shared"] >= stats_on["groups"] * PAGE
+
+
+def test_warmup_compiles_the_cascade_shapes():
+    """With cascade on, ``warmup()`` also compiles each decode-only bucket's cascade variant, so
+    serving a shared prompt (cascade steps taken) traces nothing new, and the warmed engine's
+    tokens are those of a cold one (padding groups touch no KV)."""
+    engine = _engine(cascade_attention="on", debug_checks=False)
+    engine.warmup()
+    compiled = engine.num_compilations
+    engine.generate(SHARED[:1], SamplingParams(max_tokens=1, temperature=0.0))
+    warm = [o.outputs[0].token_ids for o in engine.generate(SHARED, GREEDY)]
+    assert engine.kv_stats()["cascade"]["steps"] > 0
+    assert engine.num_compilations == compiled
+    cold, _ = _run("on", SHARED, debug_checks=False)
+    assert warm == [c[0] for c in cold]
