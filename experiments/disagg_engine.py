@@ -23,8 +23,10 @@ import os
 # The imports below come after the flag on purpose: JAX reads XLA_FLAGS when it starts.
 # ruff: noqa: E402
 FORCED_DEVICES = 4
-if __name__ == "__main__" and "XLA_FLAGS" not in os.environ:  # before JAX starts
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={FORCED_DEVICES}"
+if __name__ == "__main__":  # before JAX starts
+    from experiments.host_devices import force_host_devices
+
+    force_host_devices(FORCED_DEVICES)
 
 import statistics
 
@@ -75,7 +77,7 @@ def main(config, plan) -> None:
     if len(jax.devices()) < config.data_parallel_size:
         common.fail("disagg_engine", f"{len(jax.devices())} devices, data_parallel_size="
                     f"{config.data_parallel_size}: set XLA_FLAGS=--xla_force_host_platform_"
-                    f"device_count={config.data_parallel_size} (or leave XLA_FLAGS unset)")
+                    f"device_count={config.data_parallel_size} (or leave the device count out of XLA_FLAGS)")
     model = common.load_model(config.model)
     out = common.output_dir(config, "disagg_engine")
     load_before = os.getloadavg()

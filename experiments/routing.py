@@ -39,7 +39,7 @@ host devices, partitions of the same CPU. Their computations share the machine's
 other and with the host loop (``os.cpu_count()`` is recorded, with the load average before and
 after, since other jobs share them too), so device work does not really run in parallel: D
 replicas give D times the KV pool and D times the batch, not D times the compute. The study forces
-4 host devices itself (``FORCED_DEVICES``) when ``XLA_FLAGS`` is unset; it must be set before JAX
+4 host devices itself (``FORCED_DEVICES``) when ``XLA_FLAGS`` names no device count; it must be set before JAX
 starts. Writes ``routing.json`` (everything, config, provenance) and ``routing.png`` (hit rate and
 p99 TTFT per policy, the scaling curve, the host-time ratio).
 """
@@ -51,9 +51,10 @@ import os
 # The imports below come after the flag on purpose: JAX reads XLA_FLAGS when it starts.
 # ruff: noqa: E402
 FORCED_DEVICES = 4
-DEVICE_FLAG = f"--xla_force_host_platform_device_count={FORCED_DEVICES}"
-if __name__ == "__main__" and "XLA_FLAGS" not in os.environ:  # before JAX starts
-    os.environ["XLA_FLAGS"] = DEVICE_FLAG
+if __name__ == "__main__":  # before JAX starts
+    from experiments.host_devices import force_host_devices
+
+    force_host_devices(FORCED_DEVICES)
 
 import dataclasses
 import statistics

@@ -35,6 +35,18 @@ if _JAX_CACHE not in ("", "0"):
     # serving run's wall limit pass at once. Unlocked, a reader that meets an entry another
     # process is still writing fails to decompress it; JAX warns and compiles instead.
 
+# Cheap XLA compiles for the tests: the suite's shapes are tiny, so it spends its time compiling,
+# not running (the first step of a tiny engine: 5.3 s with XLA's default CPU optimization, 3.1 s
+# with these two flags, measured interleaved on this 2-core machine; the steps after it run about
+# 2x slower, a few milliseconds each). They change how LLVM optimizes the generated code, not what
+# it computes. Studies, benchmarks and library use keep XLA's defaults. Subprocesses a test starts
+# inherit them; ``PAGED_TEST_XLA_FAST=0`` turns them off.
+_FAST_XLA = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+if os.environ.get("PAGED_TEST_XLA_FAST", "1") != "0":
+    _flags = os.environ.get("XLA_FLAGS", "").split()
+    os.environ["XLA_FLAGS"] = " ".join(
+        _flags + [f for f in _FAST_XLA if f.split("=")[0] not in {g.split("=")[0] for g in _flags}])
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -59,3 +71,41 @@ def _drop_compiled_executables():
     if _MAX_RSS <= 0 or _over_limits():
         jax.clear_caches()
         gc.collect()
+
+
+# Where the suite's time goes (opt-in): ``PAGED_TEST_COMPILE_LOG=<dir>`` makes every test process
+# (each xdist worker; subprocesses a test starts are not covered) append one JSON line per JAX
+# compile event to ``<dir>/<worker>.jsonl``: the test's node id, the event (tracing, lowering to
+# MLIR, XLA compilation or persistent-cache load), the jitted function's name and the seconds.
+# ``python -m experiments.suite_profile --log_dir=<dir>`` sums them per file and per function.
+_COMPILE_LOG = os.environ.get("PAGED_TEST_COMPILE_LOG")
+_COMPILE_EVENTS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+    "/jax/core/compile/backend_compile_duration": "compile",
+}
+_current_test = ["<collection>"]
+
+if _COMPILE_LOG:
+    import json
+
+    import jax.monitoring
+
+    _log_path = Path(_COMPILE_LOG) / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.jsonl"
+    _log_path.parent.mkdir(parents=True, exist_ok=True)
+    _log_file = open(_log_path, "a", buffering=1)  # noqa: SIM115 (open for the whole process)
+
+    def _on_duration(event: str, duration: float, **kwargs) -> None:
+        kind = _COMPILE_EVENTS.get(event)
+        if kind is not None:
+            _log_file.write(json.dumps({"test": _current_test[0], "event": kind,
+                                        "fun": str(kwargs.get("fun_name", "?")),
+                                        "seconds": round(duration, 6)}) + "\n")
+
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        _current_test[0] = item.nodeid
+        yield
+        _current_test[0] = "<between tests>"

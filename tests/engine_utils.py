@@ -77,12 +77,20 @@ def pallas_model(seed: int = 0):
     return PALLAS, params
 
 
+def host_devices_flags(num_devices: int) -> str:
+    """``XLA_FLAGS`` for a subprocess with ``num_devices`` forced CPU host devices, keeping the
+    flags this process runs with (the suite's cheap-compile flags, set in conftest.py)."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join(kept + [f"--xla_force_host_platform_device_count={num_devices}"])
+
+
 def run_on_host_devices(script: str, marker: str, num_devices: int = 4) -> str:
     """Runs ``script`` in a new Python process with ``num_devices`` forced CPU host devices
     (``XLA_FLAGS`` must be set before JAX starts, hence the process), from the repository root;
     asserts it exited 0 and printed ``marker``; returns its stdout."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}")
+               XLA_FLAGS=host_devices_flags(num_devices))
     proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and marker in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -20,6 +20,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("zmq")
 
+from engine_utils import host_devices_flags  # noqa: E402
 from server_utils import CONFIG, MAX_TOKENS, PROMPTS, serve_in_thread  # noqa: E402
 from server_utils import metric as _metric  # noqa: E402
 from server_utils import wait_idle as _wait_idle  # noqa: E402
@@ -126,7 +127,7 @@ def test_data_parallel_cores_route_and_match_one_engine(server, monkeypatch):
     the prefix-aware router sends a repeated prompt back to the core that served it."""
     from paged.server.core_replicas import CoreReplicas
 
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    monkeypatch.setenv("XLA_FLAGS", host_devices_flags(2))
     import dataclasses
 
     cores = CoreReplicas(dataclasses.replace(CONFIG, data_parallel_size=2))

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from engine_utils import host_devices_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
@@ -35,7 +37,7 @@ print("MESH_OK")
 
 
 def test_kv_heads_sharded_over_a_mesh():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=host_devices_flags(4), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and "MESH_OK" in proc.stdout, proc.stderr[-3000:]

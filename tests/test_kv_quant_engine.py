@@ -5,7 +5,7 @@ poisoning all on; bad settings fail at construction."""
 from __future__ import annotations
 
 import pytest
-from engine_utils import greedy_reference, prompts, small_model
+from engine_utils import greedy_reference, host_devices_flags, prompts, small_model
 
 from paged import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 
@@ -121,7 +121,7 @@ def test_scales_are_sharded_with_their_heads_and_tokens_do_not_change():
     import sys
     from pathlib import Path
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, XLA_FLAGS=host_devices_flags(2),
                JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], cwd=Path(__file__).parents[1],
                           env=env, capture_output=True, text=True, timeout=600)

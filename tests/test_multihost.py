@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from engine_utils import host_devices_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 WORKER = r"""
@@ -69,7 +71,7 @@ def _free_port() -> int:
 
 
 def test_two_processes_tensor_parallel_match_one_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, XLA_FLAGS=host_devices_flags(2),
                JAX_PLATFORMS="cpu")
     port = str(_free_port())
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, port, str(i)], cwd=ROOT, env=env,

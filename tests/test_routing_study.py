@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from engine_utils import host_devices_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     out = tmp_path_factory.mktemp("routing")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, XLA_FLAGS=host_devices_flags(4),
                JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.routing",
