@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import common, fragmentation, serving
+from experiments import common, fragmentation, plots, serving
 from paged import EngineConfig, SamplingParams, accounting
 from paged.workload import Workload, check_same_evidence
 
@@ -385,9 +385,7 @@ def format_table(rows: list[dict], evidence: str = "constructed") -> str:
 def plot(rows: list[dict], path: Path, c, evidence: str = "constructed") -> Path:
     """Three panels against B: utilization and tail waste; block-table bytes; step time and
     throughput at SLO."""
-    from experiments.plots import _plt
-
-    plt = _plt()
+    plt = plots.pyplot()
     bs = [r["block_size"] for r in rows]
     timed = [r for r in rows if "decode" in r]
     tb = [r["block_size"] for r in timed]
@@ -440,9 +438,7 @@ def plot(rows: list[dict], path: Path, c, evidence: str = "constructed") -> Path
         ax.set_xlabel("block size B (positions)")
         ax.grid(alpha=0.3)
     fig.suptitle(f"block-size sweep (evidence: {evidence})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
     return path
 
 

@@ -30,7 +30,7 @@ import os
 
 import numpy as np
 
-from experiments import common
+from experiments import common, plots
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # max |cascade - ordinary| (outputs are O(1))
 
@@ -140,11 +140,7 @@ def _load() -> dict:
 
 
 def plot(points: list[dict], path) -> None:
-    common.quiet_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
     for n in sorted({p["group_size"] for p in points}):
@@ -162,9 +158,7 @@ def plot(points: list[dict], path) -> None:
         ax.set_xlabel("shared prefix tokens")
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def payload_of(c, points: list[dict], load_before: dict) -> dict:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from experiments import plots
+
 
 def plot(payload: dict, out_dir) -> list[Path]:
-    from experiments.plots import _plt
-
-    plt = _plt()
+    plt = plots.pyplot()
     out_dir = Path(out_dir)
     target = payload["attainment_target"]
     paths = []
@@ -46,11 +46,7 @@ def plot(payload: dict, out_dir) -> list[Path]:
             axes[0][-1].legend(fontsize=6, ncol=2 if g > 8 else 1)
             fig.suptitle(f"Azure {service}, {g} H200s ({fleet['link']}): colocated vs P:D "
                          f"(evidence simulated over real; {res['label']})", fontsize=8)
-            fig.tight_layout()
-            path = out_dir / f"attainment_{service}_{g}gpu.png"
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
-            paths.append(path)
+            paths.append(plots.save(fig, out_dir / f"attainment_{service}_{g}gpu.png"))
             cells.append((service, fleet))
     fig, axes = plt.subplots(1, len(cells), figsize=(4.6 * len(cells), 3.6), squeeze=False)
     for ax, (service, fleet) in zip(axes[0], cells):
@@ -70,9 +66,5 @@ def plot(payload: dict, out_dir) -> list[Path]:
         ax.legend(fontsize=6)
     fig.suptitle("Goodput per GPU (DistServe's form); 0 = none of the rates tried met it "
                  "(evidence simulated over real)", fontsize=8)
-    fig.tight_layout()
-    path = out_dir / "goodput_per_gpu.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
+    paths.append(plots.save(fig, out_dir / "goodput_per_gpu.png"))
     return paths

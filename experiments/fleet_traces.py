@@ -29,6 +29,7 @@ import time
 import types
 
 from experiments import fleet as _fleet
+from experiments import plots
 from paged.routing import Router
 from paged.sim import Simulator
 from paged.sim.step_model import MODELS, TensorParallelRooflineStepModel
@@ -204,9 +205,7 @@ def plot(out: dict, slo: tuple[float, float], out_dir) -> list:
     """One PNG per trace: goodput (requests/s meeting the SLO) against offered rate, log axes, a
     panel per setup, a line per arm (arms with equal results draw over each other; the legend
     lists every arm's capacity), capacity marked."""
-    from experiments.plots import _plt
-
-    plt = _plt()
+    plt = plots.pyplot()
     paths = []
     for service, t in out.items():
         setups = list(dict.fromkeys(a["setup"] for a in t["arms"]))
@@ -231,9 +230,5 @@ def plot(out: dict, slo: tuple[float, float], out_dir) -> list:
             ax.legend(fontsize=7)
         fig.suptitle(f"Azure {service} trace: evidence simulated over real; {t['label']}",
                      fontsize=8)
-        fig.tight_layout()
-        path = out_dir / f"goodput_{service}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(plots.save(fig, out_dir / f"goodput_{service}.png"))
     return paths

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from experiments import fleet
+from experiments import fleet, plots
 from paged.config import CASCADE_MODES, KV_CACHE_DTYPES
 from paged.sim import RooflineStepModel
 from paged.sim.step_model import MODELS
@@ -133,9 +133,7 @@ def _at_capacity(row) -> dict | None:
 def plot(results: dict, slo: tuple[float, float], out_dir) -> list:
     """One PNG per what-if in ``results`` (``{model: {study: rows}}``): p99 TTFT and p99 TPOT
     against offered rate, a line per arm, the SLO dashed, each arm's capacity dotted."""
-    from experiments.plots import _plt
-
-    plt = _plt()
+    plt = plots.pyplot()
     paths = []
     for study in WHATIFS:
         runs = [(m, rows) for m, r in results.items() for s, rows in r.items() if s == study]
@@ -160,11 +158,7 @@ def plot(results: dict, slo: tuple[float, float], out_dir) -> list:
                 ax.set_title(f"{model}: {study} (simulated, H200 roofline)", fontsize=9)
                 ax.grid(alpha=0.3)
                 ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / f"whatif_{study}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(plots.save(fig, out_dir / f"whatif_{study}.png"))
     return paths
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import common
+from experiments import common, plots
 from paged import Engine, SamplingParams
 from paged.workload import RequestSpec, Workload
 
@@ -202,11 +202,7 @@ def format_table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> Path:
     """TTFT p50 / p99 and hit rate per tier, per arm."""
-    common.quiet_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     names = [r["arm"] for r in rows]
     x = np.arange(len(rows))
@@ -222,9 +218,7 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax.set_xticks(x, names)
         ax.grid(alpha=0.3, axis="y")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
     return path
 
 

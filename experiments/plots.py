@@ -9,7 +9,8 @@ import numpy as np
 LEDGER_ORDER = ("effective_kv", "shared", "tail_fragmentation", "cached_free", "reserved", "free")
 
 
-def _plt():
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (no display), its chatter silenced."""
     from experiments.common import quiet_matplotlib
 
     quiet_matplotlib()
@@ -21,9 +22,20 @@ def _plt():
     return plt
 
 
+def save(fig, path: Path, *, dpi: int = 110) -> Path:
+    """Lays ``fig`` out tightly, writes it to ``path`` as PNG, closes it; returns ``path``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path
+
+
+_plt = pyplot  # the old private name, for callers not yet moved
+
+
 def latency_cdfs(arms, path: Path) -> Path:
     """One panel per metric (TTFT, TPOT, E2E), one line per arm, finished requests only."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, (label, attr) in zip(axes, (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("E2E latency", "e2el_s"))):
         for arm in arms:
@@ -36,15 +48,13 @@ def latency_cdfs(arms, path: Path) -> Path:
         ax.set_xscale("log")
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
     return path
 
 
 def kv_usage(arms, path: Path) -> Path:
     """Stacked KV-pool bytes by ledger category over time, one panel per arm."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(arms), figsize=(6.5 * len(arms), 3.8), squeeze=False)
     for ax, arm in zip(axes[0], arms):
         t = np.asarray(arm.trace.get("time_s", []))
@@ -58,15 +68,13 @@ def kv_usage(arms, path: Path) -> Path:
         ax.set_ylabel("KV pool (MiB)")
         ax.grid(alpha=0.3)
     axes[0][0].legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
     return path
 
 
 def capacity_curves(arms, ttft_slo_ms: float, tpot_slo_ms: float, path: Path) -> Path:
     """p99 TTFT and p99 TPOT against the request rate, one line per arm, SLOs dashed."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for ax, key, slo, label in ((axes[0], "p99_ttft_ms", ttft_slo_ms, "p99 TTFT (ms)"),
                                 (axes[1], "p99_tpot_ms", tpot_slo_ms, "p99 TPOT (ms)")):
@@ -81,7 +89,5 @@ def capacity_curves(arms, ttft_slo_ms: float, tpot_slo_ms: float, path: Path) ->
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
     return path

@@ -64,7 +64,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from experiments import common, serving
+from experiments import common, plots, serving
 from paged import Engine, SamplingParams
 from paged.routing import POLICIES, Router
 from paged.workload import BOS_ID, Workload, check_same_evidence, make_workload
@@ -620,11 +620,7 @@ def _ratio(a, b):
 
 def plot(payload: dict, path: Path) -> Path:
     """Hit rate and p99 TTFT per policy, the scaling curve, the host-time bars."""
-    common.quiet_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     scal = payload["scaling"]["by_replicas"]
     panels = 2 + bool(scal) + bool(payload["host_bench"])
@@ -681,9 +677,7 @@ def plot(payload: dict, path: Path) -> Path:
         ax.set_title(f"host time, {h['num_running_per_replica']} seqs/replica")
         ax.legend()
         ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
     return path
 
 

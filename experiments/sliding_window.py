@@ -44,7 +44,7 @@ import statistics
 import time
 from pathlib import Path
 
-from experiments import common
+from experiments import common, plots
 from paged import Engine, SamplingParams
 from paged.kv_cache import NULL_PAGE
 from paged.models.config import LlamaConfig, recycling_window
@@ -224,11 +224,7 @@ def format_table(rows: list[dict], ecfg) -> str:
 
 def plot(rows: list[dict], ecfg, path: Path) -> Path:
     """Mean blocks per running sequence and running sequences, against the engine step."""
-    common.quiet_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
     for r in rows:
@@ -244,9 +240,7 @@ def plot(rows: list[dict], ecfg, path: Path) -> Path:
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
     return path
 
 

@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 
-from experiments import common, serving
+from experiments import common, plots, serving
 from paged import Engine, SamplingParams, SpeculativeConfig
 from paged.distributions import poisson_arrivals
 from paged.workload import RequestSpec, Workload, byte_token_len
@@ -416,11 +416,7 @@ def _ratio(a, b):
 
 
 def _plot(rows, load, out_dir) -> None:
-    common.quiet_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     axes = axes.ravel()
@@ -463,9 +459,7 @@ def _plot(rows, load, out_dir) -> None:
         if ax.get_visible():
             ax.legend(fontsize=7)
     fig.suptitle("speculative decoding (evidence: constructed prompts)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out_dir / "spec_decode.png", dpi=120)
-    plt.close(fig)
+    plots.save(fig, out_dir / "spec_decode.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from experiments import common
+from experiments import common, plots
 from experiments.configs.trace_stats import PAPER
 from paged.workload import AZURE_TRACES, Workload, load_azure_trace
 
@@ -111,9 +111,7 @@ def main(c, plan):
 
 
 def plot_rates(results: dict, path):
-    from experiments.plots import _plt
-
-    plt = _plt()
+    plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(9, 3.6))
     for service, s in results.items():
         counts = np.asarray(s["requests_per_bin"])
@@ -125,15 +123,11 @@ def plot_rates(results: dict, path):
     ax.set_title("Azure LLM inference trace 2023: arrival rate (evidence: real)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def plot_lengths(traces: dict, path):
-    from experiments.plots import _plt
-
-    plt = _plt()
+    plt = plots.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for ax, (what, attr) in zip(axes, (("context tokens", "prompt_len"),
                                        ("generated tokens", "output_len"))):
@@ -149,9 +143,7 @@ def plot_lengths(traces: dict, path):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("Azure LLM inference trace 2023: lengths (evidence: real)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def _f(v, spec):
