@@ -34,9 +34,9 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.ttft_slo_ms = 1000.0  # p99
     c.tpot_slo_ms = 50.0  # p99
     c.max_time_factor = 2.0  # a point must finish by max_time_factor * span + 30 s
-    c.rate_lo = 4.0  # req/s, first bracket of the capacity search (fleet.capacity)
+    c.rate_lo = 8.0  # req/s, first bracket of the capacity search (fleet.capacity)
     c.rate_hi = 16.0
-    c.bisect_steps = 2
+    c.bisect_steps = 1
 
     w = c.workload = ml_collections.ConfigDict()
     w.num_tenants = 8  # each its own system prompt
@@ -53,7 +53,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     a.window = (1200.0, 1500.0)  # seconds of the conversation trace
     a.system_prompt_len = 1024  # ASSUMED: every request starts with one shared system prompt
     a.max_model_len = 8192
-    a.speedup = 4.0  # arrivals time-scaled to this multiple of the window's own rate
+    a.speedup = 2.0  # arrivals time-scaled to this multiple of the window's own rate
     a.prompt_seed = 0
 
     c.plots = True
