@@ -10,30 +10,20 @@ import dataclasses
 
 import pytest
 
+# TINY: L=2, Hkv=2, D=4, bf16: 64 KV bytes per token, 256 per 4-token block. Recorder: 1 ms
+# per step, keeps every shape.
+from test_sim_kv_whatifs import TINY, Recorder
+
 from paged import EngineConfig, SamplingParams
-from paged.sim import ModelDims, RooflineStepModel, Simulator, StepTimeModel
+from paged.sim import RooflineStepModel, Simulator
 from paged.sim.host_link import NVLINK_C2C, PCIE5_X16, HostLink, TierPricer
 from paged.sim.replica import SimReplica
 from paged.sim.step_model import DeviceSpec
 from paged.workload import RequestSpec, Workload
 
-# L=2, Hkv=2, D=4, bf16: 64 KV bytes per token, 256 per 4-token block.
-TINY = ModelDims("tiny-dims", d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
-                 ffn_dim=32, vocab_size=512)
 BPB = 256
 # 1 ms per MB host to device, 0.5 ms per MB device to host, 1 ms per copy.
 LINK = HostLink("test", h2d_bandwidth=1e6, d2h_bandwidth=2e6, latency_s=1e-3)
-
-
-class Constant(StepTimeModel):
-    """1 ms per step; keeps every shape."""
-
-    def __init__(self):
-        self.shapes = []
-
-    def time(self, shape):
-        self.shapes.append(shape)
-        return 1e-3
 
 
 def _config(**kw) -> EngineConfig:
@@ -66,7 +56,7 @@ def test_load_and_offload_seconds_by_hand():
     """Pool of 4 blocks, tier of 8: request a (9 tokens: two full blocks cached), then b (its
     third block evicts one of a's: offloaded), then a again as c (one block still on the device,
     one loaded from the host)."""
-    model = Constant()
+    model = Recorder()
     rep = SimReplica(_config(host_kv_cache_bytes=8 * BPB + 100), model, model_config=TINY,
                      build_device=False, host_link=LINK)
     assert rep.host_tier_stats()["num_blocks"] == 8 and rep.host_tier_stats()["bytes"] == 8 * BPB
@@ -161,9 +151,9 @@ def test_runs_without_a_tier_are_unchanged_by_a_link():
 
 def test_tier_errors_are_clear():
     with pytest.raises(TypeError, match="ModelDims"):
-        SimReplica(_config(host_kv_cache_bytes=4096), Constant())  # the byte model: no KV dims
+        SimReplica(_config(host_kv_cache_bytes=4096), Recorder())  # the byte model: no KV dims
     with pytest.raises(ValueError, match="holds no block"):
-        SimReplica(_config(host_kv_cache_bytes=BPB - 1), Constant(), model_config=TINY)
+        SimReplica(_config(host_kv_cache_bytes=BPB - 1), Recorder(), model_config=TINY)
     with pytest.raises(TypeError, match="HostLink"):
-        SimReplica(_config(host_kv_cache_bytes=BPB), Constant(), model_config=TINY,
+        SimReplica(_config(host_kv_cache_bytes=BPB), Recorder(), model_config=TINY,
                    host_link="pcie")
