@@ -306,3 +306,29 @@ def test_kv_tiers_smoke(tmp_path):
     assert on["host_kv_cache_bytes"] == 4 * payload["device_pool_bytes"]
     for arm in (off, on):
         assert 0 < arm["ttft_p50_s"] <= arm["ttft_p99_s"] and arm["throughput_tok_s"] > 0
+
+
+def test_host_tier_fleet_smoke(tmp_path):
+    """The simulated sizing study: every arm has a capacity and a run at the tier-off arm's
+    capacity; the tier serves hits the device alone does not, priced on the link."""
+    from experiments import host_tier_fleet
+    from experiments.configs import host_tier_fleet as config
+
+    c = config.get_config("smoke")
+    c.output_dir = str(tmp_path)
+    host_tier_fleet.main(c, host_tier_fleet.check(c))
+    payload = json.loads((tmp_path / "host_tier_fleet.json").read_text())
+    assert payload["evidence"] == "simulated" and payload["provenance"]["git_revision"]
+    assert payload["workload"]["distinct_over_pool"] > 2
+    off, on = payload["conversations"]
+    assert (off["host_multiplier"], on["host_multiplier"], on["link"]) == (0, 4, "pcie5")
+    assert off["capacity_rps"] and on["capacity_rps"]
+    assert on["host_kv_cache_bytes"] == 4 * payload["device_pool_bytes"]
+    a, b = off["at_reference"], on["at_reference"]
+    assert a["rate"] == b["rate"] == off["capacity_rps"]
+    assert a["host_hit_rate"] == 0 and b["host_hit_rate"] > 0
+    assert b["prefill_tokens"] < a["prefill_tokens"]
+    assert b["summary"]["host_tier_load_s"] > 0 and b["summary"]["host_tier_offload_s"] > 0
+    azure = payload["azure"]
+    assert azure["workload_evidence"] == "real" and "window" in azure["label"]
+    assert [r["point"]["summary"]["completed"] > 0 for r in azure["arms"]] == [True, True]

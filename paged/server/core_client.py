@@ -58,7 +58,7 @@ class RemoteOutput:
 
     __slots__ = ("request_id", "prompt_token_ids", "finished", "finish_reason", "finish_time",
                  "arrival_time", "first_token_time", "num_cached_tokens", "num_preemptions",
-                 "_samples")
+                 "num_host_cached_tokens", "_samples")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int]):
         self.request_id = request_id
@@ -66,12 +66,13 @@ class RemoteOutput:
         self.finished = False
         self.finish_reason = self.finish_time = self.arrival_time = None
         self.first_token_time = None
-        self.num_cached_tokens = self.num_preemptions = 0
+        self.num_cached_tokens = self.num_preemptions = self.num_host_cached_tokens = 0
         self._samples: dict[int, RemoteCompletion] = {}
 
     def update(self, msg: list) -> None:
         (_, self.finished, self.finish_reason, self.finish_time, self.arrival_time,
-         self.first_token_time, self.num_cached_tokens, self.num_preemptions, samples) = msg
+         self.first_token_time, self.num_cached_tokens, self.num_preemptions,
+         self.num_host_cached_tokens, samples) = msg
         for index, new_ids, reason, new_lps, stop_reason, text in samples:
             s = self._samples.get(index)
             if s is None:

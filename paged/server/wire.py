@@ -16,7 +16,7 @@ Commands (server -> core), one msgpack list each:
 Step messages (core -> server): ``["step", outputs, stats]`` after every step, with ``stats`` the
 `STAT_KEYS` values of ``kv_stats()`` and one entry per `RequestOutput`:
 ``[request_id, finished, finish_reason, finish_time, arrival_time, first_token_time,
-num_cached_tokens, num_preemptions, samples]``, each sample
+num_cached_tokens, num_preemptions, num_host_cached_tokens, samples]``, each sample
 ``[index, new token ids, finish_reason, new logprobs or None, stop_reason, text or None]``
 (only the tokens and log-probabilities that are new since the previous message: the client keeps
 the rest; ``text`` only when a stop string ended the sample). ``["rejected", request_id, message]``
@@ -83,7 +83,8 @@ class DeltaEncoder:
         if out.finished:
             del self._sent[rid]
         return [rid, out.finished, out.finish_reason, out.finish_time, out.arrival_time,
-                out.first_token_time, out.num_cached_tokens, out.num_preemptions, samples]
+                out.first_token_time, out.num_cached_tokens, out.num_preemptions,
+                out.num_host_cached_tokens, samples]
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)

@@ -69,6 +69,11 @@ def fleet_summary(recs: list, reps, workload, ttft_slo_ms, tpot_slo_ms) -> tuple
         cascade_prefix_tokens_shared=sum(s["cascade_prefix_tokens_shared"] for s in stats),
         kv_block_size=stats[0]["block_size"], kv_num_blocks=stats[0]["num_blocks"],
         num_replicas=len(reps), workload_evidence=workload.evidence)
+    tiers = [s["host_tier"] for s in stats if "host_tier" in s]
+    if tiers:  # a host KV tier (``paged.sim.host_link``): its hits and copies over the fleet
+        summary.update({f"host_tier_{k}": sum(t[k] for t in tiers) for k in (
+            "hit_tokens", "loaded_blocks", "offloaded_blocks", "load_s", "offload_s",
+            "load_wait_s", "copy_only_steps", "offload_bound_steps", "num_loads")})
     return summary, stats, steps
 
 

@@ -59,6 +59,7 @@ from paged.routing import cached_prefix_tokens
 from paged.scheduler import SchedulerOutput
 from paged.sequence import UNKNOWN
 from paged.sim.batches import light_batch, pseudo_tokens, step_shape
+from paged.sim.host_link import PCIE5_X16, HostLink, TierPricer
 from paged.sim.step_model import StepShape, StepTimeModel
 
 ROLES = ("both", "prefill", "decode")
@@ -98,6 +99,12 @@ class SimReplica:
       fast_forward: allow ``plan`` / ``advance_to`` (module docstring); used only where exact.
       role: ``"both"`` (colocated), ``"prefill"`` or ``"decode"`` (a disaggregated fleet,
         ``paged.sim.disagg``); reported in ``stats``.
+      host_link: the host-device link that prices the host KV tier's copies
+        (``config.host_kv_cache_bytes > 0``; default ``paged.sim.host_link.PCIE5_X16``). The tier
+        holds ``host_kv_cache_bytes // model_config.kv_bytes_per_block(block_size)`` blocks (so
+        ``model_config`` must be a ``ModelDims``); its bookkeeping is the engine's
+        (``paged.blocks.host_tier``) and each step's loads and offloads are priced by
+        ``paged.sim.host_link.TierPricer`` (loads before the step's compute, offloads beside it).
 
     With ``config.cascade_attention`` on or auto, a decode-only step's shape counts the shared
     prefix reads its groups save (``shape_of``; ``paged.cascade_plan``'s groups and cost rule);
@@ -106,7 +113,8 @@ class SimReplica:
 
     def __init__(self, config: EngineConfig, step_model: StepTimeModel, *, model_config=None,
                  build_device: bool = True, token_salt: int = 0, record_schedule: bool = False,
-                 name: str = "replica", fast_forward: bool = True, role: str = "both"):
+                 name: str = "replica", fast_forward: bool = True, role: str = "both",
+                 host_link: HostLink | None = None):
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         if not isinstance(step_model, StepTimeModel):
@@ -122,10 +130,11 @@ class SimReplica:
         # W when every layer slides (the engine's rule and errors: window shorter than a block,
         # cascade attention); the shape counts in-window reads under any KV layout.
         self.window = recycling_window(self.model_config, config)
+        self._tier = _tier_pricer(config, self.model_config, host_link)
         self.core = core = HostCore(
             config, tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size,
             model_salt=f"{config.model}|{self.model_config.to_dict()}|{config.dtype}",
-            sliding_window=self.window)
+            sliding_window=self.window, host_tier_blocks=self._tier[1] if self._tier else 0)
         self.page_size, self.num_pages = core.page_size, core.num_pages
         self.block_manager, self.batch, self.scheduler = (
             core.block_manager, core.batch, core.scheduler)
@@ -143,6 +152,9 @@ class SimReplica:
         self._inflight = None
         self._idle = True  # no unfinished request after the last step (or none yet)
         self._reader.make_outputs = False  # the simulator keeps finished requests' outputs only
+        self.tier_counts = dict.fromkeys(("load_s", "offload_s", "load_wire_bytes",
+                                          "offload_wire_bytes", "copy_only_steps",
+                                          "offload_bound_steps"), 0)
         self._stretch: _Stretch | None = None
         self._ready: list = []  # outputs of requests a stretch finished, for ``take_outputs``
         self.version = 0  # bumped whenever a planned stretch is planned or cut
@@ -257,7 +269,7 @@ class SimReplica:
             return None
         sched, ib, cfg = self.scheduler, self.batch, self.config
         n = ib.num_rows
-        if sched.waiting or sched.swapped or not n or n != len(sched.running) \
+        if sched.waiting or sched.swapped or sched.loading or not n or n != len(sched.running) \
                 or n > cfg.max_num_seqs or n > cfg.max_num_batched_tokens:
             return None
         nt, ints = ib.num_tokens[:n], ib.ints[:n]
@@ -291,6 +303,12 @@ class SimReplica:
         # Steps before this one take only free blocks: no cached block is evicted.
         over = np.flatnonzero(need[:k] > self.block_manager.num_free_blocks)
         evict_from = int(over[0]) if len(over) else k
+        if self._tier is not None:  # an eviction offloads (a copy to price): step it instead
+            c = self.block_manager.host_tier_stats()
+            if c["writing"] or c["held"] or evict_from < 2:
+                return None
+            k = evict_from
+            steps, starts_block = steps[:k], starts_block[:, :k]
         tp, sp, _ = self._builder.buckets(n, n, n)
         durs = self.step_model.decode_times(n, int(nc.sum()) + n, k, tp, sp, int(self._idle))
         t = now
@@ -453,6 +471,12 @@ class SimReplica:
         bm = self.block_manager
         if sched.is_empty:
             step_id = bm.begin_step()
+            copy_s = self._tier_step(None)  # loads of sequences admitted into ``loading``
+            if copy_s is not None:  # a copy-only step (as the engine's): nothing computes
+                core.idle_step(sched)
+                self.busy_s += copy_s
+                self._inflight = (None, step_id, ended)
+                return copy_s, []
             bm.step_completed(step_id)
             core.idle_step(sched)
             return None, core.outputs(ended)
@@ -479,6 +503,8 @@ class SimReplica:
         self._builder.commit(sched.decode_rows, batch)
         self.num_steps += 1
         duration = float(self.step_model.time(shape))
+        if self._tier is not None:
+            duration = self._tier_step(duration) or duration
         self.busy_s += duration
         self._inflight = (batch, tokens, ended)
         return duration, []
@@ -487,6 +513,9 @@ class SimReplica:
         """Reads back the step in flight at ``now`` (its end); returns the outputs."""
         batch, tokens, ended = self._inflight
         self._inflight = None
+        if batch is None:  # a copy-only step (``tokens``: its step id)
+            self.block_manager.step_completed(tokens)
+            return self.core.outputs(ended)
         self.block_manager.step_completed(batch.step_id)
         made, touched = self._reader.read(batch, tokens, now, None)
         touched = self.core.finished_only(touched)
@@ -495,6 +524,29 @@ class SimReplica:
             self.block_manager.check_invariants()
             self.batch.check(self.block_manager)
         return self.core.outputs(ended, batch.decode, made, touched)
+
+    def _tier_step(self, compute_s: float | None) -> float | None:
+        """The step just begun with its host-tier copies priced (``TierPricer``): its duration,
+        or ``None`` when it has no copies (always without a tier). ``compute_s``: the step
+        model's time (``None``: a step that computes nothing)."""
+        if self._tier is None:
+            return None
+        pricer = self._tier[0]
+        copies = self.block_manager.take_tier_copies()
+        if not copies:
+            return None
+        load_s, offload_s = pricer.copy_times(copies)
+        c = self.tier_counts
+        c["load_s"] += load_s
+        c["offload_s"] += offload_s
+        c["load_wire_bytes"] += pricer.wire_bytes(len(copies.load)) if copies.load else 0
+        c["offload_wire_bytes"] += pricer.wire_bytes(len(copies.offload)) if copies.offload else 0
+        if compute_s is None:
+            c["copy_only_steps"] += 1
+            return max(load_s, offload_s)
+        if offload_s > load_s + compute_s:
+            c["offload_bound_steps"] += 1
+        return pricer.step_time(compute_s, load_s, offload_s)
 
     def shape_of(self, sched: SchedulerOutput) -> StepShape:
         """The scheduled step's shape (call before the step is committed); a decode-only step
@@ -548,7 +600,41 @@ class SimReplica:
                 "max_blocks_per_sequence": bm["max_blocks_per_sequence"],
                 "recycled_blocks": bm["recycled_blocks"], "sliding_window": self.window,
                 "cascade_steps": self.cascade_steps,
-                "cascade_prefix_tokens_shared": self.cascade_prefix_tokens_shared}
+                "cascade_prefix_tokens_shared": self.cascade_prefix_tokens_shared,
+                **({"host_tier": self.host_tier_stats()} if self._tier else {})}
+
+    def host_tier_stats(self) -> dict:
+        """The host tier's counters (``BlockManager.host_tier_stats``: hits, blocks offloaded
+        and loaded, slots per state), its bytes, the seconds its copies took on the link and
+        the seconds sequences waited in ``loading`` (empty without a tier)."""
+        if self._tier is None:
+            return {}
+        pricer = self._tier[0]
+        out = dict(self.block_manager.host_tier_stats())
+        out.update(self.tier_counts, bytes_per_block=pricer.bytes_per_block,
+                   bytes=out["num_blocks"] * pricer.bytes_per_block, link=pricer.link.name,
+                   load_wait_s=self.scheduler.load_wait_s, num_loads=self.scheduler.num_loads)
+        return out
+
+
+def _tier_pricer(config: EngineConfig, dims, link) -> tuple[TierPricer, int] | None:
+    """``(pricer, host-tier blocks)`` for ``config.host_kv_cache_bytes`` (None without a tier).
+
+    Raises:
+      TypeError: a tier with a model that has no KV dimensions (not a ``ModelDims``).
+      ValueError: a budget smaller than one block.
+    """
+    if not config.host_kv_cache_bytes:
+        return None
+    if not hasattr(dims, "kv_bytes_per_block"):
+        raise TypeError(f"host_kv_cache_bytes={config.host_kv_cache_bytes} needs a model_config "
+                        f"with KV dimensions (a paged.sim.ModelDims), got {type(dims).__name__}")
+    per_block = int(dims.kv_bytes_per_block(config.block_size))
+    n = config.host_kv_cache_bytes // per_block
+    if n < 1:
+        raise ValueError(f"host_kv_cache_bytes={config.host_kv_cache_bytes} holds no block of "
+                         f"{per_block} bytes (block_size={config.block_size})")
+    return TierPricer(PCIE5_X16 if link is None else link, per_block), n
 
 
 class _Stretch:

@@ -121,6 +121,8 @@ class Simulator:
         as a callable gives each role its own model (by replica index).
       handover: a ``paged.sim.handover.Handover`` (link and model), required when P > 0.
       decode_config: the decode replicas' ``EngineConfig`` (default ``config``); P > 0 only.
+      host_link: the host-device link pricing each replica's host KV tier
+        (``config.host_kv_cache_bytes > 0``; ``paged.sim.host_link``, default PCIe Gen5 x16).
     """
 
     def __init__(self, config: EngineConfig, step_model: StepTimeModel | Callable[[int], StepTimeModel],
@@ -128,7 +130,7 @@ class Simulator:
                  model_config=None, build_device: bool = True, record_schedule: bool = False,
                  idle_wake_s: float = 0.0, fast_forward: bool = True,
                  prefill_replicas: int | None = None, handover: Handover | None = None,
-                 decode_config: EngineConfig | None = None):
+                 decode_config: EngineConfig | None = None, host_link=None):
         if prefill_replicas is None:  # the engine's own setting: EngineConfig(D, prefill_replicas=P)
             prefill_replicas = config.prefill_replicas
             if prefill_replicas and num_replicas is None:
@@ -150,7 +152,8 @@ class Simulator:
         if not P:
             self.replicas = [SimReplica(config, make(i), model_config=model_config,
                                         build_device=build_device, record_schedule=record_schedule,
-                                        name=f"replica{i}", fast_forward=fast_forward)
+                                        name=f"replica{i}", fast_forward=fast_forward,
+                                        host_link=host_link)
                              for i in range(num_replicas)]
             return
         dcfg = decode_config or config
@@ -158,7 +161,8 @@ class Simulator:
             SimReplica(config if i < P else dcfg, make(i), model_config=model_config,
                        build_device=build_device, record_schedule=record_schedule,
                        name=f"prefill{i}" if i < P else f"decode{i - P}",
-                       fast_forward=fast_forward and i >= P, role="prefill" if i < P else "decode")
+                       fast_forward=fast_forward and i >= P, role="prefill" if i < P else "decode",
+                       host_link=host_link)
             for i in range(num_replicas)]
 
     def run(self, workload: Workload, **kw) -> SimResult:
@@ -372,7 +376,8 @@ def simulate(config: EngineConfig, step_model, workload: Workload, **kw) -> SimR
     one that takes them."""
     init = {k: kw.pop(k) for k in ("num_replicas", "router", "model_config", "build_device",
                                    "record_schedule", "idle_wake_s", "fast_forward",
-                                   "prefill_replicas", "handover", "decode_config") if k in kw}
+                                   "prefill_replicas", "handover", "decode_config",
+                                   "host_link") if k in kw}
     return Simulator(config, step_model, **init).run(workload, **kw)
 
 
