@@ -40,7 +40,7 @@ import time
 
 import numpy as np
 
-from experiments import common, fleet, fleet_whatifs
+from experiments import common, fleet, fleet_whatifs, plots
 from paged.routing import Router
 from paged.sim import EVIDENCE, RooflineStepModel, Simulator, check_not_mixed
 from paged.sim.host_link import HOST_LINKS, TierPricer
@@ -235,9 +235,7 @@ def run_azure(c, plan, sm) -> dict:
 def plot(rows: list, c, path) -> None:
     """Capacity, host hit rate and p99 TTFT at the reference rate against the host multiplier,
     one line per link (the tier-off arm at 0 on every line)."""
-    from experiments.plots import _plt
-
-    plt = _plt()
+    plt = plots.pyplot()
     off = [r for r in rows if not r["host_multiplier"]]
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     for link in c.links:
@@ -257,9 +255,7 @@ def plot(rows: list, c, path) -> None:
         ax.legend(fontsize=8)
     axes[2].axhline(c.ttft_slo_ms, color="grey", ls="--", lw=0.8)
     fig.suptitle(f"{c.model} on one H200 with a host KV tier (simulated)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 if __name__ == "__main__":
