@@ -17,6 +17,8 @@ Writes ``capacity.json`` (every point's summary, the capacities, the ratio) and 
 
 from __future__ import annotations
 
+import os
+
 import ml_collections
 
 from experiments import common, decode_probe, kv_budget, plots, serving
@@ -135,7 +137,7 @@ def main(c, plan):
     arms = []
     for name, engine_config in plan["engines"]:
         overrides = dict(dict(c.arms)[name])
-        extra = {}
+        extra = {"load_before": os.getloadavg()}
         if name in plan.get("pools", {}):
             extra["pool"] = plan["pools"][name]
         if c.probe.num_seqs:
@@ -147,7 +149,7 @@ def main(c, plan):
                   flush=True)
         points = sweep_arm(c, name, engine_config, plan["workloads"], model)
         arms.append({"name": name, "overrides": overrides, "points": points,
-                     "capacity_rps": capacity(points), **extra})
+                     "capacity_rps": capacity(points), **extra, "load_after": os.getloadavg()})
     label = check_same_evidence([{"evidence": p["evidence"], "derived": p["derived"],
                                   "name": f"{a['name']}@{p['rate']}"}
                                  for a in arms for p in a["points"]], swept=("time_scale",))
