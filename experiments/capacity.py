@@ -110,6 +110,12 @@ def check_kv_budget(c, engines) -> dict:
             "pools": {name: pool for name, _, pool in sized}}
 
 
+def point_summary(summary: dict) -> dict:
+    """A point's summary as stored: every scalar, without vLLM's per-request arrays
+    (`paged.metrics.per_request_arrays`; the ITLs alone are about 1 MB a point at 64 req/s)."""
+    return {k: v for k, v in summary.items() if not isinstance(v, list)}
+
+
 def sweep_arm(c, name: str, engine_config, workloads: dict, model) -> list[dict]:
     points, misses = [], 0
     for rate, workload in workloads.items():
@@ -118,7 +124,8 @@ def sweep_arm(c, name: str, engine_config, workloads: dict, model) -> list[dict]
                               tpot_slo_ms=c.tpot_slo_ms,
                               max_wall_s=workload.duration_s + c.max_drain_s, progress="tty")
         ok = meets_slo(res.summary, c.ttft_slo_ms, c.tpot_slo_ms)
-        points.append({"rate": float(rate), "meets_slo": ok, "summary": res.summary,
+        points.append({"rate": float(rate), "meets_slo": ok,
+                       "summary": point_summary(res.summary),
                        "evidence": workload.evidence, "label": workload.label(),
                        "derived": workload.meta.get("derived", []), "wall_s": res.wall_s})
         s = res.summary
@@ -156,7 +163,8 @@ def main(c, plan):
     first, second = arms[0]["capacity_rps"], arms[1]["capacity_rps"]
     ratio = first / second if first and second else None
     for a in arms:
-        pool = f"  ({a['pool']['num_blocks']} blocks of {a['pool']['kv_format']})" if "pool" in a else ""
+        pool = a.get("pool")
+        pool = f"  ({pool['num_blocks']} blocks of {pool['kv_format']})" if pool else ""
         print(f"capacity {a['name']:20s} {a['capacity_rps']} req/s{pool}")
     print(f"ratio {arms[0]['name']} / {arms[1]['name']}: {ratio if ratio is None else round(ratio, 2)}"
           f"  (SLO: p99 TTFT <= {c.ttft_slo_ms} ms, p99 TPOT <= {c.tpot_slo_ms} ms)")

@@ -28,7 +28,7 @@ def kv_format(cfg: EngineConfig, priced_as: str | None = None) -> str:
 
 
 def spec_of(model_config, cfg: EngineConfig, priced_as: str | None = None) -> accounting.ModelSpec:
-    """The KV dimensions and format of an arm (``priced_as``: the dtype an auto arm is priced in)."""
+    """The KV dimensions and format of an arm (``priced_as``: an auto arm's pricing dtype)."""
     return accounting.ModelSpec.from_model_config(
         model_config, dtype=priced_as or cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype,
         scale_granularity=cfg.kv_scale_granularity)

@@ -31,7 +31,8 @@ def test_blocks_by_hand():
     assert [pools[n]["num_blocks"] for n in ("f32", "int8", "fp8p")] == [19, 31, 37]
     assert [cfg.num_blocks for _, cfg, _ in sized] == [19, 31, 37]
     assert pools["f32"]["kv_format"] == "bfloat16" and pools["f32"]["priced_as"] == "bfloat16"
-    assert pools["int8"]["kv_format"] == "int8:token" and pools["fp8p"]["kv_format"] == "fp8_e4m3:page"
+    assert pools["int8"]["kv_format"] == "int8:token"
+    assert pools["fp8p"]["kv_format"] == "fp8_e4m3:page"
     assert all(p["priced_pool_bytes"] <= budget for p in pools.values())
     unpriced = {n: p["num_blocks"] for n, _, p in kv_budget.size_arms(_arms(), MODEL, budget)}
     assert unpriced["f32"] == budget // 4096  # float32 pages: 9 blocks
