@@ -5,15 +5,23 @@ With ``workload.azure`` (``code`` / ``conv``) the points are one window of a rea
 (``time_scale = window's mean rate / rate``, recorded per point): the real arrival process at
 several speeds, its burstiness kept, rather than ``rate * duration_s`` constructed requests.
 
+With ``kv_budget_bytes`` > 0 the KV format is a factor: every arm's pool is the blocks that one
+byte budget holds in the arm's own format (``kv_cache_dtype``, ``kv_scale_granularity``: values
+plus scales, `experiments.kv_budget`), recorded per arm under ``pool``. With ``probe.num_seqs`` > 0
+each arm's decode step is also timed at one fixed batch (`experiments.decode_probe`), so that a
+capacity gap can be told apart from a gap in step cost.
+
 Writes ``capacity.json`` (every point's summary, the capacities, the ratio) and ``capacity.png``
 (p99 TTFT and p99 TPOT against the rate, the SLOs drawn in).
 """
 
 from __future__ import annotations
 
+import os
+
 import ml_collections
 
-from experiments import common, plots, serving
+from experiments import common, decode_probe, kv_budget, plots, serving
 from paged.workload import check_same_evidence
 
 
@@ -73,7 +81,39 @@ def check(c) -> dict:
                              "requests: too few to scale")
     workloads = {float(rate): point_workload(c, rate, real) for rate in c.rates}
     check_same_evidence(list(workloads.values()), swept=("time_scale",))
-    return {"engines": engines, "workloads": workloads}
+    return {"engines": engines, "workloads": workloads, **check_kv_budget(c, engines)}
+
+
+def check_kv_budget(c, engines) -> dict:
+    """With ``kv_budget_bytes``: every arm's pool sized from it (``engines`` replaced, ``pools``
+    per arm); the probe's shape checked. Without: nothing changes."""
+    common.check_unset(c.engine, ("num_blocks",) if c.kv_budget_bytes else (), "kv_budget_bytes")
+    if c.probe.num_seqs:
+        common.check_positive(**{f"probe.{k}": c.probe[k] for k in ("prompt_len", "steps")})
+        for name, cfg in engines:
+            if c.probe.num_seqs > cfg.max_num_seqs or (
+                    c.probe.prompt_len + c.probe.steps + 3 > cfg.max_model_len):
+                raise ValueError(f"probe (num_seqs={c.probe.num_seqs}, prompt_len="
+                                 f"{c.probe.prompt_len}, steps={c.probe.steps}) does not fit arm "
+                                 f"{name!r} (max_num_seqs={cfg.max_num_seqs}, max_model_len="
+                                 f"{cfg.max_model_len})")
+    if not c.kv_budget_bytes:
+        if c.kv_budget_priced_as:
+            raise ValueError(f"kv_budget_priced_as={tuple(c.kv_budget_priced_as)!r} needs "
+                             "kv_budget_bytes > 0")
+        return {}
+    common.check_positive(kv_budget_bytes=c.kv_budget_bytes)
+    priced = kv_budget.check_priced_as(c.kv_budget_priced_as, engines, "kv_budget_priced_as")
+    sized = kv_budget.size_arms(engines, common.load_model(c.model)[0], int(c.kv_budget_bytes),
+                                priced)
+    return {"engines": [(name, cfg) for name, cfg, _ in sized],
+            "pools": {name: pool for name, _, pool in sized}}
+
+
+def point_summary(summary: dict) -> dict:
+    """A point's summary as stored: every scalar, without vLLM's per-request arrays
+    (`paged.metrics.per_request_arrays`; the ITLs alone are about 1 MB a point at 64 req/s)."""
+    return {k: v for k, v in summary.items() if not isinstance(v, list)}
 
 
 def sweep_arm(c, name: str, engine_config, workloads: dict, model) -> list[dict]:
@@ -84,7 +124,8 @@ def sweep_arm(c, name: str, engine_config, workloads: dict, model) -> list[dict]
                               tpot_slo_ms=c.tpot_slo_ms,
                               max_wall_s=workload.duration_s + c.max_drain_s, progress="tty")
         ok = meets_slo(res.summary, c.ttft_slo_ms, c.tpot_slo_ms)
-        points.append({"rate": float(rate), "meets_slo": ok, "summary": res.summary,
+        points.append({"rate": float(rate), "meets_slo": ok,
+                       "summary": point_summary(res.summary),
                        "evidence": workload.evidence, "label": workload.label(),
                        "derived": workload.meta.get("derived", []), "wall_s": res.wall_s})
         s = res.summary
@@ -103,16 +144,28 @@ def main(c, plan):
     arms = []
     for name, engine_config in plan["engines"]:
         overrides = dict(dict(c.arms)[name])
+        extra = {"load_before": os.getloadavg()}
+        if name in plan.get("pools", {}):
+            extra["pool"] = plan["pools"][name]
+        if c.probe.num_seqs:
+            extra["decode_probe"] = decode_probe.decode_step_time(
+                engine_config, model, num_seqs=c.probe.num_seqs, prompt_len=c.probe.prompt_len,
+                steps=c.probe.steps)
+            print(f"  {name:20s} decode step ({c.probe.num_seqs} seqs, prompt "
+                  f"{c.probe.prompt_len}): {extra['decode_probe']['median_step_ms']:.2f} ms",
+                  flush=True)
         points = sweep_arm(c, name, engine_config, plan["workloads"], model)
         arms.append({"name": name, "overrides": overrides, "points": points,
-                     "capacity_rps": capacity(points)})
+                     "capacity_rps": capacity(points), **extra, "load_after": os.getloadavg()})
     label = check_same_evidence([{"evidence": p["evidence"], "derived": p["derived"],
                                   "name": f"{a['name']}@{p['rate']}"}
                                  for a in arms for p in a["points"]], swept=("time_scale",))
     first, second = arms[0]["capacity_rps"], arms[1]["capacity_rps"]
     ratio = first / second if first and second else None
     for a in arms:
-        print(f"capacity {a['name']:20s} {a['capacity_rps']} req/s")
+        pool = a.get("pool")
+        pool = f"  ({pool['num_blocks']} blocks of {pool['kv_format']})" if pool else ""
+        print(f"capacity {a['name']:20s} {a['capacity_rps']} req/s{pool}")
     print(f"ratio {arms[0]['name']} / {arms[1]['name']}: {ratio if ratio is None else round(ratio, 2)}"
           f"  (SLO: p99 TTFT <= {c.ttft_slo_ms} ms, p99 TPOT <= {c.tpot_slo_ms} ms)")
     common.write_json(out_dir / "capacity.json", {

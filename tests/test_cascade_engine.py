@@ -142,6 +142,20 @@ def test_greedy_tokens_identical_on_off_auto(case):
     assert stats_on["prefix_tokens_shared"] >= stats_on["groups"] * PAGE
 
 
+@pytest.mark.parametrize("kv_cache_dtype, granularity", [
+    ("int8", "token"), pytest.param("fp8_e4m3", "page", marks=pytest.mark.slow)])
+def test_quantized_pages_greedy_tokens_identical_on_off(kv_cache_dtype, granularity):
+    """Quantized pages (values + scales): the prefix pass dequantizes the shared pages once for the
+    group, the suffix pass each row's own; the greedy tokens are those of cascade off on the same
+    quantized cache, and cascade steps were taken."""
+    quant = dict(kv_cache_dtype=kv_cache_dtype, kv_scale_granularity=granularity)
+    off, _ = _run("off", SHARED, **quant)
+    on, stats_on = _run("on", SHARED, **quant)
+    assert on == off
+    assert stats_on["steps"] > 0 and stats_on["prefix_tokens_shared"] >= stats_on["groups"] * PAGE
+    assert _engine(**quant).kv_stats()["ledger"]["categories"]["scales"] > 0  # really quantized
+
+
 def test_warmup_compiles_the_cascade_shapes():
     """With cascade on, ``warmup()`` also compiles each decode-only bucket's cascade variant, so
     serving a shared prompt (cascade steps taken) traces nothing new, and the warmed engine's

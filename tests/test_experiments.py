@@ -129,6 +129,40 @@ def test_capacity_smoke(tmp_path):
     assert "ratio" in proc.stdout and (tmp_path / "capacity.png").exists()
 
 
+def test_capacity_kv_dtype_smoke(tmp_path):
+    """The KV format as the capacity factor: every arm's pool is what one byte budget holds in
+    its own format (the priced bfloat16 arm: bfloat16's blocks, float32 pages), every point ran
+    on that pool, and each arm's decode step was timed."""
+    from experiments import common
+    from paged import accounting
+
+    _run("experiments.capacity", "--config=experiments/configs/capacity.py:kv_dtype_smoke",
+         f"--config.output_dir={tmp_path}")
+    payload = json.loads((tmp_path / "capacity.json").read_text())
+    budget = payload["config"]["kv_budget_bytes"]
+    model_config = common.load_model(payload["config"]["model"])[0]
+    arms = {a["name"]: a for a in payload["arms"]}
+    assert list(arms) == ["int8:token", "bfloat16 (priced)", "fp8_e4m3:page"]
+    for name, kv, gran, stored in (("int8:token", "int8", "token", "float32"),
+                                   ("bfloat16 (priced)", "auto", "token", "bfloat16"),
+                                   ("fp8_e4m3:page", "fp8_e4m3", "page", "float32")):
+        spec = accounting.ModelSpec.from_model_config(model_config, dtype=stored,
+                                                      kv_cache_dtype=kv, scale_granularity=gran)
+        pool = arms[name]["pool"]
+        assert pool["num_blocks"] == budget // spec.bytes_per_block(8) == spec.blocks_for_bytes(
+            budget, 8)
+        assert pool["priced_pool_bytes"] <= budget
+        real = arms[name]["points"][0]["summary"]
+        assert real["kv_num_blocks"] == pool["num_blocks"]
+        # the engine's pool bytes (its ledger): the priced arm stores float32, twice bfloat16
+        assert real["pool_bytes"] == pool["priced_pool_bytes"] * (2 if kv == "auto" else 1)
+        assert arms[name]["decode_probe"]["median_step_ms"] > 0
+    assert arms["int8:token"]["pool"]["num_blocks"] > arms["bfloat16 (priced)"]["pool"]["num_blocks"]
+    assert arms["fp8_e4m3:page"]["pool"]["scale_bytes_per_block"] < arms["int8:token"]["pool"][
+        "scale_bytes_per_block"]
+    assert (tmp_path / "capacity.png").exists()
+
+
 def test_progress_off_a_terminal_is_one_summary_line():
     import io
 
