@@ -878,3 +878,28 @@ def test_admission_hashes_a_prompt_once_and_follows_changes_in_between():
     assert bm.block_table("d")[0] == bm.block_table("c")[0]
     assert bm.can_allocate(prompt, cache_salt="other")
     assert bm.allocate("e", prompt) == 12  # another salt: looked up again
+
+
+def test_single_slot_append_fast_path_matches_the_batched_call():
+    """``append_slots(s, [t])`` takes its own one-sequence path: the same state as the batched
+    call, across a block boundary, with unknown token ids, and all or nothing when the pool is
+    dry."""
+    twins = [make(num_blocks=5, debug=False) for _ in range(2)]  # 4 usable
+    for bm in twins:
+        prefill(bm, "a", list(range(6)))  # room 2
+    single, batched = twins
+    for t in (6, None, 8, 9):  # fills the tail, then starts a fresh block
+        assert single.append_slots("a", [t]) == batched.append_decode_slots(["a"], [t]) == []
+        assert _decode_state(single, ["a"]) == _decode_state(batched, ["a"])
+        single.check_invariants()
+    single.set_tokens(["a"], [7], [7])
+    batched.set_tokens(["a"], [7], [7])
+    assert _decode_state(single, ["a"]) == _decode_state(batched, ["a"])
+    assert single.stats() == batched.stats() and single.num_tokens("a") == 10
+    prefill(single, "b", list(range(20, 24)))  # takes the last free block
+    before = snapshot(single)
+    assert single.append_slots("b", [1]) is None  # a full tail and no block left
+    assert snapshot(single) == before
+    with pytest.raises(ValueError):
+        single.append_slots("a", [-1])
+    assert snapshot(single) == before

@@ -299,6 +299,9 @@ class SeqTables:
         except (KeyError, TypeError):
             seq = self.get(seq_id)  # raises
         if type(new_token_ids) is list and len(new_token_ids) == 1:
+            t, room = new_token_ids[0], seq.room
+            if room is not None and (t is None or type(t) is int and 0 <= t < TOKEN_LIMIT):
+                return self._append_one(seq, t, room)
             return self.append_decode((seq,), new_token_ids)
         if seq.host_table is not None:
             self.resident(seq_id)  # raises
@@ -306,6 +309,24 @@ class SeqTables:
         if self.pool.died:
             self.pool.flush()
         return pairs
+
+    def _append_one(self, seq: Seq, t: int | None, room: int) -> list | None:
+        """``append_decode`` of one sequence whose tail ``room`` is known and one valid token id
+        (the single-sequence fast path of ``append_slots``)."""
+        if room:
+            seq.room = room - 1
+        else:  # the tail is full: a fresh block
+            pool = self.pool
+            if not (pool.free or pool.lru):
+                return None
+            seq.table.append(pool.take(1)[0])
+            seq.room = self.block_size - 1
+            if pool.died:  # an evicted cached block: report it now
+                pool.flush()
+        seq.tokens.append(t)
+        if t is None:
+            seq.unknown += 1
+        return []
 
     def append_decode(self, batch: Sequence[Seq], token_ids: Sequence
                       ) -> list[tuple[int, int]] | None:

@@ -1,0 +1,146 @@
+"""The block manager's host cost, this tree against a baseline tree, with nano-vllm beside each.
+
+    python -m experiments.host_speed --config=experiments/configs/host_speed.py \
+        --config.nanovllm_path=DIR --config.baseline=OLD_TREE
+
+Each round runs one child process per source tree (this one, and ``baseline`` if set), the order
+alternating between rounds. A child replays ``experiments/block_manager_bench.py``'s constructed
+trace with that tree's own code, interleaved step by step with nano-vllm's block manager when
+``nanovllm_path`` is set (`block_manager_bench.versus_nanovllm`), and reports, per decode-call
+style, the medians of our decode step and of the whole step with churn and their ratios to
+nano-vllm's. Ratios within one child cancel the machine's load; the spread over rounds shows what
+is left. Writes ``host_speed.json`` (every round, medians and min/max per tree, provenance).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from experiments import common
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Runs in the child, importing the measured tree's own ``paged`` and ``experiments``.
+_CHILD = r"""
+import gc, json, sys
+from experiments import block_manager_bench as b
+from experiments.configs.block_manager_bench import get_config
+arg = json.loads(sys.argv[1])
+c = get_config(); c.num_requests = arg["num_requests"]; c.nanovllm_path = arg["nanovllm_path"]
+trace = b.make_trace(c); gc.collect(); gc.freeze()
+out = {}
+if c.nanovllm_path:
+    nano = b.load_nanovllm(c.nanovllm_path)
+    for api in arg["apis"]:
+        v = b.versus_nanovllm(c, trace, nano, api)
+        out[api] = {name: {"ours_p50_us": v[name]["ours_us"]["p50"],
+                           "nanovllm_p50_us": v[name]["nanovllm_us"]["p50"],
+                           "ratio_of_medians": v[name]["ratio_of_medians"]}
+                    for name in ("decode_step", "whole_step_with_churn")}
+else:
+    for api in arg["apis"]:
+        r = b.replay(c, trace, api)
+        out[api] = {"decode_step": {"ours_p50_us": r["decode_step_at_max_running_wall"]["p50_us"]},
+                    "whole_step_with_churn": {
+                        "ours_p50_us": r["whole_step_with_churn_at_max_running_wall"]["p50_us"]}}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def check(c) -> dict:
+    common.check_positive(num_requests=c.num_requests, rounds=c.rounds)
+    trees = {"this": str(ROOT)}
+    if c.baseline:
+        base = Path(c.baseline).expanduser().resolve()
+        if not (base / "experiments" / "block_manager_bench.py").exists():
+            raise ValueError(f"baseline={c.baseline!r} holds no experiments/block_manager_bench.py")
+        trees["baseline"] = str(base)
+    if c.nanovllm_path and not (Path(c.nanovllm_path).expanduser()
+                                / "nanovllm/engine/block_manager.py").exists():
+        raise ValueError(f"nanovllm_path={c.nanovllm_path!r} holds no "
+                         "nanovllm/engine/block_manager.py")
+    if not c.apis:
+        raise ValueError("apis=() names no decode-call style")
+    return {"trees": trees}
+
+
+def measure(tree: str, c) -> dict:
+    """One child run over ``tree``'s code; its per-api medians and ratios."""
+    arg = json.dumps({"num_requests": c.num_requests, "nanovllm_path": c.nanovllm_path,
+                      "apis": list(c.apis)})
+    env = dict(os.environ, PYTHONPATH=tree)
+    proc = subprocess.run([sys.executable, "-c", _CHILD, arg], cwd=tree, env=env,
+                          capture_output=True, text=True, check=False)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"child over {tree} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def summarize(rounds: list[dict], trees: dict, apis) -> dict:
+    """Median, min and max over rounds of every figure, per tree and api."""
+    out = {}
+    for name in trees:
+        out[name] = {}
+        for api in apis:
+            out[name][api] = {}
+            for phase in ("decode_step", "whole_step_with_churn"):
+                figs = {}
+                for key in rounds[0][name][api][phase]:
+                    xs = [r[name][api][phase][key] for r in rounds]
+                    figs[key] = {"median": float(np.median(xs)), "min": min(xs), "max": max(xs)}
+                out[name][api][phase] = figs
+    return out
+
+
+def main(c, plan):
+    out_dir = common.output_dir(c, "host_speed")
+    trees = plan["trees"]
+    names = list(trees)
+    rounds = []
+    load = [os.getloadavg()]
+    bar = common.Progress(c.rounds * len(names), "[host_speed]", unit="run")
+    for i in range(c.rounds):
+        row = {}
+        for name in names if i % 2 == 0 else names[::-1]:
+            row[name] = measure(trees[name], c)
+            bar.update()
+        rounds.append(row)
+        load.append(os.getloadavg())
+    bar.close()
+    summary = summarize(rounds, trees, c.apis)
+    for name in names:
+        for api in c.apis:
+            for phase, figs in summary[name][api].items():
+                text = ", ".join(f"{k} {v['median']:.3f} [{v['min']:.3f}, {v['max']:.3f}]"
+                                 for k, v in figs.items())
+                print(f"{name:8s} {api:6s} {phase:22s} {text}")
+    out = out_dir / "host_speed.json"
+    common.write_json(out, {
+        "study": "host_speed", "evidence": "constructed", "config": c.to_dict(),
+        "trees": {n: {"path": p, "git_revision": _revision(p)} for n, p in trees.items()},
+        "rounds": rounds, "summary": summary, "load_average_1_5_15_min": load,
+        "provenance": common.provenance()})
+    print(f"wrote {out}")
+
+
+def _revision(tree: str) -> str:
+    """``tree``'s git revision, or the first line of its ``REVISION`` file (an exported tree)."""
+    marker = Path(tree) / "REVISION"
+    if marker.exists():
+        return marker.read_text().split("\n")[0].strip() + " (REVISION file)"
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "not a git checkout"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    common.run("host_speed", main, check)

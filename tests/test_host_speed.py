@@ -1,0 +1,30 @@
+"""The host-speed study's smoke run: this tree's own replay, no baseline, no nano-vllm."""
+
+import pytest
+
+from experiments import host_speed
+from experiments.configs.host_speed import get_config
+
+
+def test_smoke_measures_this_tree_and_summarizes():
+    c = get_config("smoke")
+    plan = host_speed.check(c)
+    assert list(plan["trees"]) == ["this"]
+    row = host_speed.measure(plan["trees"]["this"], c)
+    step = row["batch"]["decode_step"]["ours_p50_us"]
+    assert step > 0 and row["batch"]["whole_step_with_churn"]["ours_p50_us"] > 0
+    summary = host_speed.summarize([{"this": row}], plan["trees"], c.apis)
+    assert summary["this"]["batch"]["decode_step"]["ours_p50_us"]["median"] == step
+
+
+def test_bad_settings_fail_before_running():
+    c = get_config("smoke")
+    with c.unlocked():
+        c.baseline = "/nonexistent"
+    with pytest.raises(ValueError, match="baseline"):
+        host_speed.check(c)
+    c = get_config("smoke")
+    with c.unlocked():
+        c.apis = ()
+    with pytest.raises(ValueError, match="apis"):
+        host_speed.check(c)
