@@ -110,6 +110,20 @@ def test_serve_bad_config_fails_cleanly(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing written: it failed before any work
 
 
+def _replays_exactly(out: Path, arms: list[str], stdout: str) -> None:
+    """``python -m experiments.replay --from=out`` re-executes every arm (one per run) of the
+    study's ``replay.json`` to the same batches and tokens; on failure, the command to rerun."""
+    from experiments import replay as rp
+
+    how = f"reproduce: {rp.replay_command(out)}"
+    assert f"replay: {rp.replay_command(out)}" in stdout
+    assert [r["arm"] for r in rp.load_records(str(out))] == arms, how
+    proc = subprocess.run([sys.executable, "-m", "experiments.replay", f"--from={out}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}{proc.stderr[-2000:]}\n{how}"
+    assert proc.stdout.count("] identical: ") == len(arms), proc.stdout
+
+
 def test_ablate_smoke(tmp_path):
     proc = _run("experiments.ablate", "--config=experiments/configs/ablate.py:smoke",
                 f"--config.output_dir={tmp_path}")
@@ -117,6 +131,8 @@ def test_ablate_smoke(tmp_path):
     assert len(payload["arms"]) == 4  # kv_layout x scheduling in the smoke grid
     assert set(payload["main_effects"]) == {"kv_layout", "scheduling"}
     assert "main effects" in proc.stdout
+    # Every cell (a new engine each) replays exactly.
+    _replays_exactly(tmp_path, [a["name"] for a in payload["arms"]], proc.stdout)
 
 
 def test_capacity_smoke(tmp_path):
@@ -127,6 +143,9 @@ def test_capacity_smoke(tmp_path):
     for arm in payload["arms"]:
         assert arm["capacity_rps"] == max(p["rate"] for p in arm["points"] if p["meets_slo"])
     assert "ratio" in proc.stdout and (tmp_path / "capacity.png").exists()
+    # Every point (a new engine each) replays exactly, named <arm>@<rate>.
+    _replays_exactly(tmp_path, [f"{a['name']}@{p['rate']:g}" for a in payload["arms"]
+                                for p in a["points"]], proc.stdout)
 
 
 def test_progress_off_a_terminal_is_one_summary_line():

@@ -182,7 +182,7 @@ def test_cli_mistakes_end_in_one_line(tmp_path, capsys, args, message):
 
 def test_record_of_a_reused_engine_is_refused():
     _, result = _recorded()
-    with pytest.raises(ValueError, match="served requests before"):
+    with pytest.raises(ValueError, match="started warm"):
         rp.check_record({**result.replay, "fresh_engine": False})
 
 
@@ -222,5 +222,25 @@ def test_a_reused_engine_is_marked_not_fresh():
     assert first.replay["fresh_engine"] and not second.replay["fresh_engine"]
     assert first.replay["workload"]["digest"] == second.replay["workload"]["digest"]
     assert rp.replay(first.replay, model).ok
-    with pytest.raises(ValueError, match="served requests before"):
+    with pytest.raises(ValueError, match="started warm"):
         rp.replay(second.replay, model)
+    # Emptied between runs (what a study reusing an engine does), the engine starts cold: the
+    # third run replays exactly on a new engine, although this one served two runs before.
+    assert serving.cold_start(engine) is False
+    serving.start_cold(engine)
+    assert serving.cold_start(engine) and engine.kv_stats()["num_cached_blocks"] == 0
+    third = serving.run_arm("c", engine, w, progress=False)
+    assert third.replay["fresh_engine"] and third.replay["tokens"] == first.replay["tokens"]
+    assert got_ok(rp.replay(third.replay, model))
+
+
+def test_reset_prefix_cache_refuses_while_requests_run():
+    model = common.load_model("random-small")
+    engine = Engine(EngineConfig(**CONFIG), model_config=model[0], params=model[1])
+    engine.add_request("x", [256, 1, 2, 3], serving.request_params(4))
+    assert engine.reset_prefix_cache() is False  # nothing changed: the request still runs
+    with pytest.raises(RuntimeError, match="unfinished"):
+        serving.start_cold(engine)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.reset_prefix_cache() is True
