@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -238,8 +239,8 @@ def replay_command(results_dir, arm: str | None = None, *, devices: int = 1) -> 
     """The command line that replays ``results_dir`` (one arm, or all); ``devices`` > 1 (a
     data-parallel run) prefixes the ``XLA_FLAGS`` that give a CPU that many devices."""
     env = "" if devices <= 1 else f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} "
-    return (f"{env}python -m experiments.replay --from={results_dir}"
-            + ("" if arm is None else f" --arm={arm}"))
+    return (f"{env}python -m experiments.replay --from={shlex.quote(str(results_dir))}"
+            + ("" if arm is None else f" --arm={shlex.quote(arm)}"))
 
 
 def check_devices(records: list[dict], results_dir) -> None:

@@ -179,25 +179,29 @@ def cold_start(engine) -> bool:
     return router is None or not sum(router.num_routed.values())
 
 
-def start_cold(engine) -> None:
+def start_cold(engine) -> bool:
     """Makes a reused engine start its next run as a new engine would (``cold_start``), so the
     run replays: reads back a step still in flight (a run stopped at its wall limit leaves one),
     empties the prefix cache (``engine.reset_prefix_cache()``) and, data parallel, gives the
     engine a new router of its policy (``engine.router``: its round-robin position restarts).
 
+    Returns:
+      Whether the prefix cache was emptied: False with a host tier (``reset_prefix_cache``
+      refuses; the next run is recorded as warm and its replay refused in one line).
+
     Raises:
-      RuntimeError: a request is still unfinished, or the engine has a host tier (its prefix
-        cache cannot be emptied this way).
+      RuntimeError: a request is still unfinished.
     """
     while engine.has_unfinished_requests() and not engine.unfinished_request_ids():
         engine.step()  # only aborts to report or a step to read back
-    if not engine.reset_prefix_cache():
-        raise RuntimeError(f"cannot empty the prefix cache: unfinished "
-                           f"{engine.unfinished_request_ids()[:4]}, or a host tier")
+    if engine.unfinished_request_ids():
+        raise RuntimeError(f"start_cold: requests still unfinished: "
+                           f"{engine.unfinished_request_ids()[:4]}")
     if getattr(engine, "router", None) is not None:  # data parallel
         from paged.routing import Router
 
         engine.router = Router(engine.config.router, engine.config.router_load_threshold)
+    return engine.reset_prefix_cache()
 
 
 def replay_record(name, config, workload, spec_by_id, steps, engine_steps, tokens,

@@ -183,8 +183,11 @@ def test_progress_off_a_terminal_is_one_summary_line():
 
 
 def test_spec_decode_smoke(tmp_path):
-    _run("experiments.spec_decode", "--config=experiments/configs/spec_decode.py:smoke",
-         f"--config.output_dir={tmp_path}")
+    proc = _run("experiments.spec_decode", "--config=experiments/configs/spec_decode.py:smoke",
+                f"--config.output_dir={tmp_path}")
+    # The load sweep's timed runs (on engines reused from batch 1) start cold and replay exactly.
+    _replays_exactly(tmp_path, ["off@500#0", "on@500#0"], proc.stdout.replace(
+        "replay (load runs): ", "replay: "))
     payload = json.loads((tmp_path / "spec_decode.json").read_text())
     rows = payload["results"]
     assert payload["evidence"] == "constructed" and {r["k"] for r in rows} == {1, 3}
