@@ -1,7 +1,8 @@
 """Exact replay of a serving run: ``python -m experiments.replay --from=<results dir>``.
 
 A serving run (`experiments.serving.run_arm`) records what is needed to run it again
-(``ArmResult.replay``; the serve study writes them to ``replay.json`` next to ``summary.json``):
+(``ArmResult.replay``; every serving study writes them to ``replay.json`` beside its results,
+one per run, via ``serving.write_replay_records``):
 the engine config and model, the seeds, every admitted request (prompt token ids, sampling,
 arrival offset; a digest over them), and per ``engine.step()`` call the requests added before it,
 the requests it reported aborted or timed out, its batch (``[request_id, sample_index,
