@@ -4,6 +4,9 @@ caching), every arm on the same workload, one table, and each factor's main effe
 A factor's main effect on a metric is the mean over arms at one level minus the mean at the other,
 the other factors averaged out (balanced design), so operator, allocation and scheduling are
 isolated as the seed document asks.
+
+Writes ``ablate.json`` and ``replay.json`` (one record per cell, each on a new engine, named by
+the cell: ``python -m experiments.replay --from=<dir> [--arm=<cell>]`` re-executes it exactly).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import itertools
 import numpy as np
 
 from experiments import common, serving
+from experiments.replay import replay_command
 from paged.workload import check_same_evidence
 
 METRICS = ("output_throughput", "request_goodput", "p99_ttft_ms", "p99_tpot_ms", "p99_e2el_ms")
@@ -60,15 +64,17 @@ def main(c, plan):
     out_dir = common.output_dir(c, "ablate")
     workload, grid = plan["workload"], plan["grid"]
     model = common.load_model(c.model)
-    rows = []
+    rows, replays = [], []
     with common.Progress(len(grid), "[ablate]", unit="cell") as bar:
         for name, factors, engine_config in grid:
             bar.set(bar.n, cell=name)
             engine = serving.build_engine(engine_config, model)
             res = serving.run_arm(name, engine, workload, ttft_slo_ms=c.ttft_slo_ms,
-                                  tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s)
+                                  tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s,
+                                  model_name=c.model)
             rows.append({"name": name, "factors": factors, "summary": res.summary,
                          "wall_s": res.wall_s})
+            replays.append(res.replay)  # a new engine per cell: every cell replays
             bar.update()
     header = "".join(f"{n:>22s}" for n in c.factors.keys()) + "".join(f"{m:>20s}" for m in METRICS)
     print(header)
@@ -86,6 +92,8 @@ def main(c, plan):
         "workload": {"name": workload.name, "seed": workload.seed, "meta": workload.meta},
         "arms": rows, "main_effects": effects, "provenance": common.provenance()})
     print(f"wrote {out_dir}/ablate.json")
+    if serving.write_replay_records(out_dir / "replay.json", replays):
+        print(f"replay: {replay_command(out_dir)}")
 
 
 def _fmt(v) -> str:

@@ -15,7 +15,9 @@ For each block size ``B`` on one constructed ShareGPT-like workload (lengths sca
   sequences whose lengths come from the workload (mid-generation: ``prompt + output // 2``), as many
   as fit in the pool and ``max_num_seqs``, so a large ``B`` runs fewer of them;
 * **throughput at SLO**: output tokens/s and goodput (requests/s meeting the TTFT and TPOT SLO) of a
-  short real-time run of the workload through `experiments.serving.run_arm`.
+  short real-time run of the workload through `experiments.serving.run_arm`, started cold each
+  round (the engine's prefix cache emptied: no hit carries over from the previous round's same
+  prompts) and recorded in ``replay.json`` (``python -m experiments.replay --from=<dir>``).
 
 Every timed ``B`` has its own engine, compiled before any timing; then ``repeats`` rounds run every
 ``B`` in turn (the order alternates between rounds), so a drift in machine load touches all of them.
@@ -33,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import common, fragmentation, plots, serving
+from experiments.replay import replay_command
 from paged import EngineConfig, SamplingParams, accounting
 from paged.workload import Workload, check_same_evidence
 
@@ -224,12 +227,20 @@ def time_decode(engine, prompt_lens: list[int], c, bytes_per_token: int) -> dict
 
 
 # --- one block size ----------------------------------------------------------------------------
-def measure_round(engine, c, workload: Workload, bytes_per_token: int) -> dict:
-    """One serving run of the workload, then decode steps with the pool full, on an idle engine."""
+def measure_round(engine, c, workload: Workload, bytes_per_token: int, replays=None,
+                  round_: int = 0) -> dict:
+    """One serving run of the workload, then decode steps with the pool full, on an idle engine.
+    The engine is reused across rounds: the run starts cold (``serving.start_cold``: no prefix
+    hit carries over from the previous round's same prompts), so it replays; ``replays`` gets
+    its record (arm ``B=<B>#<round>``)."""
     B = engine.page_size
+    serving.start_cold(engine)
     preempt0 = engine.scheduler.num_preemptions
-    arm = serving.run_arm(f"B={B}", engine, workload, ttft_slo_ms=c.ttft_slo_ms,
-                          tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s, progress="tty")
+    arm = serving.run_arm(f"B={B}#{round_}", engine, workload, ttft_slo_ms=c.ttft_slo_ms,
+                          tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s, progress="tty",
+                          model_name=c.model)
+    if replays is not None:
+        replays.append(arm.replay)
     serve = {k: arm.summary.get(k) for k in _SERVING_KEYS}
     serve["engine_preemptions"] = engine.scheduler.num_preemptions - preempt0  # this run only
     serve["wall_s"] = arm.wall_s
@@ -288,12 +299,13 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
         engines[b] = serving.build_engine(plan["engines"][b], model)
         built[b] = time.perf_counter() - t0
     rounds: dict[int, list[dict]] = {b: [] for b in timed}
+    replays: list[dict] = []
     # Engines with one model and attention impl share one jitted step, so its trace count is global.
     traces0 = engines[timed[0]].num_compilations
     with common.Progress(c.repeats * len(timed), "[block_size_sweep]", unit="round") as bar:
         for i in range(c.repeats):  # alternate the order so a drift in load hits every B alike
             for b in (timed if i % 2 == 0 else timed[::-1]):
-                rounds[b].append(measure_round(engines[b], c, workload, bpt))
+                rounds[b].append(measure_round(engines[b], c, workload, bpt, replays, i))
                 bar.update()
     compiled_while_timing = engines[timed[0]].num_compilations - traces0
     for b in sizes:
@@ -338,6 +350,8 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
     if c.plots:
         plot(rows, out_dir / "block_size_sweep.png", c, workload.evidence)
     print(f"wrote {json_path}" + (" and block_size_sweep.png" if c.plots else ""))
+    if serving.write_replay_records(out_dir / "replay.json", replays):
+        print(f"replay: {replay_command(out_dir)}")
     return payload
 
 

@@ -12,7 +12,8 @@ each arm's decode step is also timed at one fixed batch (`experiments.decode_pro
 capacity gap can be told apart from a gap in step cost.
 
 Writes ``capacity.json`` (every point's summary, the capacities, the ratio) and ``capacity.png``
-(p99 TTFT and p99 TPOT against the rate, the SLOs drawn in).
+(p99 TTFT and p99 TPOT against the rate, the SLOs drawn in) and ``replay.json`` (one record per
+point, arm ``<arm>@<rate>``, each on a new engine: ``python -m experiments.replay --from=<dir>``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import ml_collections
 
 from experiments import common, decode_probe, kv_budget, plots, serving
+from experiments.replay import replay_command
 from paged.workload import check_same_evidence
 
 
@@ -116,14 +118,18 @@ def point_summary(summary: dict) -> dict:
     return {k: v for k, v in summary.items() if not isinstance(v, list)}
 
 
-def sweep_arm(c, name: str, engine_config, workloads: dict, model) -> list[dict]:
+def sweep_arm(c, name: str, engine_config, workloads: dict, model, replays=None) -> list[dict]:
+    """One arm's points, a new engine each (``replays``: gets each point's replay record)."""
     points, misses = [], 0
     for rate, workload in workloads.items():
         engine = serving.build_engine(engine_config, model)
         res = serving.run_arm(f"{name}@{rate:g}", engine, workload, ttft_slo_ms=c.ttft_slo_ms,
                               tpot_slo_ms=c.tpot_slo_ms,
-                              max_wall_s=workload.duration_s + c.max_drain_s, progress="tty")
+                              max_wall_s=workload.duration_s + c.max_drain_s, progress="tty",
+                              model_name=c.model)
         ok = meets_slo(res.summary, c.ttft_slo_ms, c.tpot_slo_ms)
+        if replays is not None:
+            replays.append(res.replay)
         points.append({"rate": float(rate), "meets_slo": ok,
                        "summary": point_summary(res.summary),
                        "evidence": workload.evidence, "label": workload.label(),
@@ -141,7 +147,7 @@ def sweep_arm(c, name: str, engine_config, workloads: dict, model) -> list[dict]
 def main(c, plan):
     out_dir = common.output_dir(c, "capacity")
     model = common.load_model(c.model)
-    arms = []
+    arms, replays = [], []
     for name, engine_config in plan["engines"]:
         overrides = dict(dict(c.arms)[name])
         extra = {"load_before": os.getloadavg()}
@@ -154,7 +160,7 @@ def main(c, plan):
             print(f"  {name:20s} decode step ({c.probe.num_seqs} seqs, prompt "
                   f"{c.probe.prompt_len}): {extra['decode_probe']['median_step_ms']:.2f} ms",
                   flush=True)
-        points = sweep_arm(c, name, engine_config, plan["workloads"], model)
+        points = sweep_arm(c, name, engine_config, plan["workloads"], model, replays)
         arms.append({"name": name, "overrides": overrides, "points": points,
                      "capacity_rps": capacity(points), **extra, "load_after": os.getloadavg()})
     label = check_same_evidence([{"evidence": p["evidence"], "derived": p["derived"],
@@ -174,6 +180,8 @@ def main(c, plan):
     if c.plots:
         plots.capacity_curves(arms, c.ttft_slo_ms, c.tpot_slo_ms, out_dir / "capacity.png")
     print(f"wrote {out_dir}/capacity.json")
+    if serving.write_replay_records(out_dir / "replay.json", replays):
+        print(f"replay: {replay_command(out_dir)}")
 
 
 def _f(v) -> str:

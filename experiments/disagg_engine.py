@@ -13,7 +13,9 @@ What this is not: a performance comparison. The four "devices" are forced host d
 of the same CPU that the host loop and other jobs share (the load average is recorded), and a
 hand-over is a copy between them, not a link. Disaggregation's case (prefill and decode not
 delaying each other on separate accelerators) needs separate accelerators; the simulator study
-answers it. Writes ``disagg_engine.json`` (``functional_check: true``).
+answers it. Writes ``disagg_engine.json`` (``functional_check: true``) and ``replay.json`` (each
+arm, a new engine each: ``python -m experiments.replay --from=<dir>`` with the printed
+``XLA_FLAGS`` re-executes it, routing and hand-overs included).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import statistics
 import jax
 
 from experiments import common, serving
+from experiments.replay import replay_command
 from paged.workload import make_workload
 
 NOTE = ("functional check on forced CPU host devices sharing one machine: not a performance "
@@ -81,7 +84,7 @@ def main(config, plan) -> None:
     model = common.load_model(config.model)
     out = common.output_dir(config, "disagg_engine")
     load_before = os.getloadavg()
-    arms = []
+    arms, replays = [], []
     bar = common.Progress(len(engines), "disagg_engine", unit="arms", lines=True)
     for p, engine_config in zip(config.splits, engines):
         name = "colocated" if p == 0 else f"P:D={p}:{config.data_parallel_size - p}"
@@ -89,6 +92,7 @@ def main(config, plan) -> None:
         arm = serving.run_arm(name, engine, workload, ttft_slo_ms=config.ttft_slo_ms,
                               tpot_slo_ms=config.tpot_slo_ms, max_wall_s=config.max_wall_s,
                               progress=False, model_name=config.model)  # one line per arm below
+        replays.append(arm.replay)  # a new engine per arm: each replays
         replicas = _replicas(engine)
         roles_kept = all(r["num_decode_tokens"] == 0 for r in replicas if r["role"] == "prefill") \
             and all(r["num_prefill_tokens"] == 0 for r in replicas if r["role"] == "decode")
@@ -110,6 +114,8 @@ def main(config, plan) -> None:
                "cpu_count": os.cpu_count(), "arms": arms, "provenance": common.provenance()}
     path = common.write_json(out / "disagg_engine.json", payload)
     print(f"wrote {path}", flush=True)
+    if serving.write_replay_records(out / "replay.json", replays):
+        print(f"replay: {replay_command(out, devices=config.data_parallel_size)}", flush=True)
     if not all(a["all_finished"] and a["roles_kept"] for a in arms):
         common.fail("disagg_engine", "an arm left requests unfinished or crossed its roles")
 

@@ -22,7 +22,10 @@ ratio (online / offline) at the same offered load. Offline ITLs are gaps between
 token times; online ITLs are gaps between text chunks as the client receives them (a chunk may
 carry more than one token when the server merges steps), so both are what a user of each path
 sees. Writes ``summary.json`` (the comparison, every repeat's summaries, config, provenance;
-per-request arrays only with ``config.per_request``).
+per-request arrays only with ``config.per_request``) and ``replay.json`` (each offline run, arm
+``offline <rate>/s #<repeat>``: the one engine's prefix cache is emptied before each, so each
+starts cold and ``python -m experiments.replay --from=<dir>`` re-executes it exactly; the online
+arm runs in the server process and is not recorded).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import time
 from pathlib import Path
 
 from experiments import bench_serving, common, serving
+from experiments.replay import replay_command
 from paged.workload import check_same_evidence
 
 PERCENTILES = (("p50", "median"), ("p90", "p90"), ("p99", "p99"))
@@ -219,16 +223,20 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _one_load(c, engine, proc, base: str, rate: float, workloads) -> dict:
-    """Every repeat at one rate: offline then online, alternating; their median comparison."""
+def _one_load(c, engine, proc, base: str, rate: float, workloads, replays=None) -> dict:
+    """Every repeat at one rate: offline then online, alternating; their median comparison.
+    ``replays`` gets each offline run's replay record."""
     repeats = []
     for r, workload in enumerate(workloads):
         # Alternating arms, each idle while the other runs (the server waits on its loop's
         # condition), so a change in the machine's load hits both alike.
+        serving.start_cold(engine)  # one engine for every offline run: each starts cold, replays
         cpu0 = time.process_time()
         offline = serving.run_arm(f"offline {rate:g}/s #{r}", engine, workload,
                                   ttft_slo_ms=c.ttft_slo_ms, tpot_slo_ms=c.tpot_slo_ms,
-                                  max_wall_s=c.max_wall_s)
+                                  max_wall_s=c.max_wall_s, model_name=c.model)
+        if replays is not None:
+            replays.append(offline.replay)
         cpu1, server0 = time.process_time(), process_cpu_s(proc.pid)
         online, _ = bench_serving.benchmark(base, c.model, workload, timeout_s=c.request_timeout_s,
                                             ttft_slo_ms=c.ttft_slo_ms, tpot_slo_ms=c.tpot_slo_ms)
@@ -273,9 +281,9 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
     proc, base = start_server(engine_config, c.model, c.server_start_timeout_s, extra)
     try:
         with common.Progress(len(loads), "[online_vs_offline]", unit="load") as bar:
-            results = []
+            results, replays = [], []
             for rate, workloads in loads:
-                results.append(_one_load(c, engine, proc, base, rate, workloads))
+                results.append(_one_load(c, engine, proc, base, rate, workloads, replays))
                 bar.update()
     finally:
         stop_server(proc)
@@ -293,6 +301,8 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
     }
     path = common.write_json(out_dir / "summary.json", payload)
     print(f"wrote {path}")
+    if serving.write_replay_records(out_dir / "replay.json", replays):
+        print(f"replay (offline runs): {replay_command(out_dir)}")
     return payload
 
 

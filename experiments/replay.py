@@ -1,7 +1,8 @@
 """Exact replay of a serving run: ``python -m experiments.replay --from=<results dir>``.
 
 A serving run (`experiments.serving.run_arm`) records what is needed to run it again
-(``ArmResult.replay``; the serve study writes them to ``replay.json`` next to ``summary.json``):
+(``ArmResult.replay``; every serving study writes them to ``replay.json`` beside its results,
+one per run, via ``serving.write_replay_records``):
 the engine config and model, the seeds, every admitted request (prompt token ids, sampling,
 arrival offset; a digest over them), and per ``engine.step()`` call the requests added before it,
 the requests it reported aborted or timed out, its batch (``[request_id, sample_index,
@@ -17,15 +18,31 @@ tokens are compared. The replay stops at the first step that differs and prints 
 otherwise it compares every request's final tokens. Exit status 0: identical; 1: a difference.
 ``--sim`` replays the record on the simulator instead (``replay_sim``: the same host core and
 scheduler, pseudo-tokens; schedules compared, not tokens; serial runs only, since the simulator
-does not model the overlapped step). Single-replica engines only (a data-parallel run records no per-step batches), and runs on a
-fresh engine (a reused engine's warm prefix cache is not recorded). The model is recorded by
-name: the replay loads it with ``common.load_model`` (a run on other weights differs).
+does not model the overlapped step; single-replica runs only).
+
+Data-parallel runs (``data_parallel_size`` D > 1) replay in lockstep too: the record holds, per
+request, the replica the router sent it to, and per step every replica's batch and preemptions.
+The replay builds the same D replicas (it needs D x T devices: on CPU, set
+``XLA_FLAGS=--xla_force_host_platform_device_count=<D x T>`` before the run; ``replay_command``
+prints it), routes each request with the recorded router policy and compares its replica
+(``replica of <id>``) before the step, then each step's per-replica composition.
+
+Only a run that started cold replays (``serving.cold_start``: no request in flight, no cached
+prefix block, a router that has routed nothing): a replay starts on a new engine, and a warm
+prefix cache is state the record does not hold. Studies that serve several points on one engine
+therefore empty its prefix cache before each point (``Engine.reset_prefix_cache()``, vLLM's seam;
+data parallel, a new ``router`` too), so every point starts cold and replays alone; a study that
+builds an engine per point needs nothing. A record of a warm run is refused with one line.
+Serving runs sample greedily, so an unseeded request's seed (which derives from the engine's
+request count) cannot change a token. The model is recorded by name: the replay loads it with
+``common.load_model`` (a run on other weights differs).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -88,9 +105,16 @@ def check_record(record) -> dict:
     if record["version"] != 1:
         raise ValueError(f"replay record version {record['version']!r}; this replays version 1")
     if not record.get("fresh_engine", True):
-        raise ValueError(f"arm {record['arm']!r} ran on an engine that had served requests "
-                         f"before (its prefix cache was warm): a replay starts fresh")
+        raise ValueError(f"arm {record['arm']!r} started warm (requests in flight, cached prefix "
+                         f"blocks or a used router, not recorded): a replay starts on a new "
+                         f"engine; reset the engine before the run (engine.reset_prefix_cache())")
     return record
+
+
+def num_devices(record: dict) -> int:
+    """Devices the recorded engine ran on (data-parallel x tensor-parallel size)."""
+    c = record["engine_config"]
+    return int(c.get("data_parallel_size", 1)) * int(c.get("tensor_parallel_size", 1))
 
 
 def replay(record: dict, model=None, **overrides) -> ReplayResult:
@@ -116,6 +140,9 @@ def replay(record: dict, model=None, **overrides) -> ReplayResult:
             r = requests[rid]
             engine.add_request(rid, r["prompt"], request_params(r["output_len"], r["n"]),
                                arrival_time=base + r["arrival_s"])
+            if "replica" in r and engine.routed[rid] != r["replica"]:  # data parallel
+                return ReplayResult(record["arm"], k, Divergence(
+                    k, f"replica of {rid}", r["replica"], engine.routed[rid]))
         for rid in step["ended"]:  # aborts, and timeouts replayed as aborts
             engine.abort(rid)
         finished = []
@@ -152,6 +179,9 @@ def replay_sim(record: dict, **overrides) -> ReplayResult:
 
     record = check_record(record)
     config = engine_config(record, **overrides)
+    if config.data_parallel_size > 1:
+        raise ValueError(f"arm {record['arm']!r} ran on {config.data_parallel_size} data-parallel "
+                         f"replicas; the simulator replays single-replica runs")
     if config.async_scheduling and config.speculative is None:
         raise ValueError(f"arm {record['arm']!r} ran overlapped (async_scheduling=True); the "
                          f"simulator steps serially: it replays runs with async_scheduling=False")
@@ -206,10 +236,25 @@ def load_records(results_dir: str) -> list[dict]:
     return [check_record(a) for a in arms]
 
 
-def replay_command(results_dir, arm: str | None = None) -> str:
-    """The command line that replays ``results_dir`` (one arm, or all)."""
-    return (f"python -m experiments.replay --from={results_dir}"
-            + ("" if arm is None else f" --arm={arm}"))
+def replay_command(results_dir, arm: str | None = None, *, devices: int = 1) -> str:
+    """The command line that replays ``results_dir`` (one arm, or all); ``devices`` > 1 (a
+    data-parallel run) prefixes the ``XLA_FLAGS`` that give a CPU that many devices."""
+    env = "" if devices <= 1 else f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} "
+    return (f"{env}python -m experiments.replay --from={shlex.quote(str(results_dir))}"
+            + ("" if arm is None else f" --arm={shlex.quote(arm)}"))
+
+
+def check_devices(records: list[dict], results_dir) -> None:
+    """Raises ValueError (with the command that works) if JAX sees fewer devices than a
+    record's run used."""
+    import jax
+
+    need = max(num_devices(r) for r in records)
+    have = len(jax.devices())
+    if need > have:
+        raise ValueError(f"the record ran on {need} devices but JAX sees {have} "
+                         f"({jax.default_backend()}); on CPU run: "
+                         f"{replay_command(results_dir, devices=need)}")
 
 
 def main(argv=None) -> int:
@@ -236,8 +281,14 @@ def main(argv=None) -> int:
                 raise ValueError(f"--arm={fl.arm!r}: the record has arms {names}")
             records = [r for r in records if r["arm"] == fl.arm]
         common.check_model(records[0]["model"])
-        if fl.sim:
+        if not fl.sim:
+            check_devices(records, fl["from"].value)
+        else:
             for record in records:
+                if num_devices(record) > 1:
+                    raise ValueError(f"--sim: arm {record['arm']!r} ran on "
+                                     f"{num_devices(record)} devices; the simulator replays "
+                                     f"single-device runs")
                 if engine_config(record).async_scheduling and record["engine_config"].get(
                         "speculative") is None:
                     raise ValueError(f"--sim: arm {record['arm']!r} ran overlapped; the "

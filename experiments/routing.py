@@ -40,8 +40,11 @@ other and with the host loop (``os.cpu_count()`` is recorded, with the load aver
 after, since other jobs share them too), so device work does not really run in parallel: D
 replicas give D times the KV pool and D times the batch, not D times the compute. The study forces
 4 host devices itself (``FORCED_DEVICES``) when ``XLA_FLAGS`` names no device count; it must be set before JAX
-starts. Writes ``routing.json`` (everything, config, provenance) and ``routing.png`` (hit rate and
-p99 TTFT per policy, the scaling curve, the host-time ratio).
+starts. Writes ``routing.json`` (everything, config, provenance), ``routing.png`` (hit rate and
+p99 TTFT per policy, the scaling curve, the host-time ratio) and ``replay.json`` (every serving
+run, named by its label; each starts cold on its reused engine, ``serving.start_cold``, so
+``python -m experiments.replay --from=<dir>`` with the printed ``XLA_FLAGS`` re-executes it,
+routing included).
 """
 
 from __future__ import annotations
@@ -65,8 +68,9 @@ import jax
 import numpy as np
 
 from experiments import common, plots, serving
+from experiments import replay as replay_mod
 from paged import Engine, SamplingParams
-from paged.routing import POLICIES, Router
+from paged.routing import POLICIES
 from paged.workload import BOS_ID, Workload, check_same_evidence, make_workload
 
 _PER_REQUEST = ("input_lens", "output_lens", "ttfts", "itls", "errors", "error_messages",
@@ -221,14 +225,10 @@ def _loadavg():
 
 
 def _reset(engine, policy: str) -> None:
-    """Empties every replica's prefix cache and gives the engine a fresh ``policy`` router."""
-    while engine.has_step_in_flight():
-        engine.step()
+    """Empties every replica's prefix cache and gives the engine a fresh ``policy`` router
+    (``serving.start_cold``: the run starts as on a new engine, so it replays)."""
     engine.config = dataclasses.replace(engine.config, router=policy)
-    if hasattr(engine, "replicas"):
-        engine.router = Router(policy, engine.config.router_load_threshold)
-    for r in getattr(engine, "replicas", [engine]):
-        r.block_manager.evict_cached()
+    serving.start_cold(engine)
 
 
 def _replica_stats(engine) -> list[dict]:
@@ -242,7 +242,8 @@ def serve(c, engine, workload: Workload, policy: str, label: str) -> dict:
     before, steps0, comp0 = _replica_stats(engine), engine.num_steps, engine.num_compilations
     load0, cpu0 = _loadavg(), time.process_time()
     arm = serving.run_arm(label, engine, workload, ttft_slo_ms=c.ttft_slo_ms,
-                          tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s, progress=False)
+                          tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s, progress=False,
+                          model_name=c.model)
     routed = getattr(engine, "routed", {})  # request id -> replica (a single engine: none)
     cpu = time.process_time() - cpu0
     after = _replica_stats(engine)
@@ -277,7 +278,8 @@ def serve(c, engine, workload: Workload, policy: str, label: str) -> dict:
         "ms_per_step": 1e3 * arm.wall_s / max(engine.num_steps - steps0, 1),
         "cores_busy": cpu / arm.wall_s if arm.wall_s else None,
         "loadavg_before": load0, "loadavg_after": _loadavg(),
-        "num_compilations_during_run": engine.num_compilations - comp0}
+        "num_compilations_during_run": engine.num_compilations - comp0,
+        "replay": arm.replay}  # run() moves it to replay.json
 
 
 _POLICY_KEYS = ("prefix_cache_hit_rate", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
@@ -504,10 +506,11 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
     ds = sorted(c.scaling.replicas)
     progress = common.Progress(c.repeats * len(c.routers) + c.scaling.repeats * len(ds),
                                "routing", unit="run", summary=False)
-    policies = []
+    policies, replays = [], []
     for k in range(c.repeats):  # the order alternates, so a drift of the machine hits all alike
         for policy in (c.routers if k % 2 == 0 else tuple(reversed(c.routers))):
             r = serve(c, engine(d), wl, policy, f"{policy} D={d} #{k}")
+            replays.append(r.pop("replay"))
             r["repeat"] = k
             policies.append(r)
             print(_line(r), flush=True)
@@ -535,6 +538,7 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
         for n in (ds if k % 2 == 0 else ds[::-1]):
             r = serve(c, engine(n), plan["workloads"]["scaling"], c.scaling.router,
                       f"scaling {c.scaling.router} D={n} #{k}")
+            replays.append(r.pop("replay"))
             r["repeat"] = k
             runs.append(r)
             print(_line(r), flush=True)
@@ -606,6 +610,9 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
         "provenance": common.provenance()}
     path = common.write_json(out_dir / "routing.json", payload)
     print(f"wrote {path}")
+    if serving.write_replay_records(out_dir / "replay.json", replays):
+        devices = max(replay_mod.num_devices(r) for r in replays if r is not None)
+        print(f"replay: {replay_mod.replay_command(out_dir, devices=devices)}")
     try:
         plot(payload, out_dir / "routing.png")
         print(f"wrote {out_dir / 'routing.png'}")

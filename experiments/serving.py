@@ -83,8 +83,9 @@ def run_arm(name: str, engine: Engine, workload: Workload, *, ttft_slo_ms=None, 
       model_name: what `experiments.common.load_model` loads to rebuild the weights for a replay
         (the study's ``config.model``, e.g. ``"random-small"``); default ``engine.config.model``.
 
-    The result's ``replay`` (single-replica engines) is what ``experiments.replay`` needs to
-    re-execute the run in lockstep (``replay_record``).
+    The result's ``replay`` is what ``experiments.replay`` needs to re-execute the run in lockstep
+    (``replay_record``); it replays only a run that started cold (``cold_start``): a study that
+    reuses an engine calls ``engine.reset_prefix_cache()`` before each run.
     """
     specs = sorted(workload.requests, key=lambda r: r.arrival_s)
     spec_by_id = {r.request_id: r for r in specs}
@@ -94,10 +95,11 @@ def run_arm(name: str, engine: Engine, workload: Workload, *, ttft_slo_ms=None, 
     next_trace = 0.0
     i = 0
     bar = common.Progress(len(specs), f"[{name}]", summary=progress is True) if progress else None
-    # The exact-replay log (single-replica engines): per engine.step() call, what the driver did
-    # before it and what it reported; the engine records each step's batch (record_steps).
-    engine_steps = engine.record_steps() if hasattr(engine, "record_steps") else None
-    fresh = engine_steps is not None and engine.core.num_requests == 0  # replay starts fresh
+    # The exact-replay log: per engine.step() call, what the driver did before it and what it
+    # reported; the engine records each step's batch (record_steps; per replica when data
+    # parallel), a data-parallel engine each request's replica (``routed``).
+    fresh = cold_start(engine)  # a replay starts on a new engine: only a cold run replays
+    engine_steps = engine.record_steps()
     steps: list[dict] = []
     added: list[str] = []
     tokens: dict[str, list[int]] = {}
@@ -142,11 +144,9 @@ def run_arm(name: str, engine: Engine, workload: Workload, *, ttft_slo_ms=None, 
         peak_used_blocks=stats["block_manager"].get("peak_used_blocks"),
         pool_bytes=stats["ledger"]["pool_bytes"], kv_block_size=stats["block_size"],
         kv_num_blocks=stats["num_blocks"])
-    replay = None
-    if engine_steps is not None:
-        replay = replay_record(name, engine.config, workload, spec_by_id, steps, engine_steps,
-                               tokens, {r.request_id: r.status for r in recs}, fresh=fresh,
-                               model_name=model_name)
+    replay = replay_record(name, engine.config, workload, spec_by_id, steps, engine_steps,
+                           tokens, {r.request_id: r.status for r in recs}, fresh=fresh,
+                           model_name=model_name, routed=getattr(engine, "routed", None))
     return ArmResult(name=name, summary=summary, records=recs, trace=trace.to_dict(),
                      engine_config=dataclasses.asdict(engine.config), wall_s=wall,
                      num_compilations=engine.num_compilations, replay=replay)
@@ -165,14 +165,56 @@ def _logged_step(engine, steps, added, records, spec_by_id, tokens) -> None:
     added.clear()
 
 
+def cold_start(engine) -> bool:
+    """Whether a run on ``engine`` starts as it would on a new engine: nothing in flight, no
+    cached prefix block (device pool or host tier) and, data parallel, a router that has routed
+    nothing yet (its round-robin position is where a new one's is). A reused engine is cold again
+    after ``engine.reset_prefix_cache()`` (and, data parallel, a new ``engine.router``)."""
+    if engine.has_unfinished_requests():
+        return False
+    stats = engine.kv_stats()
+    if stats["num_cached_blocks"] or stats["host_tier"]["used_blocks"]:
+        return False
+    router = getattr(engine, "router", None)  # data parallel only
+    return router is None or not sum(router.num_routed.values())
+
+
+def start_cold(engine) -> bool:
+    """Makes a reused engine start its next run as a new engine would (``cold_start``), so the
+    run replays: reads back a step still in flight (a run stopped at its wall limit leaves one),
+    empties the prefix cache (``engine.reset_prefix_cache()``) and, data parallel, gives the
+    engine a new router of its policy (``engine.router``: its round-robin position restarts).
+
+    Returns:
+      Whether the prefix cache was emptied: False with a host tier (``reset_prefix_cache``
+      refuses; the next run is recorded as warm and its replay refused in one line).
+
+    Raises:
+      RuntimeError: a request is still unfinished.
+    """
+    while engine.has_unfinished_requests() and not engine.unfinished_request_ids():
+        engine.step()  # only aborts to report or a step to read back
+    if engine.unfinished_request_ids():
+        raise RuntimeError(f"start_cold: requests still unfinished: "
+                           f"{engine.unfinished_request_ids()[:4]}")
+    if getattr(engine, "router", None) is not None:  # data parallel
+        from paged.routing import Router
+
+        engine.router = Router(engine.config.router, engine.config.router_load_threshold)
+    return engine.reset_prefix_cache()
+
+
 def replay_record(name, config, workload, spec_by_id, steps, engine_steps, tokens,
-                  statuses, *, fresh: bool = True, model_name: str | None = None) -> dict:
+                  statuses, *, fresh: bool = True, model_name: str | None = None,
+                  routed: dict[str, int] | None = None) -> dict:
     """What an exact replay of one serving run needs (written as ``replay.json``): the engine
     config and model, the workload's identity and every admitted request (prompt token ids or
-    text, sampling, arrival offset; a SHA-256 digest over them), and per ``engine.step()`` call the
-    requests added before it, the requests it reported aborted or timed out (``ended``), its batch
-    (``[request_id, sample_index, num_new_tokens]``), its preemptions and the requests it reported
-    finished; the final token ids and status of every request."""
+    text, sampling, arrival offset, and with ``routed`` (data parallel) the replica it was routed
+    to; a SHA-256 digest over them), and per ``engine.step()`` call the requests added before it,
+    the requests it reported aborted or timed out (``ended``), its batch (``[request_id,
+    sample_index, num_new_tokens]``; data parallel: one such list per replica), its preemptions
+    (per replica, data parallel) and the requests it reported finished; the final token ids and
+    status of every request. ``fresh``: the run started cold (``cold_start``)."""
     if len(steps) != len(engine_steps):
         raise RuntimeError(f"{len(steps)} driver steps but {len(engine_steps)} engine records")
     order = [rid for s in steps for rid in s["added"]]
@@ -182,6 +224,8 @@ def replay_record(name, config, workload, spec_by_id, steps, engine_steps, token
         prompt = spec.engine_prompt()  # token ids, or text the engine encodes
         requests.append({"request_id": rid, "prompt": prompt,
                          "output_len": spec.output_len, "n": spec.n, "arrival_s": spec.arrival_s})
+        if routed is not None:
+            requests[-1]["replica"] = routed[rid]
     digest = hashlib.sha256(json.dumps(requests, sort_keys=True).encode()).hexdigest()
     return {
         "version": 1, "arm": name,
@@ -197,12 +241,22 @@ def replay_record(name, config, workload, spec_by_id, steps, engine_steps, token
 def write_replay(path, results, real_results=()) -> Path | None:
     """Writes the arms' replay records (``ArmResult.replay``) as ``path`` (``replay.json``, for
     ``python -m experiments.replay --from=<its dir>``); arms of ``real_results`` are named
-    ``real_arrivals/<name>``. None (nothing written) when no arm has one (data-parallel)."""
+    ``real_arrivals/<name>``. None (nothing written) when no arm has one."""
     arms = [r.replay for r in results if r.replay is not None]
     arms += [{**r.replay, "arm": f"real_arrivals/{r.name}"} for r in real_results
              if r.replay is not None]
+    return write_replay_records(path, arms)
+
+
+def write_replay_records(path, records: list[dict]) -> Path | None:
+    """Writes replay records (one per run, each named by its ``arm``, names distinct) as
+    ``path``; None (nothing written) for none."""
+    arms = [r for r in records if r is not None]
     if not arms:
         return None
+    names = [a["arm"] for a in arms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"replay records' arm names {names} must be distinct")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"arms": arms}, separators=(",", ":")) + "\n")  # compact: big

@@ -9,7 +9,9 @@ admission lateness when the engine is idle, measured in the run each model was f
 request and output throughput, preemptions and peak KV blocks, each with the simulator's relative
 error ``(sim - real) / real``; per workload, the saturation rate of each. The real results are
 ``constructed`` (a real engine on a constructed workload), the simulated ones ``simulated``; they
-sit in separate fields and are compared, never pooled.
+sit in separate fields and are compared, never pooled. Each real run's replay record goes to
+``replay.json`` (arm ``<workload>@<rate>``, ``... repeat`` for ``repeat_real``):
+``python -m experiments.replay --from=<dir>`` re-executes it exactly.
 
 Two simulated variants: ``sim`` (the fitted model) and ``sim_noisy`` (the fitted model times
 a ratio drawn from the calibration's measured / predicted spread, ``paged.sim.NoisyStepModel``;
@@ -68,6 +70,7 @@ import ml_collections
 import numpy as np
 
 from experiments import common, serving
+from experiments.replay import replay_command
 from paged.sim import (
     NoisyStepModel,
     Simulator,
@@ -218,9 +221,11 @@ def saturated(summary, c) -> bool:
         ttft > c.saturated_ttft_ms
 
 
-def run_real(c, engine_config, model, point) -> tuple[dict, list, list]:
-    """The real run of one point; also records each step's shape and period
-    (``experiments.calibrate.ServingRecorder``) for the leave-one-out fits."""
+def run_real(c, engine_config, model, point, replays=None,
+             suffix: str = "") -> tuple[dict, list, list]:
+    """The real run of one point (on a new engine); also records each step's shape and period
+    (``experiments.calibrate.ServingRecorder``) for the leave-one-out fits. ``replays`` gets its
+    replay record (arm ``<workload>@<rate><suffix>``)."""
     from experiments.calibrate import ServingRecorder
 
     w = point["wl"]
@@ -228,10 +233,13 @@ def run_real(c, engine_config, model, point) -> tuple[dict, list, list]:
     rec = ServingRecorder(engine)
     t0 = time.perf_counter()
     try:
-        real = serving.run_arm(f"{point['workload']}@{point['rate']:g}", engine, w,
-                               max_wall_s=w.duration_s + c.max_drain_s, progress=False)
+        real = serving.run_arm(f"{point['workload']}@{point['rate']:g}{suffix}", engine, w,
+                               max_wall_s=w.duration_s + c.max_drain_s, progress=False,
+                               model_name=c.model)
     finally:
         rec.close()
+    if replays is not None:
+        replays.append(real.replay)
     rs = real.summary
     row = {"workload": point["workload"], "rate": point["rate"], "num_requests": len(w),
            "load_average": os.getloadavg()[0], "real_wall_s": time.perf_counter() - t0,
@@ -400,17 +408,17 @@ def main(c, plan):
     wake_of = (lambda x, fallback: fallback if x is None else x) if c.model_idle_wake \
         else (lambda x, fallback: 0.0)
     wake = wake_of(cal.get("idle_admit_late_s"), cal["sleep_overshoot_s"])
-    rows, steps, paired, lates = [], [], [], []
+    rows, steps, paired, lates, replays = [], [], [], [], []
     bar = common.Progress(len(plan["points"]), "[sim_validate real]", unit="point")
     for i, point in enumerate(plan["points"]):
         pm = {}
         if c.paired_calibration:
             pm, info = paired_models(c, plan["engine"], model, point, i)
-        row, st, late = run_real(c, plan["engine"], model, point)
+        row, st, late = run_real(c, plan["engine"], model, point, replays)
         if c.paired_calibration:
             row["paired_calibration"] = info
         if c.repeat_real:
-            add_repeat(row, run_real(c, plan["engine"], model, point)[0])
+            add_repeat(row, run_real(c, plan["engine"], model, point, replays, " repeat")[0])
         rows.append(row)
         steps.append(st)
         lates.append(late)
@@ -470,6 +478,8 @@ def main(c, plan):
         "calibration": cal, "idle_wake_s": wake, "points": rows, "verdict": verdict,
         "config": c.to_dict(), "cpu_count": os.cpu_count(), "provenance": common.provenance()})
     print(f"wrote {path}")
+    if serving.write_replay_records(out_dir / "replay.json", replays):  # the real runs
+        print(f"replay: {replay_command(out_dir)}")
 
 
 def _f(v) -> str:

@@ -33,7 +33,10 @@ by an engine of ``load_max_num_seqs`` sequences with speculation off and on (``l
 ``load_k``, by default the method and k of the best batch-1 speed-up measured above on those
 prompts); per rate, medians over ``load_repeats`` (arms interleaved, their order alternating per
 repeat; both arms of a repeat share its workload) of p50 / p99 TPOT, p50 TTFT and output-token
-throughput. This shows where speculation stops paying as the batch fills.
+throughput. This shows where speculation stops paying as the batch fills. The engines are reused
+(from batch 1 and the warm-up runs), so each timed run starts with an empty prefix cache
+(``serving.start_cold``: no hit carries over from the warm-up run of the same workload) and is
+recorded in ``replay.json`` (``python -m experiments.replay --from=<dir>``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import time
 import numpy as np
 
 from experiments import common, plots, serving
+from experiments.replay import replay_command
 from paged import Engine, SamplingParams, SpeculativeConfig
 from paged.distributions import poisson_arrivals
 from paged.workload import RequestSpec, Workload, byte_token_len
@@ -269,14 +273,16 @@ def main(c, plan):
               f"row k_i {r['expected_emitted_per_verify_row_k']:.2f}, fill {r['proposal_fill']:.2f})  "
               f"speed-up {r['speedup']:.2f} (predicted {r['predicted_speedup']:.2f}, "
               f"c {r['draft_cost_ratio_c']:.3f}, step cost x{r['step_cost_ratio']:.2f})")
-    load = None
+    load, replays = None, []
     if c.load_rates:
-        load = _load_sweep(c, plan, rows, model_config, params, engines)
+        load = _load_sweep(c, plan, rows, model_config, params, engines, replays)
     path = common.write_json(out_dir / "spec_decode.json", {
         "study": "spec_decode", "evidence": "constructed", "config": c.to_dict(),
         "prompts": kinds, "results": rows, "load": load, "provenance": common.provenance()})
     _plot(rows, load, out_dir)
     print(f"wrote {path}")
+    if serving.write_replay_records(out_dir / "replay.json", replays):
+        print(f"replay (load runs): {replay_command(out_dir)}")
 
 
 def _med(runs: list[dict], key: str) -> float:
@@ -333,8 +339,9 @@ def _arm_row(m, kind, b, k, c, runs_p, runs_s, verify, before, after) -> dict:
 LOAD_STATS = ("median_tpot_ms", "p99_tpot_ms", "median_ttft_ms", "output_throughput")
 
 
-def _load_sweep(c, plan, rows, model_config, params, engines) -> dict:
-    """TPOT, TTFT and throughput against offered load, speculation off and on (module docstring)."""
+def _load_sweep(c, plan, rows, model_config, params, engines, replays) -> dict:
+    """TPOT, TTFT and throughput against offered load, speculation off and on (module docstring).
+    ``replays`` gets each timed run's replay record (arm ``<off|on>@<rate>#<repeat>``)."""
     method, k = c.load_method, c.load_k
     if not method or not k:  # the best batch-1 speed-up measured on the load prompts
         best = max((r for r in rows if r["batch"] == 1 and r["prompts"] == c.load_prompts
@@ -363,9 +370,12 @@ def _load_sweep(c, plan, rows, model_config, params, engines) -> dict:
         for rate in rates:
             for name in order:
                 e = arms[name]
+                serving.start_cold(e)  # engines are reused: each timed run starts cold
                 c0, before = e.num_compilations, e.spec_decode_stats()
-                res = serving.run_arm(name, e, plan["load_workloads"][rate, r], progress=False,
-                                      max_wall_s=c.load_max_wall_s)
+                res = serving.run_arm(f"{name}@{rate:g}#{r}", e, plan["load_workloads"][rate, r],
+                                      progress=False, max_wall_s=c.load_max_wall_s,
+                                      model_name=c.model)
+                replays.append(res.replay)
                 s, after = res.summary, e.spec_decode_stats()
                 drafts = after["num_drafts"] - before["num_drafts"]
                 runs[rate, name].append({

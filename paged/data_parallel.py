@@ -61,7 +61,7 @@ class DataParallelEngine:
     same public protocol (``add_request``, ``check_request`` / ``add_checked``, ``abort``,
     ``step``, ``generate``, ``has_unfinished_requests``, ``has_step_in_flight``,
     ``unfinished_request_ids``, ``warmup``, ``kv_stats``, ``spec_decode_stats``,
-    ``num_compilations``, ``set_device_step``).
+    ``num_compilations``, ``set_device_step``, ``record_steps``, ``reset_prefix_cache``).
 
     Args:
       config: the engine settings (``data_parallel_size`` > 1).
@@ -135,6 +135,7 @@ class DataParallelEngine:
         self._num_requests = 0
         self.num_steps = 0
         self.last_timing = StepTiming()
+        self.step_record: list[dict] | None = None  # record_steps()
         self._traces_at_start = self._trace_count()
 
     def _trace_count(self) -> int:
@@ -227,6 +228,11 @@ class DataParallelEngine:
         if self.handover is not None:
             for request_id, j in self.handover.run():
                 self._requests[request_id] = j
+        if self.step_record is not None:  # each replica recorded its dispatch above
+            recs = [e.step_record[-1] for e in self.replicas]
+            self.step_record.append({"ended": [r for d in recs for r in d["ended"]],
+                                     "batch": [d["batch"] for d in recs],
+                                     "preempted": [d["preempted"] for d in recs]})
         self.num_steps += any(p.launched is not None for p in pending)
         timing = StepTiming()
         for e in self.replicas:
@@ -235,6 +241,24 @@ class DataParallelEngine:
                 setattr(timing, f, getattr(timing, f) + getattr(t, f))
         self.last_timing = timing
         return outputs
+
+    def record_steps(self) -> list[dict]:
+        """``Engine.record_steps`` over the replicas: per ``step()`` one dict with ``ended``
+        (every replica's, replica order), ``batch`` and ``preempted`` (one list per replica, as
+        that replica recorded its dispatch). Where each request went is ``routed``."""
+        for e in self.replicas:
+            e.record_steps()
+        self.step_record = []
+        return self.step_record
+
+    def reset_prefix_cache(self) -> bool:
+        """``Engine.reset_prefix_cache`` on every replica, all or none: False (nothing changed)
+        if any replica would refuse. The router keeps its state (a study that wants a new one
+        assigns ``router``)."""
+        if self.has_unfinished_requests() or any(
+                e.block_manager.num_host_tier_blocks for e in self.replicas):
+            return False
+        return all([e.reset_prefix_cache() for e in self.replicas])
 
     def warmup(self, **kwargs) -> int:
         """``Engine.warmup`` on every replica (each compiles for its own devices), and with

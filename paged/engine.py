@@ -383,6 +383,22 @@ class Engine:
         self.step_record = []
         return self.step_record
 
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache between runs (vLLM's ``reset_prefix_cache``): every cached
+        block goes back to the free list, so the next run finds no hit, as on a new engine (an
+        exact replay, ``experiments.replay``, starts on one).
+
+        Returns:
+          True if emptied; False (nothing changed) while a request is unfinished or a step in
+          flight, or with a host tier (``host_kv_cache_bytes``: evicted blocks would spill into
+          it, so it is not emptied this way).
+        """
+        bm = self.core.block_manager
+        if self.has_unfinished_requests() or bm.num_host_tier_blocks:
+            return False
+        bm.evict_cached()
+        return True
+
     def has_step_in_flight(self) -> bool:
         """Whether a dispatched step's result has not been read back yet."""
         return self._inflight is not None

@@ -110,6 +110,25 @@ def test_serve_bad_config_fails_cleanly(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing written: it failed before any work
 
 
+def _replays_exactly(out: Path, arms: list[str], stdout: str, devices: int = 1) -> None:
+    """``python -m experiments.replay --from=out`` re-executes every arm (one per run) of the
+    study's ``replay.json`` to the same batches and tokens (on ``devices`` forced host devices);
+    on failure, the command to rerun."""
+    import os
+
+    from experiments import replay as rp
+
+    how = f"reproduce: {rp.replay_command(out, devices=devices)}"
+    assert f"replay: {rp.replay_command(out, devices=devices)}" in stdout
+    assert [r["arm"] for r in rp.load_records(str(out))] == arms, how
+    env = dict(os.environ, **({} if devices == 1 else {
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}))
+    proc = subprocess.run([sys.executable, "-m", "experiments.replay", f"--from={out}"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}{proc.stderr[-2000:]}\n{how}"
+    assert proc.stdout.count("] identical: ") == len(arms), proc.stdout
+
+
 def test_ablate_smoke(tmp_path):
     proc = _run("experiments.ablate", "--config=experiments/configs/ablate.py:smoke",
                 f"--config.output_dir={tmp_path}")
@@ -117,6 +136,8 @@ def test_ablate_smoke(tmp_path):
     assert len(payload["arms"]) == 4  # kv_layout x scheduling in the smoke grid
     assert set(payload["main_effects"]) == {"kv_layout", "scheduling"}
     assert "main effects" in proc.stdout
+    # Every cell (a new engine each) replays exactly.
+    _replays_exactly(tmp_path, [a["name"] for a in payload["arms"]], proc.stdout)
 
 
 def test_capacity_smoke(tmp_path):
@@ -127,6 +148,9 @@ def test_capacity_smoke(tmp_path):
     for arm in payload["arms"]:
         assert arm["capacity_rps"] == max(p["rate"] for p in arm["points"] if p["meets_slo"])
     assert "ratio" in proc.stdout and (tmp_path / "capacity.png").exists()
+    # Every point (a new engine each) replays exactly, named <arm>@<rate>.
+    _replays_exactly(tmp_path, [f"{a['name']}@{p['rate']:g}" for a in payload["arms"]
+                                for p in a["points"]], proc.stdout)
 
 
 def test_capacity_kv_dtype_smoke(tmp_path):
@@ -198,8 +222,11 @@ def test_progress_off_a_terminal_is_one_summary_line():
 
 
 def test_spec_decode_smoke(tmp_path):
-    _run("experiments.spec_decode", "--config=experiments/configs/spec_decode.py:smoke",
-         f"--config.output_dir={tmp_path}")
+    proc = _run("experiments.spec_decode", "--config=experiments/configs/spec_decode.py:smoke",
+                f"--config.output_dir={tmp_path}")
+    # The load sweep's timed runs (on engines reused from batch 1) start cold and replay exactly.
+    _replays_exactly(tmp_path, ["off@500#0", "on@500#0"], proc.stdout.replace(
+        "replay (load runs): ", "replay: "))
     payload = json.loads((tmp_path / "spec_decode.json").read_text())
     rows = payload["results"]
     assert payload["evidence"] == "constructed" and {r["k"] for r in rows} == {1, 3}
@@ -316,14 +343,17 @@ def test_fleet_kv_whatifs_smoke(tmp_path, variant):
 
 
 def test_disagg_engine_smoke(tmp_path):
-    _run("experiments.disagg_engine", "--config=experiments/configs/disagg_engine.py:smoke",
-         f"--config.output_dir={tmp_path}")
+    proc = _run("experiments.disagg_engine",
+                "--config=experiments/configs/disagg_engine.py:smoke",
+                f"--config.output_dir={tmp_path}")
     payload = json.loads((tmp_path / "disagg_engine.json").read_text())
     assert payload["functional_check"] is True and "not a performance claim" in payload["note"]
     colocated, split = payload["arms"]
     assert [r["role"] for r in colocated["replicas"]] == ["both"] * 4
     assert [r["role"] for r in split["replicas"]] == ["prefill"] + ["decode"] * 3
     assert split["handovers"]["count"] == 6 and split["roles_kept"] and split["all_finished"]
+    # Both arms replay exactly on four devices: routing, every replica's batches, hand-overs.
+    _replays_exactly(tmp_path, ["colocated", "P:D=1:3"], proc.stdout, devices=4)
 
 def test_kv_tiers_smoke(tmp_path):
     _run("experiments.kv_tiers", "--config=experiments/configs/kv_tiers.py:smoke",

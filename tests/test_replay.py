@@ -6,46 +6,14 @@ from __future__ import annotations
 import functools
 import json
 import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
+from replay_utils import CONFIG, run_on_clock, workload
 
 from experiments import common, serving
 from experiments import replay as rp
 from paged import Engine, EngineConfig
-from paged.workload import RequestSpec, Workload
-
-CONFIG = dict(block_size=8, num_blocks=14, max_num_seqs=4, max_num_batched_tokens=32,
-              max_model_len=64, model="random-small",
-              min_token_bucket=32, min_seq_bucket=4)  # one step shape: few compilations
-
-
-def _workload(num: int = 30, gap_s: float = 0.08) -> Workload:
-    rng = np.random.default_rng(3)
-    shared = [256] + rng.integers(0, 256, 16).tolist()  # two full blocks: prefix-cache hits
-    reqs = []
-    for i in range(num):
-        prompt = shared + rng.integers(0, 256, int(rng.integers(3, 20))).tolist()
-        reqs.append(RequestSpec(f"r{i:02d}", i * gap_s, tuple(prompt), None, len(prompt),
-                                int(rng.integers(8, 26))))
-    return Workload("replay-test", tuple(reqs), "constructed", 3)
-
-
-class _Clock:
-    """A deterministic stand-in for the wall clock: every read advances it 0.1 ms, a sleep by
-    its length; so the serving run (arrivals, timeout, wall limit) is the same on any machine."""
-
-    def __init__(self):
-        self.t = 100.0
-
-    def perf_counter(self) -> float:
-        self.t += 1e-4
-        return self.t
-
-    def sleep(self, d: float) -> None:
-        self.t += max(0.0, d)
 
 
 @functools.cache
@@ -55,13 +23,8 @@ def _recorded(**overrides):
     temporary results dir, so a failing assertion can print the command that replays it."""
     model = common.load_model("random-small")  # what the replay command loads by name
     engine = Engine(EngineConfig(**CONFIG, **overrides), model_config=model[0], params=model[1])
-    clock, real = _Clock(), (time.perf_counter, time.sleep)
-    time.perf_counter, time.sleep = clock.perf_counter, clock.sleep
-    try:
-        result = serving.run_arm("arm", engine, _workload(16, 0.003), max_wall_s=0.06,
-                                 progress=False, timeouts={"r05": 0.01})
-    finally:
-        time.perf_counter, time.sleep = real
+    result = run_on_clock("arm", engine, workload(16, 0.003), max_wall_s=0.06,
+                          timeouts={"r05": 0.01})
     if not overrides:
         serving.write_replay(REPLAY_DIR / "replay.json", [result])
     return model, result
@@ -182,7 +145,7 @@ def test_cli_mistakes_end_in_one_line(tmp_path, capsys, args, message):
 
 def test_record_of_a_reused_engine_is_refused():
     _, result = _recorded()
-    with pytest.raises(ValueError, match="served requests before"):
+    with pytest.raises(ValueError, match="started warm"):
         rp.check_record({**result.replay, "fresh_engine": False})
 
 
@@ -216,11 +179,31 @@ def got_ok(result) -> bool:
 def test_a_reused_engine_is_marked_not_fresh():
     model = common.load_model("random-small")
     engine = Engine(EngineConfig(**CONFIG), model_config=model[0], params=model[1])
-    w = _workload(2, 0.0)
+    w = workload(2, 0.0)
     first = serving.run_arm("a", engine, w, progress=False)
     second = serving.run_arm("b", engine, w, progress=False)
     assert first.replay["fresh_engine"] and not second.replay["fresh_engine"]
     assert first.replay["workload"]["digest"] == second.replay["workload"]["digest"]
     assert rp.replay(first.replay, model).ok
-    with pytest.raises(ValueError, match="served requests before"):
+    with pytest.raises(ValueError, match="started warm"):
         rp.replay(second.replay, model)
+    # Emptied between runs (what a study reusing an engine does), the engine starts cold: the
+    # third run replays exactly on a new engine, although this one served two runs before.
+    assert serving.cold_start(engine) is False
+    serving.start_cold(engine)
+    assert serving.cold_start(engine) and engine.kv_stats()["num_cached_blocks"] == 0
+    third = serving.run_arm("c", engine, w, progress=False)
+    assert third.replay["fresh_engine"] and third.replay["tokens"] == first.replay["tokens"]
+    assert got_ok(rp.replay(third.replay, model))
+
+
+def test_reset_prefix_cache_refuses_while_requests_run():
+    model = common.load_model("random-small")
+    engine = Engine(EngineConfig(**CONFIG), model_config=model[0], params=model[1])
+    engine.add_request("x", [256, 1, 2, 3], serving.request_params(4))
+    assert engine.reset_prefix_cache() is False  # nothing changed: the request still runs
+    with pytest.raises(RuntimeError, match="unfinished"):
+        serving.start_cold(engine)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.reset_prefix_cache() is True

@@ -28,6 +28,28 @@ def study(tmp_path_factory):
     return proc, json.loads((out / "routing.json").read_text()), out
 
 
+def test_every_run_replays(study):
+    """Each run (policies on one reused engine, scaling runs) left a cold-start record; a run on
+    the engine after another (the second policy) re-executes exactly, routing included."""
+    from experiments import replay as rp
+
+    proc, res, out = study
+    records = rp.load_records(str(out))
+    labels = [p["label"] for p in res["policies"]] + [r["label"] for r in res["scaling"]["runs"]]
+    assert [r["arm"] for r in records] == labels
+    assert all(r["fresh_engine"] for r in records)
+    assert f"replay: {rp.replay_command(out, devices=4)}" in proc.stdout
+    arm = labels[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    replayed = subprocess.run([sys.executable, "-m", "experiments.replay", f"--from={out}",
+                               f"--arm={arm}"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
+    how = f"reproduce: {rp.replay_command(out, arm, devices=4)}"
+    assert replayed.returncode == 0, replayed.stdout[-2000:] + replayed.stderr[-2000:] + how
+    assert f"[{arm}] identical" in replayed.stdout
+
+
 def test_policies(study):
     proc, res, out = study
     assert res["study"] == "routing" and res["evidence"] == "constructed"

@@ -369,6 +369,14 @@ def test_online_vs_offline_smoke(tmp_path):
     rep = payload["loads"][0]["repeats"][0]
     assert rep["online"]["completed"] == rep["offline"]["completed"] == 6
     assert len(rep["online"]["ttfts"]) == 6
+    # The offline run started cold and replays exactly.
+    from experiments import replay as rp
+
+    [record] = rp.load_records(str(out))
+    assert record["arm"] == f"offline {payload['loads'][0]['rate']:g}/s #0"
+    assert record["fresh_engine"]
+    got = rp.replay(record)
+    assert got.ok, f"{got.divergence.format()}\nreproduce: {rp.replay_command(out)}"
 
 
 @pytest.mark.parametrize("study, flag, word", [

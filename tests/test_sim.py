@@ -361,6 +361,14 @@ def test_calibrate_and_sim_validate_smoke(tmp_path):
     assert val["points"][0]["sim_rel_error"]["p50_ttft_ms"] is not None
     assert val["points"][0]["real_repeat_rel_error"]["p50_ttft_ms"] is not None
     assert "real_repeat" in val["verdict"]
+    # Each real run (a new engine each) left a record that replays exactly.
+    from experiments import replay as rp
+
+    out = tmp_path / "sim_validate"
+    records = rp.load_records(str(out))
+    assert len(records) == 2 * len(val["points"]) and all(r["fresh_engine"] for r in records)
+    got = rp.replay(records[0])
+    assert got.ok, f"{got.divergence.format()}\nreproduce: {rp.replay_command(out)}"
 
 
 def test_bootstrap_interval_of_a_real_percentile():

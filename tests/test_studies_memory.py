@@ -38,6 +38,19 @@ def sharing(tmp_path_factory):
     return proc, json.loads((out / "prefix_sharing.json").read_text())
 
 
+def test_block_size_sweep_rounds_start_cold_and_replay(sweep):
+    """Every round's serving run (engines reused across rounds) started cold and replays."""
+    from experiments import replay as rp
+
+    proc, payload, out = sweep
+    records = rp.load_records(str(out))
+    assert records and all(r["fresh_engine"] for r in records)
+    assert f"replay: {rp.replay_command(out)}" in proc.stdout
+    last = records[-1]  # a later round on a reused engine
+    got = rp.replay(last)
+    assert got.ok, f"{got.divergence.format()}\nreproduce: {rp.replay_command(out, last['arm'])}"
+
+
 def test_block_size_sweep_formulas(sweep):
     proc, payload, out = sweep
     assert payload["evidence"] == "constructed" and payload["provenance"]["jax_version"]
