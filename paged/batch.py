@@ -132,7 +132,9 @@ class BatchBuilder:
         self.ib = batch
         self.cascade = cascade  # paged.cascade_plan.CascadePlanner, or None
         self.bm = block_manager
-        self.num_groups = block_manager.num_groups  # tables per sequence, interleaved in a row
+        # Tables per sequence (KV-cache groups), interleaved in a row; 1 without a manager (a
+        # builder used only for ``empty`` batches).
+        self.num_groups = 1 if block_manager is None else block_manager.num_groups
         self.page_size = page_size
         self.min_tokens = min_tokens
         self.min_seqs = min_seqs

@@ -26,8 +26,11 @@ that must be taken once for all of them:
   entries being ``NULL_PAGE``), so a batch row is one int32 row and the device takes group
   ``g``'s table as columns ``g::G``.
 
-Not built yet (refused by `paged.models.kv_groups.kv_group_layout`): swap preemption,
-speculative lookahead / rollback, the host tier, ``run_decode_steps``.
+Swap moves every group's live blocks to one pool of host slots (all or nothing) and back;
+speculative lookahead reserves slots in every group after one capacity check, and rollback
+drops them in every group. Not built (refused by `paged.models.kv_groups.kv_group_layout`):
+a draft model (its KV would need the grouped layout too), the host tier, disaggregated
+replicas, ``run_decode_steps``.
 """
 
 from __future__ import annotations
@@ -55,8 +58,8 @@ class GroupedBlockManager:
         group's share of the layers.
       block_size: tokens per block.
       windows: each group's sliding window (None: full attention), in group order.
-      enable_prefix_caching, cache_salt, hash_fn, quarantine_steps, debug, on_free: as
-        `BlockManager`'s.
+      enable_prefix_caching, cache_salt, hash_fn, quarantine_steps, num_host_blocks, debug,
+        on_free: as `BlockManager`'s (one pool of host slots serves every group's swap).
 
     Raises:
       ValueError: for a bad argument (fewer than two groups, a window shorter than a block).
@@ -64,8 +67,8 @@ class GroupedBlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, windows: Sequence[int | None], *,
                  enable_prefix_caching: bool = True, cache_salt: bytes | str = b"",
-                 hash_fn=None, quarantine_steps: int = 1, debug: bool = False,
-                 on_free: Callable[[list[int]], None] | None = None):
+                 hash_fn=None, quarantine_steps: int = 1, num_host_blocks: int = 0,
+                 debug: bool = False, on_free: Callable[[list[int]], None] | None = None):
         windows = tuple(windows)
         if len(windows) < 2:
             raise ValueError(f"{windows=}: KV-cache groups need at least two kinds of layer")
@@ -74,17 +77,18 @@ class GroupedBlockManager:
         self.cache_salt = as_salt(cache_salt)
         self.debug = debug
         self.sliding_window = None  # no single window: see ``windows``
-        self.num_host_blocks = 0
+        self.num_host_blocks = count_arg(num_host_blocks, "num_host_blocks")
         self.num_host_tier_blocks = 0
         # Groups check nothing on their own (a group's refcounts include the other groups'
         # references); this facade checks the whole pool after each mutating call when debug.
         if count_arg(num_blocks, "num_blocks") < 2:
             raise ValueError(f"{num_blocks=} must be >= 2 (the null page plus one usable block)")
-        self._parts = SharedParts.build(num_blocks, quarantine_steps, 0, on_free)
+        self._parts = SharedParts.build(num_blocks, quarantine_steps, num_host_blocks, on_free)
         self.groups = [
             BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
                          cache_salt=group_salt(self.cache_salt, g), hash_fn=hash_fn,
-                         quarantine_steps=quarantine_steps, on_free=on_free,
+                         quarantine_steps=quarantine_steps, num_host_blocks=num_host_blocks,
+                         on_free=on_free,
                          sliding_window=w, parts=self._parts)
             for g, w in enumerate(windows)]
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -116,7 +120,7 @@ class GroupedBlockManager:
     num_quarantined_blocks = property(lambda self: self.groups[0].num_quarantined_blocks)
     num_used_blocks = property(lambda self: self.groups[0].num_used_blocks)
     num_indexed_blocks = property(lambda self: self.groups[0].num_indexed_blocks)
-    num_free_host_blocks = property(lambda self: 0)
+    num_free_host_blocks = property(lambda self: self.groups[0].num_free_host_blocks)
 
     def has_seq(self, seq_id) -> bool:
         return self.groups[0].has_seq(seq_id)
@@ -294,11 +298,25 @@ class GroupedBlockManager:
         raise ValueError("run_decode_steps is not built for KV-cache groups (the sliding group "
                          "recycles per step); step instead")
 
-    def reserve_lookahead(self, seq_id, k: int, token_ids=None):
-        raise ValueError("speculative lookahead is not built for KV-cache groups yet")
+    def reserve_lookahead(self, seq_id, k: int, token_ids: Sequence[int] | None = None
+                          ) -> list[tuple[int, int]] | None:
+        """``k`` speculative slots in every group, or none (None)."""
+        if self.num_slots_needed(seq_id, k) > self.num_allocatable_blocks:
+            return None
+        pairs = []
+        for g in self.groups:
+            got = g.reserve_lookahead(seq_id, k, token_ids)
+            if got is None:
+                raise AssertionError(f"group short of blocks after the capacity check ({seq_id!r})")
+            pairs += got
+        self._end_call()
+        return pairs
 
     def rollback(self, seq_id, r: int) -> None:
-        raise ValueError("speculative rollback is not built for KV-cache groups yet")
+        """Drops the last ``r`` slots in every group (blocks left empty are freed)."""
+        for g in self.groups:
+            g.rollback(seq_id, r)
+        self._end_call()
 
     # --- progress -------------------------------------------------------------------------
     def set_tokens(self, seq_ids: Sequence, positions: Sequence[int],
@@ -347,14 +365,46 @@ class GroupedBlockManager:
     def host_tier_stats(self) -> dict:
         return {}
 
-    def swap_out(self, seq_id):
-        raise ValueError("swap preemption is not built for KV-cache groups yet")
+    # --- swap -----------------------------------------------------------------------------
+    def swap_out(self, seq_id) -> list[tuple[int, int]] | None:
+        """Every group's live blocks to host slots (one pool of slots), or none (None: too few
+        slots, or swapped in since the last ``begin_step``)."""
+        live = sum(1 for b in self.block_table(seq_id) if b != NULL_PAGE)
+        if live > self.num_free_host_blocks:
+            return None
+        pairs = []
+        for i, g in enumerate(self.groups):
+            got = g.swap_out(seq_id)
+            if got is None:
+                if i:
+                    raise AssertionError(f"group {i} refused to swap out {seq_id!r}")
+                return None  # (the same step rule holds for every group: nothing changed)
+            pairs += got
+        self._end_call()
+        return pairs
 
     def can_swap_in(self, seq_id) -> bool:
-        raise ValueError("swap preemption is not built for KV-cache groups yet")
+        """Whether every group can come back now (the pool holds all of their blocks)."""
+        if not all(g.can_swap_in(seq_id) for g in self.groups):
+            return False
+        need = sum(len(g.host_block_table(seq_id)) for g in self.groups)
+        return need <= self.num_allocatable_blocks
 
-    def swap_in(self, seq_id):
-        raise ValueError("swap preemption is not built for KV-cache groups yet")
+    def swap_in(self, seq_id) -> list[tuple[int, int]] | None:
+        if not self.can_swap_in(seq_id):
+            return None
+        pairs = []
+        for g in self.groups:
+            got = g.swap_in(seq_id)
+            if got is None:
+                raise AssertionError(f"group short of blocks after the swap-in check ({seq_id!r})")
+            pairs += got
+        self._end_call()
+        return pairs
+
+    def host_block_table(self, seq_id) -> list[int]:
+        """Every group's host slots, group after group."""
+        return [h for g in self.groups for h in g.host_block_table(seq_id)]
 
     # --- debug ----------------------------------------------------------------------------
     def check_invariants(self) -> None:

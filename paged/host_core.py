@@ -89,10 +89,13 @@ class HostCore:
             G = kv_groups.num_groups
             self.num_pages = num_pages = G * (num_pages - 1) + 1
             self.pages_per_seq *= G
+            if host_blocks:  # slots of one page each: G per block of the full-layer pool
+                self.host_blocks = host_blocks = num_pages if config.num_host_blocks is None \
+                    else G * config.num_host_blocks
             self.block_manager = GroupedBlockManager(
                 num_pages, page_size, kv_groups.windows, enable_prefix_caching=caching,
                 cache_salt=model_salt, quarantine_steps=config.quarantine_steps,
-                debug=config.debug_checks, on_free=on_free)
+                num_host_blocks=host_blocks, debug=config.debug_checks, on_free=on_free)
         self.batch = InputBatch(config.max_model_len, self.pages_per_seq, tokenizer.eos_id)
         self.builder = BatchBuilder(self.batch, self.block_manager, page_size,
                                     min_tokens=config.min_token_bucket,

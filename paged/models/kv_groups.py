@@ -74,16 +74,16 @@ def kv_group_layout(model, engine) -> KVGroupLayout | None:
       engine: the ``EngineConfig``.
 
     Raises:
-      ValueError: uneven layer kinds, or a setting the grouped pool does not serve yet (swap
-        preemption, speculative decoding, the host tier, disaggregated replicas).
+      ValueError: uneven layer kinds, or a setting the grouped pool does not serve yet (a
+        draft model, the host tier, disaggregated replicas).
     """
     windows = model.layer_windows
     if engine.kv_layout != "paged" or None not in windows or len(set(windows)) == 1:
         return None
     layout = KVGroupLayout.of(windows)
+    spec = engine.speculative
     refused = {
-        "preemption_mode='swap'": engine.preemption_mode == "swap",
-        "speculative decoding": engine.speculative is not None,
+        "speculative method='draft'": spec is not None and spec.method == "draft",
         "host_kv_cache_bytes > 0": engine.host_kv_cache_bytes > 0,
         "prefill_replicas > 0": engine.prefill_replicas > 0,
     }
