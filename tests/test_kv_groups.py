@@ -221,3 +221,83 @@ def test_grouped_pool_holds_more_sequences_in_the_same_bytes():
     full.generate(prompts, params)
     assert full.kv_stats()["num_preemptions"] > 0
     assert full.kv_stats()["ledger"]["bytes_per_block"] == 2 * ledger["bytes_per_block"]
+
+
+def _snapshot(bm):
+    return (bm.num_free_blocks, bm.num_cached_blocks, bm.num_quarantined_blocks,
+            bm.num_free_host_blocks,
+            {s: (bm.num_tokens(s), bm.num_computed_tokens(s), bm.is_swapped(s)
+                 or tuple(bm.block_table(s))) for s in bm.seq_ids()})
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_operations_keep_every_group_consistent(seed):
+    """Random admission, growth, steps, forks, lookahead / rollback, swaps, evictions and frees on
+    a small pool with a weak hash (every hit goes through full-key verification): the invariant
+    checker (every group against the one pool) runs after every call, and a call that answers
+    None (the pool or the host slots are short) changed nothing."""
+    import random
+
+    rng = random.Random(seed)
+    bm = GroupedBlockManager(14, 4, (None, 4), hash_fn=lambda p, ids, s: ids[0] % 2,
+                             num_host_blocks=10, debug=True)
+    seqs, nxt, inflight = [], 0, []
+    for _ in range(400):
+        op = rng.choice(["alloc", "alloc", "grow", "decode", "step", "step", "fork", "spec",
+                         "swap_out", "swap_in", "free", "evict"])
+        resident = [s for s in seqs if not bm.is_swapped(s)]
+        before = _snapshot(bm)
+        if op == "alloc":
+            base = rng.choice(((0, 1, 0, 1, 2, 0, 1, 0, 2, 2, 1, 0, 1), (0, 1, 0, 1, 1, 1, 0, 0)))
+            got = bm.allocate(nxt, list(base[:rng.randrange(1, len(base) + 1)]))
+            if got is None:
+                assert _snapshot(bm) == before
+            else:
+                seqs.append(nxt)
+            nxt += 1
+        elif op == "grow" and resident:
+            s = rng.choice(resident)
+            if bm.num_tokens(s) < 40 and bm.append_slots(s, [rng.randrange(3)] * 2) is None:
+                assert _snapshot(bm) == before
+        elif op == "decode" and resident:
+            batch = rng.sample(resident, rng.randrange(1, len(resident) + 1))
+            if bm.append_decode_slots(batch, [1] * len(batch)) is None:
+                assert _snapshot(bm) == before
+        elif op == "step":
+            inflight.append(bm.begin_step())
+            if rng.random() < 0.7:
+                bm.step_completed(inflight.pop())
+                for s in resident:
+                    bm.mark_computed(s, bm.num_tokens(s))
+        elif op == "fork" and resident:
+            s = rng.choice(resident)
+            if bm.num_computed_tokens(s) == bm.num_tokens(s):
+                bm.fork(s, nxt)
+                seqs.append(nxt)
+                nxt += 1
+        elif op == "spec" and resident:
+            s = rng.choice(resident)
+            if bm.reserve_lookahead(s, 3, [0, 1, 2]) is None:
+                assert _snapshot(bm) == before
+            else:
+                bm.rollback(s, rng.randrange(4))
+        elif op == "swap_out" and resident:
+            if bm.swap_out(rng.choice(resident)) is None:
+                assert _snapshot(bm) == before
+        elif op == "swap_in":
+            out = [s for s in seqs if bm.is_swapped(s)]
+            if out and bm.swap_in(out[0]) is None:
+                assert _snapshot(bm) == before
+        elif op == "free" and seqs:
+            bm.free(seqs.pop(rng.randrange(len(seqs))))
+        elif op == "evict":
+            bm.evict_cached(1)
+    for step in inflight:
+        bm.step_completed(step)
+    for s in seqs:
+        bm.free(s)
+    bm.step_completed(bm.begin_step())
+    stats = bm.stats()
+    assert stats["allocations"] > 5 and stats["swapped_out_blocks"] > 0 and stats["cow_copies"] > 0
+    assert stats["recycled_blocks"] > 0 and stats["hit_tokens"] > 0, stats
+    assert bm.num_used_blocks == 0 and bm.num_free_host_blocks == 10
