@@ -28,8 +28,9 @@ def test_layout_places_each_kind_in_its_own_group():
     layout = KVGroupLayout.of((None, 32, None, 32))  # tiny-mixed
     assert layout.windows == (None, 32) and layout.num_slots == 2
     assert layout.placement == ((0, 0), (1, 0), (0, 1), (1, 1))
-    with pytest.raises(ValueError, match="same number of layers of each kind.*1 x full, 3 x window 8"):
-        KVGroupLayout.of((None, 8, 8, 8))
+    uneven = KVGroupLayout.of((8, None, 8, 8, None, 8, 8, 8))  # 2 full, 6 sliding: gcd 2
+    assert uneven.windows == (8, 8, 8, None) and uneven.num_slots == 2
+    assert uneven.placement == ((0, 0), (3, 0), (0, 1), (1, 0), (3, 1), (1, 1), (2, 0), (2, 1))
     mixed = LlamaConfig(num_layers=2, sliding_window=16,
                         layer_types=("full_attention", "sliding_attention"))
     assert kv_group_layout(mixed, EngineConfig()).num_groups == 2
@@ -221,6 +222,27 @@ def test_grouped_pool_holds_more_sequences_in_the_same_bytes():
     full.generate(prompts, params)
     assert full.kv_stats()["num_preemptions"] > 0
     assert full.kv_stats()["ledger"]["bytes_per_block"] == 2 * ledger["bytes_per_block"]
+
+
+def test_uneven_kinds_split_into_groups_of_one_size():
+    """A random model with 1 full and 2 sliding layers (W = 8): three groups of one layer; greedy
+    tokens equal the masked contiguous engine's past the window."""
+    from paged.models.registry import init_params
+
+    cfg = LlamaConfig(vocab_size=258, d_model=32, num_layers=3, num_heads=2, num_kv_heads=1,
+                      head_dim=16, ffn_dim=64, sliding_window=8, layer_types=(
+                          "sliding_attention", "full_attention", "sliding_attention"))
+    params = init_params(cfg, seed=1)
+    kw = dict(block_size=8, max_model_len=96, max_num_seqs=4, min_seq_bucket=4,
+              max_num_batched_tokens=32, min_token_bucket=32)
+    prompts = [[1, 5, 9, 200, 7, 7, 3, 40, 41, 42, 43, 44, 45, 46], [1, 2], [1] + [60] * 25]
+    params_s = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    got = Engine(EngineConfig(debug_checks=True, **kw), model_config=cfg, params=params)
+    want = Engine(EngineConfig(kv_layout="contiguous", **kw), model_config=cfg, params=params)
+    assert got.block_manager.windows == (8, 8, None) and got.cache.num_layers == 1
+    assert [o.outputs[0].token_ids for o in got.generate(prompts, params_s)] == [
+        o.outputs[0].token_ids for o in want.generate(prompts, params_s)]
+    assert got.kv_stats()["recycled_blocks"] > 0
 
 
 def _snapshot(bm):

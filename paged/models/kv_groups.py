@@ -9,16 +9,18 @@ of group ``g`` reads and writes slot ``k`` through group ``g``'s table, and a pa
 belongs to exactly one group at a time. A block therefore holds ``L / G`` layers' worth of K/V
 (vLLM's hybrid allocator shares tensors between groups the same way).
 
-The rule here: groups are the distinct windows in order of first appearance; every group must
-have the same number of layers (Qwen2's ``max_window_layers`` split and Gemma-style alternation
-both do when the counts match). Other splits (e.g. 1 full layer and 3 sliding) are refused with
-a ValueError: vLLM would split the bigger kind into several groups of the common size, which is
-not built here.
+The rule here: every group has the same number of layers, ``gcd`` of the kinds' layer counts,
+and each kind is split into as many groups as that takes, kinds in order of first appearance
+(equal counts, e.g. alternating layers: one group per kind; 21 full + 7 sliding layers: three
+full groups and one sliding group of 7; 1 full + 3 sliding: four groups of one layer). Every
+group is a block table per sequence on the host, so many small groups cost host time, never
+correctness.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,24 +46,22 @@ class KVGroupLayout:
 
     @classmethod
     def of(cls, layer_windows: tuple[int | None, ...]) -> KVGroupLayout:
-        """The layout of a model whose layers have these windows.
-
-        Raises:
-          ValueError: the kinds have different numbers of layers.
-        """
-        windows = tuple(dict.fromkeys(layer_windows))
-        counts = [layer_windows.count(w) for w in windows]
-        if len(set(counts)) != 1:
-            kinds = ", ".join(f"{n} x {'full' if w is None else f'window {w}'}"
-                              for w, n in zip(windows, counts))
-            raise ValueError(f"KV-cache groups need the same number of layers of each kind; "
-                             f"this model has {kinds} (layer windows {layer_windows})")
-        seen = dict.fromkeys(windows, 0)
+        """The layout of a model whose layers have these windows: every kind is split into
+        groups of ``gcd`` of the kinds' layer counts (equal counts: one group per kind)."""
+        kinds = tuple(dict.fromkeys(layer_windows))
+        size = math.gcd(*(layer_windows.count(w) for w in kinds))
+        first = {}  # kind -> its first group
+        windows: list[int | None] = []
+        for w in kinds:
+            first[w] = len(windows)
+            windows += [w] * (layer_windows.count(w) // size)
+        seen = dict.fromkeys(kinds, 0)
         placement = []
         for w in layer_windows:
-            placement.append((windows.index(w), seen[w]))
-            seen[w] += 1
-        return cls(windows, tuple(placement))
+            j = seen[w]
+            placement.append((first[w] + j // size, j % size))
+            seen[w] = j + 1
+        return cls(tuple(windows), tuple(placement))
 
 
 def kv_group_layout(model, engine) -> KVGroupLayout | None:
@@ -74,8 +74,8 @@ def kv_group_layout(model, engine) -> KVGroupLayout | None:
       engine: the ``EngineConfig``.
 
     Raises:
-      ValueError: uneven layer kinds, or a setting the grouped pool does not serve yet (a
-        draft model, the host tier, disaggregated replicas).
+      ValueError: a setting the grouped pool does not serve yet (a draft model, the host
+        tier, disaggregated replicas).
     """
     windows = model.layer_windows
     if engine.kv_layout != "paged" or None not in windows or len(set(windows)) == 1:
