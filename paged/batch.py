@@ -41,6 +41,9 @@ class DeviceBatch:
     smp_f: jax.Array  # f32[2, N]: temperature, top_p
     # i32[G, S + 1] shared-prefix groups of a decode-only step (paged.cascade_plan), or None.
     casc: jax.Array | None = None
+    # i32[G - 1, T] slot mappings of KV-cache groups 1 .. G-1 (``page_indices`` then
+    # interleaves the groups' tables, see paged.group_manager), or None: one group.
+    grp: jax.Array | None = None
 
     tokens = property(lambda self: self.tok[0])  # i32[T]
     positions = property(lambda self: self.tok[1])  # i32[T]
@@ -60,7 +63,8 @@ class DeviceBatch:
         s = self.page_indices.shape[0]
         return AttentionMetadata(slot_mapping=self.tok[2], page_indices=self.page_indices,
                                  kv_lens=self.seq[0, :s], cu_q_lens=self.seq[1],
-                                 num_seqs=self.seq[0, s:], cascade=self.casc)
+                                 num_seqs=self.seq[0, s:], cascade=self.casc,
+                                 group_slots=self.grp)
 
 
 @dataclasses.dataclass
@@ -128,6 +132,9 @@ class BatchBuilder:
         self.ib = batch
         self.cascade = cascade  # paged.cascade_plan.CascadePlanner, or None
         self.bm = block_manager
+        # Tables per sequence (KV-cache groups), interleaved in a row; 1 without a manager (a
+        # builder used only for ``empty`` batches).
+        self.num_groups = 1 if block_manager is None else block_manager.num_groups
         self.page_size = page_size
         self.min_tokens = min_tokens
         self.min_seqs = min_seqs
@@ -171,10 +178,13 @@ class BatchBuilder:
                 raise ValueError("cascade=True needs a cascade planner that is not off")
             casc = np.full((self.cascade.num_groups(s_pad), s_pad + 1), -1, np.int32)
             casc[:, 0] = 0  # no prefix tokens, no members: a padding group
+        grp = None
+        if self.num_groups > 1:
+            grp = np.full((self.num_groups - 1, t_pad), NULL_PAGE * self.page_size, np.int32)
         return DeviceBatch(tok=tok,
                            seq=np.zeros((2, s_pad + 1), np.int32),
                            page_indices=np.full((s_pad, self.ib.pages_per_seq), NULL_PAGE, np.int32),
-                           smp=smp, smp_f=smp_f, casc=casc)
+                           smp=smp, smp_f=smp_f, casc=casc, grp=grp)
 
     def build(self, decode_rows: np.ndarray, items, copies: bool, *,
               cascade: bool = True) -> StepBatch:
@@ -192,7 +202,7 @@ class BatchBuilder:
         nd = len(decode_rows)
         nc_d = ib.num_computed[decode_rows]
         stale = np.arange(nd) if copies else np.flatnonzero(
-            ib.num_blocks[decode_rows] != nc_d // page_size + 1)
+            ib.num_blocks[decode_rows] != (nc_d // page_size + 1) * self.num_groups)
         for i in stale.tolist():
             r = int(decode_rows[i])
             ib.refresh(r, self.bm.block_table(ib.ids[r]))
@@ -263,7 +273,11 @@ class BatchBuilder:
         ids = ib.tokens[row_of, pos]
         tok[0, :t] = ids
         tok[1, :t] = pos
-        tok[2, :t] = pages[owner, pos // page_size] * page_size + pos % page_size
+        G = self.num_groups
+        col, offset = pos // page_size * G, pos % page_size
+        tok[2, :t] = pages[owner, col] * page_size + offset
+        for g in range(1, G):  # the other KV-cache groups' slots (their tables interleave)
+            device.grp[g - 1, :t] = pages[owner, col + g] * page_size + offset
         unknown = np.flatnonzero(ids == UNKNOWN)
         fed, fed_rows, fed_pos = [], None, []
         if len(unknown):  # sampled by the step in flight: fed from its output on device

@@ -45,6 +45,7 @@ it in later with ``set_tokens``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from paged.blocks import decode_run
 from paged.blocks.admission import Admission, as_salt
@@ -82,6 +83,21 @@ def _check_args(num_blocks, block_size, quarantine_steps, num_host_blocks, hash_
                          "with block_size <= sliding_window")
 
 
+class SharedParts(NamedTuple):
+    """The parts every KV-cache group of one pool shares: prefix index, block pool, step fence."""
+
+    index: PrefixCacheIndex
+    pool: BlockPool
+    fence: StepFence
+
+    @classmethod
+    def build(cls, num_blocks: int, quarantine_steps: int, num_host_blocks: int,
+              on_free) -> SharedParts:
+        index = PrefixCacheIndex(num_blocks)
+        pool = BlockPool(num_blocks, index, on_free)
+        return cls(index, pool, StepFence(pool, quarantine_steps, num_host_blocks))
+
+
 class BlockManager:
     """Free list, refcounts, prefix cache, copy-on-write, quarantine window and swap accounting.
 
@@ -104,16 +120,21 @@ class BlockManager:
       sliding_window: W when every layer of the model attends through a sliding window of W
         tokens: blocks behind every future query's window are recycled (`paged.blocks.window`).
         At least ``block_size``. None: full attention, nothing recycled.
+      parts: the pool, fence and prefix index to draw from, shared with other managers (one
+        KV-cache group each, `paged.group_manager`); None builds this manager's own.
 
     Raises:
       ValueError: for a bad argument.
     """
 
+    num_groups = 1  # one block table per sequence (KV-cache groups: `paged.group_manager`)
+
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  cache_salt: bytes | str = b"", hash_fn: HashFn | None = None,
                  quarantine_steps: int = 1, num_host_blocks: int = 0, debug: bool = False,
                  on_free: Callable[[list[int]], None] | None = None,
-                 sliding_window: int | None = None, num_host_tier_blocks: int = 0):
+                 sliding_window: int | None = None, num_host_tier_blocks: int = 0,
+                 parts: SharedParts | None = None):
         _check_args(num_blocks, block_size, quarantine_steps, num_host_blocks, hash_fn, on_free,
                     sliding_window)
         if count_arg(num_host_tier_blocks, "num_host_tier_blocks") and sliding_window is not None:
@@ -127,9 +148,9 @@ class BlockManager:
         self.quarantine_steps = quarantine_steps
         self.num_host_blocks = num_host_blocks
         self.debug = debug
-        self._index = PrefixCacheIndex(num_blocks)
-        self._pool = BlockPool(num_blocks, self._index, on_free)
-        self._fence = StepFence(self._pool, quarantine_steps, num_host_blocks)
+        if parts is None:
+            parts = SharedParts.build(num_blocks, quarantine_steps, num_host_blocks, on_free)
+        self._index, self._pool, self._fence = parts.index, parts.pool, parts.fence
         self._keyer = PrefixKeyer(self._index, block_size, hash_fn or sha256_block_hash,
                                   self._pool.version, self._fence,
                                   enabled=self.enable_prefix_caching, debug=debug)
@@ -286,6 +307,12 @@ class BlockManager:
             max_blocks_per_sequence=self._tables.max_blocks(),
             recycled_blocks=0 if self._window is None else self._window.recycled_blocks)
 
+    @property
+    def seq_tables(self) -> SeqTables:
+        """The sequence-tables part (read by the invariant check of KV-cache groups sharing
+        this manager's pool, `paged.group_manager`)."""
+        return self._tables
+
     def take_recycled_seqs(self) -> set:
         """Sequences whose block tables lost leading blocks to the sliding window since the last
         call (a copy of their table held elsewhere is stale); empty without a window."""
@@ -319,6 +346,13 @@ class BlockManager:
         salt = self.cache_salt if cache_salt is None else as_salt(cache_salt)
         return len(self._keyer.match(token_ids, salt, probe)) * self.block_size
 
+    def prefix_hits(self, token_ids: Sequence[int], *,
+                    cache_salt: bytes | str | None = None) -> list[int]:
+        """The blocks admission would serve ``token_ids``'s leading blocks from now (as
+        ``cached_prefix_tokens`` counts them). No side effects."""
+        salt = self.cache_salt if cache_salt is None else as_salt(cache_salt)
+        return [b for b, _ in self._keyer.match(token_ids, salt)]
+
     # --- allocation ------------------------------------------------------------------------
     def can_allocate(self, prompt_token_ids: Sequence[int], *,
                      cache_salt: bytes | str | None = None) -> bool:
@@ -330,7 +364,8 @@ class BlockManager:
         return self._admission.can_allocate(prompt_token_ids, cache_salt)
 
     def allocate(self, seq_id, prompt_token_ids: Sequence[int], *,
-                 cache_salt: bytes | str | None = None) -> int | None:
+                 cache_salt: bytes | str | None = None, max_hit_blocks: int | None = None
+                 ) -> int | None:
         """Creates ``seq_id`` holding the prompt: cached full blocks of its prefix, fresh blocks for
         the rest.
 
@@ -338,6 +373,7 @@ class BlockManager:
           seq_id: a new sequence id (any hashable).
           prompt_token_ids: non-empty token ids.
           cache_salt: overrides the manager's salt for this sequence's keys.
+          max_hit_blocks: serve at most this many leading blocks from the cache (None: all).
 
         Returns:
           Prompt tokens already computed (served from the cache; a multiple of ``block_size``, less
@@ -346,7 +382,7 @@ class BlockManager:
         Raises:
           ValueError: duplicate ``seq_id`` or bad tokens/salt.
         """
-        hit = self._admission.allocate(seq_id, prompt_token_ids, cache_salt)
+        hit = self._admission.allocate(seq_id, prompt_token_ids, cache_salt, max_hit_blocks)
         if hit is not None and self._window is not None:
             self._window.recycle((seq_id,))
         self._end_call()

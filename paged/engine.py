@@ -36,6 +36,7 @@ from paged.host_tier_store import HostTierStore, tier_blocks
 from paged.kv_stats import kv_stats
 from paged.metrics import StepTiming
 from paged.models.config import LlamaConfig, recycling_window
+from paged.models.kv_groups import kv_group_layout
 from paged.models.tokenizer import ByteTokenizer
 from paged.outputs import CompletionOutput, RequestOutput
 from paged.placement import Placement
@@ -117,7 +118,8 @@ class Engine:
                        f"|{config.kv_cache_dtype}|{config.kv_scale_granularity}",
             on_free=self._freed_pages.extend if config.debug_checks else None,
             sliding_window=recycling_window(model_config, config),
-            host_tier_blocks=tier_blocks(config, model_config))
+            host_tier_blocks=tier_blocks(config, model_config),
+            kv_groups=(kv_groups := kv_group_layout(model_config, config)))
         page_size, num_pages, host_blocks = core.page_size, core.num_pages, core.host_blocks
         self._inflight: InFlight | None = None  # the step dispatched and not read back yet
         self.placement = placement = Placement.for_replica(
@@ -125,6 +127,9 @@ class Engine:
         # A multi-process engine's role (paged.multihost): process 0 leads (``leader``), the
         # others follow (``follower``: this process's index).
         self.leader, self.follower = multihost.role(placement, config, core.pages_per_seq)
+        if kv_groups is not None and (self.leader is not None or self.follower is not None):
+            raise ValueError("a model with full and sliding layers (KV-cache groups) is not "
+                             "served across processes yet")
         # May be switched between steps; speculation proposes from the last step's tokens.
         self.async_scheduling = config.async_scheduling and config.speculative is None
         self.speculator = None if config.speculative is None else Speculator(
@@ -132,8 +137,10 @@ class Engine:
             load_draft(config, model_config, num_pages, page_size, host_blocks, placement),
             core.builder)
         core.reader.speculator = self.speculator
+        # With KV-cache groups the leading axis holds each group's L / G layers (tensor slots).
         self.cache = kc.KVCache.create(
-            model_config.num_layers, model_config.num_kv_heads, num_pages, page_size,
+            model_config.num_layers if kv_groups is None else kv_groups.num_slots,
+            model_config.num_kv_heads, num_pages, page_size,
             model_config.head_dim, config.dtype, sharding=placement.kv,
             kv_cache_dtype=config.kv_cache_dtype, scale_granularity=config.kv_scale_granularity)
         self._host_k = self._host_v = None

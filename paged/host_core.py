@@ -27,7 +27,9 @@ from paged.batch import BatchBuilder
 from paged.block_manager import BlockManager
 from paged.cascade_plan import CascadePlanner
 from paged.config import EngineConfig
+from paged.group_manager import GroupedBlockManager
 from paged.input_batch import InputBatch
+from paged.models.kv_groups import KVGroupLayout
 from paged.outputs import RequestOutput, check_outputs, collect_outputs, state_of
 from paged.readback import StepReader
 from paged.request_checks import derive_seed
@@ -48,6 +50,10 @@ class HostCore:
       sliding_window: W when every layer of the model slides (blocks behind the window are
         recycled, `paged.blocks.window`); ignored by the contiguous layout.
       host_tier_blocks: host-tier slots (`paged.blocks.host_tier`; 0: no tier).
+      kv_groups: a model with full and sliding layers served with one block table per kind
+        (`paged.models.kv_groups`, `paged.group_manager.GroupedBlockManager`): the same pool
+        bytes as ``config.pool_geometry()``'s blocks, in ``G`` times as many pages of
+        ``L / G`` layers each (plus the null page); ``sliding_window`` is then ignored.
 
     Attributes:
       page_size, num_pages: the KV pool's geometry (page 0 is the null page).
@@ -60,7 +66,8 @@ class HostCore:
     """
 
     def __init__(self, config: EngineConfig, *, tokenizer, vocab_size: int, model_salt: str,
-                 on_free=None, sliding_window: int | None = None, host_tier_blocks: int = 0):
+                 on_free=None, sliding_window: int | None = None, host_tier_blocks: int = 0,
+                 kv_groups: KVGroupLayout | None = None):
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -70,13 +77,25 @@ class HostCore:
             host_blocks = num_pages if config.num_host_blocks is None else config.num_host_blocks
         self.host_blocks = host_blocks
         self.pages_per_seq = -(-config.max_model_len // page_size)
-        self.block_manager = BlockManager(
-            num_pages, page_size,
-            enable_prefix_caching=config.enable_prefix_caching and config.kv_layout == "paged",
-            cache_salt=model_salt, quarantine_steps=config.quarantine_steps,
-            num_host_blocks=host_blocks, debug=config.debug_checks, on_free=on_free,
-            sliding_window=sliding_window if config.kv_layout == "paged" else None,
-            num_host_tier_blocks=host_tier_blocks)
+        caching = config.enable_prefix_caching and config.kv_layout == "paged"
+        if kv_groups is None:
+            self.block_manager = BlockManager(
+                num_pages, page_size, enable_prefix_caching=caching,
+                cache_salt=model_salt, quarantine_steps=config.quarantine_steps,
+                num_host_blocks=host_blocks, debug=config.debug_checks, on_free=on_free,
+                sliding_window=sliding_window if config.kv_layout == "paged" else None,
+                num_host_tier_blocks=host_tier_blocks)
+        else:  # one table per group, interleaved in a row; pages of L / G layers each
+            G = kv_groups.num_groups
+            self.num_pages = num_pages = G * (num_pages - 1) + 1
+            self.pages_per_seq *= G
+            if host_blocks:  # slots of one page each: G per block of the full-layer pool
+                self.host_blocks = host_blocks = num_pages if config.num_host_blocks is None \
+                    else G * config.num_host_blocks
+            self.block_manager = GroupedBlockManager(
+                num_pages, page_size, kv_groups.windows, enable_prefix_caching=caching,
+                cache_salt=model_salt, quarantine_steps=config.quarantine_steps,
+                num_host_blocks=host_blocks, debug=config.debug_checks, on_free=on_free)
         self.batch = InputBatch(config.max_model_len, self.pages_per_seq, tokenizer.eos_id)
         self.builder = BatchBuilder(self.batch, self.block_manager, page_size,
                                     min_tokens=config.min_token_bucket,

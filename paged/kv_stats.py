@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from paged import accounting
 
 
@@ -14,6 +16,8 @@ def kv_stats(engine, held_for_transfer=()) -> dict:
     spec = accounting.ModelSpec.from_model_config(
         engine.model_config, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
         scale_granularity=config.kv_scale_granularity)
+    # A block holds the cache's layers: all of them, or one KV-cache group's share.
+    spec = dataclasses.replace(spec, num_layers=engine.cache.num_layers)
     ledger = accounting.MemoryLedger.from_blocks(
         spec, engine.page_size, engine.cache.num_pages, used=bm.block_usage(excluding=held),
         transfer=bm.num_blocks_only_in(held),

@@ -71,10 +71,15 @@ class Admission:
         self._memo = (tokens, salt, self.keyer.index.generation, hits)
         return self._fits(len(tokens), hits)[1]
 
-    def allocate(self, seq_id, prompt_token_ids: Sequence[int], cache_salt) -> int | None:
+    def allocate(self, seq_id, prompt_token_ids: Sequence[int], cache_salt,
+                 max_hits: int | None = None) -> int | None:
+        """``max_hits``: use at most this many leading hits (the hit every KV-cache group of
+        the sequence has, `paged.group_manager`); None: all."""
         if seq_id in self.tables.seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         tokens, salt, hits = self._match(prompt_token_ids, cache_salt)
+        if max_hits is not None and len(hits) > max_hits:
+            hits = hits[:max_hits]
         need, fits = self._fits(len(tokens), hits)
         st = self.stats
         if not fits:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from paged.blocks.fence import StepFence
 from paged.blocks.pool import (
     CACHED,
@@ -22,12 +24,19 @@ def fail(msg: str):
 
 
 def check_invariants(pool: BlockPool, fence: StepFence, index: PrefixCacheIndex,
-                     tables: SeqTables) -> None:
-    """Raises AssertionError with a message naming the first violation found."""
-    refs = _check_seqs(pool, index, tables)
+                     tables: SeqTables | Sequence[SeqTables]) -> None:
+    """Raises AssertionError with a message naming the first violation found.
+
+    ``tables``: the sequence tables of the pool, or one per KV-cache group sharing it (a block's
+    refcount then counts the references of every group)."""
+    groups = (tables,) if isinstance(tables, SeqTables) else tuple(tables)
+    refs = [0] * pool.num_blocks
+    for group in groups:
+        for b, r in enumerate(_check_seqs(pool, index, group)):
+            refs[b] += r
     _check_blocks(pool, fence, index, refs)
     index.check(pool.version)
-    _check_host(fence, tables)
+    _check_host(fence, groups)
 
 
 def _check_seqs(pool: BlockPool, index: PrefixCacheIndex, tables: SeqTables) -> list[int]:
@@ -119,13 +128,14 @@ def _check_blocks(pool: BlockPool, fence: StepFence, index: PrefixCacheIndex,
         fail(f"state counts {counts} do not sum to {pool.num_blocks}")
 
 
-def _check_host(fence: StepFence, tables: SeqTables) -> None:
+def _check_host(fence: StepFence, groups: Sequence[SeqTables]) -> None:
     """Host slots are partitioned between the free list, the quarantine and swapped sequences."""
     host = list(fence.host_free) + [h for hs in fence.host_held.values() for h in hs]
     if len(host) != len(fence.host_free) + fence.num_host_held:
         fail("host quarantine count is off")
-    for seq in tables.seqs.values():
-        if seq.host_table is not None:
-            host += seq.host_table
+    for tables in groups:
+        for seq in tables.seqs.values():
+            if seq.host_table is not None:
+                host += seq.host_table
     if sorted(host) != list(range(fence.num_host_blocks)):
         fail(f"host slots are not partitioned: {sorted(host)}")

@@ -39,6 +39,22 @@ class AttentionMetadata:
     # Decode-only steps with shared prefixes (paged.cascade_plan): i32[G, max_num_seqs + 1], row
     # g = (shared tokens, member sequences..., -1 padded); token row i is sequence i's decode.
     cascade: jax.Array | None = None
+    # KV-cache groups (paged.models.kv_groups): i32[G - 1, num_tokens], the slot mappings of
+    # groups 1 .. G-1 (``slot_mapping`` is group 0's); ``page_indices`` then interleaves the
+    # groups' tables, i32[max_num_seqs, G * pages_per_seq] with group g's in columns g::G.
+    # None: one table for every layer.
+    group_slots: jax.Array | None = None
+
+    @property
+    def num_groups(self) -> int:
+        return 1 if self.group_slots is None else self.group_slots.shape[0] + 1
+
+    def for_group(self, g: int) -> AttentionMetadata:
+        """The metadata group ``g``'s layers read: its table and slot mapping alone."""
+        n = self.num_groups
+        return self.replace(
+            slot_mapping=self.slot_mapping if g == 0 else self.group_slots[g - 1],
+            page_indices=self.page_indices[:, g::n], group_slots=None)
 
 
 def build_metadata(

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from paged.models.attention import AttentionMetadata, PagedAttention
 from paged.models.config import LlamaConfig
+from paged.models.kv_groups import KVGroupLayout
 from paged.models.layers import RMSNorm, SwiGLU
 
 
@@ -112,7 +113,8 @@ class Llama(nn.Module):
           positions: each token's position in its sequence.
           k_pages: the stacked key cache; the returned array replaces it (donate it when jitting).
           v_pages: the stacked value cache; likewise.
-          md: the step's metadata, shared by all layers.
+          md: the step's metadata, shared by all layers; with KV-cache groups
+            (``md.group_slots``) each layer reads its group's table and tensor slot.
           logits_indices: rows to compute logits for (e.g. each sequence's last token); all rows
             when None.
           attention_impl: ``impl`` of `pallas_kernels.ragged_paged_attention`
@@ -125,19 +127,28 @@ class Llama(nn.Module):
           ValueError: cache shape does not match the config.
         """
         c = self.config
-        want = (c.num_layers, c.num_kv_heads, c.head_dim)
+        # KV-cache groups: layer i uses tensor slot k of group g's table (paged.models.kv_groups)
+        place = [(0, i) for i in range(c.num_layers)]
+        if md.num_groups > 1:
+            layout = KVGroupLayout.of(c.layer_windows)
+            if layout.num_groups != md.num_groups:
+                raise ValueError(f"the batch has {md.num_groups} KV-cache groups, the model "
+                                 f"{layout.num_groups}")
+            place = layout.placement
+        want = (len(place) // md.num_groups, c.num_kv_heads, c.head_dim)
         got = (k_pages.shape[0], k_pages.shape[1], k_pages.shape[-1])
         if k_pages.ndim != 5 or got != want or v_pages.shape != k_pages.shape:
             raise ValueError(
                 f"k_pages {k_pages.shape} / v_pages {v_pages.shape} must be "
-                f"[num_layers={c.num_layers}, num_kv_heads={c.num_kv_heads}, num_pages, page_size, "
+                f"[num_layers={want[0]} (per KV-cache group), num_kv_heads={c.num_kv_heads}, num_pages, page_size, "
                 f"head_dim={c.head_dim}]"
             )
         x = self._embed(tokens)
-        for i, block in enumerate(self.layers):
+        mds = [md] if md.num_groups == 1 else [md.for_group(g) for g in range(md.num_groups)]
+        for block, (g, slot) in zip(self.layers, place, strict=True):
             # Stacked cache + layer index (not k_pages[i] ... .at[i].set) keeps the update in place.
             x, k_pages, v_pages = block(
-                x, positions, k_pages, v_pages, md, layer=i, attention_impl=attention_impl
+                x, positions, k_pages, v_pages, mds[g], layer=slot, attention_impl=attention_impl
             )
         if logits_indices is not None:
             x = x[logits_indices]
