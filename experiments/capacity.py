@@ -118,8 +118,10 @@ def point_summary(summary: dict) -> dict:
     return {k: v for k, v in summary.items() if not isinstance(v, list)}
 
 
-def sweep_arm(c, name: str, engine_config, workloads: dict, model, replays=None) -> list[dict]:
-    """One arm's points, a new engine each (``replays``: gets each point's replay record)."""
+def sweep_arm(c, name: str, engine_config, workloads: dict, model, replays=None,
+              extra=None) -> list[dict]:
+    """One arm's points, a new engine each (``replays``: gets each point's replay record;
+    ``extra(engine)``: more fields for each point, read from its engine after the run)."""
     points, misses = [], 0
     for rate, workload in workloads.items():
         engine = serving.build_engine(engine_config, model)
@@ -133,7 +135,8 @@ def sweep_arm(c, name: str, engine_config, workloads: dict, model, replays=None)
         points.append({"rate": float(rate), "meets_slo": ok,
                        "summary": point_summary(res.summary),
                        "evidence": workload.evidence, "label": workload.label(),
-                       "derived": workload.meta.get("derived", []), "wall_s": res.wall_s})
+                       "derived": workload.meta.get("derived", []), "wall_s": res.wall_s,
+                       **(extra(engine) if extra else {})})
         s = res.summary
         print(f"  {name:20s} rate {rate:5.2f}/s  p99 TTFT {_f(s.get('p99_ttft_ms'))} ms  p99 TPOT "
               f"{_f(s.get('p99_tpot_ms'))} ms  completed {s['completed']}/{s['num_requests']}  "

@@ -10,11 +10,13 @@ KV bytes (``kv_budget``), each arm's capacity found by ``fleet.capacity`` (brack
   ``max_model_len``. The Azure traces get the same arms through ``trace_arms`` (variant
   ``kv_dtype`` of the config; ``fleet_traces`` prices each arm with its own format).
 * ``window``: ``window_model`` (a model whose every layer slides, e.g. Mistral-7B with
-  ``sliding_window`` 4096) against the same dimensions with full attention, at
-  ``window_max_model_len`` with ``window_duration_s`` of offered load (ShareGPT-like lengths
-  scale with ``max_model_len``, so many requests outgrow the window). With the window the
-  replica recycles blocks behind it (the real ``paged.blocks.window``) and the roofline reads
-  only in-window KV (``paged.sim.batches.step_shape``).
+  ``sliding_window`` 4096; or, with ``window_fractions``, the same dimensions with windows of
+  those fractions of ``window_max_model_len``) against the same dimensions with full attention,
+  at ``window_max_model_len`` with ``window_duration_s`` of offered load: ShareGPT-like lengths
+  scaled with ``max_model_len`` (many requests outgrow the window), or with
+  ``window_output_len`` > 0 long-output ``fixed`` requests. With the window the replica
+  recycles blocks behind it (the real ``paged.blocks.window``) and the roofline reads only
+  in-window KV (``paged.sim.batches.step_shape``).
 * ``cascade``: one arm per ``cascade_modes`` entry (``EngineConfig.cascade_attention``) on the
   multi-tenant workload (``cascade_num_prefixes`` shared prefixes of ``cascade_prefix_len``
   tokens); the roofline reads a chosen group's shared prefix once (``StepShape.kv_shared``).
@@ -31,6 +33,7 @@ from experiments import fleet, plots
 from paged.config import CASCADE_MODES, KV_CACHE_DTYPES
 from paged.sim import RooflineStepModel
 from paged.sim.step_model import MODELS
+from paged.workload import make_workload
 
 WHATIFS = ("kv_dtype", "window", "cascade")
 
@@ -67,11 +70,11 @@ def check(c, base) -> dict:
         if model is None or model.sliding_window is None:
             raise ValueError(f"window_model={c.window_model!r} must be a model whose layers "
                              f"slide: {[n for n, m in MODELS.items() if m.sliding_window]}")
-        w = model.sliding_window
+        over = {"max_model_len": c.window_max_model_len}
         plan["window"] = [(model.name, _arms(c, base, model, [
-            (f"sliding_window={w}", {"max_model_len": c.window_max_model_len}, model),
-            ("full attention", {"max_model_len": c.window_max_model_len},
-             dataclasses.replace(model, sliding_window=None))]))]
+            *((f"sliding_window={w}", over, dataclasses.replace(model, sliding_window=w))
+              for w in window_sizes(c, model, base.block_size)),
+            ("full attention", over, dataclasses.replace(model, sliding_window=None))]))]
     if "cascade" in c.studies:
         bad = [m for m in c.cascade_modes if m not in CASCADE_MODES]
         if bad or not c.cascade_modes:
@@ -84,6 +87,34 @@ def check(c, base) -> dict:
             (f"cascade_attention={m}", {"cascade_attention": m}, None)
             for m in c.cascade_modes])) for name in c.models]
     return plan
+
+
+def window_sizes(c, model, block_size: int) -> list[int]:
+    """The ``window`` study's windows: ``round(f * window_max_model_len)`` per
+    ``window_fractions`` entry (each in (0, 1), each window at least ``block_size``), or the
+    model's own window when ``window_fractions`` is empty."""
+    fracs = tuple(c.window_fractions)
+    if not fracs:
+        return [model.sliding_window]
+    bad = [f for f in fracs if not 0 < f < 1]
+    if bad:
+        raise ValueError(f"window_fractions={fracs}: each must lie in (0, 1); bad {bad}")
+    sizes = [round(f * c.window_max_model_len) for f in fracs]
+    if min(sizes) < block_size or len(set(sizes)) != len(sizes):
+        raise ValueError(f"window_fractions={fracs} of window_max_model_len="
+                         f"{c.window_max_model_len} give windows {sizes}: each must be distinct "
+                         f"and >= block_size={block_size}")
+    return sizes
+
+
+def window_workload(c, num: int, rate: float, max_model_len: int):
+    """The ``window`` study's requests: ``kind``'s lengths scaled to ``max_model_len``, or (with
+    ``window_output_len`` > 0) long-output ``fixed`` requests of ``window_prompt_len`` prompt and
+    ``window_output_len`` output tokens."""
+    if c.window_output_len <= 0:
+        return fleet.plain_workload(c, num, rate, max_model_len)
+    return make_workload("fixed", num, rate, max_model_len=max_model_len, seed=c.seed,
+                         prompt_len=c.window_prompt_len, output_len=c.window_output_len)
 
 
 def _arms(c, base, model, specs) -> list:
@@ -106,7 +137,7 @@ def run(c, study: str, plan, dev) -> dict:
     for name, arms in plan:
         model = MODELS[name]
         if study == "window":
-            run_c, make_wl = fleet.WithChanges(c, duration_s=c.window_duration_s), fleet.plain_workload
+            run_c, make_wl = fleet.WithChanges(c, duration_s=c.window_duration_s), window_workload
         elif study == "cascade":
             run_c = fleet.WithChanges(c, num_prefixes=c.cascade_num_prefixes,
                                 prefix_len=c.cascade_prefix_len)

@@ -26,10 +26,13 @@ after every step:
 * **throughput** of the offline run: output tokens / wall seconds of the run (compilation excluded
   when ``config.warmup``), engine steps.
 
-Not measured here: capacity at a latency SLO (a rate sweep; `experiments.capacity` can serve the
-window models, but takes tens of minutes per arm on a CPU) and a fleet what-if: the cost model in
-`paged.sim` counts KV blocks and page reads as full attention does and models no recycling, so it
-cannot say what a window buys without that being added first.
+Not measured here (offline, no arrival process): capacity at a latency SLO. The same arms at the
+same pool are swept over request rates on the CPU engine by `experiments.sliding_window_capacity`
+(results in ``experiments/results/sliding_window/capacity/``), and the fleet what-if for a
+Mistral-7B-shaped model on a simulated H200 (`paged.sim` recycles blocks behind the window with the
+real `paged.blocks.window` and its roofline reads only in-window KV) is the fleet study's
+``window`` and ``window_fractions`` variants (`experiments/fleet_whatifs.py`; results in
+``experiments/results/sliding_window_fleet/``).
 
 Writes ``sliding_window.json`` (per arm: the summary and the per-step trace) and
 ``sliding_window.png`` (blocks per running sequence and running sequences against the step).
@@ -196,8 +199,9 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
                                  "run any (median_running_seqs: their median)",
             "throughput_tok_s": "output tokens / wall seconds of the offline run (all requests "
                                 "at t = 0; compilation excluded when config.warmup)"},
-        "not_measured": "capacity at a latency SLO; fleet what-if (paged.sim models no "
-                        "recycling and counts every page of the context as read)",
+        "not_measured": "capacity at a latency SLO (experiments.sliding_window_capacity) and "
+                        "the fleet what-if (experiments.fleet, variants window and "
+                        "window_fractions): other studies",
         "arms": rows, "load_avg": os.getloadavg(), "provenance": common.provenance()}
     path = common.write_json(out_dir / "sliding_window.json", payload)
     if c.plots:

@@ -302,7 +302,8 @@ def test_disaggregation_smoke(tmp_path):
     assert (tmp_path / "attainment_conv_4gpu.png").stat().st_size > 0
     assert (tmp_path / "goodput_per_gpu.png").stat().st_size > 0
 
-@pytest.mark.parametrize("variant", ["kv_dtype_smoke", "window_smoke", "cascade_smoke"])
+@pytest.mark.parametrize("variant", ["kv_dtype_smoke", "window_smoke", "window_fractions_smoke",
+                                     "cascade_smoke"])
 def test_fleet_kv_whatifs_smoke(tmp_path, variant):
     """The fleet study's KV what-ifs (experiments/fleet_whatifs.py): every arm has a capacity
     row, its pool sized from one byte budget in its own format, its roofline in that format."""
@@ -315,7 +316,7 @@ def test_fleet_kv_whatifs_smoke(tmp_path, variant):
     fleet.main(c, fleet.check(c))
     payload = json.loads((tmp_path / "fleet.json").read_text())
     assert payload["evidence"] == "simulated" and payload["provenance"]["git_revision"]
-    study = variant.removesuffix("_smoke")
+    study = variant.removesuffix("_smoke").removesuffix("_fractions")
     [(name, rows)] = [(n, r[study]) for n, r in payload["results"].items() if study in r]
     model = MODELS[name]
     for row in rows:
@@ -331,7 +332,16 @@ def test_fleet_kv_whatifs_smoke(tmp_path, variant):
         arms = payload["traces"]["conv"]["arms"]
         assert [a["step_model"]["model"]["kv_cache_dtype"] for a in arms] == [
             "auto", "fp8_e4m3", "int8"]
-    if study == "window":
+    if variant == "window_fractions_smoke":  # windows of 1/8, 1/4, 1/2 of 1,024, then full
+        windows = [r["step_model"]["model"]["sliding_window"] for r in rows]
+        assert windows == [128, 256, 512, None]
+        held = [r["at_capacity"]["max_blocks_per_sequence"] for r in rows]
+        assert held[:3] == sorted(held[:3]) and held[-1] == (64 + 896) // 16
+        for w, h in zip(windows[:3], held):
+            assert h <= w // 16 + 1
+        assert all(r["at_capacity"]["recycled_blocks"] > 0 for r in rows[:3])
+        assert rows[-1]["at_capacity"]["recycled_blocks"] == 0
+    elif study == "window":
         win, full = rows
         assert win["step_model"]["model"]["sliding_window"] == 4096
         assert full["step_model"]["model"]["sliding_window"] is None
@@ -340,6 +350,26 @@ def test_fleet_kv_whatifs_smoke(tmp_path, variant):
     if study == "cascade":
         by = {r["engine"]["cascade_attention"]: r["at_capacity"] for r in rows}
         assert by["off"]["cascade_steps"] == 0 < by["on"]["cascade_steps"]
+
+
+def test_sliding_window_capacity_smoke(tmp_path):
+    """Full attention and one window at the same pool, each swept over two rates on the CPU
+    engine: a capacity per arm, recycling only in the window arm, the ratio over full."""
+    _run("experiments.sliding_window_capacity",
+         "--config=experiments/configs/sliding_window_capacity.py:smoke",
+         f"--config.output_dir={tmp_path}")
+    payload = json.loads((tmp_path / "capacity.json").read_text())
+    assert payload["evidence"] == "constructed" and payload["provenance"]["git_revision"]
+    full, win = payload["arms"]
+    assert (full["sliding_window"], win["sliding_window"]) == (None, 8)  # 0.25 x 32
+    for arm in (full, win):
+        assert [p["rate"] for p in arm["points"]] == [2.0, 4.0]
+        assert arm["capacity_rps"] == 4.0  # the smoke's SLO is loose: both rates meet it
+    for p in win["points"]:
+        assert p["kv"]["recycled_blocks"] > 0 and p["kv"]["recycled_bytes"] > 0
+        assert p["kv"]["max_blocks_per_sequence"] <= 8 // 4 + 1 + 1  # + 1: async stepping
+    assert all(p["kv"]["recycled_blocks"] == 0 for p in full["points"])
+    assert payload["capacity_over_full"] == {win["name"]: 1.0}
 
 
 def test_disagg_engine_smoke(tmp_path):

@@ -40,12 +40,15 @@ what the test runs)::
 KV what-ifs (``experiments/fleet_whatifs.py``; each arm's pool from the same KV bytes,
 ``whatif_kv_gb`` or one H200's HBM after the weights): variants ``kv_dtype`` (Llama-3-8B per
 ``kv_dtypes``, constructed and the Azure traces), ``window`` (``window_model`` Mistral-7B with its
-4,096-token window against full attention), ``cascade`` (``cascade_modes`` on shared system
+4,096-token window against full attention), ``window_fractions`` (Mistral-7B dimensions with
+windows of 1/8, 1/4, 1/2 of ``window_max_model_len`` against full attention, on long outputs),
+``cascade`` (``cascade_modes`` on shared system
 prompts), each with a ``_smoke`` form::
 
     python -m experiments.fleet --config=experiments/configs/fleet.py:kv_dtype \
         --config.trace_window="(1200.0, 1800.0)"
     python -m experiments.fleet --config=experiments/configs/fleet.py:window
+    python -m experiments.fleet --config=experiments/configs/fleet.py:window_fractions
     python -m experiments.fleet --config=experiments/configs/fleet.py:cascade
 """
 
@@ -118,6 +121,9 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.window_model = "Mistral-7B"  # ``window``: its sliding window against full attention
     c.window_max_model_len = 16384  # ShareGPT-like lengths scale with it (many pass the window)
     c.window_duration_s = 120.0  # offered load per point (long outputs need a longer run)
+    c.window_fractions = ()  # () = the model's own window; else windows f * window_max_model_len
+    c.window_prompt_len = 1024  # with window_output_len > 0: long-output fixed-length requests
+    c.window_output_len = 0  # 0 = ShareGPT-like lengths (``kind``) scaled to window_max_model_len
     c.cascade_modes = ("off", "auto", "on")  # ``cascade``: one arm per cascade_attention
     c.cascade_num_prefixes = 4  # tenants sharing a long system prompt each
     c.cascade_prefix_len = 1024
@@ -177,6 +183,26 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
             c.max_requests = 12
             c.bisect_steps = 0
             c.rate_lo, c.rate_hi = 1.0, 2.0
+    elif arg in ("window_fractions", "window_fractions_smoke"):
+        # Full attention against windows of 1/8, 1/4, 1/2 of max_model_len on long outputs
+        # (every request a 1,024-token prompt and a 7,168-token output: 8,192 tokens each).
+        c.studies = ("window",)
+        c.window_fractions = (0.125, 0.25, 0.5)
+        c.window_max_model_len = 8192
+        c.window_prompt_len, c.window_output_len = 1024, 7168
+        # A 7,168-token output at ~30 ms per token lives ~215 s: offer load for longer than
+        # that, so that a point reaches a steady state rather than a burst the pool absorbs.
+        c.window_duration_s = 360.0
+        c.max_time_factor = 2.5
+        c.rate_lo, c.rate_hi = 0.5, 2.0
+        if arg == "window_fractions_smoke":
+            c.window_max_model_len = 1024
+            c.window_prompt_len, c.window_output_len = 64, 896
+            c.window_duration_s = 4.0
+            c.max_requests = 8
+            c.bisect_steps = 0
+            c.rate_lo, c.rate_hi = 1.0, 2.0
+            c.plots = False
     elif arg in ("cascade", "cascade_smoke"):
         c.studies = ("cascade",)
         c.models = ("Llama-3-8B",)
@@ -185,5 +211,6 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
             c.cascade_prefix_len = 256
     elif arg != "default":
         raise ValueError(f"unknown variant {arg!r}; known: default, smoke, traces, traces_smoke, "
-                         "kv_dtype, kv_dtype_smoke, window, window_smoke, cascade, cascade_smoke")
+                         "kv_dtype, kv_dtype_smoke, window, window_smoke, window_fractions, "
+                         "window_fractions_smoke, cascade, cascade_smoke")
     return c
