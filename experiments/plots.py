@@ -30,9 +30,6 @@ def save(fig, path: Path, *, dpi: int = 110) -> Path:
     return path
 
 
-_plt = pyplot  # the old private name, for callers not yet moved
-
-
 def latency_cdfs(arms, path: Path) -> Path:
     """One panel per metric (TTFT, TPOT, E2E), one line per arm, finished requests only."""
     plt = pyplot()
