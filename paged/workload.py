@@ -52,7 +52,7 @@ import dataclasses
 import datetime
 import json
 import pathlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -77,8 +77,14 @@ from paged.distributions import (  # noqa: F401  (part of this module's interfac
     sharegpt_like_lengths,
     synthetic_prompt,
 )
+from paged.evidence import (  # noqa: F401  (part of this module's interface)
+    EVIDENCE,
+    check_evidence,
+    check_same_evidence,
+    derivation_label,
+    entry_args,
+)
 
-EVIDENCE = ("real", "constructed", "simulated")
 BOS_ID = 256  # ByteTokenizer.bos_id; not imported so this module stays free of JAX.
 KINDS = ("sharegpt", "alpaca", "fixed")
 
@@ -88,14 +94,6 @@ AZURE_TRACE_DIR, AZURE_TRACES, AZURE_ATTRIBUTION = (
 
 _REQUEST_KEYS = frozenset({"request_id", "arrival_s", "prompt", "prompt_token_ids", "prompt_len",
                            "output_len", "n", "shared_prefix_len"})
-
-
-# --- validation helpers ----------------------------------------------------------------------
-def check_evidence(evidence: Any) -> str:
-    """Returns ``evidence`` if it is a valid label; raises ValueError otherwise."""
-    if evidence not in EVIDENCE:
-        raise ValueError(f"evidence={evidence!r} must be one of {EVIDENCE}")
-    return evidence
 
 
 # --- requests and workloads ------------------------------------------------------------------
@@ -295,7 +293,7 @@ class Workload:
     # --- derivations: each keeps ``evidence`` and appends one entry to meta["derived"] --------
     def _derive(self, requests, entry: dict, **meta) -> Workload:
         if not requests:
-            raise ValueError(f"{entry['name']} {_entry_args(entry)} leaves no requests of "
+            raise ValueError(f"{entry['name']} {entry_args(entry)} leaves no requests of "
                              f"workload {self.name!r} ({len(self)} requests over "
                              f"{self.duration_s:.1f} s)")
         new_meta = {**self.meta, **meta, "derived": [*self.meta.get("derived", []), entry]}
@@ -459,70 +457,6 @@ def _length_stats(name: str, x: np.ndarray) -> dict[str, float]:
 def byte_token_len(text: str) -> int:
     """Tokens of ``text`` under the bundled byte tokenizer: UTF-8 bytes plus BOS."""
     return len(text.encode("utf-8")) + 1
-
-
-def check_same_evidence(workloads: Iterable[Any], *, swept: Sequence[str] = ()) -> str:
-    """Returns the one evidence label of ``workloads`` (Workloads, or dicts with ``"evidence"``
-    and optionally ``"derived"`` or ``"meta": {"derived": ...}``).
-
-    Args:
-      workloads: the workloads (or their summaries) one comparison puts side by side.
-      swept: derivation names whose arguments may differ (the variable a sweep moves, e.g.
-        ``("time_scale",)`` in a capacity search); their place in the order must still agree.
-
-    Raises:
-      ValueError (one line): no workloads, a missing or invalid label, mixed labels (real with
-        constructed, ...), or different derivations (a real trace next to a window of it, two
-        different windows, ...).
-    """
-    labels, derivations = {}, {}
-    for i, w in enumerate(workloads):
-        if isinstance(w, Mapping):
-            label, name = w.get("evidence"), w.get("name", i)
-            derived = w.get("derived", (w.get("meta") or {}).get("derived", []))
-        else:
-            label, name = getattr(w, "evidence", None), getattr(w, "name", i)
-            derived = (getattr(w, "meta", None) or {}).get("derived", [])
-        labels.setdefault(check_evidence(label), []).append(name)
-        key = json.dumps([{"name": d.get("name")} if d.get("name") in swept else d
-                          for d in derived or []], sort_keys=True)
-        derivations.setdefault(key, []).append(name)
-    if not labels:
-        raise ValueError("no workloads to check")
-    if len(labels) > 1:
-        raise ValueError(f"a study must not mix evidence labels: {labels}")
-    if len(derivations) > 1:
-        shown = {", ".join(derivation_label(d) for d in json.loads(k)) or "none": v
-                 for k, v in derivations.items()}
-        raise ValueError(f"a study must not compare workloads of different derivations: {shown}")
-    return next(iter(labels))
-
-
-def derivation_label(entry: Mapping) -> str:
-    """One ``meta["derived"]`` entry as the label prints it, e.g. ``time_scale 0.25``."""
-    name = entry.get("name")
-    if name == "time_scale":
-        return f"time_scale {entry.get('factor', '?'):g}" if "factor" in entry else "time_scale"
-    if name == "window":
-        return f"window {entry.get('clock') or _span(entry)}"
-    if name == "clip_lengths":
-        return f"lengths clipped to {entry.get('max_model_len')}"
-    if name == "scale_lengths":
-        return f"lengths x{entry.get('factor', '?'):g}" if "factor" in entry else "lengths scaled"
-    if name == "subsample":
-        return f"subsample {entry.get('fraction', '?'):g} seed {entry.get('seed')}" \
-            if "fraction" in entry else "subsample"
-    if name == "shared_system_prompt":
-        return f"shared system prompt {entry.get('tokens')} tokens (assumption)"
-    return f"{name} {_entry_args(entry)}".strip()
-
-
-def _span(entry: Mapping) -> str:
-    return f"{entry.get('start_s', 0):g}-{entry.get('end_s', 0):g} s"
-
-
-def _entry_args(entry: Mapping) -> str:
-    return " ".join(f"{k}={v}" for k, v in entry.items() if k != "name")
 
 
 def _at(r: RequestSpec, arrival_s: float) -> RequestSpec:
