@@ -46,6 +46,20 @@ class CompletionOutput:
         return self._ids[self._start:self._end]
 
     @property
+    def num_token_ids(self) -> int:
+        """``len(token_ids)`` without copying them."""
+        return self._end - self._start
+
+    def token_ids_from(self, k: int) -> list[int]:
+        """``token_ids[k:]``, copying only those: a streaming consumer's per-step delta (it
+        keeps the count it has seen; the whole list is never copied again)."""
+        return self._ids[self._start + k:self._end]
+
+    def logprobs_from(self, k: int) -> list[dict[int, float]] | None:
+        """``logprobs[k:]`` (``None`` when not asked for), copying only those."""
+        return None if self._lps is None else self._lps[k:self._end - self._start]
+
+    @property
     def text(self) -> str:
         if self._text is None:
             self._text = self._decode(self.token_ids)
@@ -138,6 +152,32 @@ class RequestOutput:
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, finished={self.finished}, "
                 f"outputs={self.outputs})")
+
+
+class OutputDeltas:
+    """Turns a request's cumulative outputs into per-step deltas for one consumer (the server's
+    streams, the engine-core wire): it remembers, per request and sample, how many tokens it has
+    handed out, and copies only the new ones (``CompletionOutput.token_ids_from``), so a stream
+    of n tokens costs O(n) in all instead of O(n) per step."""
+
+    def __init__(self):
+        self._sent: dict[str, dict[int, int]] = {}  # request id -> sample index -> tokens handed
+
+    def take(self, out, logprobs: bool = True) -> list[tuple]:
+        """Per sample of ``out`` (a ``RequestOutput`` or the core client's ``RemoteOutput``):
+        (sample, new token ids, new log-probabilities or ``None``). Forgets a finished request."""
+        sent = self._sent.setdefault(out.request_id, {})
+        got = []
+        for o in out.outputs:
+            k = sent.get(o.index, 0)
+            sent[o.index] = o.num_token_ids
+            got.append((o, o.token_ids_from(k), o.logprobs_from(k) if logprobs else None))
+        if out.finished:
+            del self._sent[out.request_id]
+        return got
+
+    def forget(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
 
 
 def state_of(seqs: list[Sequence], finished: bool, finish_time: float | None,

@@ -367,12 +367,15 @@ class _Job:
             return [], item[2]
         _, tag, outs, finished, _info = item
         touched = []
-        for idx, ids, reason, lps, stop_text in outs:
+        for idx, new_ids, reason, new_lps, stop_text in outs:
             c = self.choices[tag * self.n + idx]
             if not c.done:
-                c.update(ids, reason, stop_text)
-                c.lps = lps
-                c.token_ids = ids
+                c.token_ids += new_ids  # the loop hands out deltas
+                if new_lps is not None:
+                    if c.lps is None:
+                        c.lps = []
+                    c.lps.extend(new_lps)
+                c.update(c.token_ids, reason, stop_text)
                 touched.append(c)
         if finished:
             self.open.discard(tag)

@@ -40,17 +40,55 @@ _ids = itertools.count()
 
 
 class RemoteCompletion:
-    """One sample of a `RemoteOutput` (cumulative, as `paged.outputs.CompletionOutput`)."""
+    """One sample of a `RemoteOutput` (cumulative, as `paged.outputs.CompletionOutput`).
 
-    __slots__ = ("index", "token_ids", "finish_reason", "logprobs", "stop_reason", "text")
+    Its token ids and log-probabilities live in append-only lists that the sample's later
+    snapshots share; each snapshot reads them up to its own count, so taking one copies nothing.
+    """
 
-    def __init__(self, index: int):
+    __slots__ = ("index", "finish_reason", "stop_reason", "text", "_ids", "_lps", "_end")
+
+    def __init__(self, index: int, ids: list[int] | None = None, lps: list | None = None,
+                 end: int = 0):
         self.index = index
-        self.token_ids: list[int] = []
         self.finish_reason = None
-        self.logprobs: list | None = None
         self.stop_reason = None
         self.text = None
+        self._ids: list[int] = [] if ids is None else ids
+        self._lps = lps
+        self._end = end
+
+    def extend(self, new_ids: list[int], new_lps: list | None) -> None:
+        self._ids.extend(new_ids)
+        if new_lps is not None:
+            if self._lps is None:
+                self._lps = []
+            self._lps.extend(new_lps)
+        self._end = len(self._ids)
+
+    def copy(self) -> RemoteCompletion:
+        """A snapshot: later ``extend`` calls do not change what it reads."""
+        c = RemoteCompletion(self.index, self._ids, self._lps, self._end)
+        c.finish_reason, c.stop_reason, c.text = self.finish_reason, self.stop_reason, self.text
+        return c
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._ids[:self._end]
+
+    @property
+    def logprobs(self) -> list | None:
+        return None if self._lps is None else self._lps[:self._end]
+
+    @property
+    def num_token_ids(self) -> int:
+        return self._end
+
+    def token_ids_from(self, k: int) -> list[int]:
+        return self._ids[k:self._end]
+
+    def logprobs_from(self, k: int) -> list | None:
+        return None if self._lps is None else self._lps[k:self._end]
 
 
 class RemoteOutput:
@@ -77,9 +115,7 @@ class RemoteOutput:
             s = self._samples.get(index)
             if s is None:
                 s = self._samples[index] = RemoteCompletion(index)
-            s.token_ids = s.token_ids + new_ids  # a new list: earlier snapshots stay as they were
-            if new_lps is not None:
-                s.logprobs = (s.logprobs or []) + new_lps
+            s.extend(new_ids, new_lps)  # earlier snapshots read only up to their own count
             s.finish_reason, s.stop_reason, s.text = reason, stop_reason, text
 
     @property
@@ -95,10 +131,7 @@ class RemoteOutput:
         c = RemoteOutput(self.request_id, self.prompt_token_ids)
         for name in RemoteOutput.__slots__[2:-1]:
             setattr(c, name, getattr(self, name))
-        for i, s in self._samples.items():
-            t = c._samples[i] = RemoteCompletion(i)
-            t.token_ids, t.finish_reason, t.logprobs = s.token_ids, s.finish_reason, s.logprobs
-            t.stop_reason, t.text = s.stop_reason, s.text
+        c._samples = {i: s.copy() for i, s in self._samples.items()}
         return c
 
 

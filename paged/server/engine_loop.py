@@ -8,9 +8,11 @@ on the condition when idle. After each step it hands every stream its new output
 ``loop.call_soon_threadsafe`` per step (not one per request), and updates the metrics.
 
 What a stream's asyncio queue receives (`Item`): ``("out", tag, choices, finished, info)`` with
-``choices`` a list of ``(sample index, token ids so far, finish reason, log-probabilities so far
-or None, the text cut at the stop string when one ended the sample or None)`` and ``info``
-(prompt tokens, cached tokens) on the first and last items; or ``("error", tag, ApiError)``.
+``choices`` a list of ``(sample index, the token ids new since the stream's previous item,
+finish reason, those tokens' log-probabilities or None, the text cut at the stop string when one
+ended the sample or None)`` (deltas, so a stream of n tokens copies O(n) ids in all, not per
+step; the stream appends them) and ``info`` (prompt tokens, cached tokens) on the last item; or
+``("error", tag, ApiError)``.
 
 Back-pressure: at most ``max_waiting`` requests wait (accepted by the server but not running:
 commands not applied yet plus the engine's waiting queue); `submit` refuses more with a 503
@@ -27,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from paged.outputs import OutputDeltas
 from paged.server.metrics import ServerMetrics
 from paged.server.protocol import ApiError
 
@@ -76,6 +79,7 @@ class EngineLoop:
         self._stopping = False
         self.error: BaseException | None = None  # set if the engine raised; the loop then stops
         self._live: dict[str, tuple[Stream, int]] = {}  # loop thread only
+        self._deltas = OutputDeltas()  # what each live request's stream was handed (loop thread)
         self._thread = threading.Thread(target=self._run, name="paged-engine-loop", daemon=True)
         self.num_steps = 0
 
@@ -188,6 +192,7 @@ class EngineLoop:
         kind, arg = cmd
         if kind == "abort":
             for rid in arg:
+                self._deltas.forget(rid)
                 if self._live.pop(rid, None) is not None and self.engine.abort(rid):
                     self.metrics.aborted.inc()
             return
@@ -217,9 +222,9 @@ class EngineLoop:
             if entry is None:
                 continue  # aborted by its client
             stream, tag = entry
-            lp = stream.logprobs
-            choices = [(o.index, o.token_ids, o.finish_reason, o.logprobs if lp else None,
-                        o.text if isinstance(o.stop_reason, str) else None) for o in out.outputs]
+            choices = [(o.index, ids, o.finish_reason, lps,
+                        o.text if isinstance(o.stop_reason, str) else None)
+                       for o, ids, lps in self._deltas.take(out, stream.logprobs)]
             finished = out.finished
             info = None
             if finished:
@@ -237,6 +242,7 @@ class EngineLoop:
     def _fail_all(self, err: ApiError) -> None:
         streams = {id(s): s for s, _ in self._live.values()}
         self._live.clear()
+        self._deltas = OutputDeltas()
         for s in streams.values():
             try:
                 s.loop.call_soon_threadsafe(s.queue.put_nowait, ("error", 0, err))

@@ -30,6 +30,7 @@ import dataclasses
 
 import msgpack
 
+from paged.outputs import OutputDeltas
 from paged.sampling import SamplingParams
 
 STAT_KEYS = ("num_running", "num_waiting", "num_blocks", "num_used_blocks",
@@ -65,26 +66,15 @@ class DeltaEncoder:
     """The core's side: encodes `RequestOutput`s as deltas against what it already sent."""
 
     def __init__(self):
-        self._sent: dict[str, dict[int, int]] = {}  # request id -> sample index -> tokens sent
+        self._deltas = OutputDeltas()
 
     def encode(self, out) -> list:
-        rid = out.request_id
-        sent = self._sent.setdefault(rid, {})
-        samples = []
-        for o in out.outputs:
-            ids = o.token_ids
-            k = sent.get(o.index, 0)
-            sent[o.index] = len(ids)
-            lps = o.logprobs
-            stop = o.stop_reason
-            samples.append([o.index, ids[k:], o.finish_reason,
-                            None if lps is None else lps[k:], stop,
-                            o.text if isinstance(stop, str) else None])
-        if out.finished:
-            del self._sent[rid]
-        return [rid, out.finished, out.finish_reason, out.finish_time, out.arrival_time,
+        samples = [[o.index, ids, o.finish_reason, lps, o.stop_reason,
+                    o.text if isinstance(o.stop_reason, str) else None]
+                   for o, ids, lps in self._deltas.take(out)]
+        return [out.request_id, out.finished, out.finish_reason, out.finish_time, out.arrival_time,
                 out.first_token_time, out.num_cached_tokens, out.num_preemptions,
                 out.num_host_cached_tokens, samples]
 
     def forget(self, request_id: str) -> None:
-        self._sent.pop(request_id, None)
+        self._deltas.forget(request_id)
