@@ -34,6 +34,7 @@ one object per request: ``arrival_s``, ``output_len``, one of ``prompt`` (text; 
 ``shared_prefix_len``. Unknown keys are errors, so a typo cannot fall back to a default. A file with
 no header must be given its label by the caller (``evidence=``): a trace never defaults to
 ``"real"``, so a hand-written or generated file cannot pass for recorded traffic.
+`RequestSpec` and the line parsers live in `paged.request_spec` (re-exported here).
 
 Real traces: `load_azure_trace` reads the Azure LLM inference traces 2023 (``"code"``, ``"conv"``;
 ``experiments/traces/azure-llm-2023/``) as ``evidence="real"``: arrivals relative to the first
@@ -47,7 +48,6 @@ and `check_same_evidence` refuses to compare workloads whose derivations differ.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import datetime
 import json
@@ -84,96 +84,26 @@ from paged.evidence import (  # noqa: F401  (part of this module's interface)
     derivation_label,
     entry_args,
 )
+from paged.request_spec import (  # noqa: F401  (part of this module's interface)
+    BOS_ID,
+    RequestSpec,
+    at_arrival,
+    byte_token_len,
+    parse_header,
+    parse_json_line,
+    parse_request,
+    with_lengths,
+)
 
-BOS_ID = 256  # ByteTokenizer.bos_id; not imported so this module stays free of JAX.
 KINDS = ("sharegpt", "alpaca", "fixed")
 
 # The Azure LLM inference traces 2023, shipped in the repository (README there: fields, licence).
 AZURE_TRACE_DIR, AZURE_TRACES, AZURE_ATTRIBUTION = (
     azure_trace.TRACE_DIR, azure_trace.TRACES, azure_trace.ATTRIBUTION)
 
-_REQUEST_KEYS = frozenset({"request_id", "arrival_s", "prompt", "prompt_token_ids", "prompt_len",
-                           "output_len", "n", "shared_prefix_len"})
 
 
-# --- requests and workloads ------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class RequestSpec:
-    """One request of a workload.
-
-    Attributes:
-      request_id: unique within the workload.
-      arrival_s: arrival time in seconds from the start of the run.
-      prompt_token_ids: the prompt as token ids, or None.
-      prompt: the prompt as text, or None (at most one of the two is set; neither for a
-        length-only trace, see `Workload.with_synthetic_prompts`).
-      prompt_len: prompt tokens, BOS included.
-      output_len: tokens to generate (``max_tokens`` with EOS ignored).
-      n: parallel samples of this prompt.
-      shared_prefix_len: leading prompt tokens identical across the workload by construction.
-    """
-
-    request_id: str
-    arrival_s: float
-    prompt_token_ids: tuple[int, ...] | None
-    prompt: str | None
-    prompt_len: int
-    output_len: int
-    n: int = 1
-    shared_prefix_len: int = 0
-
-    def __post_init__(self):
-        validate.string("request_id", self.request_id)
-        object.__setattr__(self, "arrival_s", validate.real("arrival_s", self.arrival_s, minimum=0))
-        validate.integer("prompt_len", self.prompt_len, minimum=1)
-        validate.integer("output_len", self.output_len, minimum=1)
-        validate.integer("n", self.n, minimum=1)
-        validate.integer("shared_prefix_len", self.shared_prefix_len, minimum=0)
-        if self.shared_prefix_len > self.prompt_len:
-            raise ValueError(f"shared_prefix_len={self.shared_prefix_len} > "
-                             f"prompt_len={self.prompt_len}")
-        if self.prompt is not None and self.prompt_token_ids is not None:
-            raise ValueError(f"request {self.request_id!r}: both prompt and prompt_token_ids")
-        if self.prompt is not None:
-            self._check_text()
-        if self.prompt_token_ids is not None:
-            self._check_ids()
-
-    def _check_text(self):
-        if not isinstance(self.prompt, str) or not self.prompt:
-            raise TypeError(f"prompt={self.prompt!r:.80} must be a non-empty str")
-        if byte_token_len(self.prompt) != self.prompt_len:
-            raise ValueError(f"request {self.request_id!r}: prompt_len={self.prompt_len} but the "
-                             f"prompt is {byte_token_len(self.prompt)} byte tokens (BOS included)")
-
-    def _check_ids(self):
-        ids = tuple(validate.token_ids("prompt_token_ids", self.prompt_token_ids))
-        if len(ids) != self.prompt_len:
-            raise ValueError(f"request {self.request_id!r}: prompt_len={self.prompt_len} but "
-                             f"{len(ids)} prompt_token_ids")
-        object.__setattr__(self, "prompt_token_ids", ids)
-
-    def engine_prompt(self) -> str | list[int]:
-        """The prompt as `Engine.add_request` takes it (text, or a list of token ids).
-
-        Raises:
-          ValueError: the request only has a length (call `Workload.with_synthetic_prompts`).
-        """
-        if self.prompt_token_ids is not None:
-            return list(self.prompt_token_ids)
-        if self.prompt is not None:
-            return self.prompt
-        raise ValueError(f"request {self.request_id!r} has only prompt_len={self.prompt_len}; "
-                         "call Workload.with_synthetic_prompts(seed) first")
-
-    def to_json(self) -> dict[str, Any]:
-        """The request as one JSONL object (None fields left out)."""
-        out = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
-        if self.prompt_token_ids is not None:
-            out["prompt_token_ids"] = list(self.prompt_token_ids)
-        return out
-
-
+# --- workloads -------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """An immutable, labelled list of requests sorted by arrival.
@@ -312,7 +242,7 @@ class Workload:
           ValueError / TypeError: ``factor`` not a finite number > 0.
         """
         factor = validate.real("factor", factor, minimum=0, exclusive=True)
-        reqs = [_at(r, r.arrival_s * factor) for r in self.requests]
+        reqs = [at_arrival(r, r.arrival_s * factor) for r in self.requests]
         offset, f = self._time_base()
         return self._derive(reqs, {"name": "time_scale", "factor": factor},
                             time_base={"offset_s": offset, "factor": f * factor})
@@ -327,7 +257,7 @@ class Workload:
         end = validate.real("end_s", end_s)
         if not end > start:
             raise ValueError(f"window end_s={end_s!r} must be > start_s={start_s!r}")
-        reqs = [_at(r, r.arrival_s - start) for r in self.requests if start <= r.arrival_s < end]
+        reqs = [at_arrival(r, r.arrival_s - start) for r in self.requests if start <= r.arrival_s < end]
         offset, f = self._time_base()
         entry = {"name": "window", "start_s": start, "end_s": end}
         t0 = self.meta.get("start_timestamp")
@@ -368,7 +298,7 @@ class Workload:
                 clipped += 1
                 p = min(cap - 1, max(1, (p * cap) // (p + o)))
                 o = min(r.output_len, cap - p)
-                r = _with_lengths(r, p, o)
+                r = with_lengths(r, p, o)
             reqs.append(r)
         return self._derive(reqs, {"name": "clip_lengths", "max_model_len": cap,
                                    "num_clipped": clipped})
@@ -381,7 +311,7 @@ class Workload:
           ValueError / TypeError: ``factor`` not a finite number > 0, a bad ``max_model_len``.
         """
         factor = validate.real("factor", factor, minimum=0, exclusive=True)
-        reqs = [_with_lengths(r, max(1, round(r.prompt_len * factor)),
+        reqs = [with_lengths(r, max(1, round(r.prompt_len * factor)),
                               max(1, round(r.output_len * factor))) for r in self.requests]
         out = self._derive(reqs, {"name": "scale_lengths", "factor": factor})
         return out if max_model_len is None else out.clip_lengths(max_model_len)
@@ -426,11 +356,11 @@ class Workload:
         for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
             if not line.strip():
                 continue
-            obj = _parse_json_line(line, line_no, path)
+            obj = parse_json_line(line, line_no, path)
             if header is None and not requests and "workload" in obj:
-                header = _parse_header(obj, line_no, path)
+                header = parse_header(obj, line_no, path)
                 continue
-            requests.append(_parse_request(obj, line_no, path, default_id=f"line{line_no}"))
+            requests.append(parse_request(obj, line_no, path, default_id=f"line{line_no}"))
         if not requests:
             raise ValueError(f"{path}: no requests")
         if header is None and evidence is None:
@@ -452,33 +382,6 @@ def _length_stats(name: str, x: np.ndarray) -> dict[str, float]:
     p50, p90, p99 = np.percentile(x, [50, 90, 99])
     return {f"mean_{name}": float(x.mean()), f"p50_{name}": float(p50),
             f"p90_{name}": float(p90), f"p99_{name}": float(p99), f"max_{name}": int(x.max())}
-
-
-def byte_token_len(text: str) -> int:
-    """Tokens of ``text`` under the bundled byte tokenizer: UTF-8 bytes plus BOS."""
-    return len(text.encode("utf-8")) + 1
-
-
-def _at(r: RequestSpec, arrival_s: float) -> RequestSpec:
-    """``r`` arriving at ``arrival_s`` (checked); its other fields were checked when it was made."""
-    new = copy.copy(r)
-    object.__setattr__(new, "arrival_s", validate.real("arrival_s", arrival_s, minimum=0))
-    return new
-
-
-def _with_lengths(r: RequestSpec, prompt_len: int, output_len: int) -> RequestSpec:
-    """``r`` with new lengths; prompt ids (or text as ids) cut or padded only when shorter."""
-    ids = r.prompt_token_ids
-    if r.prompt is not None and prompt_len != r.prompt_len:
-        raise ValueError(f"request {r.request_id!r} has text; its length cannot change")
-    if ids is not None and prompt_len != len(ids):
-        if prompt_len > len(ids):
-            raise ValueError(f"request {r.request_id!r}: prompt ids cannot grow; derive lengths "
-                             "before with_synthetic_prompts")
-        ids = ids[:prompt_len]
-    return dataclasses.replace(r, prompt_len=prompt_len, output_len=output_len,
-                               prompt_token_ids=ids,
-                               shared_prefix_len=min(r.shared_prefix_len, prompt_len))
 
 
 # --- real traces -----------------------------------------------------------------------------
@@ -514,54 +417,6 @@ def load_azure_trace(service: str, *, path: str | pathlib.Path | None = None) ->
             "derived": []}
     return Workload(name=f"azure-{service}", requests=requests, evidence="real", seed=None,
                     meta=meta)
-
-
-# --- JSONL parsing ---------------------------------------------------------------------------
-def _parse_json_line(line: str, line_no: int, path: pathlib.Path) -> dict:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{line_no}: not JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(obj).__name__}")
-    return obj
-
-
-def _parse_header(obj: dict, line_no: int, path: pathlib.Path) -> dict:
-    h = obj["workload"]
-    if len(obj) != 1 or not isinstance(h, dict) or set(h) - {"name", "evidence", "seed", "meta"}:
-        raise ValueError(f"{path}:{line_no}: bad header {obj!r:.200}")
-    try:
-        check_evidence(h.get("evidence"))
-    except ValueError as e:
-        raise ValueError(f"{path}:{line_no}: {e}") from None
-    return {"name": h.get("name"), "evidence": h["evidence"], "seed": h.get("seed"),
-            "meta": h.get("meta") or {}}
-
-
-def _parse_request(obj: dict, line_no: int, path: pathlib.Path, *, default_id: str) -> RequestSpec:
-    where = f"{path}:{line_no}"
-    unknown = set(obj) - _REQUEST_KEYS
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(_REQUEST_KEYS)}")
-    for key in ("arrival_s", "output_len"):
-        if key not in obj:
-            raise ValueError(f"{where}: missing {key!r}")
-    prompt, ids = obj.get("prompt"), obj.get("prompt_token_ids")
-    prompt_len = obj.get("prompt_len")
-    if prompt_len is None:
-        if prompt is None and ids is None:
-            raise ValueError(f"{where}: need one of 'prompt', 'prompt_token_ids', 'prompt_len'")
-        # A wrong type gets a placeholder length so RequestSpec names the type error instead.
-        prompt_len = byte_token_len(prompt) if isinstance(prompt, str) else (
-            len(ids) if isinstance(ids, list) else 1)
-    try:
-        return RequestSpec(request_id=obj.get("request_id", default_id),
-                           arrival_s=obj["arrival_s"], prompt_token_ids=ids, prompt=prompt,
-                           prompt_len=prompt_len, output_len=obj["output_len"],
-                           n=obj.get("n", 1), shared_prefix_len=obj.get("shared_prefix_len", 0))
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{where}: {e}") from None
 
 
 # --- workloads -------------------------------------------------------------------------------
