@@ -24,10 +24,9 @@ from __future__ import annotations
 import time
 
 from paged.batch import BatchBuilder
-from paged.block_manager import BlockManager
 from paged.cascade_plan import CascadePlanner
 from paged.config import EngineConfig
-from paged.group_manager import GroupedBlockManager
+from paged.host_pool import build_host_pool
 from paged.input_batch import InputBatch
 from paged.models.kv_groups import KVGroupLayout
 from paged.outputs import RequestOutput, check_outputs, collect_outputs, state_of
@@ -71,31 +70,13 @@ class HostCore:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.page_size, self.num_pages = page_size, num_pages = config.pool_geometry()
-        host_blocks = 0
-        if config.preemption_mode == "swap":
-            host_blocks = num_pages if config.num_host_blocks is None else config.num_host_blocks
-        self.host_blocks = host_blocks
-        self.pages_per_seq = -(-config.max_model_len // page_size)
-        caching = config.enable_prefix_caching and config.kv_layout == "paged"
-        if kv_groups is None:
-            self.block_manager = BlockManager(
-                num_pages, page_size, enable_prefix_caching=caching,
-                cache_salt=model_salt, quarantine_steps=config.quarantine_steps,
-                num_host_blocks=host_blocks, debug=config.debug_checks, on_free=on_free,
-                sliding_window=sliding_window if config.kv_layout == "paged" else None,
-                num_host_tier_blocks=host_tier_blocks)
-        else:  # one table per group, interleaved in a row; pages of L / G layers each
-            G = kv_groups.num_groups
-            self.num_pages = num_pages = G * (num_pages - 1) + 1
-            self.pages_per_seq *= G
-            if host_blocks:  # slots of one page each: G per block of the full-layer pool
-                self.host_blocks = host_blocks = num_pages if config.num_host_blocks is None \
-                    else G * config.num_host_blocks
-            self.block_manager = GroupedBlockManager(
-                num_pages, page_size, kv_groups.windows, enable_prefix_caching=caching,
-                cache_salt=model_salt, quarantine_steps=config.quarantine_steps,
-                num_host_blocks=host_blocks, debug=config.debug_checks, on_free=on_free)
+        pool = build_host_pool(config, model_salt=model_salt, on_free=on_free,
+                               sliding_window=sliding_window, host_tier_blocks=host_tier_blocks,
+                               kv_groups=kv_groups)
+        self.block_manager = pool.block_manager
+        self.page_size = page_size = pool.page_size
+        self.num_pages = pool.num_pages
+        self.pages_per_seq, self.host_blocks = pool.pages_per_seq, pool.host_blocks
         self.batch = InputBatch(config.max_model_len, self.pages_per_seq, tokenizer.eos_id)
         self.builder = BatchBuilder(self.batch, self.block_manager, page_size,
                                     min_tokens=config.min_token_bucket,
