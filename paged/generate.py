@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from paged.progress import progress as progress_bar
 from paged.request_checks import check_prompts
 
@@ -14,9 +16,13 @@ def generate(engine, table, prompts, params, *, progress: bool = False) -> list:
     ``engine.add_checked``, so one bad prompt raises with the engine unchanged. When the prompts
     are done and no other request is unfinished, a step still in flight (dispatched before the last
     stop was read back; its results are dropped) is read back too, so the engine is left with no
-    step in flight and no block quarantined.
+    step in flight and no block quarantined. The requests ask for their final output only
+    (``SamplingParams.output_kind="final_only"``): the steps make no output for them until they
+    finish.
     """
-    checked = check_prompts(table, prompts, params)
+    # Only finished outputs are read here, so none is made per step (the same tokens).
+    checked = [(rid, ids, dataclasses.replace(p, output_kind="final_only"), *rest)
+               for rid, ids, p, *rest in check_prompts(table, prompts, params)]
     ids = [request[0] for request in checked]
     for request in checked:
         engine.add_checked(request)

@@ -211,7 +211,8 @@ def check_outputs(made, request_output: Callable[[str], RequestOutput]) -> None:
 def collect_outputs(ended, decode, made, touched, final_output, requests) -> list:
     """A step's outputs: the ``ended`` requests', then the decodes' (``made[i]``: made already;
     ``None``: made now, once per request; ``False``: none), then the ``touched`` requests'; each
-    request once. ``final_output(request_id)`` makes one (and forgets a finished request)."""
+    request once; an unfinished ``output_kind="final_only"`` request is left out.
+    ``final_output(request_id)`` makes one (and forgets a finished request)."""
     outs = [final_output(r) for r in ended]
     done = set()  # requests whose output was made here
     if None in made or False in made:
@@ -223,8 +224,20 @@ def collect_outputs(ended, decode, made, touched, final_output, requests) -> lis
                     continue
                 done.add(seq.request_id)
                 out = final_output(seq.request_id)
+                if not _reported(out):
+                    continue
             outs.append(out)
     else:
         outs += made
-    outs += [final_output(r) for r in touched if r not in done and r in requests]
+    for r in touched:
+        if r not in done and r in requests:
+            out = final_output(r)
+            if _reported(out):
+                outs.append(out)
     return outs
+
+
+def _reported(out: RequestOutput) -> bool:
+    """Whether ``out`` is reported now: a finished request always is, an unfinished one unless
+    it asked for its final output only (``SamplingParams.output_kind``)."""
+    return out.finished or out._head.params.output_kind != "final_only"

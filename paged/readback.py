@@ -160,15 +160,18 @@ class StepReader:
             for i in stopped:
                 made[i] = None
             return made
-        states = [s.out_state for s in decode]  # None: made per request, or refreshed
+        # None: made per request, or refreshed; False: reported only when finished
+        # (``output_kind="final_only"``), so nothing is made per step.
+        states = [s.out_state for s in decode]
         if None in states:
             text = self.text
             for i, s in enumerate(decode):
                 if states[i] is None and s.params.n == 1:
-                    states[i] = s.out_state = state_of([s], False, None, text)
+                    states[i] = s.out_state = (
+                        False if s.params.output_kind == "final_only"
+                        else state_of([s], False, None, text))
         made: list[RequestOutput | None | bool] = [
-            None if st is None else RequestOutput(s, end, st)
-            for s, end, st in zip(decode, ends, states)]
+            st and RequestOutput(s, end, st) for s, end, st in zip(decode, ends, states)]
         if gone is not None:
             for i, g in enumerate(gone):
                 if g:

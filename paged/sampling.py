@@ -18,6 +18,9 @@ from paged.stop_strings import check_stops
 MAX_LOGPROBS = 20  # top log-probabilities per position at most (vLLM's default limit)
 
 
+OUTPUT_KINDS = ("cumulative", "final_only")  # vLLM RequestOutputKind.CUMULATIVE / FINAL_ONLY
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to sample one request.
@@ -47,6 +50,12 @@ class SamplingParams:
         token and the k most likely tokens at that position. Computed in the prefill itself (no
         second forward pass, chunked prefill included); such a request does not take prefix-cache
         hits (a hit would skip the positions whose log-probabilities it asks for).
+      output_kind: vLLM's ``RequestOutputKind``, by name: ``"cumulative"`` (default) reports the
+        request after every step that gives it tokens; ``"final_only"`` only once, when it
+        finishes (what offline ``generate`` needs: the engine then builds no per-step output for
+        it; ``Engine.generate`` uses it). The same tokens either way. vLLM's ``"delta"`` is not a
+        kind here: a streaming consumer takes deltas from cumulative outputs with
+        ``paged.outputs.OutputDeltas``.
 
     Every field is checked at construction: integers must be integers (not ``bool`` or ``2.0``),
     floats finite and representable in float32 (they are sampled from in float32), ``ignore_eos``
@@ -65,6 +74,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
+    output_kind: str = "cumulative"
 
     def __post_init__(self):
         validate.integer("max_tokens", self.max_tokens, minimum=1, allow_none=True)
@@ -81,6 +91,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(stops))
         object.__setattr__(self, "stop", check_stops(self.stop))
         validate.boolean("include_stop_str_in_output", self.include_stop_str_in_output)
+        if self.output_kind == "delta":
+            raise ValueError("output_kind='delta' is not a kind here: take deltas from cumulative "
+                             "outputs with paged.outputs.OutputDeltas")
+        validate.one_of("output_kind", self.output_kind, OUTPUT_KINDS)
 
 
 def _filter_sorted(logits, temperature, top_k, top_p):

@@ -70,7 +70,9 @@ class Sequence:
         self.num_preemptions = 0
         self.deadline = deadline
         self.cache_salt = cache_salt
-        self.out_state: tuple | None = None  # the engine's cached output fields
+        # The engine's cached output fields (``paged.outputs.state_of``); False: the request
+        # reports only when it finishes (``output_kind="final_only"``); None: not made yet.
+        self.out_state: tuple | bool | None = None
         self.row = -1  # its input-batch row while running (then ``batch`` owns the token state)
         self.batch = None
         self._tokens: list[int] = list(token_ids)
