@@ -6,7 +6,9 @@ lockstep. One engine's requests ask for ``SamplingParams(output_kind="cumulative
 `RequestOutput` per request per step, what a streaming server reads), the other's for
 ``"final_only"`` (none until a request finishes: what ``Engine.generate`` asks for). Blocks of
 ``steps`` steps alternate between the two (A B, then B A), so the ratio of their median step times
-is measured under one load; the spread over rounds shows what is left. Writes
+is measured under one load; the spread over rounds shows what is left. Each step's wall time and
+its thread CPU time (``time.thread_time``: what the stepping thread itself spent, which other
+processes on a shared machine disturb less) are both kept. Writes
 ``output_kind_bench.json`` with per-round medians, the ratio and the provenance.
 """
 
@@ -57,24 +59,31 @@ def _engine(model, c, n: int, kind: str) -> Engine:
 def bench(model, c, n: int) -> dict:
     engines = {k: _engine(model, c, n, k) for k in KINDS}
     times: dict[str, list[float]] = {k: [] for k in KINDS}
+    cpu: dict[str, list[float]] = {k: [] for k in KINDS}
     rounds = []
     for i in range(c.rounds):
         row = {}
         for kind in KINDS if i % 2 == 0 else KINDS[::-1]:
-            step, block = engines[kind].step, []
+            step, block, block_cpu = engines[kind].step, [], []
             for _ in range(c.steps):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 step()
+                block_cpu.append(time.thread_time() - c0)
                 block.append(time.perf_counter() - t0)
             times[kind] += block
+            cpu[kind] += block_cpu
             row[f"{kind}_median_ms"] = 1e3 * float(np.median(block))
+            row[f"{kind}_median_cpu_ms"] = 1e3 * float(np.median(block_cpu))
         row["ratio"] = row["final_only_median_ms"] / row["cumulative_median_ms"]
+        row["cpu_ratio"] = row["final_only_median_cpu_ms"] / row["cumulative_median_cpu_ms"]
         rounds.append(row)
-    ratios = [r["ratio"] for r in rounds]
-    return {"num_running": n, "rounds": rounds,
-            **{f"{k}_median_ms": 1e3 * float(np.median(times[k])) for k in KINDS},
-            "ratio_median": float(np.median(ratios)),
-            "ratio_min": float(min(ratios)), "ratio_max": float(max(ratios))}
+    out = {"num_running": n, "rounds": rounds}
+    for key, series in (("", times), ("cpu_", cpu)):
+        ratios = [r[f"{key}ratio"] for r in rounds]
+        out.update({f"{k}_median_{key}ms": 1e3 * float(np.median(series[k])) for k in KINDS})
+        out.update({f"{key}ratio_median": float(np.median(ratios)),
+                    f"{key}ratio_min": float(min(ratios)), f"{key}ratio_max": float(max(ratios))})
+    return out
 
 
 def main(c, plan):
@@ -85,9 +94,11 @@ def main(c, plan):
     for n in c.num_running:
         r = bench(model, c, n)
         results.append(r)
-        print(f"{n} running: host step {r['cumulative_median_ms']:.3f} ms cumulative, "
-              f"{r['final_only_median_ms']:.3f} ms final_only; ratio {r['ratio_median']:.3f} "
-              f"[{r['ratio_min']:.3f}, {r['ratio_max']:.3f}] over {c.rounds} rounds")
+        for key, what in (("", "wall"), ("cpu_", "thread CPU")):
+            print(f"{n} running, {what}: host step {r[f'cumulative_median_{key}ms']:.3f} ms "
+                  f"cumulative, {r[f'final_only_median_{key}ms']:.3f} ms final_only; ratio "
+                  f"{r[f'{key}ratio_median']:.3f} [{r[f'{key}ratio_min']:.3f}, "
+                  f"{r[f'{key}ratio_max']:.3f}] over {c.rounds} rounds")
     prov = common.provenance()
     prov["load_average"] = [load_before, os.getloadavg()[0]]
     path = common.write_json(out_dir / "output_kind_bench.json", {
