@@ -98,7 +98,6 @@ def sha256_block_hash(parent: bytes | None, token_ids: Sequence[int], salt: byte
 
 xxh3_block_hash.packed = _xxh3_packed
 sha256_block_hash.packed = _sha256_packed
-DEFAULT_HASH_FN = xxh3_block_hash
 
 
 def packed_hash_fn(hash_fn: HashFn) -> PackedHashFn:
