@@ -58,7 +58,7 @@ from paged.blocks.prefix_index import (
     HashFn,
     PrefixCacheIndex,
     PrefixKeyer,
-    sha256_block_hash,
+    xxh3_block_hash,
 )
 from paged.blocks.progress import Progress
 from paged.blocks.swap import Swapper
@@ -107,8 +107,10 @@ class BlockManager:
       enable_prefix_caching: look up and key full blocks.
       cache_salt: default salt of every key (model, weights version, dtype, adapter, ...); a
         request may override it in ``allocate``.
-      hash_fn: ``hash_fn(parent_digest | None, token_ids, salt) -> digest``; SHA-256 by default.
-        Lookups verify the full key, so a weak function costs hit rate, never correctness.
+      hash_fn: ``hash_fn(parent_digest | None, token_ids, salt) -> digest``; 128-bit XXH3 by
+        default (``paged.blocks.prefix_index.xxh3_block_hash``; ``sha256_block_hash`` is the
+        cryptographic option). Lookups verify the full key, so a weak function costs hit rate,
+        never correctness.
       quarantine_steps: a block freed while steps are in flight is reusable once step
         ``last_begun + quarantine_steps - 1`` has completed (0 disables the window).
       num_host_blocks: host slots for ``swap_out``.
@@ -151,7 +153,7 @@ class BlockManager:
         if parts is None:
             parts = SharedParts.build(num_blocks, quarantine_steps, num_host_blocks, on_free)
         self._index, self._pool, self._fence = parts.index, parts.pool, parts.fence
-        self._keyer = PrefixKeyer(self._index, block_size, hash_fn or sha256_block_hash,
+        self._keyer = PrefixKeyer(self._index, block_size, hash_fn or xxh3_block_hash,
                                   self._pool.version, self._fence,
                                   enabled=self.enable_prefix_caching, debug=debug)
         self._tables = SeqTables(self._pool, self._fence, self._index, block_size,

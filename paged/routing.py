@@ -67,14 +67,15 @@ class PrefixProbe:
         self.conf = None
         self.digests: list = []
 
-    def digest(self, i: int, parent_digest, ids: tuple[int, ...], conf: tuple):
-        """Digest of block ``i`` under ``conf = (block_size, hash_fn, salt)``."""
+    def digest(self, i: int, parent_digest, data: bytes, conf: tuple, digest_fn):
+        """Digest of block ``i`` (``data``: its packed token ids) under ``conf = (block_size,
+        hash_fn, salt)``, computed as ``digest_fn(parent_digest, data, salt)`` unless known."""
         if conf != self.conf:
             self.conf, self.digests = conf, []
         ds = self.digests
         if i < len(ds) and ds[i][0] == parent_digest:
             return ds[i][1]
-        d = conf[1](parent_digest, ids, conf[2])
+        d = digest_fn(parent_digest, data, conf[2])
         if i == len(ds):
             ds.append((parent_digest, d))
         return d

@@ -740,15 +740,56 @@ def test_prefix_index_buckets_collapse_and_a_wrong_digest_is_refused():
     index.check(versions)
 
 
-def test_default_keys_use_the_documented_sha256_digest():
-    from paged.blocks.prefix_index import sha256_block_hash
+def test_default_keys_use_the_documented_xxh3_digest():
+    import xxhash
+
+    from paged.blocks.prefix_index import xxh3_block_hash
 
     bm = make(cache_salt=b"m")
     prefill(bm, "a", list(range(9)))
     k0, k1 = (bm.block_key(b) for b in bm.block_table("a")[:2])
-    assert k0.digest == sha256_block_hash(None, (0, 1, 2, 3), b"m")
-    assert k1.digest == sha256_block_hash(k0.digest, (4, 5, 6, 7), b"m")
+    assert k0.digest == xxh3_block_hash(None, (0, 1, 2, 3), b"m")
+    assert k1.digest == xxh3_block_hash(k0.digest, (4, 5, 6, 7), b"m")
+    # The documented bytes: XXH3-128 of (16 zero bytes | parent digest, int64 LE ids, salt).
+    ids = b"".join(t.to_bytes(8, "little") for t in (0, 1, 2, 3))
+    assert k0.digest == xxhash.xxh3_128_digest(bytes(16) + ids + b"m") and len(k0.digest) == 16
+    assert k0.token_ids == (0, 1, 2, 3) and k1.parent is k0
     assert bm.allocate("b", list(range(9))) == 8  # lookups hash the same way
+
+
+def test_sha256_stays_an_option_with_the_same_blocks_and_hits():
+    import hashlib
+
+    from paged.blocks.prefix_index import sha256_block_hash
+
+    def run(hash_fn):
+        bm = make(cache_salt=b"m", hash_fn=hash_fn)
+        prefill(bm, "a", list(range(9)))
+        bm.free("a")
+        hit = bm.allocate("b", list(range(9)) + [5])
+        return bm, hit, bm.block_table("b"), bm.evictable_blocks()
+
+    sha, hit, table, lru = run(sha256_block_hash)
+    k0 = sha.block_key(table[0])
+    ids = b"".join(t.to_bytes(8, "little") for t in (0, 1, 2, 3))
+    assert k0.digest == hashlib.sha256(bytes(32) + ids + b"m").digest()
+    assert run(None)[1:] == (hit, table, lru) == (8, table, lru)
+    sha.check_invariants()
+
+
+def test_the_default_digest_is_stable_across_processes():
+    import os
+    import subprocess
+    import sys
+
+    code = ("from paged.blocks.prefix_index import xxh3_block_hash as h; "
+            "print(h(h(None, (1, 2), b's'), (3, 4), b's').hex())")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, env=dict(os.environ, PYTHONHASHSEED=seed)).stdout.strip()
+            for seed in ("1", "2")}
+    from paged.blocks.prefix_index import xxh3_block_hash as h
+
+    assert outs == {h(h(None, (1, 2), b"s"), (3, 4), b"s").hex()}
 
 
 # --- token ids not known yet (an overlapped engine step) ------------------------------------------

@@ -83,7 +83,7 @@ class HostTier:
         """The device pool evicts ``block`` (keyed ``key``): copy it to a host slot in the coming
         step, unless an equal key is in the tier already (then it only becomes most recent) or
         every slot is writing or held (then it is dropped, as without a tier)."""
-        slot = self.index.find(key.digest, key.parent, key.token_ids, key.salt, self.version)
+        slot = self.index.find(key.digest, key.parent, key.data, key.salt, self.version)
         if slot is not None:
             if self.state[slot] == CACHED:
                 self.lru.move_to_end(slot)
@@ -115,13 +115,14 @@ class HostTier:
         keyer = self.keyer
         if not keyer.enabled or not self.index:
             return []
-        B, hash_fn, find, state = keyer.block_size, keyer.hash_fn, self.index.find, self.state
+        B, digest, find, state = keyer.block_size, keyer.digest, self.index.find, self.state
+        pack = keyer.pack
         parent = device_hits[-1][1] if device_hits else None
         hits = []
         for i in range(len(device_hits), (len(tokens) - 1) // B):
-            ids = tuple(tokens[i * B:(i + 1) * B])
-            slot = find(hash_fn(None if parent is None else parent.digest, ids, salt), parent,
-                        ids, salt, self.version)
+            data = pack(*tokens[i * B:(i + 1) * B])
+            slot = find(digest(None if parent is None else parent.digest, data, salt), parent,
+                        data, salt, self.version)
             if slot is None or state[slot] == WRITING:
                 break
             parent = self.index.key[slot]

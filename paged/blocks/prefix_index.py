@@ -4,13 +4,20 @@ A full block of ``block_size`` tokens is identified by its *key*: the key of the
 (``None`` for the first block), the block's own token ids and the cache salt. The salt names
 everything besides the tokens that changes the KV content: model, weights version, dtype, adapter,
 any run condition. Two blocks may share a physical page only when their keys are equal, which
-makes the whole token prefix part of the key, not just the block's tokens.
+makes the whole token prefix part of the key, not just the block's tokens. A key stores its token
+ids packed (int64 little-endian bytes, the bytes the digest reads): one object per key instead of
+a tuple of ``block_size`` ints, so making, comparing and dropping a key touches no int objects.
 
-The index is addressed by the *digest* of a key, from a ``hash_fn`` (SHA-256 from hashlib by
-default; never Python's ``hash()``, which is salted per process and weak). The index never trusts
-the digest alone: a lookup compares the full key (tokens, salt and the whole parent chain), so even
-a hash function that collides on purpose can never return a block with the wrong content. The
-tests inject such a function.
+The index is addressed by the *digest* of a key, from a ``hash_fn`` (never Python's ``hash()``,
+which is salted per process). The default, ``xxh3_block_hash``, is the 128-bit XXH3 of (parent
+digest, packed token ids, salt): non-cryptographic and about three times cheaper per block than
+SHA-256 (``sha256_block_hash``, kept as an option). The index never trusts the digest alone: a
+lookup compares the full key (tokens, salt and the whole parent chain), so a digest collision,
+accidental or forged, can only cost a hit (the colliding keys share a bucket and each is served
+its own block), never return a block with the wrong content. With 128 bits an accidental
+collision among n indexed keys has probability about n**2 / 2**129 (below 1e-26 for a billion
+blocks); nobody can make the cache serve wrong content by crafting prompts, only, with effort,
+slow a bucket down. The tests inject a function that collides on purpose.
 
 Each physical block also carries a content version (kept by the block manager) that changes when
 the block is handed out again or its keyed content is rewritten; an index entry remembers the
@@ -26,17 +33,51 @@ import hashlib
 import struct
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
-HashFn = Callable[[Hashable | None, tuple[int, ...], bytes], Hashable]
+import xxhash
 
-ROOT_DIGEST = _ROOT = bytes(32)  # stands in for the parent digest of a first block
+HashFn = Callable[[Hashable | None, tuple[int, ...], bytes], Hashable]
+# The same function over a block's packed token ids (``pack_tokens``): what the keyer calls.
+PackedHashFn = Callable[[Hashable | None, bytes, bytes], Hashable]
+
+ROOT_DIGEST = bytes(32)  # stands in for the parent digest of a first block (SHA-256)
+XXH3_ROOT_DIGEST = bytes(16)  # the same for the default XXH3-128 digest
 _sha256 = hashlib.sha256
+_xxh3_128 = xxhash.xxh3_128_digest
 _PACKERS: dict[int, Callable[..., bytes]] = {}  # block length -> int64 little-endian packer
 
 
-def sha256_block_hash(parent: bytes | None, token_ids: tuple[int, ...], salt: bytes) -> bytes:
-    """The default ``hash_fn``: SHA-256 over (parent digest, int64 token ids, salt).
+def packer(n: int) -> Callable[..., bytes]:
+    """``pack(*token_ids)`` of ``n`` token ids as int64 little-endian bytes (struct.error for a
+    value that is no int64)."""
+    pack = _PACKERS.get(n)
+    if pack is None:
+        pack = _PACKERS[n] = struct.Struct(f"<{n}q").pack
+    return pack
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """A block's token ids as the bytes its key stores and its digest reads."""
+    return packer(len(token_ids))(*token_ids)
+
+
+def unpack_tokens(data: bytes) -> tuple[int, ...]:
+    """The token ids of ``pack_tokens`` bytes."""
+    return struct.unpack(f"<{len(data) // 8}q", data)
+
+
+def _xxh3_packed(parent: bytes | None, data: bytes, salt: bytes) -> bytes:
+    return _xxh3_128((XXH3_ROOT_DIGEST if parent is None else parent) + data + salt)
+
+
+def _sha256_packed(parent: bytes | None, data: bytes, salt: bytes) -> bytes:
+    return _sha256((ROOT_DIGEST if parent is None else parent) + data + salt).digest()
+
+
+def xxh3_block_hash(parent: bytes | None, token_ids: Sequence[int], salt: bytes) -> bytes:
+    """The default ``hash_fn``: 128-bit XXH3 over (parent digest, int64 token ids, salt).
 
     The parent digest and the token bytes have fixed lengths, so the concatenation is unambiguous.
+    Stable across processes and machines (XXH3 is specified byte for byte, no per-process seed).
 
     Args:
       parent: digest of the previous block's key, or ``None`` for the first block.
@@ -44,33 +85,59 @@ def sha256_block_hash(parent: bytes | None, token_ids: tuple[int, ...], salt: by
       salt: the cache salt.
 
     Returns:
-      A 32-byte digest.
+      A 16-byte digest.
     """
-    pack = _PACKERS.get(len(token_ids))
-    if pack is None:
-        pack = _PACKERS[len(token_ids)] = struct.Struct(f"<{len(token_ids)}q").pack
-    return _sha256((_ROOT if parent is None else parent) + pack(*token_ids) + salt).digest()
+    return _xxh3_packed(parent, pack_tokens(token_ids), salt)
+
+
+def sha256_block_hash(parent: bytes | None, token_ids: Sequence[int], salt: bytes) -> bytes:
+    """SHA-256 over (parent digest, int64 token ids, salt): the cryptographic option (pass it as
+    ``hash_fn``; the default before XXH3). Returns a 32-byte digest."""
+    return _sha256_packed(parent, pack_tokens(token_ids), salt)
+
+
+xxh3_block_hash.packed = _xxh3_packed
+sha256_block_hash.packed = _sha256_packed
+
+
+def packed_hash_fn(hash_fn: HashFn) -> PackedHashFn:
+    """``hash_fn`` over packed token ids: its own ``packed`` attribute when it has one (the
+    functions above), else ``hash_fn`` called with the unpacked tuple."""
+    packed = getattr(hash_fn, "packed", None)
+    if packed is not None:
+        return packed
+
+    def call(parent, data: bytes, salt: bytes):
+        return hash_fn(parent, unpack_tokens(data), salt)
+
+    return call
 
 
 class BlockKey:
-    """The full key of one full block: (parent key, token ids, salt), plus its digest.
+    """The full key of one full block: (parent key, packed token ids, salt), plus its digest.
 
     Keys are immutable and shared: a sequence that hits a cached block adopts the cached key object,
     so parent chains usually compare by identity. Equality is structural (the whole chain).
+    ``data`` is the block's token ids as ``pack_tokens`` bytes (``token_ids`` unpacks them); the
+    index compares it for equality only, so any comparable value works in its place.
     """
 
-    __slots__ = ("parent", "token_ids", "salt", "digest")  # noqa: RUF023 (the key's own order)
+    __slots__ = ("parent", "data", "salt", "digest")  # noqa: RUF023 (the key's own order)
 
-    def __init__(self, parent: BlockKey | None, token_ids: tuple[int, ...], salt: bytes,
-                 digest: Hashable):
+    def __init__(self, parent: BlockKey | None, data: bytes, salt: bytes, digest: Hashable):
         self.parent = parent
-        self.token_ids = token_ids
+        self.data = data
         self.salt = salt
         self.digest = digest
 
-    def matches(self, parent: BlockKey | None, token_ids: tuple[int, ...], salt: bytes) -> bool:
-        """Whether this key equals the key (parent, token_ids, salt), comparing the whole chain."""
-        return self.token_ids == token_ids and self.salt == salt and keys_equal(self.parent, parent)
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """The block's token ids."""
+        return unpack_tokens(self.data)
+
+    def matches(self, parent: BlockKey | None, data: bytes, salt: bytes) -> bool:
+        """Whether this key equals the key (parent, data, salt), comparing the whole chain."""
+        return self.data == data and self.salt == salt and keys_equal(self.parent, parent)
 
     def prefix_token_ids(self) -> tuple[int, ...]:
         """All token ids from the first block up to and including this one (for tests and debug)."""
@@ -90,7 +157,7 @@ def keys_equal(a: BlockKey | None, b: BlockKey | None) -> bool:
     while a is not b:
         if a is None or b is None:
             return False
-        if a.digest != b.digest or a.token_ids != b.token_ids or a.salt != b.salt:
+        if a.digest != b.digest or a.data != b.data or a.salt != b.salt:
             return False
         a, b = a.parent, b.parent
     return True
@@ -118,9 +185,9 @@ class PrefixCacheIndex:
     def __len__(self) -> int:
         return len(self.buckets) + self._collided
 
-    def find(self, digest: Hashable, parent: BlockKey | None, token_ids: tuple[int, ...],
-             salt: bytes, versions: Sequence[int]) -> int | None:
-        """The block indexed under the full key (parent, token_ids, salt), or ``None``.
+    def find(self, digest: Hashable, parent: BlockKey | None, data: bytes, salt: bytes,
+             versions: Sequence[int]) -> int | None:
+        """The block indexed under the full key (parent, data, salt), or ``None``.
 
         Every candidate with a matching digest is verified against the full key and the block's
         current content version ``versions[block]``; colliding or stale entries are skipped.
@@ -130,17 +197,17 @@ class PrefixCacheIndex:
             return None
         for block in (bucket,) if type(bucket) is int else bucket:
             key = self.key[block]
-            if key.matches(parent, token_ids, salt) and self.version[block] == versions[block]:
+            if key.matches(parent, data, salt) and self.version[block] == versions[block]:
                 return block
         return None
 
-    def intern(self, block: int, parent: BlockKey | None, token_ids: tuple[int, ...], salt: bytes,
+    def intern(self, block: int, parent: BlockKey | None, data: bytes, salt: bytes,
                digest: Hashable, versions: Sequence[int]) -> BlockKey:
-        """The indexed key equal to (parent, token_ids, salt), indexing ``block`` under a new key
+        """The indexed key equal to (parent, data, salt), indexing ``block`` under a new key
         at content version ``versions[block]`` if there is none.
 
         The common case, a digest not indexed yet and an unindexed ``block``, is one dict probe
-        and insert.
+        and insert (``PrefixKeyer.key_computed`` does that case inline, then calls this).
 
         Raises:
           RuntimeError: if ``block`` is already indexed under a different key.
@@ -149,7 +216,7 @@ class PrefixCacheIndex:
         if self.key[block] is None:
             bucket = buckets.setdefault(digest, block)
             if bucket is block:  # a new digest: ``block`` is its bucket now
-                key = self.key[block] = BlockKey(parent, token_ids, salt, digest)
+                key = self.key[block] = BlockKey(parent, data, salt, digest)
                 self.version[block] = versions[block]
                 self.generation += 1
                 return key
@@ -158,9 +225,9 @@ class PrefixCacheIndex:
         if bucket is not None:
             for b in (bucket,) if type(bucket) is int else bucket:
                 key = self.key[b]
-                if key.matches(parent, token_ids, salt) and self.version[b] == versions[b]:
+                if key.matches(parent, data, salt) and self.version[b] == versions[b]:
                     return key
-        key = BlockKey(parent, token_ids, salt, digest)
+        key = BlockKey(parent, data, salt, digest)
         self.add(block, key, versions[block])
         return key
 
@@ -247,7 +314,8 @@ class PrefixKeyer:
     Args:
       index: the prefix-cache index.
       block_size: tokens per block.
-      hash_fn: ``hash_fn(parent_digest | None, token_ids, salt) -> digest``.
+      hash_fn: ``hash_fn(parent_digest | None, token_ids, salt) -> digest``; the keyer calls it
+        over packed token ids (``packed_hash_fn``).
       versions: the pool's per-block content versions.
       fence: the step fence (a block whose copy has not run yet is not keyed).
       enabled: whether prefix caching is on (off: no lookups, no keys).
@@ -259,6 +327,8 @@ class PrefixKeyer:
         self.index = index
         self.block_size = block_size
         self.hash_fn = hash_fn
+        self.digest = packed_hash_fn(hash_fn)  # (parent digest, packed ids, salt) -> digest
+        self.pack = packer(block_size)  # pack(*ids) of one block
         self.versions = versions
         self.fence = fence
         self.enabled = enabled
@@ -273,16 +343,16 @@ class PrefixKeyer:
         """
         if not self.enabled:
             return []
-        B, find, hash_fn, versions = self.block_size, self.index.find, self.hash_fn, self.versions
-        key_of = self.index.key
-        conf = (B, hash_fn, salt)
+        B, find, digest, versions = self.block_size, self.index.find, self.digest, self.versions
+        pack, key_of = self.pack, self.index.key
+        conf = (B, self.hash_fn, salt)
         hits = []
         parent = None
         for i in range((len(tokens) - 1) // B):
-            ids = tuple(tokens[i * B:(i + 1) * B])
+            data = pack(*tokens[i * B:(i + 1) * B])
             pd = None if parent is None else parent.digest
-            digest = hash_fn(pd, ids, salt) if probe is None else probe.digest(i, pd, ids, conf)
-            b = find(digest, parent, ids, salt, versions)
+            d = digest(pd, data, salt) if probe is None else probe.digest(i, pd, data, conf, digest)
+            b = find(d, parent, data, salt, versions)
             if b is None:
                 break
             parent = key_of[b]
@@ -299,9 +369,10 @@ class PrefixKeyer:
         """
         if not self.enabled:
             return
-        B, versions, hash_fn, intern = self.block_size, self.versions, self.hash_fn, \
+        B, versions, digest, intern = self.block_size, self.versions, self.digest, \
             self.index.intern
-        fence = self.fence
+        pack, fence, index = self.pack, self.fence, self.index
+        key_of, setdefault, version = index.key, index.buckets.setdefault, index.version
         busy, done = fence.busy_until, fence.last_completed
         copying = fence.copy_step > done  # some block may have a copy pending
         for seq in seqs:
@@ -315,12 +386,17 @@ class PrefixKeyer:
                     b = table[i]
                     if copying and busy[b] > done or i < seq.front:
                         break  # its copy has not run yet, or it was recycled unkeyed
-                    ids = tuple(tokens[i * B:(i + 1) * B])
+                    ids = tokens[i * B:(i + 1) * B]
                     if seq.unknown and None in ids:  # a slot of unknown token id: stop here
                         break
-                    parent = intern(b, parent, ids, salt,
-                                    hash_fn(None if parent is None else parent.digest, ids, salt),
-                                    versions)
+                    data = pack(*ids)
+                    d = digest(None if parent is None else parent.digest, data, salt)
+                    if key_of[b] is None and setdefault(d, b) is b:  # intern's common case
+                        parent = key_of[b] = BlockKey(parent, data, salt, d)
+                        version[b] = versions[b]
+                        index.generation += 1
+                    else:
+                        parent = intern(b, parent, data, salt, d, versions)
                     keys.append(parent)
                     i += 1
             if not self.debug:
