@@ -58,7 +58,7 @@ from paged.request_checks import check_request
 from paged.routing import cached_prefix_tokens
 from paged.scheduler import SchedulerOutput
 from paged.sequence import UNKNOWN
-from paged.sim.batches import light_batch, pseudo_tokens, step_shape
+from paged.sim.batches import light_batch, pseudo_token_steps, pseudo_tokens, step_shape
 from paged.sim.host_link import PCIE5_X16, HostLink, TierPricer
 from paged.sim.step_model import StepShape, StepTimeModel
 
@@ -289,39 +289,42 @@ class SimReplica:
         first = ib.tokens[np.arange(n), nc]
         if (first == UNKNOWN).any():
             return None
-        steps = np.arange(k)
-        # New blocks: step j starts one for each row whose slot ns + j is a block's first.
+        # New blocks: step j starts one for each row whose slot ns + j is a block's first. Most
+        # stretches fit in the free blocks: counted per row in closed form, without the
+        # (rows x steps) table that finds the step where the pool runs short.
         page = self.page_size
-        starts_block = (ns[:, None] + steps) % page == 0
-        need = np.cumsum(starts_block.sum(axis=0))
-        short = np.flatnonzero(need > self.block_manager.num_allocatable_blocks)
-        if len(short):
-            k = int(short[0])
-            if k < 2:
-                return None
-            steps, starts_block = steps[:k], starts_block[:, :k]
-        # Steps before this one take only free blocks: no cached block is evicted.
-        over = np.flatnonzero(need[:k] > self.block_manager.num_free_blocks)
-        evict_from = int(over[0]) if len(over) else k
+        bm = self.block_manager
+        free = bm.num_free_blocks
+        if int(((ns + (k - 1)) // page - (ns - 1) // page).sum()) <= free:
+            evict_from = k  # no step evicts a cached block, none runs short
+        else:
+            need = np.cumsum(((ns[:, None] + np.arange(k)) % page == 0).sum(axis=0))
+            short = np.flatnonzero(need > bm.num_allocatable_blocks)
+            if len(short):
+                k = int(short[0])
+                if k < 2:
+                    return None
+            # Steps before this one take only free blocks: no cached block is evicted.
+            over = np.flatnonzero(need[:k] > free)
+            evict_from = int(over[0]) if len(over) else k
         if self._tier is not None:  # an eviction offloads (a copy to price): step it instead
-            c = self.block_manager.host_tier_stats()
+            c = bm.host_tier_stats()
             if c["writing"] or c["held"] or evict_from < 2:
                 return None
             k = evict_from
-            steps, starts_block = steps[:k], starts_block[:, :k]
         tp, sp, _ = self._builder.buckets(n, n, n)
         durs = self.step_model.decode_times(n, int(nc.sum()) + n, k, tp, sp, int(self._idle))
-        t = now
-        starts = []
-        for d in durs:  # the begin times stepping reaches: each end is begin + duration
-            starts.append(t)
-            t = t + d
-        ends = starts[1:] + [t]
+        # The begin times stepping reaches (each end is begin + duration): a sequential sum.
+        clock = np.empty(k + 1)
+        clock[0] = now
+        clock[1:] = durs
+        clock = np.add.accumulate(clock).tolist()
+        starts, ends, t = clock[:-1], clock[1:], clock[-1]
         toks = np.empty((n, k + 1), np.int64)
         toks[:, 0] = first
-        toks[:, 1:] = pseudo_tokens(ints[:, SEED][:, None], ints[:, SAMPLE_INDEX][:, None],
-                                    nt[:, None].astype(np.int64) + steps, self.token_salt)
-        self._stretch = _Stretch(n, k, nt.astype(np.int64).copy(), starts, ends, durs, toks,
+        toks[:, 1:] = pseudo_token_steps(ints[:, SEED], ints[:, SAMPLE_INDEX], nt, k,
+                                         self.token_salt)
+        self._stretch = _Stretch(n, k, nt.astype(np.int64), starts, ends, durs, toks,
                                  evict_from, k == last)
         self.version += 1
         self.core.note_progress()

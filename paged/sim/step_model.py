@@ -443,21 +443,18 @@ class RooflineStepModel(StepTimeModel):
     stateless = True
 
     def decode_times(self, n, kv0, k, padded_tokens, padded_seqs, after_idle=0):
-        # ``time`` of each step, the same integer and float operations in the same order.
+        # ``time`` of each step as one array expression: the same integer and float operations
+        # in the same order (int64 products stay below 2**53, so each int converts to float
+        # exactly, as Python's int / float does), hence the same floats.
         m, d = self.model, self.device
-        w = m.weight_bytes
         bs = self.block_size
-        per_token = 2 * m.matmul_params * n + 2 * m.d_model * m.vocab_size * n
-        attn = 4 * m.num_layers * m.num_heads * m.head_dim
-        bw, fs, launch = d.mem_bandwidth, d.flop_s, d.launch_s
+        kv = kv0 + n * np.arange(k, dtype=np.int64)
+        moved = m.weight_bytes + m.kv_read_bytes(kv + n, bs)
+        flops = (2 * m.matmul_params * n + 2 * m.d_model * m.vocab_size * n
+                 + 4 * m.num_layers * m.num_heads * m.head_dim * kv)
         host = d.host_s[0] + d.host_s[1] * n
-        out = []
-        for j in range(k):
-            kv = kv0 + j * n
-            moved = w + m.kv_read_bytes(kv + n, bs) + 2 * m.kv_bytes_per_block(bs) * 0
-            flops = per_token + attn * kv
-            out.append(host + (launch + max(moved / bw, flops / fs)))
-        return out
+        return (host + (d.launch_s + np.maximum(moved / d.mem_bandwidth,
+                                                flops / d.flop_s))).tolist()
 
     def time(self, s: StepShape) -> float:
         m, d = self.model, self.device
