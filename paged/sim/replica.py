@@ -318,14 +318,15 @@ class SimReplica:
         clock = np.empty(k + 1)
         clock[0] = now
         clock[1:] = durs
-        clock = np.add.accumulate(clock).tolist()
-        starts, ends, t = clock[:-1], clock[1:], clock[-1]
+        clock = np.add.accumulate(clock)
+        times = clock.tolist()
+        starts, ends, t = times[:-1], times[1:], times[-1]
         toks = np.empty((n, k + 1), np.int64)
         toks[:, 0] = first
         toks[:, 1:] = pseudo_token_steps(ints[:, SEED], ints[:, SAMPLE_INDEX], nt, k,
                                          self.token_salt)
         self._stretch = _Stretch(n, k, nt.astype(np.int64), starts, ends, durs, toks,
-                                 evict_from, k == last)
+                                 evict_from, k == last, clock[1:])
         self.version += 1
         self.core.note_progress()
         return t
@@ -428,9 +429,11 @@ class SimReplica:
         self.num_steps += m
         self.num_fast_steps += m
         rows = np.arange(n)
-        cols = nt0[:, None] + np.arange(j0, upto)
-        ib.tokens[rows[:, None], cols] = st.toks[:, j0 + 1:upto + 1]
-        ib.times[rows[:, None], cols] = np.asarray(st.ends[j0:upto])
+        # Row r's slots nt0[r] + j0 .. nt0[r] + upto - 1, as flat indices (row-major): the
+        # sampled tokens, and the step end times (the same m times in every row).
+        flat = (rows * ib.tokens.shape[1] + nt0)[:, None] + np.arange(j0, upto)
+        np.put(ib.tokens, flat, st.toks[:, j0 + 1:upto + 1])
+        np.put(ib.times, flat, st.end_times[j0:upto])
         ib.num_slots[:n] += m
         ib.num_computed[:n] += m
         ib.num_tokens[:n] = nt0 + upto
@@ -643,13 +646,14 @@ def _tier_pricer(config: EngineConfig, dims, link) -> tuple[TierPricer, int] | N
 class _Stretch:
     """A planned run of pure decode steps (``SimReplica.plan``)."""
 
-    __slots__ = ("done", "durs", "ends", "evict_from", "finishes", "firsts", "k", "n", "nt0",
-                 "starts", "toks")
+    __slots__ = ("done", "durs", "end_times", "ends", "evict_from", "finishes", "firsts", "k",
+                 "n", "nt0", "starts", "toks")
 
-    def __init__(self, n, k, nt0, starts, ends, durs, toks, evict_from, finishes):
+    def __init__(self, n, k, nt0, starts, ends, durs, toks, evict_from, finishes, end_times):
         self.n, self.k, self.nt0 = n, k, nt0
         self.finishes = finishes  # its last step samples some sequence's last token
         self.starts, self.ends, self.durs = starts, ends, durs
+        self.end_times = end_times  # ``ends`` as f64[k]
         self.toks = toks
         self.evict_from = evict_from
         self.firsts = None  # (prompt length, first sampled token) per row, when first needed
