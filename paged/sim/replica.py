@@ -58,7 +58,13 @@ from paged.request_checks import check_request
 from paged.routing import cached_prefix_tokens
 from paged.scheduler import SchedulerOutput
 from paged.sequence import UNKNOWN
-from paged.sim.batches import light_batch, pseudo_token_steps, pseudo_tokens, step_shape
+from paged.sim.batches import (
+    light_batch,
+    pseudo_token,
+    pseudo_token_steps,
+    pseudo_tokens,
+    step_shape,
+)
 from paged.sim.host_link import PCIE5_X16, HostLink, TierPricer
 from paged.sim.step_model import StepShape, StepTimeModel
 
@@ -585,9 +591,12 @@ class SimReplica:
             out[:nd] = pseudo_tokens(ib.ints[rows, SEED], ib.ints[rows, SAMPLE_INDEX],
                                      batch.decode_pos, self.token_salt)
         for q, slot, count, p in batch.samples:
-            out[slot:slot + count] = pseudo_tokens(
-                np.full(count, q.seed), np.arange(count) + q.sample_index, np.full(count, p),
-                self.token_salt)
+            if count == 1:  # a prompt's first token (Python integers: the same mix)
+                out[slot] = pseudo_token(q.seed, q.sample_index, p, self.token_salt)
+            else:
+                out[slot:slot + count] = pseudo_tokens(
+                    np.full(count, q.seed), np.arange(count) + q.sample_index, np.full(count, p),
+                    self.token_salt)
         return out
 
     # --- figures -------------------------------------------------------------------------------
