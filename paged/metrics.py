@@ -78,11 +78,14 @@ class RequestRecord:
             raise ValueError(f"status={self.status!r} must be one of {STATUSES}")
         for name in ("prompt_len", "output_len", "num_preemptions", "num_cached_tokens"):
             _check_count(name, getattr(self, name))
-        times = tuple(map(float, self.token_times))
-        object.__setattr__(self, "token_times", times)
-        if any(map(operator.gt, times, times[1:])):  # some later time b < an earlier a
-            raise ValueError(f"request {self.request_id!r}: token_times={times} not "
+        times = list(map(float, self.token_times))
+        # A list equal to its sorted copy has no time below the one before it (``sorted`` of
+        # sorted floats is one linear pass); only a list that differs (or holds a NaN, which
+        # compares false) is checked pair by pair.
+        if sorted(times) != times and any(map(operator.gt, times, times[1:])):
+            raise ValueError(f"request {self.request_id!r}: token_times={tuple(times)} not "
                              "non-decreasing")
+        object.__setattr__(self, "token_times", tuple(times))
         self._check_order()
         if self.status == "finished":
             self._check_finished()
@@ -222,9 +225,7 @@ def summarize(records: Iterable[RequestRecord], *, duration_s: float,
 
     done = [r for r in records if r.status == "finished"]
     tpots = [r.tpot_s for r in done if r.tpot_s is not None]
-    gaps = [r.itl_s for r in records]  # (once: the pooled ITLs and vLLM's per-request arrays)
-    itls = list(itertools.chain.from_iterable(
-        g for r, g in zip(records, gaps, strict=True) if r.status == "finished"))
+    gaps, itls = _token_gaps(records)
     in_tok = sum(r.prompt_len for r in done)
     out_tok = sum(r.output_len for r in done)
     cached = sum(r.num_cached_tokens for r in done)
@@ -248,6 +249,27 @@ def summarize(records: Iterable[RequestRecord], *, duration_s: float,
         **per_request_arrays(records, gaps),
     }
     return out
+
+
+def _token_gaps(records: Sequence[RequestRecord]) -> tuple[list[list[float]], np.ndarray]:
+    """Each record's ``itl_s`` as a list, and the finished records' gaps pooled in record order:
+    one array of every token time, one ``np.diff`` (the same float subtractions as ``itl_s``)."""
+    lens = [len(r.token_times) for r in records]
+    flat = np.fromiter(itertools.chain.from_iterable(r.token_times for r in records),
+                       np.float64, count=sum(lens))
+    diff = np.diff(flat)
+    gaps, pooled = [], []
+    o = 0
+    for r, n in zip(records, lens, strict=True):
+        if n > 1:
+            g = diff[o:o + n - 1]
+            gaps.append(g.tolist())
+            if r.status == "finished":
+                pooled.append(g)
+        else:
+            gaps.append([])
+        o += n
+    return gaps, np.concatenate(pooled) if pooled else np.zeros(0)
 
 
 def per_request_arrays(records: Sequence[RequestRecord],

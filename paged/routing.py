@@ -136,21 +136,24 @@ class Router:
         self.num_routed[kind] = self.num_routed.get(kind, 0) + 1
 
     def _least_loaded(self, loads: list[int]) -> int:
-        n = len(loads)
+        """The first replica of least load from ``self._next`` on, cyclically."""
         low = min(loads)
-        start = self._next
-        for k in range(n):
-            i = (start + k) % n
-            if loads[i] == low:
-                return i
-        raise AssertionError("unreachable")
+        try:
+            return loads.index(low, self._next % len(loads))
+        except ValueError:  # none at or after ``_next``: the first one before it
+            return loads.index(low)
 
     def route(self, token_ids: Sequence[int], replicas: Sequence[Replica],
-              cache_salt: bytes | None = None) -> int:
+              cache_salt: bytes | None = None, loads: list[int] | None = None) -> int:
         """The index of the replica that serves a request with prompt ``token_ids``.
 
+        Args:
+          loads: each replica's ``num_waiting + num_running`` now, if the caller keeps them
+            (the simulator refreshes only the replicas that changed since the last arrival);
+            default: read from ``replicas``.
+
         Raises:
-          ValueError: no replicas.
+          ValueError: no replicas, or ``loads`` of another length.
         """
         n = len(replicas)
         if not n:
@@ -162,7 +165,12 @@ class Router:
             i = self._next % n
             self._count("round_robin")
         else:
-            loads = [r.num_waiting + r.num_running for r in replicas]
+            if loads is None:
+                loads = [r.num_waiting + r.num_running for r in replicas]
+            elif len(loads) != n:
+                raise ValueError(f"{len(loads)} loads for {n} replicas")
+            else:
+                loads = list(loads)
             i = self._least_loaded(loads)
             kind = "least_loaded"
             if self.policy == "prefix_aware":

@@ -103,15 +103,23 @@ def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, ba
     pool, keyer = tables.pool, progress.keyer
     starts: dict[int, list[int]] = {}  # step -> rows whose slot starts a block (row order)
     fills: dict[int, list[int]] = {}  # step -> rows whose slot completes a block
+    n0 = []
+    need = 0
     for r, seq in enumerate(batch):
         room = seq.room
         for j in range(room, m, B):
             starts.setdefault(j, []).append(r)
+            need += 1
         for j in range((room - 1) % B, m, B):
             fills.setdefault(j, []).append(r)
-        seq.tokens.extend(rows[r])
+        tokens = seq.tokens
+        n0.append(len(tokens))
+        tokens.extend(rows[r])
         seq.room = (room - m) % B
-    n0 = [len(seq.tokens) - m for seq in batch]
+    if not (fence.held or fence.host_held) and fence.copy_step <= fence.last_completed \
+            and len(pool.free) >= need:
+        _run_quiet(fence, pool, keyer, batch, m, starts, fills, n0, need)
+        return
     owed = 0  # steps up to here not begun / completed yet (nothing happened in them)
     j = 0
     for e in sorted(starts.keys() | fills.keys()):
@@ -129,17 +137,41 @@ def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, ba
         if f is not None:  # its readback keys the blocks it filled, after it completed
             _steps(fence, pool, owed)
             owed = 0
-            keying = []
-            for r in f:
-                seq = batch[r]
-                c = n0[r] + e + 1
-                if c >= seq.key_at:
-                    keying.append(seq)
-                seq.num_computed = c
-            if keying:
-                keyer.key_computed(keying)
+            _key_filled(keyer, batch, f, n0, e)
         j = e + 1
     _steps(fence, pool, owed + m - j)
+
+
+def _run_quiet(fence: StepFence, pool, keyer, batch: list[Seq], m: int, starts: dict,
+               fills: dict, n0: list[int], need: int) -> None:
+    """The steps when nothing waits on a step (no quarantine, no pending copy) and the free
+    queue holds every block they start: each step's ``take`` pops the queue's head and nothing
+    else touches the queue, so one ``take`` of all of them, dealt out in step order, leaves the
+    same tables; keying reads no step id (no copy pends), so only the ids move, once."""
+    if need:
+        taken = iter(pool.take(need))
+        for e in sorted(starts):
+            for r in starts[e]:
+                batch[r].table.append(next(taken))
+        if pool.died:
+            pool.flush()
+    for e in sorted(fills):  # each step's readback keys in step order (equal keys: first wins)
+        _key_filled(keyer, batch, fills[e], n0, e)
+    _steps(fence, pool, m)
+
+
+def _key_filled(keyer, batch: list[Seq], rows: list[int], n0: list[int], e: int) -> None:
+    """Step ``e``'s readback: ``rows`` filled a block; their computed counts move on and those
+    with something to key are keyed."""
+    keying = []
+    for r in rows:
+        seq = batch[r]
+        c = n0[r] + e + 1
+        if c >= seq.key_at:
+            keying.append(seq)
+        seq.num_computed = c
+    if keying:
+        keyer.key_computed(keying)
 
 
 def _steps(fence: StepFence, pool, k: int) -> None:

@@ -24,6 +24,39 @@ def pseudo_tokens(seeds, sample_index, positions, salt: int = 0) -> np.ndarray:
     return x & 255
 
 
+_WORD = (1 << 64) - 1
+
+
+def _int64(x: int) -> int:
+    """``x`` wrapped to a signed 64-bit integer (what numpy's int64 arithmetic leaves)."""
+    x &= _WORD
+    return x - (1 << 64) if x >> 63 else x
+
+
+def pseudo_token(seed: int, sample_index: int, position: int, salt: int = 0) -> int:
+    """``pseudo_tokens`` of one slot in Python integers (the same wrapped int64 mix: ``>>`` of
+    a negative int is arithmetic in both, ``& 255`` reads the same low bits)."""
+    x = _int64(seed * 40503 + position * 2654435761 + sample_index * 97 + salt)
+    x ^= x >> 15
+    x = _int64(x * 0x2C1B3C6D)
+    x ^= x >> 12
+    return x & 255
+
+
+def pseudo_token_steps(seeds, sample_index, positions, k: int, salt: int = 0) -> np.ndarray:
+    """``pseudo_tokens`` of each row at positions ``positions[r] + j`` for ``j < k``: i64[n, k].
+    The row's part of the mix is computed once; int64 sums and products wrap, so regrouping them
+    gives the same integers."""
+    base = (np.asarray(seeds, np.int64) * 40503 + np.asarray(positions, np.int64) * 2654435761
+            + np.asarray(sample_index, np.int64) * 97 + salt)
+    x = base[:, None] + np.arange(k, dtype=np.int64) * 2654435761
+    x ^= x >> 15
+    x *= 0x2C1B3C6D
+    x ^= x >> 12
+    x &= 255
+    return x
+
+
 def step_shape(ib: InputBatch, builder: BatchBuilder, sched: SchedulerOutput, *,
                after_idle: bool = False, window: int | None = None) -> StepShape:
     """The shape of the step ``sched`` describes, read from the input batch before the step is
@@ -108,4 +141,4 @@ def light_batch(ib: InputBatch, sched: SchedulerOutput) -> StepBatch:
                      item_ends=ends, stop_any=stop_any, decode_rows=rows, epoch=ib.epoch)
 
 
-__all__ = ["light_batch", "pseudo_tokens", "step_shape", "window_pairs"]
+__all__ = ["light_batch", "pseudo_token", "pseudo_token_steps", "pseudo_tokens", "step_shape", "window_pairs"]

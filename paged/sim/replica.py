@@ -58,7 +58,13 @@ from paged.request_checks import check_request
 from paged.routing import cached_prefix_tokens
 from paged.scheduler import SchedulerOutput
 from paged.sequence import UNKNOWN
-from paged.sim.batches import light_batch, pseudo_tokens, step_shape
+from paged.sim.batches import (
+    light_batch,
+    pseudo_token,
+    pseudo_token_steps,
+    pseudo_tokens,
+    step_shape,
+)
 from paged.sim.host_link import PCIE5_X16, HostLink, TierPricer
 from paged.sim.step_model import StepShape, StepTimeModel
 
@@ -289,40 +295,44 @@ class SimReplica:
         first = ib.tokens[np.arange(n), nc]
         if (first == UNKNOWN).any():
             return None
-        steps = np.arange(k)
-        # New blocks: step j starts one for each row whose slot ns + j is a block's first.
+        # New blocks: step j starts one for each row whose slot ns + j is a block's first. Most
+        # stretches fit in the free blocks: counted per row in closed form, without the
+        # (rows x steps) table that finds the step where the pool runs short.
         page = self.page_size
-        starts_block = (ns[:, None] + steps) % page == 0
-        need = np.cumsum(starts_block.sum(axis=0))
-        short = np.flatnonzero(need > self.block_manager.num_allocatable_blocks)
-        if len(short):
-            k = int(short[0])
-            if k < 2:
-                return None
-            steps, starts_block = steps[:k], starts_block[:, :k]
-        # Steps before this one take only free blocks: no cached block is evicted.
-        over = np.flatnonzero(need[:k] > self.block_manager.num_free_blocks)
-        evict_from = int(over[0]) if len(over) else k
+        bm = self.block_manager
+        free = bm.num_free_blocks
+        if int(((ns + (k - 1)) // page - (ns - 1) // page).sum()) <= free:
+            evict_from = k  # no step evicts a cached block, none runs short
+        else:
+            need = np.cumsum(((ns[:, None] + np.arange(k)) % page == 0).sum(axis=0))
+            short = np.flatnonzero(need > bm.num_allocatable_blocks)
+            if len(short):
+                k = int(short[0])
+                if k < 2:
+                    return None
+            # Steps before this one take only free blocks: no cached block is evicted.
+            over = np.flatnonzero(need[:k] > free)
+            evict_from = int(over[0]) if len(over) else k
         if self._tier is not None:  # an eviction offloads (a copy to price): step it instead
-            c = self.block_manager.host_tier_stats()
+            c = bm.host_tier_stats()
             if c["writing"] or c["held"] or evict_from < 2:
                 return None
             k = evict_from
-            steps, starts_block = steps[:k], starts_block[:, :k]
         tp, sp, _ = self._builder.buckets(n, n, n)
         durs = self.step_model.decode_times(n, int(nc.sum()) + n, k, tp, sp, int(self._idle))
-        t = now
-        starts = []
-        for d in durs:  # the begin times stepping reaches: each end is begin + duration
-            starts.append(t)
-            t = t + d
-        ends = starts[1:] + [t]
+        # The begin times stepping reaches (each end is begin + duration): a sequential sum.
+        clock = np.empty(k + 1)
+        clock[0] = now
+        clock[1:] = durs
+        clock = np.add.accumulate(clock)
+        times = clock.tolist()
+        starts, ends, t = times[:-1], times[1:], times[-1]
         toks = np.empty((n, k + 1), np.int64)
         toks[:, 0] = first
-        toks[:, 1:] = pseudo_tokens(ints[:, SEED][:, None], ints[:, SAMPLE_INDEX][:, None],
-                                    nt[:, None].astype(np.int64) + steps, self.token_salt)
-        self._stretch = _Stretch(n, k, nt.astype(np.int64).copy(), starts, ends, durs, toks,
-                                 evict_from, k == last)
+        toks[:, 1:] = pseudo_token_steps(ints[:, SEED], ints[:, SAMPLE_INDEX], nt, k,
+                                         self.token_salt)
+        self._stretch = _Stretch(n, k, nt.astype(np.int64), starts, ends, durs, toks,
+                                 evict_from, k == last, clock[1:])
         self.version += 1
         self.core.note_progress()
         return t
@@ -425,9 +435,11 @@ class SimReplica:
         self.num_steps += m
         self.num_fast_steps += m
         rows = np.arange(n)
-        cols = nt0[:, None] + np.arange(j0, upto)
-        ib.tokens[rows[:, None], cols] = st.toks[:, j0 + 1:upto + 1]
-        ib.times[rows[:, None], cols] = np.asarray(st.ends[j0:upto])
+        # Row r's slots nt0[r] + j0 .. nt0[r] + upto - 1, as flat indices (row-major): the
+        # sampled tokens, and the step end times (the same m times in every row).
+        flat = (rows * ib.tokens.shape[1] + nt0)[:, None] + np.arange(j0, upto)
+        np.put(ib.tokens, flat, st.toks[:, j0 + 1:upto + 1])
+        np.put(ib.times, flat, st.end_times[j0:upto])
         ib.num_slots[:n] += m
         ib.num_computed[:n] += m
         ib.num_tokens[:n] = nt0 + upto
@@ -579,9 +591,12 @@ class SimReplica:
             out[:nd] = pseudo_tokens(ib.ints[rows, SEED], ib.ints[rows, SAMPLE_INDEX],
                                      batch.decode_pos, self.token_salt)
         for q, slot, count, p in batch.samples:
-            out[slot:slot + count] = pseudo_tokens(
-                np.full(count, q.seed), np.arange(count) + q.sample_index, np.full(count, p),
-                self.token_salt)
+            if count == 1:  # a prompt's first token (Python integers: the same mix)
+                out[slot] = pseudo_token(q.seed, q.sample_index, p, self.token_salt)
+            else:
+                out[slot:slot + count] = pseudo_tokens(
+                    np.full(count, q.seed), np.arange(count) + q.sample_index, np.full(count, p),
+                    self.token_salt)
         return out
 
     # --- figures -------------------------------------------------------------------------------
@@ -640,13 +655,14 @@ def _tier_pricer(config: EngineConfig, dims, link) -> tuple[TierPricer, int] | N
 class _Stretch:
     """A planned run of pure decode steps (``SimReplica.plan``)."""
 
-    __slots__ = ("done", "durs", "ends", "evict_from", "finishes", "firsts", "k", "n", "nt0",
-                 "starts", "toks")
+    __slots__ = ("done", "durs", "end_times", "ends", "evict_from", "finishes", "firsts", "k",
+                 "n", "nt0", "starts", "toks")
 
-    def __init__(self, n, k, nt0, starts, ends, durs, toks, evict_from, finishes):
+    def __init__(self, n, k, nt0, starts, ends, durs, toks, evict_from, finishes, end_times):
         self.n, self.k, self.nt0 = n, k, nt0
         self.finishes = finishes  # its last step samples some sequence's last token
         self.starts, self.ends, self.durs = starts, ends, durs
+        self.end_times = end_times  # ``ends`` as f64[k]
         self.toks = toks
         self.evict_from = evict_from
         self.firsts = None  # (prompt length, first sampled token) per row, when first needed

@@ -222,6 +222,12 @@ class Simulator:
         last_progress = 0
         reads_blocks = len(reps) > 1 and router.policy == "prefix_aware"
         stretching: set[int] = set()  # replicas with a planned stretch
+        # What the router reads of each replica (waiting + running), refreshed before an arrival
+        # for the replicas touched since the last one: a replica's queues change only in the
+        # calls this loop makes (a planned stretch changes them when it is applied).
+        loads = [0] * len(reps)
+        touched: set[int] = set(range(len(reps)))
+        params_of: dict[tuple[int, int], SamplingParams] = {}  # (output_len, n): one each
 
         def collect(outs):
             for out in outs:
@@ -233,6 +239,7 @@ class Simulator:
             """Replica ``r``'s state at ``now`` mid-stretch: the step in flight resumes."""
             nonlocal order
             stretching.discard(r)
+            touched.add(r)
             end = reps[r].advance_to(now)
             collect(reps[r].take_outputs())
             if end is None:  # its last step ended at ``now``: as a step end at ``now``
@@ -255,6 +262,7 @@ class Simulator:
                 rep = reps[r]
                 if version != rep.version:
                     continue
+                touched.add(r)
                 if kind == 1:
                     collect(rep.finish(t))
                 elif kind == 2:
@@ -274,7 +282,10 @@ class Simulator:
                         for r in sorted(stretching):
                             if not reps[r].prefix_query_unchanged(ids, t):
                                 cut(r, t, ready)
-                    r = router.route(ids, reps)
+                    for k in touched:
+                        loads[k] = reps[k].num_waiting + reps[k].num_running
+                    touched.clear()
+                    r = router.route(ids, reps, loads=loads)
                 else:
                     r = 0
                 if r in stretching:  # it stops after the step in flight
@@ -287,8 +298,11 @@ class Simulator:
                     else:
                         order += 1
                         heapq.heappush(heap, (end, order, r, 2, reps[r].version))
-                params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, n=spec.n,
-                                        ignore_eos=True)
+                params = params_of.get((spec.output_len, spec.n))
+                if params is None:  # immutable: one per (output length, samples)
+                    params = params_of[spec.output_len, spec.n] = SamplingParams(
+                        max_tokens=spec.output_len, temperature=0.0, n=spec.n, ignore_eos=True)
+                touched.add(r)
                 try:
                     reps[r].add_request(spec.request_id, prompt, params, arrival_time=spec.arrival_s,
                                         timeout_s=timeout_s)
@@ -309,6 +323,7 @@ class Simulator:
                 j += 1
                 if rid in where:
                     r = where[rid]
+                    touched.add(r)
                     if r in stretching:
                         cut(r, t, ready)
                     reps[r].abort(rid, t)
@@ -318,6 +333,7 @@ class Simulator:
                 if busy[r]:
                     continue
                 rep = reps[r]
+                touched.add(r)
                 while rep.has_unfinished_requests() or rep.has_unreported_aborts:
                     end = rep.plan(t)
                     if end is not None:

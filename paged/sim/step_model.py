@@ -22,6 +22,7 @@ pages moved by swap and copy-on-write.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -443,21 +444,29 @@ class RooflineStepModel(StepTimeModel):
     stateless = True
 
     def decode_times(self, n, kv0, k, padded_tokens, padded_seqs, after_idle=0):
-        # ``time`` of each step, the same integer and float operations in the same order.
+        # ``time`` of each step as array expressions: the same integers (exact in int64: they
+        # stay far below 2**53, so each converts to the same float as Python's int / float)
+        # and the same float operations in the same order, hence the same floats.
+        w, per_seq, attn, host0, host1, launch, bw, fs, per_pos = self._decode_terms
+        j = np.arange(k, dtype=np.int64)
+        if per_pos is None:  # quantized: values and scales as ``kv_read_bytes`` counts them
+            moved = w + self.model.kv_read_bytes(j * n + (kv0 + n), self.block_size)
+        else:  # ``w + (kv + n) * per_pos`` with ``kv = kv0 + j * n``
+            moved = j * (n * per_pos) + (w + (kv0 + n) * per_pos)
+        flops = j * (attn * n) + (per_seq * n + attn * kv0)
+        host = host0 + host1 * n
+        return (host + (launch + np.maximum(moved / bw, flops / fs))).tolist()
+
+    @functools.cached_property
+    def _decode_terms(self) -> tuple:
+        """What ``decode_times`` reads of the model and device: weight bytes; FLOPs per
+        sequence (its token's matmuls and LM head) and per KV position; host, launch, bandwidth
+        and FLOP rate; KV bytes per position unquantized (else None)."""
         m, d = self.model, self.device
-        w = m.weight_bytes
-        bs = self.block_size
-        per_token = 2 * m.matmul_params * n + 2 * m.d_model * m.vocab_size * n
-        attn = 4 * m.num_layers * m.num_heads * m.head_dim
-        bw, fs, launch = d.mem_bandwidth, d.flop_s, d.launch_s
-        host = d.host_s[0] + d.host_s[1] * n
-        out = []
-        for j in range(k):
-            kv = kv0 + j * n
-            moved = w + m.kv_read_bytes(kv + n, bs) + 2 * m.kv_bytes_per_block(bs) * 0
-            flops = per_token + attn * kv
-            out.append(host + (launch + max(moved / bw, flops / fs)))
-        return out
+        per_pos = m.kv_bytes_per_token if m.kv_cache_dtype == "auto" else None
+        return (m.weight_bytes, 2 * m.matmul_params + 2 * m.d_model * m.vocab_size,
+                4 * m.num_layers * m.num_heads * m.head_dim, d.host_s[0], d.host_s[1],
+                d.launch_s, d.mem_bandwidth, d.flop_s, per_pos)
 
     def time(self, s: StepShape) -> float:
         m, d = self.model, self.device
