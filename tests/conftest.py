@@ -37,12 +37,17 @@ if _JAX_CACHE not in ("", "0"):
 
 # Cheap XLA compiles for the tests: the suite's shapes are tiny, so it spends its time compiling,
 # not running (the first step of a tiny engine: 5.3 s with XLA's default CPU optimization, 3.1 s
-# with these two flags, measured interleaved on this 2-core machine; the steps after it run about
-# 2x slower, a few milliseconds each). They make LLVM optimize the generated code less: the same
-# program, floating-point results at most reordered in the last bits (the suite passes with
-# them). Studies, benchmarks and library use keep XLA's defaults. Subprocesses a test starts
-# inherit them; ``PAGED_TEST_XLA_FAST=0`` turns them off.
-_FAST_XLA = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+# with the first two flags, measured interleaved on this 2-core machine; the steps after it run
+# about 2x slower, a few milliseconds each). They make LLVM optimize the generated code less: the
+# same program, floating-point results at most reordered in the last bits (the suite passes with
+# them). The third turns off XLA:CPU's newer MLIR fusion emitters, so fusions go through the
+# older elemental IR emitter, which compiles faster: three speculation and quantized-KV engine
+# tests, cold, no persistent cache, 61-62 user-CPU-s with the first two flags and 38-39 with all
+# three (two interleaved rounds each, this 2-core machine). Studies, benchmarks and library use
+# keep XLA's defaults. Subprocesses a test starts inherit them; ``PAGED_TEST_XLA_FAST=0`` turns
+# them off.
+_FAST_XLA = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+             "--xla_cpu_use_fusion_emitters=false")
 if os.environ.get("PAGED_TEST_XLA_FAST", "1") != "0":
     _flags = os.environ.get("XLA_FLAGS", "").split()
     os.environ["XLA_FLAGS"] = " ".join(
