@@ -52,7 +52,11 @@ for line in sys.stdin:
             signal.alarm(req["timeout"])
             os.chdir(req["cwd"])
             sys.argv = [req["module"], *req["args"]]
-            sys.modules.pop(req["module"], None)  # as under python -m: not imported before main
+            # As under python -m, the module run as __main__ was not imported before (a package
+            # stays: python -m imports it, then runs its __main__).
+            if not hasattr(sys.modules.get(req["module"]), "__path__"):
+                sys.modules.pop(req["module"], None)
+            sys.modules.pop(req["module"] + ".__main__", None)
             code = 0
             try:
                 runpy.run_module(req["module"], run_name="__main__", alter_sys=True)

@@ -21,6 +21,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from cli_runner import ForkRunner  # noqa: E402
 from server_utils import CONFIG, MAX_TOKENS, PROMPTS, serve_in_thread  # noqa: E402
 from server_utils import metric as _metric  # noqa: E402
 from server_utils import wait_idle as _wait_idle  # noqa: E402
@@ -337,19 +338,19 @@ def test_bench_serving_smoke_against_the_server(server, tmp_path):
 
 
 def test_cli_bad_value_is_one_line():
-    for flags, word in ((["--max_num_seqs", "0"], "max_num_seqs"),
-                        (["--max-num-seqs", "x"], "max_num_seqs"),
-                        (["--bogus", "1"], "--bogus"),
-                        (["--dtype", "float8"], "dtype"),
-                        (["--request_timeout_s", "3"], "--request_timeout_s"),  # one spelling
-                        (["--speculative", "ngram:x"], "METHOD[:K]"),
-                        (["--speculative", '{"num_speculative_token": 2}'],
-                         "closest: num_speculative_tokens")):
-        proc = subprocess.run([sys.executable, "-m", "paged.server", *flags], cwd=ROOT,
-                              capture_output=True, text=True, timeout=60)
-        lines = proc.stderr.strip().splitlines()
-        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-        assert lines[0].startswith("paged.server: ") and word in lines[0], lines
+    cases = ((["--max_num_seqs", "0"], "max_num_seqs"),
+             (["--max-num-seqs", "x"], "max_num_seqs"),
+             (["--bogus", "1"], "--bogus"),
+             (["--dtype", "float8"], "dtype"),
+             (["--request_timeout_s", "3"], "--request_timeout_s"),  # one spelling
+             (["--speculative", "ngram:x"], "METHOD[:K]"),
+             (["--speculative", '{"num_speculative_token": 2}'], "closest: num_speculative_tokens"))
+    with ForkRunner(["paged.server.cli"], ROOT) as cli:  # one warm start-up for the command lines
+        for flags, word in cases:
+            proc = cli.run("paged.server", *flags, timeout=60)
+            lines = proc.stderr.strip().splitlines()
+            assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+            assert lines[0].startswith("paged.server: ") and word in lines[0], lines
 
 
 def test_online_vs_offline_smoke(tmp_path):
