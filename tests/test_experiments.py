@@ -9,6 +9,7 @@ import types
 from pathlib import Path
 
 import pytest
+from engine_utils import host_devices_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,8 +122,8 @@ def _replays_exactly(out: Path, arms: list[str], stdout: str, devices: int = 1) 
     how = f"reproduce: {rp.replay_command(out, devices=devices)}"
     assert f"replay: {rp.replay_command(out, devices=devices)}" in stdout
     assert [r["arm"] for r in rp.load_records(str(out))] == arms, how
-    env = dict(os.environ, **({} if devices == 1 else {
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}))
+    env = dict(os.environ, **({} if devices == 1 else {  # the suite's XLA flags kept
+        "XLA_FLAGS": host_devices_flags(devices), "JAX_PLATFORMS": "cpu"}))
     proc = subprocess.run([sys.executable, "-m", "experiments.replay", f"--from={out}"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}{proc.stderr[-2000:]}\n{how}"
