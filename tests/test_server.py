@@ -337,7 +337,15 @@ def test_bench_serving_smoke_against_the_server(server, tmp_path):
     assert len(payload["ttfts"]) == 6 and all(t > 0 for t in payload["ttfts"])
 
 
-def test_cli_bad_value_is_one_line():
+@pytest.fixture(scope="module")
+def cli():
+    """One warm start-up (Python, JAX, the modules) for the command lines that fail fast."""
+    with ForkRunner(["paged.server.cli", "experiments.bench_serving",
+                     "experiments.online_vs_offline"], ROOT) as runner:
+        yield runner
+
+
+def test_cli_bad_value_is_one_line(cli):
     cases = ((["--max_num_seqs", "0"], "max_num_seqs"),
              (["--max-num-seqs", "x"], "max_num_seqs"),
              (["--bogus", "1"], "--bogus"),
@@ -345,12 +353,11 @@ def test_cli_bad_value_is_one_line():
              (["--request_timeout_s", "3"], "--request_timeout_s"),  # one spelling
              (["--speculative", "ngram:x"], "METHOD[:K]"),
              (["--speculative", '{"num_speculative_token": 2}'], "closest: num_speculative_tokens"))
-    with ForkRunner(["paged.server.cli"], ROOT) as cli:  # one warm start-up for the command lines
-        for flags, word in cases:
-            proc = cli.run("paged.server", *flags, timeout=60)
-            lines = proc.stderr.strip().splitlines()
-            assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-            assert lines[0].startswith("paged.server: ") and word in lines[0], lines
+    for flags, word in cases:
+        proc = cli.run("paged.server", *flags, timeout=60)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert lines[0].startswith("paged.server: ") and word in lines[0], lines
 
 
 def test_online_vs_offline_smoke(tmp_path):
@@ -386,12 +393,10 @@ def test_online_vs_offline_smoke(tmp_path):
     ("online_vs_offline", "--config.engine.max_num_seq=4", "engine.max_num_seqs"),
     ("online_vs_offline", "--config.engine.block_size=0", "engine.block_size"),
 ])
-def test_study_typo_or_bad_value_is_one_line(tmp_path, study, flag, word):
+def test_study_typo_or_bad_value_is_one_line(cli, tmp_path, study, flag, word):
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", f"experiments.{study}",
-         f"--config=experiments/configs/{study}.py:smoke", flag, f"--config.output_dir={out}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = cli.run(f"experiments.{study}", f"--config=experiments/configs/{study}.py:smoke", flag,
+                   f"--config.output_dir={out}", timeout=60)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith(f"{study}: ") and word in lines[0], lines
