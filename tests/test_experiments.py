@@ -9,14 +9,31 @@ import types
 from pathlib import Path
 
 import pytest
+from cli_runner import ForkRunner
 from engine_utils import host_devices_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+STUDIES = ("ablate", "capacity", "cascade", "disagg_engine", "disaggregation", "engine_bench",
+           "kv_quant", "kv_tiers", "serve", "sliding_window_capacity", "spec_decode")
+_CLI: list[ForkRunner] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cli():
+    """The smokes run as ``python -m experiments.<study>`` forked from one warm helper
+    (`cli_runner.ForkRunner`: Python, JAX and the studies imported once, each run in its own
+    child process that starts its own JAX backend)."""
+    with ForkRunner(["experiments.common", *(f"experiments.{s}" for s in STUDIES)], ROOT) as r:
+        _CLI.append(r)
+        yield
+        _CLI.clear()
+
+
 def _run(module: str, *flags: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", module, *flags], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    assert module.removeprefix("experiments.") in STUDIES, module  # preloaded in the helper
+    proc = _CLI[0].run(module, *flags, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -100,10 +117,8 @@ def test_device_check_script_parses():
 
 def test_serve_bad_config_fails_cleanly(tmp_path):
     bad = "--config.workload.rate=-1"
-    proc = subprocess.run([sys.executable, "-m", "experiments.serve",
-                           "--config=experiments/configs/serve.py:smoke", bad,
-                           f"--config.output_dir={tmp_path / 'out'}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = _CLI[0].run("experiments.serve", "--config=experiments/configs/serve.py:smoke", bad,
+                       f"--config.output_dir={tmp_path / 'out'}", timeout=300)
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("serve: workload.rate=-1"), proc.stderr
