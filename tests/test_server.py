@@ -12,8 +12,6 @@ import ast
 import concurrent.futures
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -360,12 +358,11 @@ def test_cli_bad_value_is_one_line(cli):
         assert lines[0].startswith("paged.server: ") and word in lines[0], lines
 
 
-def test_online_vs_offline_smoke(tmp_path):
+def test_online_vs_offline_smoke(cli, tmp_path):
     out = tmp_path / "ovo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.online_vs_offline",
-         "--config=experiments/configs/online_vs_offline.py:smoke", f"--config.output_dir={out}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    proc = cli.run("experiments.online_vs_offline",
+                   "--config=experiments/configs/online_vs_offline.py:smoke",
+                   f"--config.output_dir={out}", timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads((out / "summary.json").read_text())
     cmp = payload["loads"][0]["comparison"]
