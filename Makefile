@@ -24,7 +24,7 @@ run: $(STAMP)
 # Two pytest workers (pytest-xdist), whole files each (module fixtures and compiled shapes stay
 # in one worker): TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= 2
-TEST_OPTS = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+TEST_OPTS = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(TEST_OPTS) tests

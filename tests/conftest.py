@@ -37,12 +37,20 @@ if _JAX_CACHE not in ("", "0"):
 
 # Cheap XLA compiles for the tests: the suite's shapes are tiny, so it spends its time compiling,
 # not running (the first step of a tiny engine: 5.3 s with XLA's default CPU optimization, 3.1 s
-# with these two flags, measured interleaved on this 2-core machine; the steps after it run about
-# 2x slower, a few milliseconds each). They make LLVM optimize the generated code less: the same
-# program, floating-point results at most reordered in the last bits (the suite passes with
-# them). Studies, benchmarks and library use keep XLA's defaults. Subprocesses a test starts
-# inherit them; ``PAGED_TEST_XLA_FAST=0`` turns them off.
-_FAST_XLA = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+# with the first two flags, measured interleaved on this 2-core machine; the steps after it run
+# about 2x slower, a few milliseconds each). They make LLVM optimize the generated code less: the
+# same program, floating-point results at most reordered in the last bits (the suite passes with
+# them). The third turns off XLA:CPU's newer MLIR fusion emitters, so fusions go through the
+# older elemental IR emitter, which compiles faster: three speculation and quantized-KV engine
+# tests, cold, no persistent cache, 61-62 user-CPU-s with the first two flags and 38-39 with all
+# three (two interleaved rounds each, this 2-core machine). The last two generate code on one
+# thread and turn off the concurrency-optimized HLO scheduler (the two test workers already fill
+# both cores): a tiny engine's process, its first generate included, 3.17-3.37 CPU-s without them
+# and 2.73-2.99 with them (three interleaved rounds). Studies, benchmarks and library use keep XLA's defaults.
+# Subprocesses a test starts inherit them; ``PAGED_TEST_XLA_FAST=0`` turns them off.
+_FAST_XLA = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+             "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1",
+             "--xla_cpu_enable_concurrency_optimized_scheduler=false")
 if os.environ.get("PAGED_TEST_XLA_FAST", "1") != "0":
     _flags = os.environ.get("XLA_FLAGS", "").split()
     os.environ["XLA_FLAGS"] = " ".join(
@@ -110,3 +118,26 @@ if _COMPILE_LOG:
         _current_test[0] = item.nodeid
         yield
         _current_test[0] = "<between tests>"
+
+
+# Longest files first. `make test` hands whole files to the two workers (``--dist loadfile``) in
+# collection order (``--no-loadscope-reorder``; xdist's default order is most tests first, which
+# put one-test subprocess files such as test_data_parallel.py last). A long file near the end
+# leaves the other worker idle, so the files that took longest in a cold `make test` (measured
+# with ``--durations=0``, summed per file) are collected first, in this order; the rest follow in
+# their usual order. Only the order changes: every test still runs.
+SLOW_FIRST = (
+    "test_experiments.py", "test_spec_decode.py", "test_kv_quant_engine.py", "test_server.py",
+    "test_kv_groups.py", "test_hf_checkpoints.py", "test_engine.py", "test_core_process.py",
+    "test_kernels_bench.py", "test_kernels_quant.py", "test_reference.py", "test_sliding_window.py",
+    "test_data_parallel.py", "test_spec_decode_sched.py", "test_disaggregation.py",
+    "test_server_start.py", "test_studies_memory.py", "test_models.py", "test_routing_study.py",
+    "test_kernels_cascade.py", "test_cascade_engine.py", "test_http_router.py",
+    "test_fragmentation.py", "test_kernels_sliding.py", "test_kernels_paged.py",
+    "test_sliding_window_study.py", "test_multihost.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: files stay whole

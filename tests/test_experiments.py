@@ -9,13 +9,31 @@ import types
 from pathlib import Path
 
 import pytest
+from cli_runner import ForkRunner
+from engine_utils import host_devices_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+STUDIES = ("ablate", "capacity", "cascade", "disagg_engine", "disaggregation", "engine_bench",
+           "kv_quant", "kv_tiers", "serve", "sliding_window_capacity", "spec_decode")
+_CLI: list[ForkRunner] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cli():
+    """The smokes run as ``python -m experiments.<study>`` forked from one warm helper
+    (`cli_runner.ForkRunner`: Python, JAX and the studies imported once, each run in its own
+    child process that starts its own JAX backend)."""
+    with ForkRunner(["experiments.common", *(f"experiments.{s}" for s in STUDIES)], ROOT) as r:
+        _CLI.append(r)
+        yield
+        _CLI.clear()
+
+
 def _run(module: str, *flags: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", module, *flags], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    assert module.removeprefix("experiments.") in STUDIES, module  # preloaded in the helper
+    proc = _CLI[0].run(module, *flags, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -99,10 +117,8 @@ def test_device_check_script_parses():
 
 def test_serve_bad_config_fails_cleanly(tmp_path):
     bad = "--config.workload.rate=-1"
-    proc = subprocess.run([sys.executable, "-m", "experiments.serve",
-                           "--config=experiments/configs/serve.py:smoke", bad,
-                           f"--config.output_dir={tmp_path / 'out'}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = _CLI[0].run("experiments.serve", "--config=experiments/configs/serve.py:smoke", bad,
+                       f"--config.output_dir={tmp_path / 'out'}", timeout=300)
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("serve: workload.rate=-1"), proc.stderr
@@ -121,8 +137,8 @@ def _replays_exactly(out: Path, arms: list[str], stdout: str, devices: int = 1) 
     how = f"reproduce: {rp.replay_command(out, devices=devices)}"
     assert f"replay: {rp.replay_command(out, devices=devices)}" in stdout
     assert [r["arm"] for r in rp.load_records(str(out))] == arms, how
-    env = dict(os.environ, **({} if devices == 1 else {
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}))
+    env = dict(os.environ, **({} if devices == 1 else {  # the suite's XLA flags kept
+        "XLA_FLAGS": host_devices_flags(devices), "JAX_PLATFORMS": "cpu"}))
     proc = subprocess.run([sys.executable, "-m", "experiments.replay", f"--from={out}"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}{proc.stderr[-2000:]}\n{how}"

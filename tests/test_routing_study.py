@@ -40,8 +40,7 @@ def test_every_run_replays(study):
     assert all(r["fresh_engine"] for r in records)
     assert f"replay: {rp.replay_command(out, devices=4)}" in proc.stdout
     arm = labels[1]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=host_devices_flags(4), JAX_PLATFORMS="cpu")
     replayed = subprocess.run([sys.executable, "-m", "experiments.replay", f"--from={out}",
                                f"--arm={arm}"], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=300)

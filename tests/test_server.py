@@ -12,8 +12,6 @@ import ast
 import concurrent.futures
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -21,6 +19,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from cli_runner import ForkRunner  # noqa: E402
 from server_utils import CONFIG, MAX_TOKENS, PROMPTS, serve_in_thread  # noqa: E402
 from server_utils import metric as _metric  # noqa: E402
 from server_utils import wait_idle as _wait_idle  # noqa: E402
@@ -336,28 +335,34 @@ def test_bench_serving_smoke_against_the_server(server, tmp_path):
     assert len(payload["ttfts"]) == 6 and all(t > 0 for t in payload["ttfts"])
 
 
-def test_cli_bad_value_is_one_line():
-    for flags, word in ((["--max_num_seqs", "0"], "max_num_seqs"),
-                        (["--max-num-seqs", "x"], "max_num_seqs"),
-                        (["--bogus", "1"], "--bogus"),
-                        (["--dtype", "float8"], "dtype"),
-                        (["--request_timeout_s", "3"], "--request_timeout_s"),  # one spelling
-                        (["--speculative", "ngram:x"], "METHOD[:K]"),
-                        (["--speculative", '{"num_speculative_token": 2}'],
-                         "closest: num_speculative_tokens")):
-        proc = subprocess.run([sys.executable, "-m", "paged.server", *flags], cwd=ROOT,
-                              capture_output=True, text=True, timeout=60)
+@pytest.fixture(scope="module")
+def cli():
+    """One warm start-up (Python, JAX, the modules) for the command lines that fail fast."""
+    with ForkRunner(["paged.server.cli", "experiments.bench_serving",
+                     "experiments.online_vs_offline"], ROOT) as runner:
+        yield runner
+
+
+def test_cli_bad_value_is_one_line(cli):
+    cases = ((["--max_num_seqs", "0"], "max_num_seqs"),
+             (["--max-num-seqs", "x"], "max_num_seqs"),
+             (["--bogus", "1"], "--bogus"),
+             (["--dtype", "float8"], "dtype"),
+             (["--request_timeout_s", "3"], "--request_timeout_s"),  # one spelling
+             (["--speculative", "ngram:x"], "METHOD[:K]"),
+             (["--speculative", '{"num_speculative_token": 2}'], "closest: num_speculative_tokens"))
+    for flags, word in cases:
+        proc = cli.run("paged.server", *flags, timeout=60)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr
         assert lines[0].startswith("paged.server: ") and word in lines[0], lines
 
 
-def test_online_vs_offline_smoke(tmp_path):
+def test_online_vs_offline_smoke(cli, tmp_path):
     out = tmp_path / "ovo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.online_vs_offline",
-         "--config=experiments/configs/online_vs_offline.py:smoke", f"--config.output_dir={out}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    proc = cli.run("experiments.online_vs_offline",
+                   "--config=experiments/configs/online_vs_offline.py:smoke",
+                   f"--config.output_dir={out}", timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads((out / "summary.json").read_text())
     cmp = payload["loads"][0]["comparison"]
@@ -385,12 +390,10 @@ def test_online_vs_offline_smoke(tmp_path):
     ("online_vs_offline", "--config.engine.max_num_seq=4", "engine.max_num_seqs"),
     ("online_vs_offline", "--config.engine.block_size=0", "engine.block_size"),
 ])
-def test_study_typo_or_bad_value_is_one_line(tmp_path, study, flag, word):
+def test_study_typo_or_bad_value_is_one_line(cli, tmp_path, study, flag, word):
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", f"experiments.{study}",
-         f"--config=experiments/configs/{study}.py:smoke", flag, f"--config.output_dir={out}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = cli.run(f"experiments.{study}", f"--config=experiments/configs/{study}.py:smoke", flag,
+                   f"--config.output_dir={out}", timeout=60)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith(f"{study}: ") and word in lines[0], lines

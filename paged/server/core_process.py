@@ -49,6 +49,7 @@ def run_core(config, cmd_addr: str, out_addr: str, replica: tuple[int, int] | No
         engine = make_engine(config, replica=replica)
     except BaseException as e:  # noqa: BLE001  (the server reports it and exits)
         outs.send(pickle.dumps(("failed", f"{type(e).__name__}: {e}")))
+        cmds.close(linger=0)  # an open socket makes ctx.term() wait forever
         outs.close()
         ctx.term()
         return
