@@ -51,22 +51,22 @@ from paged.batch import StepBatch
 from paged.cascade_plan import CascadePlanner
 from paged.config import EngineConfig
 from paged.host_core import HostCore
-from paged.input_batch import HAS_STOP_IDS, LIMIT, SAMPLE_INDEX, SEED
+from paged.input_batch import LIMIT, SAMPLE_INDEX, SEED
 from paged.models.config import recycling_window
 from paged.models.tokenizer import ByteTokenizer
 from paged.request_checks import check_request
 from paged.routing import cached_prefix_tokens
 from paged.scheduler import SchedulerOutput
-from paged.sequence import UNKNOWN
 from paged.sim.batches import (
     light_batch,
     pseudo_token,
-    pseudo_token_steps,
     pseudo_tokens,
     step_shape,
 )
-from paged.sim.host_link import PCIE5_X16, HostLink, TierPricer
+from paged.sim.host_link import HostLink
 from paged.sim.step_model import StepShape, StepTimeModel
+from paged.sim.stretch import Stretch, plan_stretch
+from paged.sim.tier import SimTier
 
 ROLES = ("both", "prefill", "decode")
 
@@ -136,11 +136,11 @@ class SimReplica:
         # W when every layer slides (the engine's rule and errors: window shorter than a block,
         # cascade attention); the shape counts in-window reads under any KV layout.
         self.window = recycling_window(self.model_config, config)
-        self._tier = _tier_pricer(config, self.model_config, host_link)
+        self._tier = SimTier.build(config, self.model_config, host_link)
         self.core = core = HostCore(
             config, tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size,
             model_salt=f"{config.model}|{self.model_config.to_dict()}|{config.dtype}",
-            sliding_window=self.window, host_tier_blocks=self._tier[1] if self._tier else 0)
+            sliding_window=self.window, host_tier_blocks=self._tier.num_blocks if self._tier else 0)
         self.page_size, self.num_pages = core.page_size, core.num_pages
         self.block_manager, self.batch, self.scheduler = (
             core.block_manager, core.batch, core.scheduler)
@@ -158,10 +158,7 @@ class SimReplica:
         self._inflight = None
         self._idle = True  # no unfinished request after the last step (or none yet)
         self._reader.make_outputs = False  # the simulator keeps finished requests' outputs only
-        self.tier_counts = dict.fromkeys(("load_s", "offload_s", "load_wire_bytes",
-                                          "offload_wire_bytes", "copy_only_steps",
-                                          "offload_bound_steps"), 0)
-        self._stretch: _Stretch | None = None
+        self._stretch: Stretch | None = None
         self._ready: list = []  # outputs of requests a stretch finished, for ``take_outputs``
         self.version = 0  # bumped whenever a planned stretch is planned or cut
         self.num_fast_steps = 0  # steps applied by fast-forward
@@ -273,69 +270,17 @@ class SimReplica:
         if not self.fast_forward or self._inflight is not None or self.core.has_unreported_aborts \
                 or self.core.has_deadlines or self._stretch is not None:
             return None
-        sched, ib, cfg = self.scheduler, self.batch, self.config
-        n = ib.num_rows
-        if sched.waiting or sched.swapped or sched.loading or not n or n != len(sched.running) \
-                or n > cfg.max_num_seqs or n > cfg.max_num_batched_tokens:
+        st = plan_stretch(self.batch, self.scheduler, self.block_manager, self.config,
+                          self._builder, self.step_model, now=now, max_steps=max_steps,
+                          page_size=self.page_size, after_idle=self._idle,
+                          token_salt=self.token_salt,
+                          tier=self._tier is not None)
+        if st is None:
             return None
-        nt, ints = ib.num_tokens[:n], ib.ints[:n]
-        # Step j samples position nt + j; it ends a sequence when nt + j + 1 >= its limit. The
-        # stretch runs to the first step that ends one (included: ``_apply`` finishes it).
-        last = int((ints[:, LIMIT] - nt).min())
-        k = min(last, max_steps)
-        if k < 2:  # (checked first)
-            return None
-        nc, ns = ib.num_computed[:n], ib.num_slots[:n]
-        if not ((nt - nc == 1) & (nc >= ib.num_prompt[:n]) & (ns == nc) & ~ib.hold[:n]).all() \
-                or ints[:, HAS_STOP_IDS].any():
-            return None
-        seqs = ib.seqs[:n]
-        if any(q.params.n != 1 for q in seqs):
-            return None
-        first = ib.tokens[np.arange(n), nc]
-        if (first == UNKNOWN).any():
-            return None
-        # New blocks: step j starts one for each row whose slot ns + j is a block's first. Most
-        # stretches fit in the free blocks: counted per row in closed form, without the
-        # (rows x steps) table that finds the step where the pool runs short.
-        page = self.page_size
-        bm = self.block_manager
-        free = bm.num_free_blocks
-        if int(((ns + (k - 1)) // page - (ns - 1) // page).sum()) <= free:
-            evict_from = k  # no step evicts a cached block, none runs short
-        else:
-            need = np.cumsum(((ns[:, None] + np.arange(k)) % page == 0).sum(axis=0))
-            short = np.flatnonzero(need > bm.num_allocatable_blocks)
-            if len(short):
-                k = int(short[0])
-                if k < 2:
-                    return None
-            # Steps before this one take only free blocks: no cached block is evicted.
-            over = np.flatnonzero(need[:k] > free)
-            evict_from = int(over[0]) if len(over) else k
-        if self._tier is not None:  # an eviction offloads (a copy to price): step it instead
-            c = bm.host_tier_stats()
-            if c["writing"] or c["held"] or evict_from < 2:
-                return None
-            k = evict_from
-        tp, sp, _ = self._builder.buckets(n, n, n)
-        durs = self.step_model.decode_times(n, int(nc.sum()) + n, k, tp, sp, int(self._idle))
-        # The begin times stepping reaches (each end is begin + duration): a sequential sum.
-        clock = np.empty(k + 1)
-        clock[0] = now
-        clock[1:] = durs
-        clock = np.add.accumulate(clock)
-        times = clock.tolist()
-        starts, ends, t = times[:-1], times[1:], times[-1]
-        toks = np.empty((n, k + 1), np.int64)
-        toks[:, 0] = first
-        toks[:, 1:] = pseudo_token_steps(ints[:, SEED], ints[:, SAMPLE_INDEX], nt, k,
-                                         self.token_salt)
-        self._stretch = _Stretch(n, k, nt.astype(np.int64), starts, ends, durs, toks,
-                                 evict_from, k == last, clock[1:])
+        self._stretch = st
         self.version += 1
         self.core.note_progress()
-        return t
+        return st.ends[-1]
 
     def advance_to(self, t: float, *, begin_at_t: bool = False) -> float | None:
         """Ends the planned stretch at time ``t``: the steps that ended by ``t`` are applied; the
@@ -404,7 +349,7 @@ class SimReplica:
             return st.ends[m]
         return self.advance_to(t)
 
-    def _apply(self, st: _Stretch, upto: int) -> None:
+    def _apply(self, st: Stretch, upto: int) -> None:
         """Applies planned steps ``st.done .. upto - 1`` as stepping would have run them.
 
         The block manager's calls of those steps (each step's decode append, ``begin_step`` /
@@ -448,7 +393,7 @@ class SimReplica:
         if upto == st.k and st.finishes:
             self._finish_last(st)
 
-    def _finish_last(self, st: _Stretch) -> None:
+    def _finish_last(self, st: Stretch) -> None:
         """The readback of the stretch's last step, which samples some sequences' last token:
         ``StepReader``'s stops and outputs of that pure decode step (the outputs wait for the
         simulator in ``take_outputs``)."""
@@ -538,27 +483,9 @@ class SimReplica:
         return self.core.outputs(ended, batch.decode, made, touched)
 
     def _tier_step(self, compute_s: float | None) -> float | None:
-        """The step just begun with its host-tier copies priced (``TierPricer``): its duration,
-        or ``None`` when it has no copies (always without a tier). ``compute_s``: the step
-        model's time (``None``: a step that computes nothing)."""
-        if self._tier is None:
-            return None
-        pricer = self._tier[0]
-        copies = self.block_manager.take_tier_copies()
-        if not copies:
-            return None
-        load_s, offload_s = pricer.copy_times(copies)
-        c = self.tier_counts
-        c["load_s"] += load_s
-        c["offload_s"] += offload_s
-        c["load_wire_bytes"] += pricer.wire_bytes(len(copies.load)) if copies.load else 0
-        c["offload_wire_bytes"] += pricer.wire_bytes(len(copies.offload)) if copies.offload else 0
-        if compute_s is None:
-            c["copy_only_steps"] += 1
-            return max(load_s, offload_s)
-        if offload_s > load_s + compute_s:
-            c["offload_bound_steps"] += 1
-        return pricer.step_time(compute_s, load_s, offload_s)
+        """The step just begun, its host-tier copies priced (``SimTier.step``); ``None``
+        without a tier or copies."""
+        return None if self._tier is None else self._tier.step(self.block_manager, compute_s)
 
     def shape_of(self, sched: SchedulerOutput) -> StepShape:
         """The scheduled step's shape (call before the step is committed); a decode-only step
@@ -619,54 +546,8 @@ class SimReplica:
                 **({"host_tier": self.host_tier_stats()} if self._tier else {})}
 
     def host_tier_stats(self) -> dict:
-        """The host tier's counters (``BlockManager.host_tier_stats``: hits, blocks offloaded
-        and loaded, slots per state), its bytes, the seconds its copies took on the link and
-        the seconds sequences waited in ``loading`` (empty without a tier)."""
-        if self._tier is None:
-            return {}
-        pricer = self._tier[0]
-        out = dict(self.block_manager.host_tier_stats())
-        out.update(self.tier_counts, bytes_per_block=pricer.bytes_per_block,
-                   bytes=out["num_blocks"] * pricer.bytes_per_block, link=pricer.link.name,
-                   load_wait_s=self.scheduler.load_wait_s, num_loads=self.scheduler.num_loads)
-        return out
-
-
-def _tier_pricer(config: EngineConfig, dims, link) -> tuple[TierPricer, int] | None:
-    """``(pricer, host-tier blocks)`` for ``config.host_kv_cache_bytes`` (None without a tier).
-
-    Raises:
-      TypeError: a tier with a model that has no KV dimensions (not a ``ModelDims``).
-      ValueError: a budget smaller than one block.
-    """
-    if not config.host_kv_cache_bytes:
-        return None
-    if not hasattr(dims, "kv_bytes_per_block"):
-        raise TypeError(f"host_kv_cache_bytes={config.host_kv_cache_bytes} needs a model_config "
-                        f"with KV dimensions (a paged.sim.ModelDims), got {type(dims).__name__}")
-    per_block = int(dims.kv_bytes_per_block(config.block_size))
-    n = config.host_kv_cache_bytes // per_block
-    if n < 1:
-        raise ValueError(f"host_kv_cache_bytes={config.host_kv_cache_bytes} holds no block of "
-                         f"{per_block} bytes (block_size={config.block_size})")
-    return TierPricer(PCIE5_X16 if link is None else link, per_block), n
-
-
-class _Stretch:
-    """A planned run of pure decode steps (``SimReplica.plan``)."""
-
-    __slots__ = ("done", "durs", "end_times", "ends", "evict_from", "finishes", "firsts", "k",
-                 "n", "nt0", "starts", "toks")
-
-    def __init__(self, n, k, nt0, starts, ends, durs, toks, evict_from, finishes, end_times):
-        self.n, self.k, self.nt0 = n, k, nt0
-        self.finishes = finishes  # its last step samples some sequence's last token
-        self.starts, self.ends, self.durs = starts, ends, durs
-        self.end_times = end_times  # ``ends`` as f64[k]
-        self.toks = toks
-        self.evict_from = evict_from
-        self.firsts = None  # (prompt length, first sampled token) per row, when first needed
-        self.done = 0
+        """The host tier's counters and link seconds (``SimTier.stats``; empty without one)."""
+        return {} if self._tier is None else self._tier.stats(self.block_manager, self.scheduler)
 
 
 __all__ = ["SimReplica", "light_batch", "pseudo_tokens", "step_shape"]

@@ -1,0 +1,101 @@
+"""Fast-forward's plan: a stretch of pure decode steps whose schedule is known in advance.
+
+`plan_stretch` looks at a replica's host state (input batch, scheduler, block manager) and, when
+the next steps surely are pure decode steps of every running sequence (``paged.sim.replica``'s
+module docstring says when), computes their times (the step model's time of each step's shape:
+the same float sums as stepping), the blocks they would start, the step from which one would
+evict a cached block, and their pseudo-tokens, without running them. ``SimReplica`` applies a
+`Stretch` (``advance_to``, ``truncate``) and owns it while it runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paged.input_batch import HAS_STOP_IDS, LIMIT, SAMPLE_INDEX, SEED
+from paged.sequence import UNKNOWN
+from paged.sim.batches import pseudo_token_steps
+
+
+def plan_stretch(ib, sched, bm, config, builder, step_model, *, now: float, max_steps: int,
+                 page_size: int, after_idle: bool, token_salt: int,
+                 tier: bool) -> Stretch | None:
+    """The stretch of pure decode steps from ``now`` (at most ``max_steps``, ending with the
+    first step that samples a sequence's last token, or before the pool could run short; with a
+    host tier (``tier``), before the first eviction, whose offload is a copy to price), or
+    ``None`` when the next steps are not surely such steps."""
+    page, cfg = page_size, config
+    n = ib.num_rows
+    if sched.waiting or sched.swapped or sched.loading or not n or n != len(sched.running) \
+            or n > cfg.max_num_seqs or n > cfg.max_num_batched_tokens:
+        return None
+    nt, ints = ib.num_tokens[:n], ib.ints[:n]
+    # Step j samples position nt + j; it ends a sequence when nt + j + 1 >= its limit. The
+    # stretch runs to the first step that ends one (included: ``_apply`` finishes it).
+    last = int((ints[:, LIMIT] - nt).min())
+    k = min(last, max_steps)
+    if k < 2:  # (checked first)
+        return None
+    nc, ns = ib.num_computed[:n], ib.num_slots[:n]
+    if not ((nt - nc == 1) & (nc >= ib.num_prompt[:n]) & (ns == nc) & ~ib.hold[:n]).all() \
+            or ints[:, HAS_STOP_IDS].any():
+        return None
+    seqs = ib.seqs[:n]
+    if any(q.params.n != 1 for q in seqs):
+        return None
+    first = ib.tokens[np.arange(n), nc]
+    if (first == UNKNOWN).any():
+        return None
+    # New blocks: step j starts one for each row whose slot ns + j is a block's first. Most
+    # stretches fit in the free blocks: counted per row in closed form, without the
+    # (rows x steps) table that finds the step where the pool runs short.
+    free = bm.num_free_blocks
+    if int(((ns + (k - 1)) // page - (ns - 1) // page).sum()) <= free:
+        evict_from = k  # no step evicts a cached block, none runs short
+    else:
+        need = np.cumsum(((ns[:, None] + np.arange(k)) % page == 0).sum(axis=0))
+        short = np.flatnonzero(need > bm.num_allocatable_blocks)
+        if len(short):
+            k = int(short[0])
+            if k < 2:
+                return None
+        # Steps before this one take only free blocks: no cached block is evicted.
+        over = np.flatnonzero(need[:k] > free)
+        evict_from = int(over[0]) if len(over) else k
+    if tier:  # an eviction offloads (a copy to price): step it instead
+        c = bm.host_tier_stats()
+        if c["writing"] or c["held"] or evict_from < 2:
+            return None
+        k = evict_from
+    tp, sp, _ = builder.buckets(n, n, n)
+    durs = step_model.decode_times(n, int(nc.sum()) + n, k, tp, sp, int(after_idle))
+    # The begin times stepping reaches (each end is begin + duration): a sequential sum.
+    clock = np.empty(k + 1)
+    clock[0] = now
+    clock[1:] = durs
+    clock = np.add.accumulate(clock)
+    times = clock.tolist()
+    starts, ends = times[:-1], times[1:]
+    toks = np.empty((n, k + 1), np.int64)
+    toks[:, 0] = first
+    toks[:, 1:] = pseudo_token_steps(ints[:, SEED], ints[:, SAMPLE_INDEX], nt, k,
+                                     token_salt)
+    return Stretch(n, k, nt.astype(np.int64), starts, ends, durs, toks, evict_from, k == last,
+                   clock[1:])
+
+
+class Stretch:
+    """A planned run of pure decode steps (`plan_stretch`; applied by ``SimReplica``)."""
+
+    __slots__ = ("done", "durs", "end_times", "ends", "evict_from", "finishes", "firsts", "k",
+                 "n", "nt0", "starts", "toks")
+
+    def __init__(self, n, k, nt0, starts, ends, durs, toks, evict_from, finishes, end_times):
+        self.n, self.k, self.nt0 = n, k, nt0
+        self.finishes = finishes  # its last step samples some sequence's last token
+        self.starts, self.ends, self.durs = starts, ends, durs
+        self.end_times = end_times  # ``ends`` as f64[k]
+        self.toks = toks
+        self.evict_from = evict_from
+        self.firsts = None  # (prompt length, first sampled token) per row, when first needed
+        self.done = 0
