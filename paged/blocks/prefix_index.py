@@ -207,7 +207,7 @@ class PrefixCacheIndex:
         at content version ``versions[block]`` if there is none.
 
         The common case, a digest not indexed yet and an unindexed ``block``, is one dict probe
-        and insert (``PrefixKeyer.key_computed`` does that case inline, then calls this).
+        and insert.
 
         Raises:
           RuntimeError: if ``block`` is already indexed under a different key.
@@ -371,8 +371,7 @@ class PrefixKeyer:
             return
         B, versions, digest, intern = self.block_size, self.versions, self.digest, \
             self.index.intern
-        pack, fence, index = self.pack, self.fence, self.index
-        key_of, setdefault, version = index.key, index.buckets.setdefault, index.version
+        pack, fence = self.pack, self.fence
         busy, done = fence.busy_until, fence.last_completed
         copying = fence.copy_step > done  # some block may have a copy pending
         for seq in seqs:
@@ -390,13 +389,9 @@ class PrefixKeyer:
                     if seq.unknown and None in ids:  # a slot of unknown token id: stop here
                         break
                     data = pack(*ids)
-                    d = digest(None if parent is None else parent.digest, data, salt)
-                    if key_of[b] is None and setdefault(d, b) is b:  # intern's common case
-                        parent = key_of[b] = BlockKey(parent, data, salt, d)
-                        version[b] = versions[b]
-                        index.generation += 1
-                    else:
-                        parent = intern(b, parent, data, salt, d, versions)
+                    parent = intern(b, parent, data, salt,
+                                    digest(None if parent is None else parent.digest, data, salt),
+                                    versions)
                     keys.append(parent)
                     i += 1
             if not self.debug:
