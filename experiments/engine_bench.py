@@ -28,6 +28,7 @@ import numpy as np
 
 from experiments import common
 from paged import Engine, EngineConfig, SamplingParams
+from paged.device_step import stub_step
 
 
 class _Churn:
@@ -127,9 +128,6 @@ def bench_one(model_config, params, num_running: int, c, mode: str = "steady",
         for _ in range(c.warmup_steps):
             engine.step()
         step = engine.step
-    def stub(params, cache, batch, prev):  # no device work: tokens of the right shape, at once
-        return cache, np.zeros(max(batch.sample_rows.shape[0], prev.shape[0]), np.int32)
-
     # Rounds interleave blocks with overlap on, overlap off, and the device call stubbed out, so
     # slow drifts of a shared machine show as spread between rounds rather than as a bias of one
     # figure.
@@ -143,7 +141,7 @@ def bench_one(model_config, params, num_running: int, c, mode: str = "steady",
         # A B, then B A: in the steady regime every step is longer than the last (the context
         # grows), so the order alternates and per-round ratios cancel the drift.
         for name in ("on", "off", "isolated") if i % 2 == 0 else ("off", "on", "isolated"):
-            engine.set_device_step(stub if name == "isolated" else None)
+            engine.set_device_step(stub_step if name == "isolated" else None)
             engine.async_scheduling = name == "on"
             step()  # the switch (its step reads back the last mode's step)
             block, wall = _timed_steps(engine, step, expect, c.steps)

@@ -21,6 +21,7 @@ import numpy as np
 
 from experiments import common
 from paged import Engine, EngineConfig, SamplingParams
+from paged.device_step import stub_step
 
 KINDS = ("cumulative", "final_only")
 
@@ -37,15 +38,11 @@ def check(c) -> dict:
     return {}
 
 
-def _stub(params, cache, batch, prev):  # no device work: tokens of the right shape, at once
-    return cache, np.zeros(max(batch.sample_rows.shape[0], prev.shape[0]), np.int32)
-
-
 def _engine(model, c, n: int, kind: str) -> Engine:
     engine = Engine(EngineConfig(model=c.model, max_num_seqs=n, max_model_len=c.max_model_len,
                                  max_num_batched_tokens=max(n, 256), block_size=16),
                     model_config=model[0], params=model[1])
-    engine.set_device_step(_stub)
+    engine.set_device_step(stub_step)
     rng = np.random.default_rng(0)
     sp = SamplingParams(max_tokens=c.max_model_len - c.prompt_len, temperature=0.0,
                         ignore_eos=True, output_kind=kind)

@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from paged import kv_cache as kc
 from paged import sampling
@@ -61,6 +62,13 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
         return (new_cache, tokens, extras) if extras else (new_cache, tokens)
 
     return step, lambda: traces[0]
+
+
+def stub_step(params, cache, batch, prev):
+    """A device step that does no device work, for ``Engine.set_device_step``: zero tokens of the
+    right shape (one per sample slot, at least ``prev``'s length), at once. Host-only benchmarks
+    time the host's share of a step with it."""
+    return cache, np.zeros(max(batch.sample_rows.shape[0], prev.shape[0]), np.int32)
 
 
 def apply_copies(cache: KVCache, sched, host_k, host_v, freed_pages: list[int], tier=None,

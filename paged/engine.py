@@ -415,7 +415,7 @@ class Engine:
 
         ``fn(params, cache, device_batch, prev_tokens) -> (cache, tokens)`` with ``tokens`` one
         i32 per sample slot (at least ``prev_tokens``' length); a stub that returns zeros at once
-        measures the host's share of a step. Steps with log-probabilities or verify rows still
+        (``paged.device_step.stub_step``) measures the host's share of a step. Steps with log-probabilities or verify rows still
         run the real variants.
         """
         self._step_fn = self._variants[False, False] if fn is None else fn
