@@ -4,6 +4,8 @@ it; bad kinds are refused before anything changes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from engine_utils import prompts, small_model
 
@@ -28,8 +30,7 @@ def test_final_only_reports_once_with_the_same_tokens():
                                               ignore_eos=True)),
     }
     for rid, (prompt, sp) in list(cases.items()):
-        cases[rid.replace("-c", "-f")] = (prompt, SamplingParams(**{
-            **{f: getattr(sp, f) for f in sp.__slots__}, "output_kind": "final_only"}))
+        cases[rid.replace("-c", "-f")] = (prompt, dataclasses.replace(sp, output_kind="final_only"))
     for rid, (prompt, sp) in cases.items():
         engine.add_request(rid, prompt, sp)
     seen: dict[str, list] = {rid: [] for rid in cases}
