@@ -17,7 +17,7 @@ import numpy as np
 
 from experiments import common, serving
 from experiments.replay import replay_command
-from paged.workload import check_same_evidence
+from paged.workload.workload import check_same_evidence
 
 METRICS = ("output_throughput", "request_goodput", "p99_ttft_ms", "p99_tpot_ms", "p99_e2el_ms")
 

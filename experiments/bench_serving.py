@@ -1,6 +1,6 @@
 """HTTP benchmark client: one workload, in real time, against an OpenAI-compatible server.
 
-Every request of the workload (`paged.workload`, made as the serving studies make it) is sent at
+Every request of the workload (`paged.workload.workload`, made as the serving studies make it) is sent at
 its arrival time as a streaming ``POST /v1/completions`` with the prompt as token ids,
 ``max_tokens`` = its output length, ``ignore_eos: true``, ``temperature: 0`` and
 ``stream_options.include_usage``, with ``httpx`` (asyncio). It measures what a client sees:
@@ -15,7 +15,7 @@ A request answered with an HTTP error (503 when the server's queue is full) is `
 whose stream ends in an error event (a server-side timeout) ``timeout``, and one that fails on the
 client side (connection error, the client's own timeout) ``aborted``; each stays in the results
 with its message in ``error_messages``. The JSON uses vLLM ``benchmark_serving``'s field names at
-its top level (`paged.metrics.summarize`: ``duration``, ``completed``, ``request_throughput``,
+its top level (`paged.workload.metrics.summarize`: ``duration``, ``completed``, ``request_throughput``,
 ``output_throughput``, ``{mean,median,std,p90,p99}_{ttft,tpot,itl,e2el}_ms``, ``ttfts``,
 ``itls``, ``input_lens``, ``output_lens``, ``errors``), so it reads like vLLM's and like the
 in-process serving studies'; queue times are unknown to a client (``*_queue_ms`` are None).
@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 
 from experiments import common, serving
-from paged import metrics
-from paged.workload import Workload, check_same_evidence
+from paged.workload import metrics
+from paged.workload.workload import Workload, check_same_evidence
 
 
 def check(c) -> dict:
@@ -178,7 +178,7 @@ def benchmark(base_url: str, model: str, workload: Workload, *, endpoint: str = 
               tpot_slo_ms=None, progress: bool = True) -> tuple[dict, list[metrics.RequestRecord]]:
     """Runs ``workload`` against the server at ``base_url``; returns (summary, records).
 
-    The summary is `paged.metrics.summarize`'s over the client-side records, with the ITL fields
+    The summary is `paged.workload.metrics.summarize`'s over the client-side records, with the ITL fields
     (``*_itl_ms``, ``itls``) from chunk gaps and ``error_messages`` beside ``errors``.
     """
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request

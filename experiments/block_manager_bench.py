@@ -1,4 +1,4 @@
-"""Host cost of `paged.block_manager.BlockManager`: microseconds per operation and per decode step.
+"""Host cost of `paged.kv.block_manager.BlockManager`: microseconds per operation and per decode step.
 
     .venv/bin/python -m experiments.block_manager_bench --config=experiments/configs/block_manager_bench.py
 
@@ -36,7 +36,7 @@ import numpy as np
 from absl import app
 from ml_collections import config_flags
 
-from paged.block_manager import BlockManager
+from paged.kv.block_manager import BlockManager
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
@@ -175,7 +175,7 @@ class _Replay:
 
 
 class _Ours(_Replay):
-    """Drives `paged.block_manager.BlockManager` as `paged.scheduler` does: ``can_allocate`` then
+    """Drives `paged.kv.block_manager.BlockManager` as `paged.step.scheduler` does: ``can_allocate`` then
     ``allocate``. Decode calls by ``api`` (all plus ``begin_step``/``step_completed``):
 
     * ``per_seq``: one ``append_slots`` and one ``mark_computed`` per decoding sequence;

@@ -37,7 +37,7 @@ import numpy as np
 from experiments import common, fragmentation, plots, serving
 from experiments.replay import replay_command
 from paged import EngineConfig, SamplingParams, accounting
-from paged.workload import Workload, check_same_evidence
+from paged.workload.workload import Workload, check_same_evidence
 
 _TABLE_ENTRY_BYTES = 4  # the engine's block table holds i32 page indices
 

@@ -180,7 +180,7 @@ def measure_serving(c, engine_config, model) -> tuple[list[dict], list[float]]:
     on workloads drawn with ``seed + 1000`` (not the requests a validation then serves), and the
     admission lateness of requests that found the engine idle (``ServingRecorder.admit_late``)."""
     from experiments import serving
-    from paged.workload import make_workload
+    from paged.workload.workload import make_workload
 
     points, late = [], []
     for kind, prefix, rate in c.serving_workloads:

@@ -24,7 +24,7 @@ import ml_collections
 
 from experiments import common, decode_probe, kv_budget, plots, serving
 from experiments.replay import replay_command
-from paged.workload import check_same_evidence
+from paged.workload.workload import check_same_evidence
 
 
 def meets_slo(summary: dict, ttft_slo_ms: float, tpot_slo_ms: float) -> bool:
@@ -114,7 +114,7 @@ def check_kv_budget(c, engines) -> dict:
 
 def point_summary(summary: dict) -> dict:
     """A point's summary as stored: every scalar, without vLLM's per-request arrays
-    (`paged.metrics.per_request_arrays`; the ITLs alone are about 1 MB a point at 64 req/s)."""
+    (`paged.workload.metrics.per_request_arrays`; the ITLs alone are about 1 MB a point at 64 req/s)."""
     return {k: v for k, v in summary.items() if not isinstance(v, list)}
 
 

@@ -17,7 +17,7 @@ median over rounds of cascade time / ordinary time, with its spread). Bytes are 
 From the points with ``n >= 2`` the study fits ``t_cascade - t_ordinary = a - b * saved`` (seconds;
 ``saved = (n - 1) * p`` prefix token reads per KV head not repeated): ``a`` is cascade's fixed
 extra cost, ``b`` the time of one saved token read, and ``a / b`` the break-even saving in token
-reads, which is what `paged.cascade_plan.CascadeCost.overhead_tokens` states. It also lists, per
+reads, which is what `paged.step.cascade_plan.CascadeCost.overhead_tokens` states. It also lists, per
 group size, the smallest measured prefix from which cascade was faster at every longer prefix.
 
 Only CPU can be timed on this machine: the figures are XLA on CPU, not a GPU or TPU.

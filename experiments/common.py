@@ -38,7 +38,7 @@ from experiments.configs.engine_fields import (  # noqa: F401  (re-exported for 
     engine_config_dict,
     make_engine_config,
 )
-from paged.progress import Progress  # noqa: F401  (the one progress helper, used by the studies)
+from paged.util.progress_bar import Progress  # noqa: F401  (the one progress helper, used by the studies)
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 USAGE_EXIT = 2  # exit status of a command-line or config mistake

@@ -1,6 +1,6 @@
 """Colocated replicas against prefill/decode splits on the CPU engine: a FUNCTIONAL CHECK.
 
-Every arm serves the same constructed workload (``paged.workload.make_workload``, evidence
+Every arm serves the same constructed workload (``paged.workload.workload.make_workload``, evidence
 ``constructed``) in real time (`experiments.serving.run_arm`) on ``data_parallel_size`` replicas
 with ``prefill_replicas`` = each value of ``config.splits`` (0 = colocated). Per arm: the serving
 summary (TTFT / TPOT percentiles, goodput under the SLOs), and per replica its role, the tokens it
@@ -36,7 +36,7 @@ import jax
 
 from experiments import common, serving
 from experiments.replay import replay_command
-from paged.workload import make_workload
+from paged.workload.workload import make_workload
 
 NOTE = ("functional check on forced CPU host devices sharing one machine: not a performance "
         "claim; hand-over times are copies between host devices, not a link")

@@ -2,7 +2,7 @@
 
 Evidence: ``simulated`` (``paged.sim``: the real scheduler and block manager per replica, the
 ``RooflineStepModel`` of one H200 per replica, ``paged.sim.disagg`` for the hand-overs) over
-``real`` traces (the Azure LLM inference traces 2023, ``paged.workload.load_azure_trace``; a window,
+``real`` traces (the Azure LLM inference traces 2023, ``paged.workload.workload.load_azure_trace``; a window,
 lengths clipped, synthetic prompt ids; every derivation in the workload's label).
 
 For each trace, fleet of G GPUs (with its link) and offered rate, the colocated arm (G full
@@ -22,12 +22,12 @@ import os
 import time
 
 from experiments import common
-from paged import metrics
-from paged.routing import POLICIES, Router
+from paged.fleet.routing import POLICIES, Router
 from paged.sim import EVIDENCE, H200, RooflineStepModel, Simulator
 from paged.sim.handover import LINKS, Handover
 from paged.sim.step_model import MODELS
-from paged.workload import AZURE_TRACES, check_same_evidence, load_azure_trace
+from paged.workload import metrics
+from paged.workload.workload import AZURE_TRACES, check_same_evidence, load_azure_trace
 
 KEEP = ("completed", "num_requests", "num_aborted", "num_timeout", "num_rejected",
         "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "engine_preemptions",

@@ -28,7 +28,7 @@ import numpy as np
 
 from experiments import common
 from paged import Engine, EngineConfig, SamplingParams
-from paged.device_step import stub_step
+from paged.engine.device_step import stub_step
 
 
 class _Churn:

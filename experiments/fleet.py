@@ -29,10 +29,10 @@ import types
 import numpy as np
 
 from experiments import common
-from paged.routing import POLICIES, Router
+from paged.fleet.routing import POLICIES, Router
 from paged.sim import EVIDENCE, H200, RooflineStepModel, Simulator, check_not_mixed
 from paged.sim.step_model import H200_DATASHEET_BW, MODELS
-from paged.workload import (
+from paged.workload.workload import (
     BOS_ID,
     Workload,
     make_workload,

@@ -1,7 +1,7 @@
 """The fleet study's ``traces`` part: capacity on the Azure LLM inference traces 2023, simulated.
 
 Evidence: ``simulated`` (``paged.sim``: the real scheduler and block manager, a roofline device)
-over a ``real`` trace (``paged.workload.load_azure_trace``). Per trace and per setup (a model on T
+over a ``real`` trace (``paged.workload.workload.load_azure_trace``). Per trace and per setup (a model on T
 H200s in tensor parallel, ``TensorParallelRooflineStepModel``; T = 1 is the plain
 ``RooflineStepModel``) and per arm (engine overrides: paged + continuous batching + prefix
 caching, without prefix caching, contiguous KV + static batching, block sizes, KV cache dtypes:
@@ -30,10 +30,10 @@ import types
 
 from experiments import fleet as _fleet
 from experiments import plots
-from paged.routing import Router
+from paged.fleet.routing import Router
 from paged.sim import Simulator
 from paged.sim.step_model import MODELS, TensorParallelRooflineStepModel
-from paged.workload import AZURE_TRACES, Workload, check_same_evidence, load_azure_trace
+from paged.workload.workload import AZURE_TRACES, Workload, check_same_evidence, load_azure_trace
 
 _FAILED_KEYS = ("request_id", "status", "arrival_s", "first_token_s", "finish_s", "prompt_len",
                 "output_len", "num_preemptions")

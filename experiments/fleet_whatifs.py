@@ -15,7 +15,7 @@ KV bytes (``kv_budget``), each arm's capacity found by ``fleet.capacity`` (brack
   at ``window_max_model_len`` with ``window_duration_s`` of offered load: ShareGPT-like lengths
   scaled with ``max_model_len`` (many requests outgrow the window), or with
   ``window_output_len`` > 0 long-output ``fixed`` requests. With the window the replica
-  recycles blocks behind it (the real ``paged.blocks.window``) and the roofline reads only
+  recycles blocks behind it (the real ``paged.kv.blocks.window``) and the roofline reads only
   in-window KV (``paged.sim.batches.step_shape``).
 * ``cascade``: one arm per ``cascade_modes`` entry (``EngineConfig.cascade_attention``) on the
   multi-tenant workload (``cascade_num_prefixes`` shared prefixes of ``cascade_prefix_len``
@@ -30,10 +30,10 @@ from __future__ import annotations
 import dataclasses
 
 from experiments import fleet, plots
-from paged.config import CASCADE_MODES, KV_CACHE_DTYPES
+from paged.config.engine_config import CASCADE_MODES, KV_CACHE_DTYPES
 from paged.sim import RooflineStepModel
 from paged.sim.step_model import MODELS
-from paged.workload import make_workload
+from paged.workload.workload import make_workload
 
 WHATIFS = ("kv_dtype", "window", "cascade")
 

@@ -41,11 +41,17 @@ import time
 import numpy as np
 
 from experiments import common, fleet, fleet_whatifs, plots
-from paged.routing import Router
+from paged.fleet.routing import Router
 from paged.sim import EVIDENCE, RooflineStepModel, Simulator, check_not_mixed
 from paged.sim.host_link import HOST_LINKS, TierPricer
 from paged.sim.step_model import MODELS
-from paged.workload import BOS_ID, RequestSpec, Workload, load_azure_trace, synthetic_prompt
+from paged.workload.workload import (
+    BOS_ID,
+    RequestSpec,
+    Workload,
+    load_azure_trace,
+    synthetic_prompt,
+)
 
 STUDY = "host_tier_fleet"
 _KEEP = ("completed", "num_requests", "request_throughput", "output_throughput",

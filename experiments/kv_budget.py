@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from paged import EngineConfig, accounting
-from paged.config import DTYPES
+from paged.config.engine_config import DTYPES
 
 
 def kv_format(cfg: EngineConfig, priced_as: str | None = None) -> str:

@@ -37,7 +37,7 @@ import numpy as np
 
 from experiments import common, plots
 from paged import Engine, SamplingParams
-from paged.workload import RequestSpec, Workload
+from paged.workload.workload import RequestSpec, Workload
 
 
 # --- workload ---------------------------------------------------------------------------------

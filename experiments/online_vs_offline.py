@@ -43,7 +43,7 @@ from pathlib import Path
 
 from experiments import bench_serving, common, serving
 from experiments.replay import replay_command
-from paged.workload import check_same_evidence
+from paged.workload.workload import check_same_evidence
 
 PERCENTILES = (("p50", "median"), ("p90", "p90"), ("p99", "p99"))
 

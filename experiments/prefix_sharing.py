@@ -50,7 +50,7 @@ import numpy as np
 
 from experiments import common
 from paged import Engine, EngineConfig, SamplingParams, accounting
-from paged.workload import Workload, check_same_evidence, make_workload
+from paged.workload.workload import Workload, check_same_evidence, make_workload
 
 
 # --- ideal -------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ from pathlib import Path
 
 from experiments import common
 from paged import Engine, EngineConfig
-from paged.spec_config import SpeculativeConfig
+from paged.config.speculative import SpeculativeConfig
 
 FIELDS = ("ended", "preempted", "batch", "finished")  # compared per step, in this order
 

@@ -5,7 +5,7 @@ Three parts, one engine model (``config.model``), every engine warmed up before 
 
 **Policies.** A constructed multi-tenant workload (`tenant_workload`: one system prompt per tenant,
 of different lengths, shared by that tenant's users; each request's tenant drawn from the seed;
-the user's own turn and the output lengths from `paged.workload.make_workload`, Poisson arrivals
+the user's own turn and the output lengths from `paged.workload.workload.make_workload`, Poisson arrivals
 from the same call; evidence ``constructed``) is served in real time
 (`experiments.serving.run_arm`: requests added at their arrival times with ``arrival_time``, the
 engine stepping in between) on ``data_parallel_size`` replicas, once per router policy of
@@ -70,8 +70,8 @@ import numpy as np
 from experiments import common, plots, serving
 from experiments import replay as replay_mod
 from paged import Engine, SamplingParams
-from paged.routing import POLICIES
-from paged.workload import BOS_ID, Workload, check_same_evidence, make_workload
+from paged.fleet.routing import POLICIES
+from paged.workload.workload import BOS_ID, Workload, check_same_evidence, make_workload
 
 _PER_REQUEST = ("input_lens", "output_lens", "ttfts", "itls", "errors", "error_messages",
                 "failed_request_ids")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from experiments import common, plots, serving
 from experiments.replay import replay_command
-from paged.workload import check_same_evidence
+from paged.workload.workload import check_same_evidence
 
 
 def check(c) -> dict:

@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 from experiments import common
-from paged import Engine, EngineConfig, SamplingParams, metrics
-from paged.workload import Workload, load_azure_trace, make_workload
+from paged import Engine, EngineConfig, SamplingParams
+from paged.workload import metrics
+from paged.workload.workload import Workload, load_azure_trace, make_workload
 
 STATUS = {"stop": "finished", "length": "finished", "abort": "aborted", "timeout": "timeout"}
 
@@ -198,7 +199,7 @@ def start_cold(engine) -> bool:
         raise RuntimeError(f"start_cold: requests still unfinished: "
                            f"{engine.unfinished_request_ids()[:4]}")
     if getattr(engine, "router", None) is not None:  # data parallel
-        from paged.routing import Router
+        from paged.fleet.routing import Router
 
         engine.router = Router(engine.config.router, engine.config.router_load_threshold)
     return engine.reset_prefix_cache()

@@ -79,7 +79,7 @@ from paged.sim import (
     load_model_json,
 )
 from paged.sim.step_model import FEATURES, ratio_quantiles
-from paged.workload import make_workload
+from paged.workload.workload import make_workload
 
 METRICS = (("p50_ttft_ms", "median_ttft_ms", "p50"), ("p99_ttft_ms", "p99_ttft_ms", "p99"),
            ("p50_tpot_ms", "median_tpot_ms", "p50"), ("p99_tpot_ms", "p99_tpot_ms", "p99"),

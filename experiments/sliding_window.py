@@ -7,7 +7,7 @@ long-output requests offline: all added at t = 0, greedy, ``ignore_eos``, each w
 ``output_len`` tokens after a ``prompt_len``-token prompt.
 
 With every layer sliding the engine recycles a block once it lies wholly behind every future
-query's window (`paged.blocks.window`), so a sequence holds at most ``ceil(W / B) + 1`` blocks once
+query's window (`paged.kv.blocks.window`), so a sequence holds at most ``ceil(W / B) + 1`` blocks once
 its prompt is behind it (one more with ``async_scheduling``), where full attention holds
 ``ceil(len / B)`` and grows to ``ceil(max_model_len / B)``. Measured per arm, read from the engine
 after every step:
@@ -30,7 +30,7 @@ Not measured here (offline, no arrival process): capacity at a latency SLO. The 
 same pool are swept over request rates on the CPU engine by `experiments.sliding_window_capacity`
 (results in ``experiments/results/sliding_window/capacity/``), and the fleet what-if for a
 Mistral-7B-shaped model on a simulated H200 (`paged.sim` recycles blocks behind the window with the
-real `paged.blocks.window` and its roofline reads only in-window KV) is the fleet study's
+real `paged.kv.blocks.window` and its roofline reads only in-window KV) is the fleet study's
 ``window`` and ``window_fractions`` variants (`experiments/fleet_whatifs.py`; results in
 ``experiments/results/sliding_window_fleet/``).
 
@@ -49,9 +49,9 @@ from pathlib import Path
 
 from experiments import common, plots
 from paged import Engine, SamplingParams
-from paged.kv_cache import NULL_PAGE
+from paged.kv.cache import NULL_PAGE
 from paged.models.config import LlamaConfig, recycling_window
-from paged.workload import Workload, make_workload
+from paged.workload.workload import Workload, make_workload
 
 
 # --- arms -------------------------------------------------------------------------------------
@@ -165,7 +165,7 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
         res = run_arm(engine, wl, bar)
         bar.close()
         # One more block with async_scheduling: the next slot is appended before the previous
-        # step is read back and recycles (paged.blocks.window).
+        # step is read back and recycles (paged.kv.blocks.window).
         longest = max(r.prompt_len + r.output_len for r in wl.requests) - 1  # last KV write
         bound = (math.ceil(longest / B) if w is None
                  else math.ceil(w / B) + 1 + ecfg.async_scheduling)

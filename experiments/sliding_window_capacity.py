@@ -23,7 +23,7 @@ import os
 
 from experiments import capacity, common, plots, sliding_window
 from paged.models.config import LlamaConfig, recycling_window
-from paged.workload import make_workload
+from paged.workload.workload import make_workload
 
 
 def check(c) -> dict:

@@ -48,8 +48,8 @@ import numpy as np
 from experiments import common, plots, serving
 from experiments.replay import replay_command
 from paged import Engine, SamplingParams, SpeculativeConfig
-from paged.distributions import poisson_arrivals
-from paged.workload import RequestSpec, Workload, byte_token_len
+from paged.workload.distributions import poisson_arrivals
+from paged.workload.workload import RequestSpec, Workload, byte_token_len
 
 CODE = [
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
@@ -130,7 +130,7 @@ def _check_load(c, methods) -> dict:
 
 def load_workload(kind: str, num: int, rate: float, output_len: int, *, seed: int) -> Workload:
     """``num`` requests cycling through the ``kind`` prompts, Poisson arrivals at ``rate``/s
-    (`paged.distributions.poisson_arrivals`), ``output_len`` tokens each (EOS ignored)."""
+    (`paged.workload.distributions.poisson_arrivals`), ``output_len`` tokens each (EOS ignored)."""
     arrivals = poisson_arrivals(rate, num, seed=seed)
     prompts = PROMPTS[kind]
     requests = tuple(

@@ -1,6 +1,6 @@
 """Characterise the Azure LLM inference traces 2023 (``evidence: real``) beside the Splitwise paper.
 
-Per trace (``paged.workload.load_azure_trace``): request count, arrival span, mean rate (requests
+Per trace (``paged.workload.workload.load_azure_trace``): request count, arrival span, mean rate (requests
 over the span), requests per ``rate_bin_s`` bin, the inter-arrival coefficient of variation (std /
 mean of the gaps; 1 for Poisson), and mean, p50, p90, p99 and max of context and generated tokens
 (``np.percentile``, linear interpolation). The paper's medians (``configs/trace_stats.PAPER``) sit
@@ -20,7 +20,7 @@ import numpy as np
 
 from experiments import common, plots
 from experiments.configs.trace_stats import PAPER
-from paged.workload import AZURE_TRACES, Workload, load_azure_trace
+from paged.workload.workload import AZURE_TRACES, Workload, load_azure_trace
 
 
 def check(c) -> dict:

@@ -1,10 +1,11 @@
 """paged: paged KV state for online LLM inference in JAX.
 
-Public API: ``accounting`` (exact KV byte and position accounting), ``Engine`` (requests in,
-tokens out), ``EngineConfig`` (every engine setting), ``SamplingParams``, ``SpeculativeConfig`` and
-``RequestOutput``;
-``paged.validate`` holds the argument checks they share. The engine names are imported lazily so
-that ``from paged import accounting`` stays light.
+The public names, imported lazily so that ``from paged import accounting`` stays light:
+``Engine`` / ``EngineConfig`` / ``SamplingParams`` / ``SpeculativeConfig`` / ``RequestOutput``
+(requests in, tokens out), ``DataParallelEngine``, ``BlockManager`` / ``KVCache`` (the host
+pages and the device pool), ``Workload`` / ``make_workload`` / ``load_azure_trace`` /
+``check_same_evidence`` / ``RequestSpec`` (traffic), ``Simulator`` and ``accounting`` (exact KV
+byte and position accounting). WORKSPACE.md is the map of the packages behind them.
 """
 
 from __future__ import annotations
@@ -12,11 +13,22 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "Engine": "paged.engine",
-    "EngineConfig": "paged.config",
-    "RequestOutput": "paged.engine",
-    "SamplingParams": "paged.sampling",
-    "SpeculativeConfig": "paged.spec_decode",
+    "Engine": "paged.engine.engine",
+    "RequestOutput": "paged.request.outputs",
+    "CompletionOutput": "paged.request.outputs",
+    "DataParallelEngine": "paged.engine.data_parallel",
+    "EngineConfig": "paged.config.engine_config",
+    "SpeculativeConfig": "paged.config.speculative",
+    "SamplingParams": "paged.request.sampling",
+    "BlockManager": "paged.kv.block_manager",
+    "KVCache": "paged.kv.cache",
+    "MemoryLedger": "paged.accounting.ledger",
+    "Workload": "paged.workload.workload",
+    "make_workload": "paged.workload.workload",
+    "load_azure_trace": "paged.workload.workload",
+    "RequestSpec": "paged.workload.request_spec",
+    "check_same_evidence": "paged.workload.evidence",
+    "Simulator": "paged.sim.simulator",
 }
 
 __all__ = ["accounting", *_LAZY]

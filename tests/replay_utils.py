@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from experiments import serving
-from paged.workload import RequestSpec, Workload
+from paged.workload.workload import RequestSpec, Workload
 
 CONFIG = dict(block_size=8, num_blocks=14, max_num_seqs=4, max_num_batched_tokens=32,
               max_model_len=64, model="random-small",

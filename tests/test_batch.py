@@ -8,12 +8,12 @@ import jax
 import numpy as np
 import pytest
 
-from paged.batch import BatchBuilder
-from paged.block_manager import BlockManager
-from paged.input_batch import InputBatch
-from paged.sampling import SamplingParams
-from paged.scheduler import ScheduledSeq
-from paged.sequence import UNKNOWN, Sequence
+from paged.kv.block_manager import BlockManager
+from paged.request.sampling import SamplingParams
+from paged.request.sequence import UNKNOWN, Sequence
+from paged.step.batch import BatchBuilder
+from paged.step.input_batch import InputBatch
+from paged.step.scheduler import ScheduledSeq
 
 B = 4  # block size
 PAGES = 8  # pages per sequence

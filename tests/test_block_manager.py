@@ -1,4 +1,4 @@
-"""Scenarios for `paged.block_manager`: refcounts, content versions, LRU order, no-reuse window.
+"""Scenarios for `paged.kv.block_manager`: refcounts, content versions, LRU order, no-reuse window.
 
 Block size 4 throughout unless a test says otherwise; prompts are small ints so the expected tables
 can be written by hand.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from paged.block_manager import BlockManager
-from paged.kv_cache import NULL_PAGE
+from paged.kv.block_manager import BlockManager
+from paged.kv.cache import NULL_PAGE
 
 B = 4
 
@@ -722,7 +722,7 @@ def test_mark_computed_many_keys_full_blocks_and_rejects_a_late_bad_count():
 
 
 def test_prefix_index_buckets_collapse_and_a_wrong_digest_is_refused():
-    from paged.blocks.prefix_index import PrefixCacheIndex
+    from paged.kv.blocks.prefix_index import PrefixCacheIndex
 
     index = PrefixCacheIndex(8)
     versions = [0] * 8
@@ -743,7 +743,7 @@ def test_prefix_index_buckets_collapse_and_a_wrong_digest_is_refused():
 def test_default_keys_use_the_documented_xxh3_digest():
     import xxhash
 
-    from paged.blocks.prefix_index import xxh3_block_hash
+    from paged.kv.blocks.prefix_index import xxh3_block_hash
 
     bm = make(cache_salt=b"m")
     prefill(bm, "a", list(range(9)))
@@ -760,7 +760,7 @@ def test_default_keys_use_the_documented_xxh3_digest():
 def test_sha256_stays_an_option_with_the_same_blocks_and_hits():
     import hashlib
 
-    from paged.blocks.prefix_index import sha256_block_hash
+    from paged.kv.blocks.prefix_index import sha256_block_hash
 
     def run(hash_fn):
         bm = make(cache_salt=b"m", hash_fn=hash_fn)
@@ -782,12 +782,12 @@ def test_the_default_digest_is_stable_across_processes():
     import subprocess
     import sys
 
-    code = ("from paged.blocks.prefix_index import xxh3_block_hash as h; "
+    code = ("from paged.kv.blocks.prefix_index import xxh3_block_hash as h; "
             "print(h(h(None, (1, 2), b's'), (3, 4), b's').hex())")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True, env=dict(os.environ, PYTHONHASHSEED=seed)).stdout.strip()
             for seed in ("1", "2")}
-    from paged.blocks.prefix_index import xxh3_block_hash as h
+    from paged.kv.blocks.prefix_index import xxh3_block_hash as h
 
     assert outs == {h(h(None, (1, 2), b"s"), (3, 4), b"s").hex()}
 

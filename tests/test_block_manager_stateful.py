@@ -31,7 +31,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from paged.block_manager import BlockManager
+from paged.kv.block_manager import BlockManager
 
 B = 4
 POISON = "poison"

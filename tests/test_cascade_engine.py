@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged import Engine, EngineConfig, SamplingParams
-from paged.cascade_plan import CascadeCost, CascadePlanner, find_groups
-from paged.spec_config import SpeculativeConfig
+from paged.config.speculative import SpeculativeConfig
+from paged.step.cascade_plan import CascadeCost, CascadePlanner, find_groups
 
 PAGE = 8
 

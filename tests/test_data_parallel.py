@@ -1,4 +1,4 @@
-"""Data-parallel replicas and tensor parallel through ``EngineConfig`` (``paged.data_parallel``).
+"""Data-parallel replicas and tensor parallel through ``EngineConfig`` (``paged.engine.data_parallel``).
 
 The multi-device checks run in one subprocess with four forced host devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=4`` must be set before JAX starts); the
@@ -19,7 +19,7 @@ sys.path.insert(0, "tests")
 import jax
 from engine_utils import prompts, small_model
 from paged import Engine, EngineConfig, SamplingParams, SpeculativeConfig
-from paged.data_parallel import DataParallelEngine
+from paged.engine.data_parallel import DataParallelEngine
 
 assert len(jax.devices()) == 4, jax.devices()
 cfg, params = small_model()

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from paged.block_manager import BlockManager
+from paged.kv.block_manager import BlockManager
 
 B = 4
 

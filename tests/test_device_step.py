@@ -8,10 +8,10 @@ import pytest
 from engine_utils import small_model
 
 import pallas_kernels as pk
-from paged import kv_cache as kc
-from paged.batch import BatchBuilder
-from paged.device_step import make_step_fn
-from paged.input_batch import InputBatch
+from paged.engine.device_step import make_step_fn
+from paged.kv import cache as kc
+from paged.step.batch import BatchBuilder
+from paged.step.input_batch import InputBatch
 
 NUM_PAGES = 777  # a size no other array in the step has
 
@@ -55,7 +55,7 @@ def test_stacked_layer_read_equals_slice(op):
 
 def test_all_greedy_batches_take_the_argmax_path_with_the_same_results():
     """The greedy fast paths of ``sample`` and ``verify`` equal the general rule row by row."""
-    from paged import sampling
+    from paged.request import sampling
 
     rng = np.random.default_rng(0)
     n, vocab = 12, 50

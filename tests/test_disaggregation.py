@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation (``EngineConfig.prefill_replicas``, ``paged.handover``).
+"""Prefill/decode disaggregation (``EngineConfig.prefill_replicas``, ``paged.fleet.handover``).
 
 The multi-device checks share one subprocess with four forced host devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=4`` must be set before JAX starts); the
@@ -18,7 +18,7 @@ sys.path.insert(0, "tests")
 import jax
 from engine_utils import prompts, small_model
 from paged import Engine, EngineConfig, SamplingParams
-from paged.kv_cache import next_pow2
+from paged.kv.cache import next_pow2
 
 assert len(jax.devices()) == 4, jax.devices()
 cfg, params = small_model()

@@ -9,8 +9,8 @@ import pytest
 
 from experiments import serving
 from experiments.configs import serve as serve_config
-from paged import metrics
-from paged import workload as wl
+from paged.workload import metrics
+from paged.workload import workload as wl
 
 TRACE = Path(__file__).resolve().parents[1] / "experiments" / "traces" / "tiny_constructed.jsonl"
 

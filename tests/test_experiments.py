@@ -221,9 +221,9 @@ def test_progress_off_a_terminal_is_one_summary_line():
     assert quiet.getvalue() == ""
     # One helper for the library, the server's warmup and the studies; lines=True: a line per
     # update (count and elapsed time), for loops with long steps.
-    import paged.progress
+    import paged.util.progress_bar
 
-    assert Progress is paged.progress.Progress
+    assert Progress is paged.util.progress_bar.Progress
     lines = io.StringIO()
     with Progress(2, "warmup", file=lines, unit="step shapes", lines=True, summary=False) as bar:
         bar.set(1, shape="8x1x1 plain")

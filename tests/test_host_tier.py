@@ -1,4 +1,4 @@
-"""The host tier's bookkeeping (`paged.blocks.host_tier` through `BlockManager`): device evictions
+"""The host tier's bookkeeping (`paged.kv.blocks.host_tier` through `BlockManager`): device evictions
 become offloads, host hits become loads with a ``loading`` wait, nothing is copied twice, a slot
 whose content changed or whose write has not run is never served, the tier never holds more than
 its slots, and a sequence freed while loading leaves nothing behind. Every manager here runs with
@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from paged.block_manager import BlockManager
-from paged.routing import HOST_TIER_WEIGHT, cached_prefix_tokens
+from paged.fleet.routing import HOST_TIER_WEIGHT, cached_prefix_tokens
+from paged.kv.block_manager import BlockManager
 
 A = [1, 2, 3, 4, 5]  # two full blocks of 2 (keyed), the final token's block recomputed
 B = [9, 8, 7, 6, 5, 4, 3]
@@ -210,7 +210,7 @@ def test_server_metrics_export_the_tier_counters():
 def test_the_tier_is_refused_with_disaggregated_replicas():
     """A decode replica receives its prompt's pages from a prefill replica; a host-tier load on
     either side is not part of the hand-over's rules yet, so the pair is refused at once."""
-    from paged.config import EngineConfig
+    from paged.config.engine_config import EngineConfig
 
     with pytest.raises(ValueError, match="prefill_replicas=1 needs host_kv_cache_bytes=0"):
         EngineConfig(data_parallel_size=2, prefill_replicas=1, host_kv_cache_bytes=1 << 20)

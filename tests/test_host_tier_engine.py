@@ -12,8 +12,8 @@ import pytest
 from engine_utils import prompts, small_model
 
 from paged import Engine, EngineConfig, SamplingParams, SpeculativeConfig
-from paged import kv_cache as kc
-from paged.sequence import SeqStatus
+from paged.kv import cache as kc
+from paged.request.sequence import SeqStatus
 
 HOST_BYTES = 1 << 20
 

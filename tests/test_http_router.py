@@ -28,10 +28,10 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 openai = pytest.importorskip("openai")
 
 from paged import Engine, EngineConfig  # noqa: E402
+from paged.fleet.routing import Router  # noqa: E402
 from paged.router.app import BACKEND_HEADER, RouterSettings  # noqa: E402
 from paged.router.app import build_app as build_router  # noqa: E402
 from paged.router.backends import Backend, PrefixTree, parse_load, prompt_key  # noqa: E402
-from paged.routing import Router  # noqa: E402
 from paged.server.app import ServerSettings  # noqa: E402
 from paged.server.app import build_app as build_server  # noqa: E402
 

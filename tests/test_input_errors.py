@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from engine_utils import prompts, small_model
 
-from paged import Engine, EngineConfig, SamplingParams, accounting, validate
-from paged import kv_cache as kc
-from paged import workload as wl
-from paged.config import check_attention_impl, impls_for_backend
+from paged import Engine, EngineConfig, SamplingParams, accounting
+from paged.config.engine_config import check_attention_impl, impls_for_backend
+from paged.kv import cache as kc
+from paged.util import validate
+from paged.workload import workload as wl
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

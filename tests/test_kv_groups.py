@@ -1,6 +1,6 @@
 """KV-cache groups: a model with full and sliding layers keeps one block table per kind in one pool.
 
-Host bookkeeping (`paged.group_manager.GroupedBlockManager`) is checked call by call with the
+Host bookkeeping (`paged.kv.group_manager.GroupedBlockManager`) is checked call by call with the
 invariant checker on; the engine's greedy tokens are checked against transformers (``qwen2_sw``)
 and against the contiguous layout, which serves the same model with every layer masked and no
 groups (``tiny-mixed``).
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from paged import Engine, EngineConfig, SamplingParams, SpeculativeConfig
-from paged.group_manager import GroupedBlockManager
+from paged.kv.group_manager import GroupedBlockManager
+from paged.kv.groups import KVGroupLayout, kv_group_layout
 from paged.models.config import LlamaConfig
-from paged.models.kv_groups import KVGroupLayout, kv_group_layout
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from paged import accounting
-from paged import kv_cache as kc
+from paged.kv import cache as kc
 from pallas_kernels import quant
 
 L, HKV, D = 2, 3, 16

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged import kv_cache as kc
+from paged.kv import cache as kc
 from pallas_kernels import quant
 
 L, HKV, P, PAGE, D = 2, 2, 6, 4, 8

@@ -1,11 +1,11 @@
-"""Tests for paged.metrics: hand-computed latencies, failures, goodput, traces."""
+"""Tests for paged.workload.metrics: hand-computed latencies, failures, goodput, traces."""
 
 import json
 
 import numpy as np
 import pytest
 
-from paged.metrics import RequestRecord, Trace, meets_slo, stats_ms, summarize
+from paged.workload.metrics import RequestRecord, Trace, meets_slo, stats_ms, summarize
 
 
 def _rec(rid, status, arrival, sched, first, finish, times, prompt_len, output_len, **kw):

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = r"""
 import sys
 sys.path.insert(0, "tests")
-from paged import multihost
+from paged.engine import multihost
 
 port, pid = sys.argv[1], int(sys.argv[2])
 multihost.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)

@@ -111,7 +111,7 @@ def test_tenant_workload():
 
     from experiments.configs.routing import get_config
     from experiments.routing import tenant_workload
-    from paged.workload import BOS_ID, make_workload
+    from paged.workload.workload import BOS_ID, make_workload
 
     w = get_config("smoke").workload
     wl = tenant_workload(w, 40, 5.0, seed=3)
@@ -135,7 +135,7 @@ def test_tenant_workload():
 
 
 def test_merged_kv_stats_skip_a_replicas_none():
-    from paged.data_parallel import _merge
+    from paged.engine.data_parallel import _merge
 
     merged = _merge([{"a": 1.5, "b": {"c": None, "n": 2}, "block_size": 8},
                      {"a": None, "b": {"c": 2.0, "n": 3}, "block_size": 8}])

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("msgpack")
 
-from paged.outputs import CompletionOutput, OutputDeltas  # noqa: E402
+from paged.request.outputs import CompletionOutput, OutputDeltas  # noqa: E402
 from paged.server import wire  # noqa: E402
 from paged.server.core_client import RemoteOutput  # noqa: E402
 

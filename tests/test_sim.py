@@ -10,10 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from paged import Engine, EngineConfig, SamplingParams, metrics
-from paged import workload as wl
-from paged.block_manager import BlockManager
-from paged.routing import Router, cached_prefix_tokens
+from paged import Engine, EngineConfig, SamplingParams
+from paged.fleet.routing import Router, cached_prefix_tokens
+from paged.kv.block_manager import BlockManager
 from paged.sim import (
     H200,
     LLAMA3_8B,
@@ -26,6 +25,8 @@ from paged.sim import (
     fit_linear,
     simulate,
 )
+from paged.workload import metrics
+from paged.workload import workload as wl
 from tests.engine_utils import small_model
 
 MODEL = LinearStepModel({"const": 2e-3, "tokens": 2e-5, "seqs": 1e-5, "kv_read": 1e-7})

@@ -10,11 +10,11 @@ import math
 import pytest
 
 from paged import EngineConfig
-from paged import workload as wl
-from paged.kv_formulas import kv_bytes
-from paged.routing import Router
+from paged.accounting.formulas import kv_bytes
+from paged.fleet.routing import Router
 from paged.sim import LLAMA3_8B, LinearStepModel, Simulator
 from paged.sim.handover import IB_NDR_400, NVLINK4_H200, Handover, Link
+from paged.workload import workload as wl
 
 MODEL = LinearStepModel({"const": 2e-3, "tokens": 2e-5, "seqs": 1e-5, "kv_read": 1e-7})
 HANDOVER = Handover(NVLINK4_H200, LLAMA3_8B)

@@ -11,12 +11,12 @@ import random
 import numpy as np
 import pytest
 
-from paged import metrics
-from paged.block_manager import BlockManager
-from paged.blocks import decode_run
-from paged.routing import Router
+from paged.fleet.routing import Router
+from paged.kv.block_manager import BlockManager
+from paged.kv.blocks import decode_run
 from paged.sim import H200, LLAMA3_8B, QWEN25_7B, RooflineStepModel, StepTimeModel
 from paged.sim.batches import pseudo_token, pseudo_token_steps, pseudo_tokens
+from paged.workload import metrics
 
 
 @pytest.mark.parametrize("dtype, granularity", [("auto", "token"), ("int8", "token"),

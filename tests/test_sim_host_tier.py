@@ -19,7 +19,7 @@ from paged.sim import RooflineStepModel, Simulator
 from paged.sim.host_link import NVLINK_C2C, PCIE5_X16, HostLink, TierPricer
 from paged.sim.replica import SimReplica
 from paged.sim.step_model import DeviceSpec
-from paged.workload import RequestSpec, Workload
+from paged.workload.workload import RequestSpec, Workload
 
 BPB = 256
 # 1 ms per MB host to device, 0.5 ms per MB device to host, 1 ms per copy.

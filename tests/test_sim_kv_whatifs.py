@@ -9,10 +9,10 @@ import math
 import pytest
 
 from paged import EngineConfig
-from paged import workload as wl
 from paged.sim import ModelDims, RooflineStepModel, Simulator, StepShape, StepTimeModel
 from paged.sim.batches import window_pairs
 from paged.sim.step_model import DeviceSpec
+from paged.workload import workload as wl
 
 # One byte per second and no compute bound: a step's time is the bytes it moves, exactly.
 BYTES = DeviceSpec(name="bytes", mem_bandwidth=1.0, flop_s=1e30)

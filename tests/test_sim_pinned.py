@@ -11,9 +11,9 @@ import json
 import pytest
 
 from paged import EngineConfig
-from paged import workload as wl
-from paged.routing import Router
+from paged.fleet.routing import Router
 from paged.sim import H200, LLAMA3_8B, RooflineStepModel, Simulator
+from paged.workload import workload as wl
 
 
 def _digest(res) -> str:

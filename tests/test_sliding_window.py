@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from paged import Engine, EngineConfig, SamplingParams, SpeculativeConfig
-from paged.block_manager import BlockManager
+from paged.kv.block_manager import BlockManager
 from paged.models import load_checkpoint
 from paged.models.config import LlamaConfig
 
@@ -49,7 +49,7 @@ def test_greedy_matches_transformers_past_the_window(name):
     _check(engine.generate([p["ids"] for p in record["prompts"]], GREEDY), record)
     stats = engine.kv_stats()
     # Every layer slides (mistral_sw), or the sliding layers have their own KV-cache group
-    # (qwen2_sw, paged.group_manager): blocks were recycled either way.
+    # (qwen2_sw, paged.kv.group_manager): blocks were recycled either way.
     assert stats["recycled_blocks"] > 0
     assert stats["ledger"]["recycled_bytes"] == (
         stats["recycled_blocks"] * stats["ledger"]["bytes_per_block"])

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from engine_utils import prompts, small_model
 
-from paged import Engine, EngineConfig, SamplingParams, SpeculativeConfig, sampling
+from paged import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from paged.request import sampling
 
 
 def _engine(k: int | None, **kw) -> Engine:

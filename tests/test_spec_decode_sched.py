@@ -11,7 +11,7 @@ import types
 import pytest
 from engine_utils import prompts, small_model
 
-import paged.engine
+import paged.engine.engine
 from paged import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 
 
@@ -88,7 +88,7 @@ def test_timeout_under_speculation_frees_its_blocks(monkeypatch, n):
     ps = _prompts()[:2]
     want = _serve(_engine(None), ps, greedy)
     offset = [0.0]
-    monkeypatch.setattr(paged.engine, "time", types.SimpleNamespace(
+    monkeypatch.setattr(paged.engine.engine, "time", types.SimpleNamespace(
         perf_counter=lambda: time.perf_counter() + offset[0]))
     engine = _engine(3)
     free = _free(engine)

@@ -17,7 +17,7 @@ import pytest
 from engine_utils import prompts, small_model
 
 from paged import Engine, EngineConfig, SamplingParams
-from paged.spec_decode import SpeculativeConfig
+from paged.engine.spec_decode import SpeculativeConfig
 
 
 def _engine(**overrides) -> Engine:

@@ -98,7 +98,7 @@ def test_every_engine_field_is_a_config_key(tmp_path):
     import dataclasses
     import importlib
 
-    from paged.config import EngineConfig
+    from paged.config.engine_config import EngineConfig
 
     names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
     for study in ("serve", "ablate", "capacity", "block_size_sweep", "prefix_sharing",

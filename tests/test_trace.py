@@ -1,4 +1,4 @@
-"""Tests for the real traces in paged.workload: the Azure loader, derivations, evidence checks."""
+"""Tests for the real traces in paged.workload.workload: the Azure loader, derivations, evidence checks."""
 
 import csv
 import datetime
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from paged import workload as wl
+from paged.workload import workload as wl
 
 
 def _columns(service):

@@ -1,4 +1,4 @@
-"""Tests for paged.workload: arrivals, lengths, constructed workloads, trace files, evidence."""
+"""Tests for paged.workload.workload: arrivals, lengths, constructed workloads, trace files, evidence."""
 
 import dataclasses
 import json
@@ -8,7 +8,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from paged import workload as wl
+from paged.workload import workload as wl
 
 SAMPLE = pathlib.Path(__file__).resolve().parents[1] / "experiments/traces/tiny_constructed.jsonl"
 

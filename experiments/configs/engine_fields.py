@@ -23,8 +23,8 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
-from paged import validate
-from paged.config import EngineConfig, check_attention_impl
+from paged.config.engine_config import EngineConfig, check_attention_impl
+from paged.util import validate
 
 # Set at the study's top level (``config.model``), not in ``config.engine``.
 STUDY_LEVEL_FIELDS = ("model",)

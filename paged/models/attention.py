@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged import kv_cache
+from paged.kv import cache as kv_cache
 from paged.models.layers import _fan_in_init, apply_rope
 
 
@@ -36,10 +36,10 @@ class AttentionMetadata:
     kv_lens: jax.Array  # i32[max_num_seqs]: tokens in the cache after this step's writes
     cu_q_lens: jax.Array  # i32[max_num_seqs + 1]: sequence i owns q rows cu[i]:cu[i+1]
     num_seqs: jax.Array  # i32[1]: real sequences (the rest are padding)
-    # Decode-only steps with shared prefixes (paged.cascade_plan): i32[G, max_num_seqs + 1], row
+    # Decode-only steps with shared prefixes (paged.step.cascade_plan): i32[G, max_num_seqs + 1], row
     # g = (shared tokens, member sequences..., -1 padded); token row i is sequence i's decode.
     cascade: jax.Array | None = None
-    # KV-cache groups (paged.models.kv_groups): i32[G - 1, num_tokens], the slot mappings of
+    # KV-cache groups (paged.kv.groups): i32[G - 1, num_tokens], the slot mappings of
     # groups 1 .. G-1 (``slot_mapping`` is group 0's); ``page_indices`` then interleaves the
     # groups' tables, i32[max_num_seqs, G * pages_per_seq] with group g's in columns g::G.
     # None: one table for every layer.

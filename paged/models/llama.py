@@ -18,9 +18,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from paged.kv.groups import KVGroupLayout
 from paged.models.attention import AttentionMetadata, PagedAttention
 from paged.models.config import LlamaConfig
-from paged.models.kv_groups import KVGroupLayout
 from paged.models.layers import RMSNorm, SwiGLU
 
 
@@ -127,7 +127,7 @@ class Llama(nn.Module):
           ValueError: cache shape does not match the config.
         """
         c = self.config
-        # KV-cache groups: layer i uses tensor slot k of group g's table (paged.models.kv_groups)
+        # KV-cache groups: layer i uses tensor slot k of group g's table (paged.kv.groups)
         place = [(0, i) for i in range(c.num_layers)]
         if md.num_groups > 1:
             layout = KVGroupLayout.of(c.layer_windows)

@@ -1,4 +1,4 @@
-"""The router's FastAPI app: one `paged.routing.Router` decision per request, then a relay.
+"""The router's FastAPI app: one `paged.fleet.routing.Router` decision per request, then a relay.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions``: the body is read once, its routing key
 taken (`backends.prompt_key`; a body that is not JSON routes as cold), the policy picks among the
@@ -39,8 +39,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from paged.fleet.routing import POLICIES, Router
 from paged.router.backends import Backend, parse_load, prompt_key
-from paged.routing import POLICIES, Router
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class RouterSettings:
     """The router's settings (the CLI's flags).
 
     Attributes:
-      policy: one of `paged.routing.POLICIES`.
+      policy: one of `paged.fleet.routing.POLICIES`.
       load_threshold: ``prefix_aware``: the prefix winner keeps a request while its load is at
         most the least-loaded backend's plus this many requests.
       metrics_interval_s: seconds between scrapes of each backend's ``/metrics``.

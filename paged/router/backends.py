@@ -12,8 +12,8 @@ exact for this router's traffic and updated at once) and the backend's own gauge
 ``paged:num_requests_waiting`` / ``paged:num_requests_running`` scraped from its ``/metrics``
 every few seconds (every client's traffic, but stale). A backend's load is the larger of the two.
 
-`Backend` has the `paged.routing.Replica` members (``num_waiting``, ``num_running``,
-``cached_prefix_tokens``), so `paged.routing.Router` makes the decision here exactly as it does
+`Backend` has the `paged.fleet.routing.Replica` members (``num_waiting``, ``num_running``,
+``cached_prefix_tokens``), so `paged.fleet.routing.Router` makes the decision here exactly as it does
 in-process over engines and in the simulator.
 """
 
@@ -226,7 +226,7 @@ class Backend:
         self.num_requests = 0
         self.num_errors = 0
 
-    # --- the Replica protocol (paged.routing) -----------------------------------------------
+    # --- the Replica protocol (paged.fleet.routing) -----------------------------------------------
     @property
     def load(self) -> int:
         """The larger of this router's open requests and the backend's scraped waiting + running."""

@@ -27,8 +27,8 @@ import sys
 import typing
 import urllib.parse
 
-from paged import cli_lines
-from paged.routing import POLICIES
+from paged.fleet.routing import POLICIES
+from paged.util import cli_lines
 
 PROG = "paged.router"
 
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(*_names("host"), default="127.0.0.1")
     p.add_argument(*_names("port"), type=int, default=8080)
     p.add_argument(*_names("policy"), default="prefix_aware", choices=POLICIES,
-                   help="paged.routing.Router's policy (default prefix_aware)")
+                   help="paged.fleet.routing.Router's policy (default prefix_aware)")
     p.add_argument(*_names("load_threshold"), type=int, default=16, metavar="INT",
                    help="prefix_aware: keep the prefix winner while its load is at most the "
                         "least-loaded backend's plus this many requests")

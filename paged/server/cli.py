@@ -12,8 +12,8 @@ accepted as an alias. Booleans take ``true/false`` (also ``1/0``, ``yes/no``), o
 take ``none``. Server flags: ``--host``, ``--port``, ``--served_model_name`` (default: the
 model), ``--max_waiting`` (requests that may wait before 503, default 256), ``--request_timeout``
 (seconds, passed to the engine per request), ``--warmup`` (compile every step a request can
-select before serving, default true; `paged.warmup`: progress lines, 503 with ``Retry-After``
-until ready, and a small default bucket set, `paged.warmup.server_buckets`), ``--api_key``
+select before serving, default true; `paged.engine.warmup`: progress lines, 503 with ``Retry-After``
+until ready, and a small default bucket set, `paged.engine.warmup.server_buckets`), ``--api_key``
 (default ``$PAGED_API_KEY``: a Bearer token every ``/v1/*`` route requires), ``--switch_interval_ms`` (the interpreter's thread switch interval, default
 0.5 ms instead of Python's 5 ms, so the engine thread never waits long for the GIL while the event
 loop sends chunks), ``--engine_process`` (run the engine core in a child process, `paged.server.core_process`;
@@ -34,10 +34,10 @@ import sys
 import types
 import typing
 
-from paged import cli_lines
-from paged.config import EngineConfig
+from paged.config.engine_config import EngineConfig
+from paged.engine.spec_decode import SpeculativeConfig
 from paged.server.engines import make_engine
-from paged.spec_decode import SpeculativeConfig
+from paged.util import cli_lines
 
 PROG = "paged.server"
 API_KEY_ENV = "PAGED_API_KEY"  # vLLM's VLLM_API_KEY, under this project's name
@@ -168,13 +168,13 @@ def parse_args(argv: list[str] | None = None):
     if ns.api_key is not None and not ns.api_key.strip():
         fail("api_key must be non-empty")
     try:
-        from paged.warmup import server_buckets
+        from paged.engine.warmup import server_buckets
 
         config = server_buckets(EngineConfig(**fields), set(fields))
         if not ns.engine_process:  # else the core checks it: this process never starts a backend
             import jax
 
-            from paged.config import check_attention_impl
+            from paged.config.engine_config import check_attention_impl
 
             check_attention_impl(config.attention_impl, jax.default_backend())
     except (TypeError, ValueError) as e:
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
                               api_key=ns.api_key, warmup=ns.warmup,
                               metrics_prefix=ns.metrics_prefix)
     if ns.warmup:
-        from paged import warmup
+        from paged.engine import warmup
 
         steps = warmup.plan(engine) if hasattr(engine, "_variants") else []
         print(f"{PROG}: warmup: compiling {len(steps) or 'every'} step shapes (token buckets "

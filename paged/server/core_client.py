@@ -4,7 +4,7 @@ It offers what the server uses of an `Engine` (``config``, ``model_config``, ``t
 ``add_request``, ``abort``, ``step``, ``has_unfinished_requests``, ``has_step_in_flight``,
 ``kv_stats``, ``warmup``) so `EngineLoop` and the app run unchanged over either. Differences:
 
-- ``add_request`` runs the engine's own checks here (`paged.request_checks.check_request`, on
+- ``add_request`` runs the engine's own checks here (`paged.request.checks.check_request`, on
   the configs and tokenizer the core handed over), so a bad request raises before anything is
   sent, as in process; the add itself is asynchronous.
 - ``step()`` does not step: the core steps on its own. It returns the outputs of every step the
@@ -29,7 +29,7 @@ import time
 
 import zmq
 
-from paged.request_checks import check_request
+from paged.request.checks import check_request
 from paged.server import wire
 from paged.server.core_process import run_core
 
@@ -40,7 +40,7 @@ _ids = itertools.count()
 
 
 class RemoteCompletion:
-    """One sample of a `RemoteOutput` (cumulative, as `paged.outputs.CompletionOutput`).
+    """One sample of a `RemoteOutput` (cumulative, as `paged.request.outputs.CompletionOutput`).
 
     Its token ids and log-probabilities live in append-only lists that the sample's later
     snapshots share; each snapshot reads them up to its own count, so taking one copies nothing.

@@ -34,7 +34,7 @@ def run_core(config, cmd_addr: str, out_addr: str, replica: tuple[int, int] | No
 
     ``replica``: ``(i, D)`` when this core is replica ``i`` of ``config.data_parallel_size = D``:
     it builds a one-replica engine on the ``i``-th group of ``tensor_parallel_size`` devices of
-    ``jax.devices()`` (`paged.placement.split_devices`, as in-process replicas are placed).
+    ``jax.devices()`` (`paged.engine.placement.split_devices`, as in-process replicas are placed).
     """
     ctx = zmq.Context()
     cmds = ctx.socket(zmq.PULL)

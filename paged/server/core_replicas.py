@@ -2,7 +2,7 @@
 
 With ``--engine_process`` and D > 1 the server starts D `EngineCoreClient` children (replica
 ``i`` builds a one-replica engine on the devices in-process replica ``i`` would get) and routes
-each request in the server process with `paged.routing.Router` (``EngineConfig.router``,
+each request in the server process with `paged.fleet.routing.Router` (``EngineConfig.router``,
 ``router_load_threshold``), the policy that routes in-process replicas, HTTP backends and the
 simulator. It offers the same engine interface as `EngineCoreClient`.
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import zmq
 
+from paged.fleet.routing import Router
 from paged.router.backends import PrefixTree
-from paged.routing import Router
 from paged.server.core_client import EngineCoreClient
 
 
@@ -31,7 +31,7 @@ def start_engine_core(config, *, poll_ms: float = 5.0):
 
 
 class _CoreView:
-    """One core as `paged.routing.Replica` sees it (see the module docstring)."""
+    """One core as `paged.fleet.routing.Replica` sees it (see the module docstring)."""
 
     def __init__(self, client: EngineCoreClient, block_size: int):
         self.client = client

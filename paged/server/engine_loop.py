@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from paged.outputs import OutputDeltas
+from paged.request.outputs import OutputDeltas
 from paged.server.metrics import ServerMetrics
 from paged.server.protocol import ApiError
 

@@ -3,7 +3,7 @@ used by `paged.server.cli` in process and by `paged.server.core_process` in a ch
 
 from __future__ import annotations
 
-from paged.config import EngineConfig
+from paged.config.engine_config import EngineConfig
 
 
 def random_small():
@@ -33,7 +33,7 @@ def make_engine(config: EngineConfig, *, warmup: bool = False,
     if replica is not None:
         import jax
 
-        from paged.placement import split_devices
+        from paged.engine.placement import split_devices
 
         i, d = replica
         config = dataclasses.replace(config, data_parallel_size=1)

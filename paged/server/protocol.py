@@ -29,7 +29,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
-from paged.sampling import SamplingParams
+from paged.request.sampling import SamplingParams
 
 
 class ApiError(Exception):

@@ -1,8 +1,8 @@
 """From token ids to the text a client sees: incremental detokenization and held-back text.
 
 `Choice` is one choice of a response (a sample of one prompt): text so far (decoded by the
-shared `paged.stop_strings.Detokenizer`), how much was sent, its finish reason. Stop strings are
-the engine's (``SamplingParams.stop``, `paged.stop_strings`): a match finishes the sample with
+shared `paged.request.stop_strings.Detokenizer`), how much was sent, its finish reason. Stop strings are
+the engine's (``SamplingParams.stop``, `paged.request.stop_strings`): a match finishes the sample with
 ``"stop"`` and the engine's output carries the text cut before the stop string; while streaming,
 the last ``len(longest stop) - 1`` characters are held back so a stop string split across steps
 is never sent in part.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from paged.stop_strings import Detokenizer
+from paged.request.stop_strings import Detokenizer
 
 __all__ = ["CLIENT_REASONS", "Choice", "Detokenizer"]
 

@@ -30,8 +30,8 @@ import dataclasses
 
 import msgpack
 
-from paged.outputs import OutputDeltas
-from paged.sampling import SamplingParams
+from paged.request.outputs import OutputDeltas
+from paged.request.sampling import SamplingParams
 
 STAT_KEYS = ("num_running", "num_waiting", "num_blocks", "num_used_blocks",
              "prefix_cache_hit_tokens", "num_preemptions")

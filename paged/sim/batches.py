@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from paged.batch import BatchBuilder, StepBatch
-from paged.input_batch import HAS_STOP_IDS, LIMIT, InputBatch
-from paged.scheduler import SchedulerOutput
 from paged.sim.step_model import StepShape
+from paged.step.batch import BatchBuilder, StepBatch
+from paged.step.input_batch import HAS_STOP_IDS, LIMIT, InputBatch
+from paged.step.scheduler import SchedulerOutput
 
 
 def pseudo_tokens(seeds, sample_index, positions, salt: int = 0) -> np.ndarray:
@@ -63,7 +63,7 @@ def step_shape(ib: InputBatch, builder: BatchBuilder, sched: SchedulerOutput, *,
     committed (``BatchBuilder.commit`` moves the computed counts on). The engine's steps are
     measured with the same function (``experiments/calibrate.py``).
 
-    ``window``: W when every layer attends through a sliding window (``paged.blocks.window``):
+    ``window``: W when every layer attends through a sliding window (``paged.kv.blocks.window``):
     the query at position ``p`` reads positions ``[p - W + 1, p]``, so a decode reads
     ``min(kv_len, W)`` positions and a chunk of ``n`` tokens after ``c`` computed ones reads the
     union of its queries' windows, ``min(c + n, W + n - 1)``, and scores

@@ -49,11 +49,11 @@ import math
 import time
 from collections.abc import Callable, Mapping
 
-from paged import metrics
-from paged.request_checks import derive_seed
-from paged.sampling import SamplingParams
-from paged.sequence import UNKNOWN, Sequence
+from paged.request.checks import derive_seed
+from paged.request.sampling import SamplingParams
+from paged.request.sequence import UNKNOWN, Sequence
 from paged.sim.records import close_records, fleet_summary, record_of, rejected_record
+from paged.workload import metrics
 
 STEP, STRETCH, WAKE, TRANSFER = 1, 2, 0, 3
 

@@ -3,7 +3,7 @@
 A disaggregated fleet (``Simulator(..., prefill_replicas=P)``, ``paged.sim.disagg``) moves each
 prompt's KV from the prefill replica that computed it to a decode replica. ``Handover`` prices one
 such move: ``bytes = M_KV`` of the prompt, the seed's formula ``2 * L * n * h_kv * d_h * b``
-(``paged.kv_formulas.kv_bytes`` of the model's ``ModelSpec``: with a quantized KV cache ``b`` is the
+(``paged.accounting.formulas.kv_bytes`` of the model's ``ModelSpec``: with a quantized KV cache ``b`` is the
 stored value's size and the scales travel too, per token or per page), and
 ``time = latency + bytes / bandwidth`` over a ``Link``. Only the prompt's ``n`` valid positions are
 counted, as the formula does; a page-granular gather would move up to ``block_size - 1`` positions
@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from paged.kv_formulas import kv_bytes
+from paged.accounting.formulas import kv_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +102,7 @@ class Handover:
 
     def describe(self) -> dict:
         return {"link": dataclasses.asdict(self.link), "model": self.model.name,
-                "bytes": "M_KV = 2 * L * n * h_kv * d_h * b of the prompt (paged.kv_formulas)",
+                "bytes": "M_KV = 2 * L * n * h_kv * d_h * b of the prompt (paged.accounting.formulas)",
                 "time": "latency_s + bytes / bandwidth; one transfer at a time per GPU each way"}
 
 

@@ -1,7 +1,7 @@
 """What the host KV tier's copies cost in the simulator: the host-device link and the step's bytes.
 
 A simulated replica with ``EngineConfig(host_kv_cache_bytes=N)`` runs the real tier bookkeeping
-(``paged.blocks.host_tier``: offload on the device LRU's eviction, host hits at admission, the
+(``paged.kv.blocks.host_tier``: offload on the device LRU's eviction, host hits at admission, the
 ``loading`` state); ``TierPricer`` turns each step's ``TierCopies`` into seconds on a ``HostLink``.
 
 How the engine orders the copies, and so how a step is priced (``TierPricer.step_time``):
@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from paged import validate
+from paged.util import validate
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ Shared by the colocated loop (``paged.sim.simulator``) and the disaggregated one
 
 from __future__ import annotations
 
-from paged import metrics
+from paged.workload import metrics
 
 EVIDENCE = "simulated"
 STATUS = {"stop": "finished", "length": "finished", "abort": "aborted", "timeout": "timeout"}
@@ -50,7 +50,7 @@ def close_records(reps, records: dict, specs, now: float) -> list:
 
 
 def fleet_summary(recs: list, reps, workload, ttft_slo_ms, tpot_slo_ms) -> tuple[dict, list, int]:
-    """``paged.metrics.summarize`` of a run's records plus the fleet's counters; returns
+    """``paged.workload.metrics.summarize`` of a run's records plus the fleet's counters; returns
     (summary, each replica's ``stats()``, steps over all replicas)."""
     first = recs[0].arrival_s if recs else 0.0
     last = max([r.finish_s for r in recs if r.finish_s is not None], default=first)

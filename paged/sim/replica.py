@@ -1,6 +1,6 @@
 """One simulated engine replica: the real host code path with the device step replaced.
 
-``SimReplica`` composes the same ``paged.host_core.HostCore`` as ``paged.engine.Engine``: the real
+``SimReplica`` composes the same ``paged.step.host_core.HostCore`` as ``paged.engine.engine.Engine``: the real
 ``BlockManager``, ``InputBatch``, ``Scheduler``, ``BatchBuilder`` and ``StepReader``, and the
 request table (requests, sequence ids, deadlines, aborts, outputs), through the core's public
 methods only. What it replaces:
@@ -47,16 +47,11 @@ from bisect import bisect_left, bisect_right
 
 import numpy as np
 
-from paged.batch import StepBatch
-from paged.cascade_plan import CascadePlanner
-from paged.config import EngineConfig
-from paged.host_core import HostCore
-from paged.input_batch import LIMIT, SAMPLE_INDEX, SEED
+from paged.config.engine_config import EngineConfig
+from paged.fleet.routing import cached_prefix_tokens
 from paged.models.config import recycling_window
 from paged.models.tokenizer import ByteTokenizer
-from paged.request_checks import check_request
-from paged.routing import cached_prefix_tokens
-from paged.scheduler import SchedulerOutput
+from paged.request.checks import check_request
 from paged.sim.batches import (
     light_batch,
     pseudo_token,
@@ -67,6 +62,11 @@ from paged.sim.host_link import HostLink
 from paged.sim.step_model import StepShape, StepTimeModel
 from paged.sim.stretch import Stretch, plan_stretch
 from paged.sim.tier import SimTier
+from paged.step.batch import StepBatch
+from paged.step.cascade_plan import CascadePlanner
+from paged.step.host_core import HostCore
+from paged.step.input_batch import LIMIT, SAMPLE_INDEX, SEED
+from paged.step.scheduler import SchedulerOutput
 
 ROLES = ("both", "prefill", "decode")
 
@@ -109,11 +109,11 @@ class SimReplica:
         (``config.host_kv_cache_bytes > 0``; default ``paged.sim.host_link.PCIE5_X16``). The tier
         holds ``host_kv_cache_bytes // model_config.kv_bytes_per_block(block_size)`` blocks (so
         ``model_config`` must be a ``ModelDims``); its bookkeeping is the engine's
-        (``paged.blocks.host_tier``) and each step's loads and offloads are priced by
+        (``paged.kv.blocks.host_tier``) and each step's loads and offloads are priced by
         ``paged.sim.host_link.TierPricer`` (loads before the step's compute, offloads beside it).
 
     With ``config.cascade_attention`` on or auto, a decode-only step's shape counts the shared
-    prefix reads its groups save (``shape_of``; ``paged.cascade_plan``'s groups and cost rule);
+    prefix reads its groups save (``shape_of``; ``paged.step.cascade_plan``'s groups and cost rule);
     fast-forward is off then.
     """
 

@@ -5,7 +5,7 @@ no threads and nothing sleeps. At each event time ``t``, in this order (the orde
 driver ``experiments/serving.py``, which adds every arrival due before it calls ``step()``):
 
 1. replicas whose step ends at ``t`` read it back (``SimReplica.finish``);
-2. requests arriving at or before ``t`` are routed (``paged.routing.Router``) and added;
+2. requests arriving at or before ``t`` are routed (``paged.fleet.routing.Router``) and added;
 3. aborts due at ``t`` are applied;
 4. every replica that is free and has work begins its next step at ``t`` (a replica that was
    idle when a request reached it begins ``idle_wake_s`` later, if that is set).
@@ -31,10 +31,9 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from paged import metrics
-from paged.config import EngineConfig
-from paged.routing import Router
-from paged.sampling import SamplingParams
+from paged.config.engine_config import EngineConfig
+from paged.fleet.routing import Router
+from paged.request.sampling import SamplingParams
 from paged.sim.disagg import DisaggregatedRun
 from paged.sim.handover import Handover
 from paged.sim.records import (
@@ -47,7 +46,8 @@ from paged.sim.records import (
 )
 from paged.sim.replica import SimReplica
 from paged.sim.step_model import StepTimeModel
-from paged.workload import Workload
+from paged.workload import metrics
+from paged.workload.workload import Workload
 
 
 @dataclasses.dataclass
@@ -56,7 +56,7 @@ class SimResult:
 
     Attributes:
       records: one ``RequestRecord`` per request, in workload order (simulated seconds).
-      summary: ``paged.metrics.summarize`` of them plus fleet counters; ``evidence`` is
+      summary: ``paged.workload.metrics.summarize`` of them plus fleet counters; ``evidence`` is
         ``"simulated"``.
       replicas: ``SimReplica.stats()`` per replica.
       routed: requests routed to each replica.
@@ -104,7 +104,7 @@ class Simulator:
         (a model with state, such as ``ReplayStepModel``, needs one per replica).
       num_replicas: >= 1 (default 1, or ``config.data_parallel_size`` when P comes from
         ``config.prefill_replicas``).
-      router: a ``paged.routing.Router`` (default least loaded).
+      router: a ``paged.fleet.routing.Router`` (default least loaded).
       model_config: passed to each ``SimReplica`` (vocabulary, prefix-cache salt).
       build_device: build the real padded device batch every step (``SimReplica``).
       record_schedule: keep each replica's schedule log.
@@ -399,8 +399,8 @@ def simulate(config: EngineConfig, step_model, workload: Workload, **kw) -> SimR
 
 def check_not_mixed(results: Sequence[Mapping]) -> str:
     """The one evidence label of ``results`` (dicts with ``"evidence"``); ValueError if a
-    simulated result sits with a real or constructed one (``paged.workload.check_same_evidence``)."""
-    from paged.workload import check_same_evidence
+    simulated result sits with a real or constructed one (``paged.workload.workload.check_same_evidence``)."""
+    from paged.workload.workload import check_same_evidence
 
     return check_same_evidence(results)
 

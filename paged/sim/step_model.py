@@ -28,8 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from paged import validate
-from paged.kv_formulas import QUANT_ITEMSIZE, SCALE_BYTES, SCALE_GRANULARITIES
+from paged.accounting.formulas import QUANT_ITEMSIZE, SCALE_BYTES, SCALE_GRANULARITIES
+from paged.util import validate
 
 FEATURES: dict[str, Callable[[StepShape], float]] = {}
 
@@ -57,7 +57,7 @@ class StepShape:
         first step after a pause runs cold (caches, parked threads), which a fit can price.
       kv_shared: of ``kv_read``, the positions cascade attention does not read again: a group of
         ``m`` decodes sharing ``p`` prefix tokens reads them once, not ``m`` times, so
-        ``(m - 1) * p`` summed over the step's groups (``paged.cascade_plan``; 0 without cascade).
+        ``(m - 1) * p`` summed over the step's groups (``paged.step.cascade_plan``; 0 without cascade).
     """
 
     num_tokens: int
@@ -495,7 +495,7 @@ ALLREDUCE_LATENCY_S = 10e-6
 @dataclasses.dataclass(frozen=True)
 class TensorParallelRooflineStepModel(RooflineStepModel):
     """`RooflineStepModel` of one replica over ``tensor_parallel`` = T devices (Megatron split as
-    ``paged.placement``: attention projections, KV heads and MLP sharded T ways; embeddings,
+    ``paged.engine.placement``: attention projections, KV heads and MLP sharded T ways; embeddings,
     norms and the LM head replicated), each device the ``device``:
 
     ``t = host + launch + max(bytes_dev / bandwidth, flops_dev / flop_s) + 2 L allreduce``

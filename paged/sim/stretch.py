@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from paged.input_batch import HAS_STOP_IDS, LIMIT, SAMPLE_INDEX, SEED
-from paged.sequence import UNKNOWN
+from paged.request.sequence import UNKNOWN
 from paged.sim.batches import pseudo_token_steps
+from paged.step.input_batch import HAS_STOP_IDS, LIMIT, SAMPLE_INDEX, SEED
 
 
 def plan_stretch(ib, sched, bm, config, builder, step_model, *, now: float, max_steps: int,

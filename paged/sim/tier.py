@@ -1,13 +1,13 @@
 """A simulated replica's host KV tier: the link that prices its copies and what they cost so far.
 
-The tier's bookkeeping is the engine's own (``paged.blocks.host_tier``, inside the replica's
+The tier's bookkeeping is the engine's own (``paged.kv.blocks.host_tier``, inside the replica's
 block manager); `SimTier` only prices each step's copies (`paged.sim.host_link.TierPricer`) and
 keeps the link seconds and wire bytes they took.
 """
 
 from __future__ import annotations
 
-from paged.config import EngineConfig
+from paged.config.engine_config import EngineConfig
 from paged.sim.host_link import PCIE5_X16, HostLink, TierPricer
 
 _COUNTS = ("load_s", "offload_s", "load_wire_bytes", "offload_wire_bytes", "copy_only_steps",

@@ -1,0 +1,141 @@
+"""The engine's one jitted device call: model forward (KV written into the donated cache) + sampling."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged.kv import cache as kc
+from paged.kv.cache import KVCache
+from paged.models.config import LlamaConfig
+from paged.models.llama import Llama
+from paged.request import sampling
+
+
+@functools.lru_cache(maxsize=32)
+def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int = 1,
+                 with_logprobs: bool = False, with_verify: bool = False):
+    """Returns ``(step, trace_count)``, shared by every engine with the same model and attention.
+
+    ``step(params, cache, batch, prev) -> (cache, tokens i32[N])`` is jitted with the cache
+    DONATED: XLA writes the new K/V in place and the caller must drop its old reference. ``prev``
+    is the previous step's ``tokens`` (still on device): a token row whose ``batch.feed`` is
+    ``j >= 0`` takes ``prev[j]`` as its id, so a step can be dispatched before the previous one's
+    samples reach the host. ``tokens`` is zero-padded to at least ``out_size`` slots, so that
+    ``prev`` keeps one shape from step to step (it is not another dimension to compile for).
+    With ``with_logprobs`` the step returns ``(cache, tokens, extras)``: ``extras`` holds, per
+    sample slot, the log-probability of its ``batch.target`` token (the sampled token where the
+    target is -1) and the slot's top ``MAX_LOGPROBS`` log-probabilities and ids
+    (``sampling.logprobs``). With ``with_verify`` the tokens come from ``sampling.verify``
+    (``batch.draft``: each slot's proposed token, -1 where none) and ``extras`` also holds each
+    slot's accept bit. ``trace_count()``
+    says how many shapes were traced so far (one XLA compilation each); engines sharing the
+    function share its compilations, so an engine reports the difference since its creation.
+    """
+    model = Llama(model_config)
+    traces = [0]
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def step(params, cache: KVCache, batch, prev, q=None, q_index=None):
+        traces[0] += 1  # runs at trace time only
+        feed = batch.feed
+        ids = jnp.where(feed >= 0, prev[jnp.clip(feed, 0, prev.shape[0] - 1)], batch.tokens)
+        logits, k_pages, v_pages = model.apply(
+            params, ids, batch.positions, cache.k_pages, cache.v_pages, batch.md,
+            batch.sample_rows, attention_impl=attention_impl)
+        args = (logits, batch.temperature, batch.top_k, batch.top_p, batch.seed,
+                batch.sample_index, batch.sample_pos)
+        extras = {}
+        if with_verify:
+            tokens, extras["accept"] = sampling.verify(*args, batch.draft, q, q_index)
+        else:
+            tokens = sampling.sample(*args)
+        if with_logprobs:
+            target = jnp.where(batch.target >= 0, batch.target, tokens)
+            extras["logprobs"] = sampling.logprobs(logits, target)
+        if tokens.shape[0] < out_size:
+            tokens = jnp.pad(tokens, (0, out_size - tokens.shape[0]))
+        new_cache = cache.replace(k_pages=k_pages, v_pages=v_pages)
+        return (new_cache, tokens, extras) if extras else (new_cache, tokens)
+
+    return step, lambda: traces[0]
+
+
+def stub_step(params, cache, batch, prev):
+    """A device step that does no device work, for ``Engine.set_device_step``: zero tokens of the
+    right shape (one per sample slot, at least ``prev``'s length), at once. Host-only benchmarks
+    time the host's share of a step with it."""
+    return cache, np.zeros(max(batch.sample_rows.shape[0], prev.shape[0]), np.int32)
+
+
+def apply_copies(cache: KVCache, sched, host_k, host_v, freed_pages: list[int], tier=None,
+                 tier_copies=None) -> KVCache:
+    """The device-side effects of scheduling, in an order that never loses live KV: swap-out
+    and host-tier offload (read before anything can overwrite the freed or evicted pages), NaN
+    poison of ``freed_pages`` (debug; the list is emptied), swap-in and host-tier loads (into
+    fresh pages), copy-on-write. ``tier``: a ``paged.kv.host_store.HostTierStore`` with the
+    step's ``tier_copies`` (``BlockManager.take_tier_copies``), or ``None``."""
+    if sched.swap_out:
+        pages, slots = map(list, zip(*sched.swap_out))
+        k, v = kc.swap_out(cache, pages)
+        kc.host_set(host_k, slots, k)
+        kc.host_set(host_v, slots, v)
+    if tier is not None:
+        cache = tier.apply(cache, tier_copies, phase="offload")
+    if freed_pages:
+        cache = kc.poison(cache, sorted(set(freed_pages)))
+        freed_pages.clear()
+    if sched.swap_in:
+        slots, pages = map(list, zip(*sched.swap_in))
+        cache = kc.swap_in(cache, pages, kc.host_get(host_k, slots), kc.host_get(host_v, slots))
+    if tier is not None:
+        cache = tier.apply(cache, tier_copies, phase="load")
+    if sched.copies:
+        src, dst = map(list, zip(*sched.copies))
+        cache = kc.copy_pages(cache, src, dst)
+    return cache
+
+
+@functools.lru_cache(maxsize=16)
+def make_draft_fns(model_config: LlamaConfig, attention_impl: str):
+    """A draft model's two jitted calls (its cache donated), on the target's batches and tables:
+
+    ``forward(params, cache, batch) -> cache``: writes the batch's K/V (every target step runs it
+    so the draft's cache covers what the target's does); ``propose(params, cache, batch) ->
+    (cache, tokens i32[N], probs f32[N, V])``: also samples each slot from the draft's filtered
+    distribution (a random stream apart from the target's) and returns that distribution.
+    """
+    model = Llama(model_config)
+
+    def run(params, cache, batch):
+        logits, k_pages, v_pages = model.apply(
+            params, batch.tokens, batch.positions, cache.k_pages, cache.v_pages, batch.md,
+            batch.sample_rows, attention_impl=attention_impl)
+        return logits, cache.replace(k_pages=k_pages, v_pages=v_pages)
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def forward(params, cache, batch):
+        return run(params, cache, batch)[1]
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def propose(params, cache, batch):
+        logits, cache = run(params, cache, batch)
+        tokens, probs = sampling.draft_sample(logits, batch.temperature, batch.top_k, batch.top_p,
+                                              batch.seed, batch.sample_index, batch.sample_pos)
+        return cache, tokens, probs
+
+    return forward, propose
+
+
+def compile_shapes(step, params, cache: KVCache, prev, shapes, empty) -> KVCache:
+    """Runs ``step`` once on an all-padding batch (``empty(*shape)``) of each shape, so that no
+    request pays for a compilation; returns the (donated, unchanged) cache."""
+    tokens = None
+    for shape in shapes:
+        cache, tokens = step(params, cache, empty(*shape), prev)
+    if tokens is not None:
+        jax.block_until_ready(tokens)
+    return cache

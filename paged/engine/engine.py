@@ -1,0 +1,507 @@
+"""Engine: requests in, tokens out.
+
+Owns the params, the KV cache (device), the block manager, the input batch and the scheduler
+(host). One ``step()``:
+
+    schedule (host) -> swap-out / poison / swap-in / copy-on-write (device, rare)
+    -> build the batch from the input batch's rows (numpy, bucketed shapes) -> dispatch one
+    jitted device call (model forward with KV writes, sampling; the cache donated)
+    -> read back the previous step's tokens: fill them in, stop, fork, free (host).
+
+With ``async_scheduling`` (the default) the step dispatched by one call is read back by the next,
+so the host schedules and builds step k+1 while the device runs step k; tokens step k+1 needs from
+step k are fed on device. Without it each step is read back before the call returns.
+
+The host never reads KV back to decide anything: it sends indices and receives sampled tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence as SequenceT
+
+import jax
+import numpy as np
+
+from paged.accounting.kv_stats import kv_stats
+from paged.config.engine_config import EngineConfig, engine_config
+from paged.engine import multihost
+from paged.engine.device_step import apply_copies, compile_shapes, make_step_fn
+from paged.engine.generate import generate
+from paged.engine.placement import Placement
+from paged.engine.spec_decode import Speculator, load_draft
+from paged.kv import cache as kc
+from paged.kv.groups import kv_group_layout
+from paged.kv.host_store import HostTierStore, tier_blocks
+from paged.models.config import LlamaConfig, recycling_window
+from paged.models.tokenizer import ByteTokenizer
+from paged.request.checks import check_request
+from paged.request.outputs import CompletionOutput, RequestOutput
+from paged.request.sampling import SamplingParams
+from paged.step.batch import InFlight, PendingStep
+from paged.step.host_core import HostCore
+from paged.step.scheduler import SchedulerOutput
+from paged.workload.metrics import StepTiming
+
+log = logging.getLogger(__name__)
+
+
+__all__ = ["CompletionOutput", "Engine", "PendingStep", "RequestOutput", "StepTiming"]
+
+
+class Engine:
+    """Serves requests from a paged (or contiguous) KV cache with continuous batching.
+
+    The host side (request table, block manager, input batch, scheduler, step read-back) is a
+    ``paged.step.host_core.HostCore`` (``engine.core``); the engine owns the device side: params, the
+    KV cache, the jitted step and the step in flight.
+
+    Args:
+      config: engine settings.
+      model_config, params: a model to serve instead of the bundled ``config.model`` (tests use
+        random weights this way). Both or neither.
+      devices: the devices to run on (default ``jax.devices()``): the first
+        ``tensor_parallel_size`` of them, or D x T of them for ``data_parallel_size = D > 1``
+        (then ``Engine(...)`` is a factory: it returns a
+        ``paged.engine.data_parallel.DataParallelEngine``, the same API over D replicas of this class).
+      mesh: instead of ``devices``, a device mesh with a ``"model"`` axis to shard over (tensor
+        parallel, ``paged.engine.placement``); one block manager serves all shards.
+
+    Raises:
+      TypeError: ``config`` is not an ``EngineConfig`` (or ``None``: the defaults).
+      ValueError: a pool too small for one ``max_model_len`` request, an ``attention_impl`` that
+        cannot run on this backend (``paged.config.engine_config.check_attention_impl``), D x T more than the
+        devices, KV heads not divisible by T, or inconsistent arguments.
+    """
+
+    def __new__(cls, config: EngineConfig | None = None, *args, **kwargs):
+        if cls is Engine and isinstance(config, EngineConfig) and config.data_parallel_size > 1:
+            # A factory: D replicas of this class behind a router. The replica class is passed
+            # in, so ``paged.engine.data_parallel`` never imports this module.
+            from paged.engine.data_parallel import DataParallelEngine
+
+            return DataParallelEngine(config, *args, replica_factory=Engine, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, config: EngineConfig | None = None, *, model_config: LlamaConfig | None = None,
+                 params=None, mesh: jax.sharding.Mesh | None = None, devices=None):
+        config = engine_config(config, jax.default_backend())
+        if config.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={config.data_parallel_size}: build it with "
+                             f"Engine(config) (a DataParallelEngine), not a subclass")
+        if (model_config is None) != (params is None):
+            raise ValueError("pass both model_config and params, or neither")
+        tokenizer = ByteTokenizer()
+        if model_config is None:  # a bundled name or a Hugging Face checkpoint directory
+            from paged.models.registry import load_any
+
+            model_config, params, tokenizer = load_any(config.model, dtype=config.dtype,
+                                                       max_model_len=config.max_model_len)
+        else:  # params given (loaded once by a study): a checkpoint's tokenizer still applies
+            from paged.models.hf import is_checkpoint_dir
+            from paged.models.hf_tokenizer import load_tokenizer
+
+            if is_checkpoint_dir(config.model):
+                tokenizer = load_tokenizer(config.model, model_config.vocab_size)
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        if model_config.vocab_size < self.tokenizer.vocab_size:
+            raise ValueError(f"model vocab_size={model_config.vocab_size} < tokenizer's "
+                             f"{self.tokenizer.vocab_size}")
+        self._freed_pages: list[int] = []
+        self.core = core = HostCore(
+            config, tokenizer=tokenizer, vocab_size=model_config.vocab_size,
+            model_salt=f"{config.model}|{model_config.to_dict()}|{config.dtype}"
+                       f"|{config.kv_cache_dtype}|{config.kv_scale_granularity}",
+            on_free=self._freed_pages.extend if config.debug_checks else None,
+            sliding_window=recycling_window(model_config, config),
+            host_tier_blocks=tier_blocks(config, model_config),
+            kv_groups=(kv_groups := kv_group_layout(model_config, config)))
+        page_size, num_pages, host_blocks = core.page_size, core.num_pages, core.host_blocks
+        self._inflight: InFlight | None = None  # the step dispatched and not read back yet
+        self.placement = placement = Placement.for_replica(
+            model_config.num_kv_heads, config.tensor_parallel_size, mesh=mesh, devices=devices)
+        # A multi-process engine's role (paged.engine.multihost): process 0 leads (``leader``), the
+        # others follow (``follower``: this process's index).
+        self.leader, self.follower = multihost.role(placement, config, core.pages_per_seq)
+        if kv_groups is not None and (self.leader is not None or self.follower is not None):
+            raise ValueError("a model with full and sliding layers (KV-cache groups) is not "
+                             "served across processes yet")
+        # May be switched between steps; speculation proposes from the last step's tokens.
+        self.async_scheduling = config.async_scheduling and config.speculative is None
+        self.speculator = None if config.speculative is None else Speculator(
+            config.speculative, core.batch, core.block_manager, config.max_num_batched_tokens,
+            load_draft(config, model_config, num_pages, page_size, host_blocks, placement),
+            core.builder)
+        core.reader.speculator = self.speculator
+        # With KV-cache groups the leading axis holds each group's L / G layers (tensor slots).
+        self.cache = kc.KVCache.create(
+            model_config.num_layers if kv_groups is None else kv_groups.num_slots,
+            model_config.num_kv_heads, num_pages, page_size,
+            model_config.head_dim, config.dtype, sharding=placement.kv,
+            kv_cache_dtype=config.kv_cache_dtype, scale_granularity=config.kv_scale_granularity)
+        self._host_k = self._host_v = None
+        if host_blocks:
+            self._host_k, self._host_v = kc.host_buffers(self.cache, host_blocks)
+        # The host tier's slots (one store per cache: a draft model's gets the same copies).
+        self.host_tier = self._draft_tier = None
+        if core.block_manager.num_host_tier_blocks:
+            n = core.block_manager.num_host_tier_blocks
+            self.host_tier = HostTierStore(self.cache, n, poison=config.debug_checks)
+            if self.speculator is not None and self.speculator.draft is not None:
+                self._draft_tier = HostTierStore(self.speculator.draft.cache, n)
+        self.params = placement.put_params(params)
+        out_size = kc.next_pow2(max(config.max_num_seqs, config.min_seq_bucket))
+        # The plain step, and variants that also return log-probabilities and/or verify drafts.
+        fns = {v: make_step_fn(model_config, config.attention_impl, out_size, *v)
+               for v in itertools.product((False, True), repeat=2)}
+        # (with_logprobs, with_verify) -> the jitted step, as a follower process runs it.
+        self.step_variants = {v: f for v, (f, _) in fns.items()}
+        self._variants = dict(self.step_variants)
+        self.trace_count = lambda: sum(count() for _, count in fns.values())
+        # The tokens fed as "the previous step's" when no step is in flight.
+        self.no_prev_tokens = placement.put(np.zeros(out_size, np.int32))
+        if self.leader is not None:  # every device call is announced to the other processes
+            self._variants = {v: self.leader.wrap(f, v, self.no_prev_tokens)
+                              for v, f in self.step_variants.items()}
+        self._step_fn = self._variants[False, False]
+        self._traces_at_start = self.trace_count()
+        self.num_steps = 0
+        self.last_timing = StepTiming()
+        self._pending = False  # between dispatch_step() and finish_step()
+        # Off (None) unless a driver records the run: then one dict per ``dispatch_step`` (see
+        # ``record_steps``).
+        self.step_record: list[dict] | None = None
+
+    # --- the host core's parts, read by studies, tests and kv_stats ---------------------
+    block_manager = property(lambda self: self.core.block_manager)
+    batch = property(lambda self: self.core.batch)
+    scheduler = property(lambda self: self.core.scheduler)
+    builder = property(lambda self: self.core.builder)
+    page_size = property(lambda self: self.core.page_size)
+    pages_per_seq = property(lambda self: self.core.pages_per_seq)
+    num_requests_served = property(lambda self: self.core.num_requests_served)
+
+    # --- requests -----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | SequenceT[int],
+                    params: SamplingParams | None = None, *, arrival_time: float | None = None,
+                    timeout_s: float | None = None, cache_salt: str | bytes | None = None) -> None:
+        """Queues a request. Every argument is checked before any state changes: a request that
+        raises leaves the engine exactly as it was (request and sequence counters and the seed
+        derivation of later unseeded requests included).
+
+        Args:
+          request_id: a non-empty str, unique among unfinished and finished-but-unreported
+            requests.
+          prompt: text (encoded with BOS) or token ids: a flat list/tuple of Python ints (not
+            ``bool``) or a 1-D numpy integer array, each in ``[0, vocab_size)``; nothing is
+            coerced (``1.5``, ``"7"``, ``True``, nested lists and 2-D arrays are refused). Prompt
+            plus output never exceed ``max_model_len``, so the prompt must be shorter than
+            ``max_model_len``: at least one output token must fit.
+          params: sampling parameters (default ``SamplingParams()``).
+          arrival_time: ``time.perf_counter()`` of arrival (default now), for latency metrics and
+            preemption order; a finite real number.
+          timeout_s: abort the request this long after arrival (default
+            ``config.request_timeout_s``); a finite real number > 0.
+          cache_salt: prefix-cache isolation (a non-empty str or bytes; ``None``: no isolation).
+            Requests share cached prefix blocks only with requests of the same salt (the salt
+            enters every block's key, together with the model's). This matters when one engine
+            serves several tenants: a prefix-cache hit makes a prefill measurably faster, so a
+            tenant who times its own requests could learn whether another tenant recently sent a
+            given prompt. Give each tenant its own salt. Outputs do not depend on the salt; the
+            sequence keeps it, so its samples and a re-admission after preemption use it too.
+
+        Raises:
+          TypeError: an argument of the wrong type (request id, prompt or token id, params,
+            arrival time, timeout, salt).
+          ValueError: empty prompt, token id outside the vocabulary, duplicate request id,
+            ``params.n > max_num_seqs``, a non-finite arrival time or timeout (or one too large
+            for float32), a timeout <= 0, an empty salt, or a prompt of ``max_model_len`` tokens
+            or more ("prompt of N tokens leaves no room for output: max_model_len=M").
+          RuntimeError: on a follower process of a multi-process engine (requests go to
+            process 0).
+        """
+        self.add_checked(self.check_request(request_id, prompt, params, arrival_time=arrival_time,
+                                            timeout_s=timeout_s, cache_salt=cache_salt))
+
+    def check_request(self, request_id, prompt, params=None, *, arrival_time=None,
+                      timeout_s=None, cache_salt=None) -> tuple:
+        """``add_request``'s checks alone (no state changes): the checked request, for
+        ``add_checked``."""
+        self._refuse_follower("add requests there")
+        return check_request(self.core, request_id, prompt, params, arrival_time, timeout_s,
+                             cache_salt)
+
+    def add_checked(self, checked: tuple, *, seed: int | None = None) -> None:
+        """Adds a request ``check_request`` accepted (cannot fail). ``seed``: the seed of an
+        unseeded request (default: derived from the engine's seed and request count)."""
+        self.core.add(*checked, seed=seed)
+
+    def abort(self, request_id: str) -> bool:
+        """Finishes a request now and releases its blocks (quarantined if a step may read them).
+
+        Returns:
+          True if the request was unfinished; False (with a log message) for unknown or finished.
+        """
+        if not self.core.abort(request_id, time.perf_counter()):
+            log.warning("abort(%r): no unfinished request with this id", request_id)
+            return False
+        return True
+
+    @property
+    def cache_salt(self) -> bytes:
+        """The salt of every prefix-cache key (model, weights, dtype); tenants' salts extend it."""
+        return self.core.cache_salt
+
+    def unfinished_request_ids(self) -> list[str]:
+        """Requests added and not yet reported finished."""
+        return self.core.unfinished_request_ids()
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether ``step()`` still has something to do or report: an unfinished request, an
+        abort or timeout not reported yet, or a dispatched step not read back yet. The drain loop
+        ``while engine.has_unfinished_requests(): engine.step()`` therefore ends with no step in
+        flight, no block quarantined and every finished request reported once."""
+        return self.core.has_unfinished() or self._inflight is not None
+
+    def _refuse_follower(self, what: str) -> None:
+        if self.follower is not None:
+            raise RuntimeError(f"process {self.follower} follows process 0: {what}")
+
+    # --- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step; returns the requests that got new tokens or finished (a step
+        that only computed a prefill chunk reports nothing for that request: vLLM's contract).
+
+        With ``async_scheduling`` this dispatches the next step and then reads back the one the
+        previous call dispatched, so the tokens returned are that step's (a call with nothing new
+        to run only reads back). Order: requests that timed out or were aborted since the last
+        call (by id), then the others in batch order (decodes in row order, then the other items).
+        """
+        return self.finish_step(self.dispatch_step())
+
+    def dispatch_step(self) -> PendingStep:
+        """The first half of ``step()``: schedules, builds and dispatches the next device call
+        without waiting for any device result. ``finish_step`` must follow before the next
+        ``dispatch_step`` (or ``step``) of this engine. A host loop over several engines
+        (data-parallel replicas) dispatches all of them before it finishes any, so their devices
+        run concurrently."""
+        if self._pending:
+            raise RuntimeError("dispatch_step() twice without finish_step()")
+        self._refuse_follower("call paged.engine.multihost.follow(engine), not step()")
+        core = self.core
+        timing = StepTiming()
+        t0 = time.perf_counter()
+        ended = core.take_ended(t0)  # reported first
+        sched = core.schedule(t0)
+        if self.speculator is not None:
+            self.speculator.plan(sched)
+        t1 = time.perf_counter()
+        timing.schedule = t1 - t0
+        if self.step_record is not None:  # kept out of the step's timed phases
+            self.step_record.append({
+                "ended": list(ended), "batch": sched.composition(core.batch),
+                "preempted": [[s.request_id, s.sample_index] for s in sched.preempted]})
+            t1 = time.perf_counter()
+        done, launched = self._inflight, None
+        if not sched.is_empty:
+            step_id = core.block_manager.begin_step()
+            self._prepare_device(sched)
+            if self.speculator is not None:
+                self.speculator.draft_tokens()  # draft method: after the copies, both caches
+            batch = core.builder.build(sched.decode_rows, sched.scheduled, bool(sched.copies))
+            batch.step_id = step_id
+            prev = done.tokens if done is not None else self.no_prev_tokens
+            extras = None
+            variant = (batch.with_logprobs, bool(batch.verify))
+            if variant == (False, False):
+                self.cache, tokens = self._step_fn(self.params, self.cache, batch.device, prev)
+            else:
+                q = () if not batch.verify else self.speculator.verify_inputs(batch)
+                self.cache, tokens, extras = self._variants[variant](
+                    self.params, self.cache, batch.device, prev, *q)
+            if self.speculator is not None and self.speculator.draft is not None:
+                self.speculator.draft.mirror(batch.device)  # the draft's cache follows
+            core.builder.commit(sched.decode_rows, batch)
+            launched = self._inflight = InFlight(batch, tokens, extras)
+            timing.prepare = time.perf_counter() - t1
+            timing.num_seqs, timing.num_tokens = batch.num_seqs, batch.num_tokens
+            self.num_steps += 1
+        self._pending = True
+        return PendingStep(timing, ended, sched, done, launched)
+
+    def finish_step(self, pending: PendingStep) -> list[RequestOutput]:
+        """The second half of ``step()``: waits for the step to read back (the previous one with
+        ``async_scheduling``, else the one just dispatched), applies its tokens and returns the
+        outputs."""
+        if not self._pending:
+            raise RuntimeError("finish_step() without dispatch_step()")
+        self._pending = False
+        timing, ended, sched, done, launched = pending
+        bm = self.core.block_manager
+        if launched is None:  # nothing dispatched: read back, then the step's copies
+            made, touched, decode = self._read_back(done, None, timing) if done else ([], {}, [])
+            self._inflight = None
+            # The step's copies (swap, CoW) belong to it: pages they touch stay held until it ends.
+            step_id = bm.begin_step()
+            self._prepare_device(sched)
+            bm.step_completed(step_id)
+            if done is None:
+                self.core.idle_step(sched)
+        else:
+            made, touched, decode = [], {}, []
+            if done is not None:
+                made, touched, decode = self._read_back(done, launched, timing)
+            if not self.async_scheduling:
+                self._inflight = None
+                made2, touched2, decode2 = self._read_back(launched, None, timing)
+                made, decode = made + made2, decode + decode2
+                touched.update(touched2)
+        t3 = time.perf_counter()
+        outputs = self.core.outputs(ended, decode, made, touched)
+        timing.postprocess += time.perf_counter() - t3
+        self.last_timing = timing
+        return outputs
+
+    def _read_back(self, done: InFlight, nxt: InFlight | None, timing: StepTiming):
+        """Waits for ``done``'s tokens and applies them (``StepReader``)."""
+        t = time.perf_counter()
+        tokens = np.asarray(done.tokens)  # waits for the device
+        self.core.block_manager.step_completed(done.batch.step_id)
+        now = time.perf_counter()
+        timing.device += now - t
+        extras = None if done.extras is None else jax.tree_util.tree_map(np.asarray, done.extras)
+        made, touched = self.core.reader.read(done.batch, tokens, now,
+                                              None if nxt is None else nxt.batch, extras)
+        if self.config.debug_checks:
+            self.core.check_invariants()
+        timing.postprocess += time.perf_counter() - now
+        return made, touched, done.batch.decode
+
+    def record_steps(self) -> list[dict]:
+        """Starts recording every step's composition (for an exact replay,
+        ``experiments.replay``) and returns the list it fills: per ``dispatch_step`` one dict with
+        ``ended`` (requests aborted or timed out reported by the step, by id), ``batch``
+        (``SchedulerOutput.composition``: ``[request_id, sample_index, num_new_tokens]`` in batch
+        order) and ``preempted`` (``[request_id, sample_index]`` preempted by the step's plan)."""
+        self.step_record = []
+        return self.step_record
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache between runs (vLLM's ``reset_prefix_cache``): every cached
+        block goes back to the free list, so the next run finds no hit, as on a new engine (an
+        exact replay, ``experiments.replay``, starts on one).
+
+        Returns:
+          True if emptied; False (nothing changed) while a request is unfinished or a step in
+          flight, or with a host tier (``host_kv_cache_bytes``: evicted blocks would spill into
+          it, so it is not emptied this way).
+        """
+        bm = self.core.block_manager
+        if self.has_unfinished_requests() or bm.num_host_tier_blocks:
+            return False
+        bm.evict_cached()
+        return True
+
+    def has_step_in_flight(self) -> bool:
+        """Whether a dispatched step's result has not been read back yet."""
+        return self._inflight is not None
+
+    def set_device_step(self, fn=None) -> None:
+        """Replaces the plain jitted device step, for host-only benchmarks (``None`` restores it).
+
+        ``fn(params, cache, device_batch, prev_tokens) -> (cache, tokens)`` with ``tokens`` one
+        i32 per sample slot (at least ``prev_tokens``' length); a stub that returns zeros at once
+        (``paged.engine.device_step.stub_step``) measures the host's share of a step. Steps with log-probabilities or verify rows still
+        run the real variants.
+        """
+        self._step_fn = self._variants[False, False] if fn is None else fn
+
+    def _prepare_device(self, sched: SchedulerOutput) -> None:
+        if self.leader is not None:
+            self.leader.copies(sched, self._freed_pages)
+        draft = None if self.speculator is None else self.speculator.draft
+        tier = self.core.block_manager.take_tier_copies()
+        if draft is not None:  # the same copies on the draft's cache (no poison: see DraftModel)
+            draft.cache = apply_copies(draft.cache, sched, draft.host_k, draft.host_v, [],
+                                       self._draft_tier, tier)
+        self.cache = apply_copies(self.cache, sched, self._host_k, self._host_v, self._freed_pages,
+                                  self.host_tier, tier)
+
+    # --- outputs ------------------------------------------------------------------------
+    def generate(self, prompts: SequenceT[str | SequenceT[int]] | str,
+                 params: SamplingParams | SequenceT[SamplingParams] | None = None,
+                 *, progress: bool = False) -> list[RequestOutput]:
+        """Runs prompts to completion; returns their outputs in prompt order.
+
+        All or nothing: every prompt and params is checked (as ``add_request`` checks them)
+        before the first is added, so one bad prompt raises with the engine unchanged.
+        """
+        self._refuse_follower("add requests there")
+        return generate(self, self.core, prompts, params, progress=progress)
+
+    def warmup(self, *, logprobs: bool = True, parallel_sampling: bool = True,
+               progress: bool = False) -> int:
+        """Compiles every step a request can select (``paged.engine.warmup``: each step shape, plain and
+        with log-probabilities, the sample-slot shapes of ``n > 1``, n-gram verify steps, and the
+        host tier's copies), so no request pays for a compilation; ``logprobs=False`` /
+        ``parallel_sampling=False`` skip what a workload never asks for. Returns the number of
+        step compilations."""
+        from paged.engine import warmup
+
+        n = warmup.run(self, logprobs=logprobs, parallel_sampling=parallel_sampling,
+                       progress=progress)
+        if self.host_tier is not None:  # the tier's copies, at every padded page count
+            self.cache = self.host_tier.warm(self.cache)
+            if self._draft_tier is not None:
+                draft = self.speculator.draft
+                draft.cache = self._draft_tier.warm(draft.cache)
+        return n
+
+    def compile_step(self, variant: tuple[bool, bool], shape: tuple) -> None:
+        """Runs the ``(with_logprobs, with_verify)`` step once on an all-padding batch of
+        ``shape`` (tokens, sequences, sample slots; a fourth element True: with cascade
+        metadata), which compiles it; no KV is touched (``paged.engine.warmup``'s unit)."""
+        fn = self._variants[variant]
+        extra = (None, None) if variant[1] else ()
+        self.cache = compile_shapes(lambda *a: fn(*a, *extra)[:2], self.params, self.cache,
+                                    self.no_prev_tokens, [shape], self.core.builder.empty)
+
+    # --- introspection ------------------------------------------------------------------
+    @property
+    def num_compilations(self) -> int:
+        """Distinct step shapes traced (each is one XLA compilation)."""
+        return self.trace_count() - self._traces_at_start
+
+    def spec_decode_stats(self) -> dict:
+        """Speculation counters (``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``,
+        ``draft_acceptance_rate``, ``mean_accepted_length``: accepted drafts per verify row,
+        ``mean_emitted_per_verify``); all zero without ``speculative``."""
+        from paged.engine.spec_decode import SpecStats
+
+        return (SpecStats() if self.speculator is None else self.speculator.stats).as_dict()
+
+    def kv_stats(self, *, held_for_transfer=()) -> dict:
+        """Pool occupancy, prefix-cache and preemption counters, and the memory ledger (bytes).
+        ``held_for_transfer``: sequence ids whose blocks a hand-over still holds (ledger
+        category ``transfer``; parked sequences are counted there anyway)."""
+        return kv_stats(self, held_for_transfer)
+
+    # --- hand-over between replicas (paged.fleet.handover) ------------------------------------
+    def send_pages(self, pages):
+        """This replica's ``pages`` gathered into new device arrays (``kv_cache.gather_pages``:
+        sharded as the cache, nothing donated)."""
+        return kc.gather_pages(self.cache, pages)
+
+    def receive_pages(self, pages, k, v) -> None:
+        """Writes pages sent by another replica, already placed on this replica's KV sharding,
+        into ``pages`` (``kv_cache.scatter_pages``; the cache is donated and replaced). Pages
+        freed since the last step are poisoned first (debug), so the poison the next step would
+        apply cannot land on what arrives here."""
+        if self._freed_pages:
+            self.cache = kc.poison(self.cache, sorted(set(self._freed_pages)))
+            self._freed_pages.clear()
+        self.cache = kc.scatter_pages(self.cache, pages, k, v)

@@ -1,0 +1,37 @@
+"""``generate``: prompts in, finished outputs out, on any engine of the shared protocol."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from paged.request.checks import check_prompts
+from paged.util.progress_bar import progress as progress_bar
+
+
+def generate(engine, table, prompts, params, *, progress: bool = False) -> list:
+    """Runs ``prompts`` to completion on ``engine``; returns their outputs in prompt order.
+
+    All or nothing: every prompt and params is checked against ``table`` (what
+    ``request_checks.check_request`` reads) before the first is added through
+    ``engine.add_checked``, so one bad prompt raises with the engine unchanged. When the prompts
+    are done and no other request is unfinished, a step still in flight (dispatched before the last
+    stop was read back; its results are dropped) is read back too, so the engine is left with no
+    step in flight and no block quarantined. The requests ask for their final output only
+    (``SamplingParams.output_kind="final_only"``): the steps make no output for them until they
+    finish.
+    """
+    # Only finished outputs are read here, so none is made per step (the same tokens).
+    checked = [(rid, ids, dataclasses.replace(p, output_kind="final_only"), *rest)
+               for rid, ids, p, *rest in check_prompts(table, prompts, params)]
+    ids = [request[0] for request in checked]
+    for request in checked:
+        engine.add_checked(request)
+    done: dict = {}
+    with progress_bar(len(ids), progress) as update:
+        while len(done) < len(ids):
+            finished = [out for out in engine.step() if out.finished]
+            done.update((out.request_id, out) for out in finished)
+            update(len(finished))
+    while engine.has_step_in_flight() and not engine.unfinished_request_ids():
+        engine.step()
+    return [done[r] for r in ids]

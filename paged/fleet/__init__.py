@@ -1,0 +1,2 @@
+"""Several replicas: request routing (``routing``) and the prefill -> decode hand-over protocol
+(``handover``)."""

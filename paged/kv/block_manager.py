@@ -1,0 +1,635 @@
+"""Host half of paging: which physical page belongs to whom, when it may be shared or reused.
+
+Plain Python bookkeeping, O(blocks touched) per operation (no scan of the pool). `BlockManager` is
+the facade over the parts in `paged.kv.blocks`:
+
+* **Blocks** (`paged.kv.blocks.pool`). Page ``NULL_PAGE`` is never handed out. Every other block is
+  exactly one of: *free* (no content), *cached* (refcount 0, content indexed in the prefix cache,
+  evictable in LRU order), *used* (refcount > 0) or *quarantined* (refcount 0 but not yet
+  reusable, see below).
+* **Sequences** (`paged.kv.blocks.tables`). Each has a block table, its token ids (``None`` for a
+  slot whose token id is not known yet), the number of slots whose KV is on device, and the
+  prefix-cache keys of its full computed blocks.
+* **All or nothing.** When the pool cannot satisfy a request the method returns ``None`` (or
+  ``False``) and nothing changed, so the scheduler can preempt or wait. Misuse (unknown or
+  duplicate sequence id, bad arguments) raises ``ValueError`` before any state changes.
+* **Prefix cache** (`paged.kv.blocks.prefix_index`): only full blocks whose KV is on device and whose
+  token ids are all known (keyed in ``mark_computed`` or ``set_tokens``); the final prompt token
+  is always recomputed. Freed cached blocks wait in an LRU, tail blocks of a sequence ahead of its
+  head blocks; a hit revives them. Admission hashes a prompt once (`paged.kv.blocks.admission`).
+* **Copy-on-write.** A writer never writes into a shared block (refcount > 1): appending into a
+  shared partial block takes a fresh block and returns a ``(src, dst)`` page copy. A block whose
+  keyed content is about to be rewritten in place leaves the cache and changes version.
+* **Sliding windows** (`paged.kv.blocks.window`). With ``sliding_window=W`` (a model whose every
+  layer slides), a sequence's leading blocks that are wholly behind the window of every query it
+  will still compute are recycled after each ``mark_computed`` (and at admission): their table
+  entries become ``NULL_PAGE`` and the blocks are released like freed ones (quarantine applies).
+* **Quarantine** (`paged.kv.blocks.fence`). A block whose last reference drops while a device step
+  that may read it is in flight (``begin_step`` .. ``step_completed``) is not handed out, evicted
+  or reported to ``on_free`` before that step completes (``quarantine_steps`` widens the window; 0
+  disables it). Independently of that window, a block that a returned copy still has to read or
+  write (CoW ``src``/``dst``, swap-out page, swap-in page) is held until the step that performs
+  the copy completes; host slots likewise. So pages reported free never have a pending copy, and
+  the copies of one step may run in any order.
+
+Device contract for one step (the engine): call the mutating methods while scheduling, then
+``begin_step()``, then launch the step, which applies every copy returned since the previous
+``begin_step`` (CoW, swap-out, swap-in; any order) before writing the step's KV, and optionally
+poisons the pages given to ``on_free`` before that step's copies and writes; then
+``step_completed(step_id)`` and ``mark_computed`` for each sequence whose KV the step wrote.
+``append_decode_slots`` and ``mark_computed_many`` do the decode step's per-sequence calls in one.
+An overlapped engine may schedule a decode slot before its token id is known (``None``) and fill
+it in later with ``set_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from paged.kv.blocks import decode_run
+from paged.kv.blocks.admission import Admission, as_salt
+from paged.kv.blocks.fence import StepFence
+from paged.kv.blocks.host_tier import HostTier, TierCopies
+from paged.kv.blocks.invariants import check_invariants
+from paged.kv.blocks.pool import STATE_NAMES, BlockPool
+from paged.kv.blocks.prefix_index import (
+    BlockKey,
+    HashFn,
+    PrefixCacheIndex,
+    PrefixKeyer,
+    xxh3_block_hash,
+)
+from paged.kv.blocks.progress import Progress
+from paged.kv.blocks.swap import Swapper
+from paged.kv.blocks.tables import SeqTables, count_arg
+from paged.kv.blocks.window import WindowRecycler
+
+
+def _check_args(num_blocks, block_size, quarantine_steps, num_host_blocks, hash_fn, on_free,
+                sliding_window):
+    if count_arg(num_blocks, "num_blocks") < 2:
+        raise ValueError(f"{num_blocks=} must be >= 2 (the null page plus one usable block)")
+    if count_arg(block_size, "block_size") < 1:
+        raise ValueError(f"{block_size=} must be >= 1")
+    count_arg(quarantine_steps, "quarantine_steps")
+    count_arg(num_host_blocks, "num_host_blocks")
+    if hash_fn is not None and not callable(hash_fn):
+        raise ValueError(f"{hash_fn=} must be callable")
+    if on_free is not None and not callable(on_free):
+        raise ValueError(f"{on_free=} must be callable")
+    if sliding_window is not None and count_arg(sliding_window, "sliding_window") < block_size:
+        raise ValueError(f"{sliding_window=} is shorter than a block ({block_size=}): serve it "
+                         "with block_size <= sliding_window")
+
+
+class SharedParts(NamedTuple):
+    """The parts every KV-cache group of one pool shares: prefix index, block pool, step fence."""
+
+    index: PrefixCacheIndex
+    pool: BlockPool
+    fence: StepFence
+
+    @classmethod
+    def build(cls, num_blocks: int, quarantine_steps: int, num_host_blocks: int,
+              on_free) -> SharedParts:
+        index = PrefixCacheIndex(num_blocks)
+        pool = BlockPool(num_blocks, index, on_free)
+        return cls(index, pool, StepFence(pool, quarantine_steps, num_host_blocks))
+
+
+class BlockManager:
+    """Free list, refcounts, prefix cache, copy-on-write, quarantine window and swap accounting.
+
+    Args:
+      num_blocks: physical pages in the pool, counting ``NULL_PAGE`` (usable: num_blocks - 1).
+      block_size: tokens per block.
+      enable_prefix_caching: look up and key full blocks.
+      cache_salt: default salt of every key (model, weights version, dtype, adapter, ...); a
+        request may override it in ``allocate``.
+      hash_fn: ``hash_fn(parent_digest | None, token_ids, salt) -> digest``; 128-bit XXH3 by
+        default (``paged.kv.blocks.prefix_index.xxh3_block_hash``; ``sha256_block_hash`` is the
+        cryptographic option). Lookups verify the full key, so a weak function costs hit rate,
+        never correctness.
+      quarantine_steps: a block freed while steps are in flight is reusable once step
+        ``last_begun + quarantine_steps - 1`` has completed (0 disables the window).
+      num_host_blocks: host slots for ``swap_out``.
+      debug: run ``check_invariants()`` after every mutating call (O(pool) each).
+      on_free: called with the ids of blocks whose content just died (entered the free list, or
+        were evicted from the prefix cache to be reused), at the end of the call that freed them.
+        No returned copy reads or writes them any more; the engine may poison them with NaN before
+        the next step's copies and writes.
+      sliding_window: W when every layer of the model attends through a sliding window of W
+        tokens: blocks behind every future query's window are recycled (`paged.kv.blocks.window`).
+        At least ``block_size``. None: full attention, nothing recycled.
+      parts: the pool, fence and prefix index to draw from, shared with other managers (one
+        KV-cache group each, `paged.kv.group_manager`); None builds this manager's own.
+
+    Raises:
+      ValueError: for a bad argument.
+    """
+
+    num_groups = 1  # one block table per sequence (KV-cache groups: `paged.kv.group_manager`)
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 cache_salt: bytes | str = b"", hash_fn: HashFn | None = None,
+                 quarantine_steps: int = 1, num_host_blocks: int = 0, debug: bool = False,
+                 on_free: Callable[[list[int]], None] | None = None,
+                 sliding_window: int | None = None, num_host_tier_blocks: int = 0,
+                 parts: SharedParts | None = None):
+        _check_args(num_blocks, block_size, quarantine_steps, num_host_blocks, hash_fn, on_free,
+                    sliding_window)
+        if count_arg(num_host_tier_blocks, "num_host_tier_blocks") and sliding_window is not None:
+            raise ValueError(f"{num_host_tier_blocks=}: the host tier does not serve a sliding-"
+                             f"window model ({sliding_window=})")
+        self.sliding_window = sliding_window
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.cache_salt = as_salt(cache_salt)
+        self.quarantine_steps = quarantine_steps
+        self.num_host_blocks = num_host_blocks
+        self.debug = debug
+        if parts is None:
+            parts = SharedParts.build(num_blocks, quarantine_steps, num_host_blocks, on_free)
+        self._index, self._pool, self._fence = parts.index, parts.pool, parts.fence
+        self._keyer = PrefixKeyer(self._index, block_size, hash_fn or xxh3_block_hash,
+                                  self._pool.version, self._fence,
+                                  enabled=self.enable_prefix_caching, debug=debug)
+        self._tables = SeqTables(self._pool, self._fence, self._index, block_size,
+                                 enable_prefix_caching=self.enable_prefix_caching, debug=debug)
+        self._progress = Progress(self._tables, self._keyer)
+        self._tier = None
+        if num_host_tier_blocks:
+            self._tier = HostTier(num_host_tier_blocks, self._keyer, self._fence)
+            self._pool.spill = self._tier.offer
+        self._admission = Admission(self._pool, self._keyer, self._tables, self.cache_salt,
+                                    self._tier)
+        self._swap = Swapper(self._pool, self._fence, self._tables)
+        self._window = None if sliding_window is None else WindowRecycler(
+            self._tables, self._fence, sliding_window)
+        if not debug and self._window is None:
+            # Nothing is left to do after these per-sequence calls (no check; blocks they evict
+            # are reported by the part itself): skip the facade's frame.
+            self.append_slots = self._tables.append_slots
+            self.mark_computed = self._progress.mark_computed
+
+    def _end_call(self) -> None:
+        """After a mutating call: report dead blocks to ``on_free``; check everything if debug."""
+        self._pool.flush()
+        if self.debug:
+            self.check_invariants()
+
+    # --- steps and quarantine --------------------------------------------------------------
+    def begin_step(self) -> int:
+        """Returns the id of the device step about to be launched.
+
+        Blocks freed from now on are quarantined until it completes. Copies returned since the
+        previous ``begin_step`` belong to this step.
+        """
+        return self._fence.begin()
+
+    def step_completed(self, step_id: int) -> None:
+        """Marks ``step_id`` and all earlier steps complete; blocks waiting on them become reusable.
+
+        Raises:
+          ValueError: if ``step_id`` was never begun.
+        """
+        if type(step_id) is not int or step_id < 0:
+            step_id = count_arg(step_id, "step_id")
+        if step_id > self._fence.last_begun:
+            raise ValueError(f"{step_id=} was not begun (last begun: {self._fence.last_begun})")
+        self._fence.complete(step_id)
+        if self._tier is not None:
+            self._tier.complete(step_id)
+        if self._pool.died or self.debug:
+            self._end_call()
+
+    @property
+    def last_begun_step(self) -> int:
+        return self._fence.last_begun
+
+    @property
+    def last_completed_step(self) -> int:
+        return self._fence.last_completed
+
+    # --- queries ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no content, reusable now (excludes cached and quarantined blocks)."""
+        return len(self._pool.free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks with refcount 0 whose content is cached (evictable, so also allocatable)."""
+        return len(self._pool.lru)
+
+    @property
+    def num_allocatable_blocks(self) -> int:
+        """Blocks an allocation may take now: free plus evictable cached."""
+        return self._pool.num_allocatable
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        return self._pool.num_held
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._pool.num_used
+
+    @property
+    def num_indexed_blocks(self) -> int:
+        """Blocks with a prefix-cache key: cached, used or quarantined."""
+        return len(self._index)
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._fence.host_free)
+
+    def has_seq(self, seq_id) -> bool:
+        return seq_id in self._tables.seqs
+
+    def is_swapped(self, seq_id) -> bool:
+        return self._tables.get(seq_id).host_table is not None
+
+    def num_tokens(self, seq_id) -> int:
+        """Slots of ``seq_id``: prompt, appended and lookahead tokens."""
+        return len(self._tables.get(seq_id).tokens)
+
+    def num_computed_tokens(self, seq_id) -> int:
+        return self._tables.get(seq_id).num_computed
+
+    def block_table(self, seq_id) -> list[int]:
+        """A copy of the block table of a resident sequence (ValueError if swapped out)."""
+        return list(self._tables.resident(seq_id).table)
+
+    def host_block_table(self, seq_id) -> list[int]:
+        """A copy of the host slots of a swapped-out sequence."""
+        seq = self._tables.get(seq_id)
+        if seq.host_table is None:
+            raise ValueError(f"sequence {seq_id!r} is not swapped out")
+        return list(seq.host_table)
+
+    def refcount(self, block: int) -> int:
+        return self._pool.rc[block]
+
+    def block_state(self, block: int) -> str:
+        """'free', 'cached', 'used', 'quarantined' or 'null'."""
+        return STATE_NAMES[self._pool.state[block]]
+
+    def block_version(self, block: int) -> int:
+        return self._pool.version[block]
+
+    def block_key(self, block: int) -> BlockKey | None:
+        """The prefix-cache key ``block`` is indexed under, if any."""
+        return self._index.key[block]
+
+    def seq_ids(self) -> list:
+        return list(self._tables.seqs)
+
+    def evictable_blocks(self) -> list[int]:
+        """Cached refcount-0 blocks in eviction order (next to be evicted first)."""
+        return list(self._pool.lru)
+
+    def stats(self) -> dict:
+        """Counters since construction plus the current pool split (all ints)."""
+        pool, fence = self._pool, self._fence
+        return dict(
+            self._admission.stats, cow_copies=self._tables.cow_copies,
+            quarantined=fence.quarantined, revived=pool.revived,
+            swapped_out_blocks=self._swap.swapped_out_blocks,
+            swapped_in_blocks=self._swap.swapped_in_blocks,
+            evictions=pool.evictions, peak_used_blocks=pool.peak_used,
+            num_blocks=self.num_blocks, block_size=self.block_size,
+            num_free_blocks=len(pool.free), num_cached_blocks=len(pool.lru),
+            num_used_blocks=pool.num_used, num_quarantined_blocks=pool.num_held,
+            num_indexed_blocks=len(self._index), num_seqs=len(self._tables.seqs),
+            num_host_blocks=self.num_host_blocks, num_free_host_blocks=len(fence.host_free),
+            num_quarantined_host_blocks=fence.num_host_held,
+            max_blocks_per_sequence=self._tables.max_blocks(),
+            recycled_blocks=0 if self._window is None else self._window.recycled_blocks)
+
+    @property
+    def seq_tables(self) -> SeqTables:
+        """The sequence-tables part (read by the invariant check of KV-cache groups sharing
+        this manager's pool, `paged.kv.group_manager`)."""
+        return self._tables
+
+    def take_recycled_seqs(self) -> set:
+        """Sequences whose block tables lost leading blocks to the sliding window since the last
+        call (a copy of their table held elsewhere is stale); empty without a window."""
+        return set() if self._window is None else self._window.take_changed()
+
+    def block_usage(self, *, excluding: Sequence = ()) -> list[tuple[int, int]]:
+        """(refcount, filled token slots) of every used block, by block id; O(table entries).
+
+        A shared block counts the most slots any of its sequences fills. ``excluding``: sequence
+        ids whose blocks are left out unless another sequence holds them too (blocks held for a
+        hand-over, counted apart: ``num_blocks_only_in``).
+        """
+        return self._tables.block_usage(frozenset(excluding))
+
+    def num_blocks_only_in(self, seq_ids: Sequence) -> int:
+        """Blocks that only the sequences ``seq_ids`` hold (no other sequence shares them)."""
+        return len(self._tables.blocks_only_in(frozenset(seq_ids))) if seq_ids else 0
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int], *,
+                             cache_salt: bytes | str | None = None, probe=None) -> int:
+        """Leading tokens of ``token_ids`` the prefix cache holds now: a multiple of the block
+        size, never the block holding the final token (as admission counts hits). No side
+        effects: no pool state, admission memo or counter changes (a router's query).
+
+        Args:
+          token_ids: a prompt's token ids.
+          cache_salt: the salt of the prompt's keys (``None``: the manager's own).
+          probe: a ``paged.fleet.routing.PrefixProbe`` of the same prompt, to hash it once across
+            several managers.
+        """
+        salt = self.cache_salt if cache_salt is None else as_salt(cache_salt)
+        return len(self._keyer.match(token_ids, salt, probe)) * self.block_size
+
+    def prefix_hits(self, token_ids: Sequence[int], *,
+                    cache_salt: bytes | str | None = None) -> list[int]:
+        """The blocks admission would serve ``token_ids``'s leading blocks from now (as
+        ``cached_prefix_tokens`` counts them). No side effects."""
+        salt = self.cache_salt if cache_salt is None else as_salt(cache_salt)
+        return [b for b, _ in self._keyer.match(token_ids, salt)]
+
+    # --- allocation ------------------------------------------------------------------------
+    def can_allocate(self, prompt_token_ids: Sequence[int], *,
+                     cache_salt: bytes | str | None = None) -> bool:
+        """Whether ``allocate`` would succeed now (no side effects on the pool or the cache).
+
+        Remembers the prompt's prefix hits: the ``allocate`` of the same token list and salt that
+        follows does not hash the prompt again unless the prefix cache changed in between.
+        """
+        return self._admission.can_allocate(prompt_token_ids, cache_salt)
+
+    def allocate(self, seq_id, prompt_token_ids: Sequence[int], *,
+                 cache_salt: bytes | str | None = None, max_hit_blocks: int | None = None
+                 ) -> int | None:
+        """Creates ``seq_id`` holding the prompt: cached full blocks of its prefix, fresh blocks for
+        the rest.
+
+        Args:
+          seq_id: a new sequence id (any hashable).
+          prompt_token_ids: non-empty token ids.
+          cache_salt: overrides the manager's salt for this sequence's keys.
+          max_hit_blocks: serve at most this many leading blocks from the cache (None: all).
+
+        Returns:
+          Prompt tokens already computed (served from the cache; a multiple of ``block_size``, less
+          than the prompt length), or ``None`` if the pool cannot hold the prompt (nothing changed).
+
+        Raises:
+          ValueError: duplicate ``seq_id`` or bad tokens/salt.
+        """
+        hit = self._admission.allocate(seq_id, prompt_token_ids, cache_salt, max_hit_blocks)
+        if hit is not None and self._window is not None:
+            self._window.recycle((seq_id,))
+        self._end_call()
+        return hit
+
+    def num_slots_needed(self, seq_id, n: int) -> int:
+        """Blocks ``append_slots`` of ``n`` tokens would take now, copy-on-write included."""
+        seq = self._tables.resident(seq_id)
+        return self._tables.grow_need(seq, count_arg(n, "n"))
+
+    def append_slots(self, seq_id, new_token_ids: Sequence[int | None]
+                     ) -> list[tuple[int, int]] | None:
+        """Grows ``seq_id`` by ``len(new_token_ids)`` slots whose KV the next step writes.
+
+        A ``None`` token id means "not known yet" (``set_tokens`` fills it in later); a block holding
+        such a slot is not keyed into the prefix cache while it does.
+
+        Returns:
+          Copy-on-write ``(src_page, dst_page)`` pairs the device must apply before the write, or
+          ``None`` if the pool cannot supply the blocks (nothing changed).
+
+        Raises:
+          ValueError: unknown or swapped-out ``seq_id``, bad token ids.
+        """
+        pairs = self._tables.append_slots(seq_id, new_token_ids)
+        if self.debug:
+            self.check_invariants()
+        return pairs
+
+    def append_decode_slots(self, seq_ids: Sequence, token_ids: Sequence[int | None]
+                            ) -> list[tuple[int, int]] | None:
+        """``append_slots(seq_ids[i], [token_ids[i]])`` for every i, in one call (the decode step).
+
+        All or nothing: if the pool cannot supply every block (copies included), returns ``None``
+        and nothing changed; the caller can fall back to per-sequence ``append_slots`` and preempt.
+        ``None`` token ids are allowed as in ``append_slots``.
+
+        Returns:
+          The copy-on-write pairs of all sequences, or ``None``.
+
+        Raises:
+          ValueError: unknown, swapped-out or repeated sequence ids, bad token ids, or lengths
+            that differ (before any state change).
+        """
+        pairs = self._tables.append_decode(self._tables.lookup(seq_ids, token_ids), token_ids)
+        if self.debug:
+            self.check_invariants()
+        return pairs
+
+    def run_decode_steps(self, seq_ids: Sequence, token_ids: Sequence[Sequence[int]]) -> bool:
+        """``m = len(token_ids[i])`` steady decode steps of ``seq_ids`` in one call (a simulator
+        that knows the next steps are pure decodes): the state of ``m`` rounds of
+        ``append_decode_slots``, ``step_completed(begin_step())`` and ``mark_computed_many`` of
+        the blocks each step filled, ids, LRU order, quarantine and keys included. ``False``
+        (nothing changed) if the pool cannot supply it; ``ValueError`` for a bad call, before
+        any change (``paged.kv.blocks.decode_run.run``). Not with a sliding window (ValueError):
+        recycling happens per step."""
+        if self._window is not None:
+            raise ValueError("run_decode_steps does not recycle sliding-window blocks; step "
+                             "instead (sliding_window is set)")
+        done = decode_run.run(self._tables, self._progress, self._fence, seq_ids, token_ids)
+        if done and self.debug:
+            self.check_invariants()
+        return done
+
+    def set_tokens(self, seq_ids: Sequence, positions: Sequence[int],
+                   token_ids: Sequence[int]) -> None:
+        """Slot ``positions[i]`` (0-based over all slots, prompt included) of ``seq_ids[i]`` holds
+        an unknown token id (``None``) and gets ``token_ids[i]``, for every i; O(pairs + blocks
+        keyed). A sequence may appear with several positions, also while swapped out. Full
+        computed blocks whose token ids are now all known get their prefix-cache keys here, at
+        once; blocks not computed yet get them at the ``mark_computed`` that completes them.
+
+        Raises:
+          ValueError: unknown sequence, lengths that differ, a position out of range or of a slot
+            whose token id is known, a repeated pair, a bad token id (before any state change).
+        """
+        self._progress.set_tokens(seq_ids, positions, token_ids)
+        if self.debug:
+            self.check_invariants()
+
+    def mark_computed_many(self, seq_ids: Sequence, num_computed_tokens: Sequence[int]) -> None:
+        """``mark_computed(seq_ids[i], num_computed_tokens[i])`` for every i, in one call.
+
+        Raises:
+          ValueError: as ``mark_computed`` would for any pair, or for repeated ids, before any
+            state change.
+        """
+        self._progress.mark_computed_many(seq_ids, num_computed_tokens)
+        if self._window is not None:
+            self._window.recycle(seq_ids)
+            self._end_call()
+        elif self.debug:
+            self.check_invariants()
+
+    def reserve_lookahead(self, seq_id, k: int, token_ids: Sequence[int] | None = None
+                          ) -> list[tuple[int, int]] | None:
+        """Reserves ``k`` speculative slots (draft tokens ``token_ids`` if known, for caching).
+
+        Blocks holding lookahead slots of unknown token id are never keyed.
+
+        Returns:
+          CoW pairs, or ``None`` if out of blocks (nothing changed).
+        """
+        pairs = self._tables.reserve_lookahead(seq_id, k, token_ids)
+        self._end_call()
+        return pairs
+
+    def rollback(self, seq_id, r: int) -> None:
+        """Drops the last ``r`` slots of ``seq_id``; blocks left empty are freed (tail first).
+
+        Raises:
+          ValueError: unknown or swapped-out ``seq_id``, or ``r`` larger than the sequence.
+        """
+        self._tables.rollback(seq_id, r)
+        self._end_call()
+
+    def mark_computed(self, seq_id, num_computed_tokens: int) -> None:
+        """Records that KV for the first ``num_computed_tokens`` slots is on device (after the step
+        that wrote it); full blocks among them get their prefix-cache keys now, never earlier (and
+        never while one of their token ids is unknown).
+
+        Raises:
+          ValueError: unknown or swapped-out ``seq_id``; a count that decreases or exceeds the
+            slots.
+        """
+        self._progress.mark_computed(seq_id, num_computed_tokens)
+        if self._window is not None:
+            self._window.recycle((seq_id,))
+            self._end_call()
+        elif self.debug:
+            self.check_invariants()
+
+    def fork(self, parent_seq_id, child_seq_id) -> None:
+        """Makes ``child_seq_id`` share every block of ``parent_seq_id`` (refcount + 1 each).
+
+        Raises:
+          ValueError: unknown/swapped parent, existing child, or a parent with slots not yet
+            computed (both would write the same shared block).
+        """
+        self._tables.fork(parent_seq_id, child_seq_id)
+        self._end_call()
+
+    def free(self, seq_id) -> None:
+        """Releases ``seq_id``: its blocks (tail first, so tail blocks are evicted first) or, if
+        swapped out, its host slots. Quarantined while a step that may read them is in flight."""
+        self._tables.remove(seq_id)
+        if self._tier is not None:
+            self._tier.forget(seq_id)
+        self._end_call()
+
+    def evict_cached(self, num_blocks: int | None = None) -> int:
+        """Drops up to ``num_blocks`` (default all) cached blocks to the free list, LRU first."""
+        lru = self._pool.lru
+        n = len(lru) if num_blocks is None else min(count_arg(num_blocks, "num_blocks"), len(lru))
+        self._pool.evict(n)
+        self._end_call()
+        return n
+
+    # --- host tier -------------------------------------------------------------------------
+    @property
+    def num_host_tier_blocks(self) -> int:
+        """Host-tier slots (0: no tier)."""
+        return 0 if self._tier is None else self._tier.num_slots
+
+    def is_loading(self, seq_id) -> bool:
+        """Whether ``seq_id`` waits for its host-tier load (the copy step has not completed):
+        it must not be scheduled yet. False without a tier."""
+        return self._tier is not None and self._tier.is_loading(seq_id)
+
+    def loading_tokens(self, seq_id) -> int:
+        """Prompt tokens ``seq_id`` loads from the host tier (0 once loaded, or without one)."""
+        return 0 if self._tier is None else self._tier.loading_tokens(seq_id)
+
+    def take_tier_copies(self) -> TierCopies | None:
+        """The host tier's offloads, loads and dead slots recorded since the last call, for the
+        step about to launch (after ``begin_step``); ``None`` when there are none. The step
+        applies them among its copies: offload reads first (before poison and writes), then
+        loads."""
+        return None if self._tier is None else self._tier.take_copies()
+
+    def host_tier_stats(self) -> dict:
+        """The tier's counters and slots per state (all ints); empty without a tier."""
+        if self._tier is None:
+            return {}
+        return dict(self._tier.stats, num_blocks=self._tier.num_slots, **self._tier.counts())
+
+    def tiered_prefix_tokens(self, token_ids: Sequence[int], *,
+                             cache_salt: bytes | str | None = None, probe=None
+                             ) -> tuple[int, int]:
+        """``(device, host)``: leading tokens of ``token_ids`` the device prefix cache holds,
+        and the tokens after them the host tier holds (as admission counts hits). Read only."""
+        salt = self.cache_salt if cache_salt is None else as_salt(cache_salt)
+        hits = self._keyer.match(token_ids, salt, probe)
+        host = [] if self._tier is None else self._tier.match(list(token_ids), salt, hits)
+        return len(hits) * self.block_size, len(host) * self.block_size
+
+    # --- swap ------------------------------------------------------------------------------
+    def swap_out(self, seq_id) -> list[tuple[int, int]] | None:
+        """Moves ``seq_id`` to host slots for preemption by swapping.
+
+        Returns:
+          ``(device_page, host_slot)`` copies for the next step, or ``None`` (nothing changed) if
+          host slots run out or the sequence was swapped in since the last ``begin_step`` (its
+          swap-in copy has not run yet; free it or wait a step). The device pages are released
+          (held until the step performing the copy completes).
+
+        Raises:
+          ValueError: unknown or already swapped-out ``seq_id``.
+        """
+        pairs = self._swap.swap_out(seq_id)
+        self._end_call()
+        return pairs
+
+    def can_swap_in(self, seq_id) -> bool:
+        """Whether ``swap_in`` would succeed now (ValueError if ``seq_id`` is not swapped out)."""
+        return self._swap.can_swap_in(seq_id)
+
+    def swap_in(self, seq_id) -> list[tuple[int, int]] | None:
+        """Brings a swapped-out ``seq_id`` back into fresh device blocks.
+
+        Returns:
+          ``(host_slot, device_page)`` copies for the next step, or ``None`` (nothing changed) if
+          the pool cannot hold it or it was swapped out since the last ``begin_step`` (its
+          swap-out copy has not run yet). Its full blocks are keyed again at the next
+          ``mark_computed`` after the copy ran.
+
+        Raises:
+          ValueError: unknown or resident ``seq_id``.
+        """
+        pairs = self._swap.swap_in(seq_id)
+        self._end_call()
+        return pairs
+
+    # --- debug -----------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Checks the whole state in O(pool + table entries).
+
+        Raises:
+          AssertionError: with a message naming the first violation found.
+        """
+        check_invariants(self._pool, self._fence, self._index, self._tables)
+        if self._tier is not None:
+            self._tier.check()
+            for seq_id in self._tier.loading:
+                if seq_id not in self._tables.seqs:
+                    raise AssertionError(f"BlockManager invariant violated: loading sequence "
+                                         f"{seq_id!r} is not resident")

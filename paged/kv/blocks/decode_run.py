@@ -1,0 +1,203 @@
+"""Steady decode steps of one batch in one call (``BlockManager.run_decode_steps``).
+
+``m`` serial decode steps of the same sequences, each step appending one known token id to every
+sequence, launching and completing (``begin_step`` / ``step_completed``), then marking computed
+the sequences whose new slot completed a block (the engine's readback hears of a decode only
+then): the state afterwards is the state of ``m`` rounds of ``append_decode_slots``,
+``begin_step``, ``step_completed`` and ``mark_computed_many`` of those sequences. The per-step work
+is only where something happens: a step that starts blocks takes them from the pool (one
+``take``, in row order, as the decode append does), a step that completes blocks keys them, and
+while blocks wait in quarantine every step completes on its own (their release order is the free
+queue's order). Token ids are appended up front: nothing reads a slot before the step that
+completes its block keys it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from paged.kv.blocks.fence import StepFence
+from paged.kv.blocks.progress import Progress
+from paged.kv.blocks.tables import TOKEN_LIMIT, Seq, SeqTables
+
+_INT = {int}
+
+
+def run(tables: SeqTables, progress: Progress, fence: StepFence, seq_ids: Sequence,
+        token_ids: Sequence) -> bool:
+    """Checks the call, then runs the steps; ``False`` (nothing changed) when the pool cannot
+    supply them.
+
+    Raises:
+      ValueError: unknown, swapped-out or repeated sequence ids; rows of different lengths or bad
+        (or unknown) token ids; a shared partly filled tail (its first append would copy it); all
+        before any state change.
+    """
+    batch, rows = check_run(tables, seq_ids, token_ids)
+    need = blocks_needed(tables, batch, len(rows[0]) if rows else 0)
+    if need is None:
+        raise ValueError("a sequence's partly filled tail block is shared: its next append "
+                         "copies it (use append_decode_slots)")
+    if need > tables.pool.num_allocatable:
+        return False
+    run_decode_steps(tables, progress, fence, batch, rows)
+    return True
+
+
+def check_run(tables: SeqTables, seq_ids: Sequence, token_ids: Sequence) -> tuple[list[Seq], list]:
+    """The Seqs and the token rows as lists, or ValueError (no state touched)."""
+    if not isinstance(seq_ids, list | tuple):
+        raise ValueError(f"seq_ids must be a list of sequence ids, got {type(seq_ids).__name__}")
+    batch = [tables.resident(s) for s in seq_ids]  # raises for unknown or swapped-out ids
+    if len(set(map(id, batch))) != len(batch):
+        raise ValueError(f"repeated sequence ids in {list(seq_ids)!r}")
+    if isinstance(token_ids, np.ndarray) and token_ids.ndim == 2 \
+            and token_ids.dtype.kind in "iu" and token_ids.shape[0] == len(batch):
+        if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= TOKEN_LIMIT):
+            raise ValueError("token ids must be ints in [0, 2**63)")
+        return batch, token_ids.tolist()  # (checked in bulk)
+    try:
+        rows = [list(r) for r in token_ids]
+    except TypeError:
+        raise ValueError("token_ids must be one sequence of token ids per sequence id") from None
+    if len(rows) != len(batch):
+        raise ValueError(f"{len(batch)} sequence ids but {len(rows)} rows of token ids")
+    m = len(rows[0]) if rows else 0
+    for sid, row in zip(seq_ids, rows):
+        if len(row) != m:
+            raise ValueError(f"sequence {sid!r} has {len(row)} token ids, the first has {m}: "
+                             "every sequence decodes the same number of steps")
+        if row and not (set(map(type, row)) <= _INT and min(row) >= 0 and max(row) < TOKEN_LIMIT):
+            raise ValueError(f"token ids {row!r} of sequence {sid!r} must be ints in [0, 2**63) "
+                             "(a decode run appends known token ids)")
+    return batch, rows
+
+
+def blocks_needed(tables: SeqTables, batch: list[Seq], m: int) -> int | None:
+    """Fresh blocks ``m`` decode steps take, or ``None`` when some tail is shared and partly
+    filled (its first append would copy it: not a steady decode)."""
+    B, rc = tables.block_size, tables.pool.rc
+    need = 0
+    for seq in batch:
+        n = len(seq.tokens)
+        room = -n % B
+        if room and rc[seq.table[-1]] > 1:
+            return None
+        if m > room:
+            need += -(-(m - room) // B)
+    return need
+
+
+def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, batch: list[Seq],
+                     rows: list[list[int]]) -> None:
+    """Runs the steps (module docstring); the caller checked the arguments and the pool."""
+    m = len(rows[0]) if rows else 0
+    if m == 0:
+        return
+    if any(seq.room is None for seq in batch):  # off the fast path (debug, fork, rollback, swap)
+        _stepwise(tables, progress, fence, batch, rows)
+        return
+    B = tables.block_size
+    pool, keyer = tables.pool, progress.keyer
+    starts: dict[int, list[int]] = {}  # step -> rows whose slot starts a block (row order)
+    fills: dict[int, list[int]] = {}  # step -> rows whose slot completes a block
+    n0 = []
+    need = 0
+    for r, seq in enumerate(batch):
+        room = seq.room
+        for j in range(room, m, B):
+            starts.setdefault(j, []).append(r)
+            need += 1
+        for j in range((room - 1) % B, m, B):
+            fills.setdefault(j, []).append(r)
+        tokens = seq.tokens
+        n0.append(len(tokens))
+        tokens.extend(rows[r])
+        seq.room = (room - m) % B
+    if not (fence.held or fence.host_held) and fence.copy_step <= fence.last_completed \
+            and len(pool.free) >= need:
+        _run_quiet(fence, pool, keyer, batch, m, starts, fills, n0, need)
+        return
+    owed = 0  # steps up to here not begun / completed yet (nothing happened in them)
+    j = 0
+    for e in sorted(starts.keys() | fills.keys()):
+        owed += e - j
+        s = starts.get(e)
+        if s is not None:  # step e's schedule takes its blocks after step e - 1 completed
+            _steps(fence, pool, owed)
+            owed = 0
+            for r, b in zip(s, pool.take(len(s))):
+                batch[r].table.append(b)
+            if pool.died:
+                pool.flush()
+        owed += 1
+        f = fills.get(e)
+        if f is not None:  # its readback keys the blocks it filled, after it completed
+            _steps(fence, pool, owed)
+            owed = 0
+            _key_filled(keyer, batch, f, n0, e)
+        j = e + 1
+    _steps(fence, pool, owed + m - j)
+
+
+def _run_quiet(fence: StepFence, pool, keyer, batch: list[Seq], m: int, starts: dict,
+               fills: dict, n0: list[int], need: int) -> None:
+    """The steps when nothing waits on a step (no quarantine, no pending copy) and the free
+    queue holds every block they start: each step's ``take`` pops the queue's head and nothing
+    else touches the queue, so one ``take`` of all of them, dealt out in step order, leaves the
+    same tables; keying reads no step id (no copy pends), so only the ids move, once."""
+    if need:
+        taken = iter(pool.take(need))
+        for e in sorted(starts):
+            for r in starts[e]:
+                batch[r].table.append(next(taken))
+        if pool.died:
+            pool.flush()
+    for e in sorted(fills):  # each step's readback keys in step order (equal keys: first wins)
+        _key_filled(keyer, batch, fills[e], n0, e)
+    _steps(fence, pool, m)
+
+
+def _key_filled(keyer, batch: list[Seq], rows: list[int], n0: list[int], e: int) -> None:
+    """Step ``e``'s readback: ``rows`` filled a block; their computed counts move on and those
+    with something to key are keyed."""
+    keying = []
+    for r in rows:
+        seq = batch[r]
+        c = n0[r] + e + 1
+        if c >= seq.key_at:
+            keying.append(seq)
+        seq.num_computed = c
+    if keying:
+        keyer.key_computed(keying)
+
+
+def _steps(fence: StepFence, pool, k: int) -> None:
+    """``k`` steps begun and completed, as ``begin_step`` / ``step_completed`` pairs."""
+    while k > 0 and (fence.held or fence.host_held):  # releases happen step by step
+        fence.complete(fence.begin())
+        if pool.died:
+            pool.flush()
+        k -= 1
+    if k > 0:  # nothing waits on a step (and nothing is freed meanwhile): only the ids move
+        fence.last_begun += k
+        fence.cow_src.clear()
+        fence.complete(fence.last_begun)
+
+
+def _stepwise(tables: SeqTables, progress: Progress, fence: StepFence, batch: list[Seq],
+              rows: list[list[int]]) -> None:
+    """The same steps through the per-step calls (sequences whose fast-path state is unknown)."""
+    B = tables.block_size
+    pool = tables.pool
+    for j in range(len(rows[0])):
+        if tables.append_decode(batch, [row[j] for row in rows]) != []:
+            raise AssertionError("a checked decode run needed blocks or copies")
+        _steps(fence, pool, 1)
+        full = [seq for seq in batch if len(seq.tokens) % B == 0]
+        if full:
+            for seq in full:
+                seq.num_computed = len(seq.tokens)
+            progress.keyer.key_computed(full)

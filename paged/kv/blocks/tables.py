@@ -1,0 +1,442 @@
+"""Per-sequence block tables: growth (the one decode-append path), copy-on-write, lookahead and
+rollback, fork, free.
+
+Each sequence has a block table, its token ids (``None`` for a slot whose token id is not known
+yet: a lookahead slot without a draft, or a decode slot scheduled before its sampled token reached
+the host), the number of slots whose KV is on device and the prefix-cache keys of its full computed
+blocks. A writer never writes into a shared block (refcount > 1): appending into a shared partial
+block takes a fresh block and returns a ``(src, dst)`` page copy. A block whose keyed content is
+about to be rewritten in place leaves the index and changes version.
+
+A sliding-window model recycles a sequence's leading blocks once they are behind every future
+query's window (`paged.kv.blocks.window`): their table entries become ``NULL_PAGE`` and ``front``
+counts them; everything here that walks a table starts at ``front``.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Hashable, Sequence
+
+from paged.kv.blocks.fence import StepFence
+from paged.kv.blocks.pool import BlockPool
+from paged.kv.blocks.prefix_index import BlockKey, PrefixCacheIndex
+from paged.kv.cache import NULL_PAGE
+
+TOKEN_LIMIT = 2**63  # token ids are hashed as int64
+_INT = {int}
+
+
+class Seq:
+    """One sequence's host state."""
+
+    # The decode step reads the first four: declared first, they share the object's cache lines.
+    __slots__ = ("room", "tokens", "num_computed", "key_at", "table", "keys", "salt",  # noqa: RUF023
+                 "host_table", "dirty_tail", "swap_in_step", "swap_out_step", "unknown", "front")
+
+    def __init__(self, table: list[int], tokens: list, num_computed: int, keys: list[BlockKey],
+                 salt: bytes):
+        self.table = table  # physical blocks; empty while swapped out
+        self.tokens = tokens  # one per slot; None = token id not known yet
+        self.num_computed = num_computed  # tokens whose KV is on device
+        self.keys = keys  # prefix-cache keys of blocks 0 .. len(keys) - 1
+        self.salt = salt
+        self.host_table: list[int] | None = None  # host slots while swapped out
+        self.dirty_tail = False  # tail block holds rolled-back slots that the next append rewrites
+        self.swap_in_step = -1  # step that performs this sequence's latest swap-in copy
+        self.swap_out_step = -1  # step that performs its latest swap-out copy
+        # Fast-path state for decode. ``room`` is the exact number of free slots in the tail block
+        # when that block is known to be exclusive, unkeyed and clean (0: the tail is full, the
+        # next token takes a fresh block), or None when not known (fork, rollback, swap, debug).
+        self.room: int | None = None
+        # mark_computed may skip keying below this count; -1 forces the checked path.
+        self.key_at = -1
+        self.unknown = 0  # slots whose token id is None
+        self.front = 0  # leading table entries recycled (NULL_PAGE): behind the sliding window
+
+
+def count_arg(n, what: str) -> int:
+    """``n`` as a non-negative int, or ValueError."""
+    if type(n) is not int:
+        try:
+            n = operator.index(n)
+        except TypeError:
+            raise ValueError(f"{what}={n!r} must be an int") from None
+    if n < 0:
+        raise ValueError(f"{what}={n} must be >= 0")
+    return n
+
+
+def token_list(token_ids: Sequence, what: str, *, unknown_ok: bool = False) -> list:
+    """A new list of validated token ids (non-negative ints below 2**63; ``None`` too if
+    ``unknown_ok``), or ValueError."""
+    try:
+        out = list(token_ids)
+    except TypeError:
+        raise ValueError(f"{what}={token_ids!r} must be a sequence of ints") from None
+    if not out or set(map(type, out)) == _INT and min(out) >= 0 and max(out) < TOKEN_LIMIT:
+        return out
+    for i, t in enumerate(out):
+        if t is None and unknown_ok:
+            continue
+        if type(t) is not int:
+            try:
+                t = out[i] = operator.index(t)
+            except TypeError:
+                raise ValueError(f"{what}[{i}]={t!r} is not an int") from None
+        if not 0 <= t < TOKEN_LIMIT:
+            raise ValueError(f"{what}[{i}]={t} must be a non-negative token id below 2**63")
+    return out
+
+
+class SeqTables:
+    """The sequences and their block tables.
+
+    Args:
+      pool, fence, index: the block pool, step fence and prefix-cache index.
+      block_size: tokens per block.
+      enable_prefix_caching: whether full blocks get keyed.
+      debug: keep every sequence off the decode fast paths (``room``/``key_at`` unknown).
+    """
+
+    def __init__(self, pool: BlockPool, fence: StepFence, index: PrefixCacheIndex,
+                 block_size: int, *, enable_prefix_caching: bool, debug: bool):
+        self.pool, self.fence, self.index = pool, fence, index
+        self.block_size = block_size
+        self.caching = enable_prefix_caching
+        self.debug = debug
+        self.seqs: dict[Hashable, Seq] = {}
+        # The last decode batch: (a copy of its ids, their Seqs); dropped when seqs changes.
+        self.decode_batch: tuple[list, list[Seq]] | None = None
+        self.cow_copies = 0
+        self.peak_blocks = 0  # most live blocks a sequence held when it left (see max_blocks)
+
+    # --- lookups ---------------------------------------------------------------------------
+    def get(self, seq_id) -> Seq:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise ValueError(f"unknown sequence {seq_id!r}")
+        return seq
+
+    def resident(self, seq_id) -> Seq:
+        seq = self.get(seq_id)
+        if seq.host_table is not None:
+            raise ValueError(f"sequence {seq_id!r} is swapped out")
+        return seq
+
+    def lookup(self, seq_ids: Sequence, values: Sequence, *, unique: bool = True) -> list[Seq]:
+        """The Seqs of ``seq_ids`` (one per value); the last decode batch's when the ids repeat it.
+
+        Raises:
+          ValueError: unknown ids, lengths that differ, or repeated ids when ``unique``.
+        """
+        last = self.decode_batch  # steady decoding repeats the batch: skip the lookups
+        if (last is not None and type(seq_ids) is list and last[0] == seq_ids
+                and len(values) == len(seq_ids)):
+            return last[1]
+        try:
+            batch = list(map(self.seqs.__getitem__, seq_ids))
+        except (KeyError, TypeError):
+            for s in seq_ids:
+                self.get(s)  # raises for the first unknown id
+            raise
+        if len(batch) != len(values):
+            raise ValueError(f"{len(batch)} sequence ids but {len(values)} values")
+        if len(set(batch)) != len(batch):  # a Seq hashes by identity
+            if unique:
+                raise ValueError(f"repeated sequence ids in {seq_ids!r}")
+        elif type(seq_ids) is list:
+            self.decode_batch = (list(seq_ids), batch)
+        return batch
+
+    # --- creation and removal --------------------------------------------------------------
+    def add(self, seq_id, table: list[int], tokens: list[int], hits: list[tuple[int, BlockKey]],
+            salt: bytes, num_computed: int | None = None) -> Seq:
+        """Creates ``seq_id`` over ``table`` whose first ``len(hits)`` blocks are computed hits
+        (``num_computed``: more computed tokens, in blocks loaded from the host tier, keyed once
+        their copy ran)."""
+        computed = len(hits) * self.block_size if num_computed is None else num_computed
+        seq = self.seqs[seq_id] = Seq(table, tokens, computed, [k for _, k in hits], salt)
+        self.decode_batch = None
+        self.fast_state(seq)  # the tail block is fresh
+        return seq
+
+    def fork(self, parent_seq_id, child_seq_id) -> None:
+        parent = self.resident(parent_seq_id)
+        if child_seq_id in self.seqs:
+            raise ValueError(f"sequence {child_seq_id!r} already exists")
+        if parent.num_computed != len(parent.tokens):
+            raise ValueError(
+                f"cannot fork {parent_seq_id!r}: {len(parent.tokens) - parent.num_computed} of its "
+                f"slots are not computed yet; fork after the step that writes them")
+        child = Seq(list(parent.table), list(parent.tokens), parent.num_computed,
+                    list(parent.keys), parent.salt)
+        child.dirty_tail = parent.dirty_tail
+        child.unknown = parent.unknown
+        child.swap_in_step = parent.swap_in_step
+        child.front = parent.front
+        parent.room = None  # the tail block is shared now
+        self.set_key_at(child)
+        rc = self.pool.rc
+        for b in child.table[child.front:]:
+            rc[b] += 1
+        self.seqs[child_seq_id] = child
+        self.decode_batch = None
+
+    def remove(self, seq_id) -> None:
+        """Drops ``seq_id``: its blocks tail first (tail blocks are evicted first) or host slots."""
+        seq = self.get(seq_id)
+        del self.seqs[seq_id]
+        self.decode_batch = None
+        self.note_peak(seq)
+        if seq.host_table is not None:
+            self.fence.release_host(seq.host_table)
+        else:
+            self.fence.release(reversed(seq.table[seq.front:]))
+
+    def note_peak(self, seq: Seq) -> None:
+        """Counts ``seq``'s live blocks (device or host) into ``peak_blocks``."""
+        held = len(seq.host_table) if seq.host_table is not None else len(seq.table) - seq.front
+        if held > self.peak_blocks:
+            self.peak_blocks = held
+
+    def max_blocks(self) -> int:
+        """The most live blocks any sequence held at once since construction (the sequences
+        alive now included), as far as tables were seen: when a sequence left, was swapped out
+        or rolled back, or was recycled (`paged.kv.blocks.window`)."""
+        for seq in self.seqs.values():
+            self.note_peak(seq)
+        return self.peak_blocks
+
+    def block_usage(self, skip=frozenset()) -> list[tuple[int, int]]:
+        """(refcount, most slots any sequence fills) of every used block, by block id; blocks
+        only the sequences in ``skip`` hold are left out."""
+        filled: dict[int, int] = {}
+        B = self.block_size
+        for seq_id, seq in self.seqs.items():
+            if seq_id in skip:
+                continue
+            table = seq.table
+            if not table:
+                continue
+            for b in table[seq.front:-1]:
+                filled[b] = B
+            last = table[-1]
+            n = len(seq.tokens) - (len(table) - 1) * B
+            if filled.get(last, 0) < n:
+                filled[last] = n
+        return [(self.pool.rc[b], filled[b]) for b in sorted(filled)]
+
+    def blocks_only_in(self, seq_ids: frozenset) -> set[int]:
+        """The blocks that the sequences ``seq_ids`` hold and no other sequence does."""
+        mine, others = set(), set()
+        for i, seq in self.seqs.items():
+            (mine if i in seq_ids else others).update(seq.table[seq.front:])
+        return mine - others
+
+    # --- fast-path state -------------------------------------------------------------------
+    def fast_state(self, seq: Seq) -> None:
+        """Sets the decode fast-path state after the tail block was made exclusive and clean."""
+        seq.room = None if self.debug else -len(seq.tokens) % self.block_size
+        self.set_key_at(seq)
+
+    def set_key_at(self, seq: Seq) -> None:
+        if self.debug or seq.host_table is not None:
+            seq.key_at = -1
+        elif self.caching:
+            seq.key_at = (len(seq.keys) + 1) * self.block_size
+        else:
+            seq.key_at = TOKEN_LIMIT
+
+    # --- growth ----------------------------------------------------------------------------
+    def grow_need(self, seq: Seq, m: int) -> int:
+        """Fresh blocks ``m`` more slots take, a copy-on-write of a shared tail included."""
+        if m == 0:
+            return 0
+        n = len(seq.tokens)
+        cow = n % self.block_size != 0 and self.pool.rc[seq.table[-1]] > 1
+        return -(-(n + m) // self.block_size) - len(seq.table) + cow
+
+    def grow(self, seq: Seq, new: list) -> list[tuple[int, int]] | None:
+        """Appends the (validated) slots ``new`` to a resident ``seq``; CoW pairs or ``None``."""
+        m = len(new)
+        if m == 0:
+            return []
+        pool = self.pool
+        need = self.grow_need(seq, m)
+        if need > len(pool.free) + len(pool.lru):
+            return None
+        fresh = pool.take(need) if need else []  # take(0) changes nothing
+        pairs = []
+        if len(seq.tokens) % self.block_size:
+            last = seq.table[-1]
+            key = self.index.key[last]
+            if pool.rc[last] > 1:  # copy-on-write: never write into a shared block
+                dst = fresh.pop(0)
+                pool.rc[last] -= 1
+                self.fence.hold_for_copy((last, dst))
+                self.fence.cow_src[dst] = last
+                seq.table[-1] = dst
+                pairs.append((last, dst))
+                self.cow_copies += 1
+            elif key is not None or seq.dirty_tail:
+                # Rewriting slots in place: the keyed content (if any) dies with it.
+                if key is not None:
+                    self.index.remove(last, key.digest)
+                pool.version[last] += 1
+        seq.dirty_tail = False
+        seq.table.extend(fresh)
+        seq.tokens.extend(new)
+        if None in new:
+            seq.unknown += new.count(None)
+        self.fast_state(seq)
+        return pairs
+
+    def append_slots(self, seq_id, new_token_ids: Sequence) -> list[tuple[int, int]] | None:
+        """`BlockManager.append_slots` (reports evicted blocks to ``on_free`` itself)."""
+        try:
+            seq = self.seqs[seq_id]
+        except (KeyError, TypeError):
+            seq = self.get(seq_id)  # raises
+        if type(new_token_ids) is list and len(new_token_ids) == 1:
+            t, room = new_token_ids[0], seq.room
+            if room is not None and (t is None or type(t) is int and 0 <= t < TOKEN_LIMIT):
+                return self._append_one(seq, t, room)
+            return self.append_decode((seq,), new_token_ids)
+        if seq.host_table is not None:
+            self.resident(seq_id)  # raises
+        pairs = self.grow(seq, token_list(new_token_ids, "new_token_ids", unknown_ok=True))
+        if self.pool.died:
+            self.pool.flush()
+        return pairs
+
+    def _append_one(self, seq: Seq, t: int | None, room: int) -> list | None:
+        """``append_decode`` of one sequence whose tail ``room`` is known and one valid token id
+        (the single-sequence fast path of ``append_slots``)."""
+        if room:
+            seq.room = room - 1
+        else:  # the tail is full: a fresh block
+            pool = self.pool
+            if not (pool.free or pool.lru):
+                return None
+            seq.table.append(pool.take(1)[0])
+            seq.room = self.block_size - 1
+            if pool.died:  # an evicted cached block: report it now
+                pool.flush()
+        seq.tokens.append(t)
+        if t is None:
+            seq.unknown += 1
+        return []
+
+    def append_decode(self, batch: Sequence[Seq], token_ids: Sequence
+                      ) -> list[tuple[int, int]] | None:
+        """The decode append: one slot per sequence of ``batch`` (distinct; as many as
+        ``token_ids``), all or nothing.
+
+        One pass in the common case (every tail's ``room`` known, every token id an int or
+        ``None``), undone if a sequence needs the checked path or the pool runs short.
+        """
+        limit = TOKEN_LIMIT
+        starting = []  # full tails: these sequences start a fresh block
+        for seq, t in zip(batch, token_ids):
+            room = seq.room
+            if room is None or type(t) is not int or not 0 <= t < limit:
+                if room is None or t is not None:
+                    self._undo_decode(batch, seq, starting)
+                    return self._append_decode_checked(batch, token_ids)
+                seq.unknown += 1
+            seq.tokens.append(t)
+            if room:
+                seq.room = room - 1
+            else:
+                starting.append(seq)
+        pool = self.pool
+        if starting:
+            if len(starting) > len(pool.free) + len(pool.lru):
+                self._undo_decode(batch, None, starting)
+                return None
+            B1 = self.block_size - 1
+            for seq, b in zip(starting, pool.take(len(starting))):
+                seq.table.append(b)
+                seq.room = B1
+            if pool.died:  # evicted cached blocks: report them now
+                pool.flush()
+        return []
+
+    @staticmethod
+    def _undo_decode(batch: Sequence[Seq], stop: Seq | None, starting: list[Seq]) -> None:
+        """Reverts ``append_decode``'s pass over ``batch`` up to ``stop`` (exclusive)."""
+        starting = set(starting)
+        for seq in batch:
+            if seq is stop:
+                break
+            if seq.tokens.pop() is None:
+                seq.unknown -= 1
+            if seq not in starting:
+                seq.room += 1
+
+    def _append_decode_checked(self, batch: Sequence[Seq], token_ids: Sequence
+                               ) -> list[tuple[int, int]] | None:
+        """``append_decode`` for any state: validate and count every block first, then grow."""
+        token_ids = token_list(token_ids, "token_ids", unknown_ok=True)
+        if len(token_ids) != len(batch):
+            raise ValueError(f"{len(batch)} sequences but {len(token_ids)} token ids")
+        B, rc = self.block_size, self.pool.rc
+        need = 0
+        copied: dict[int, int] = {}  # shared tail -> sharers in this batch that copy it first
+        for seq in batch:
+            if seq.host_table is not None:
+                raise ValueError("a sequence of the decode batch is swapped out")
+            if len(seq.tokens) % B:
+                tail = seq.table[-1]
+                k = copied.get(tail, 0)
+                if rc[tail] - k > 1:  # the last sharer to write keeps the block
+                    need += 1
+                    copied[tail] = k + 1
+            else:
+                need += 1
+        if need > self.pool.num_allocatable:
+            return None
+        pairs = []
+        for seq, t in zip(batch, token_ids):
+            pairs += self.grow(seq, [t])
+        if self.pool.died:
+            self.pool.flush()
+        return pairs
+
+    # --- lookahead and rollback ------------------------------------------------------------
+    def reserve_lookahead(self, seq_id, k: int, token_ids: Sequence[int] | None
+                          ) -> list[tuple[int, int]] | None:
+        seq = self.resident(seq_id)
+        k = count_arg(k, "k")
+        if token_ids is None:
+            return self.grow(seq, [None] * k)
+        new = token_list(token_ids, "token_ids")
+        if len(new) != k:
+            raise ValueError(f"len(token_ids)={len(new)} != k={k}")
+        return self.grow(seq, new)
+
+    def rollback(self, seq_id, r: int) -> None:
+        seq = self.resident(seq_id)
+        r = count_arg(r, "r")
+        n = len(seq.tokens)
+        if r > n:
+            raise ValueError(f"cannot roll back r={r} of {n} slots of sequence {seq_id!r}")
+        if r == 0:
+            return
+        B = self.block_size
+        new_n = n - r
+        keep = -(-new_n // B)
+        self.note_peak(seq)
+        seq.front = min(seq.front, keep)  # (rollback never reaches behind a window in practice)
+        dropped = [b for b in seq.table[keep:] if b != NULL_PAGE]
+        del seq.table[keep:]
+        del seq.tokens[new_n:]
+        seq.num_computed = min(seq.num_computed, new_n)
+        del seq.keys[new_n // B:]
+        seq.dirty_tail = new_n % B != 0
+        if seq.unknown:
+            seq.unknown = seq.tokens.count(None)
+        seq.room = None
+        self.set_key_at(seq)
+        self.fence.release(reversed(dropped))

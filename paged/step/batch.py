@@ -1,0 +1,365 @@
+"""Builds one step's device batch from the input batch's rows (numpy), padded to power-of-two buckets.
+
+Bucketing keeps the number of distinct shapes (and so XLA compilations) small: tokens, sequences
+and sample slots are each rounded up to a power of two. Padding tokens write into the null page;
+padding sequences have ``kv_len = 0`` and an empty query range.
+
+A token the host does not know yet (sampled by the step still in flight) is fed on device: its
+``feed`` entry names the previous step's sample slot, and the jitted step reads it from that
+step's output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import flax
+import jax
+import numpy as np
+
+from paged.kv.cache import NULL_PAGE, next_pow2
+from paged.models.attention import AttentionMetadata
+from paged.request.sequence import UNKNOWN, Sequence
+from paged.step.input_batch import HAS_STOP_IDS, LIMIT, LOGPROBS, InputBatch
+
+MIN_TOKENS = 8  # smallest token bucket: tiny batches share one compilation
+
+
+@flax.struct.dataclass
+class DeviceBatch:
+    """Everything the jitted step reads; shapes are bucketed.
+
+    Packed into five arrays, one per length (each is one host fill and one transfer); the named
+    fields are views, on the host and inside the jitted step alike.
+    """
+
+    tok: jax.Array  # i32[4, T]: token ids, positions, slot mapping, feed (-1: the id is given)
+    seq: jax.Array  # i32[2, S + 1]: kv_lens then num_seqs; cu_q_lens
+    page_indices: jax.Array  # i32[S, pages_per_seq]
+    smp: jax.Array  # i32[7, N]: sample_rows, top_k, seed, sample_index, sample_pos, target, draft
+    smp_f: jax.Array  # f32[2, N]: temperature, top_p
+    # i32[G, S + 1] shared-prefix groups of a decode-only step (paged.step.cascade_plan), or None.
+    casc: jax.Array | None = None
+    # i32[G - 1, T] slot mappings of KV-cache groups 1 .. G-1 (``page_indices`` then
+    # interleaves the groups' tables, see paged.kv.group_manager), or None: one group.
+    grp: jax.Array | None = None
+
+    tokens = property(lambda self: self.tok[0])  # i32[T]
+    positions = property(lambda self: self.tok[1])  # i32[T]
+    feed = property(lambda self: self.tok[3])  # i32[T]: previous step's sample slot, or -1
+    sample_rows = property(lambda self: self.smp[0])  # i32[N]: token row each sample slot reads
+    top_k = property(lambda self: self.smp[1])  # i32[N]
+    seed = property(lambda self: self.smp[2])  # i32[N]
+    sample_index = property(lambda self: self.smp[3])  # i32[N]
+    sample_pos = property(lambda self: self.smp[4])  # i32[N]: position of the sampled token
+    target = property(lambda self: self.smp[5])  # i32[N]: token to score (-1: the sampled one)
+    draft = property(lambda self: self.smp[6])  # i32[N]: proposed token to verify (-1: none)
+    temperature = property(lambda self: self.smp_f[0])  # f32[N]
+    top_p = property(lambda self: self.smp_f[1])  # f32[N]
+
+    @property
+    def md(self) -> AttentionMetadata:
+        s = self.page_indices.shape[0]
+        return AttentionMetadata(slot_mapping=self.tok[2], page_indices=self.page_indices,
+                                 kv_lens=self.seq[0, :s], cu_q_lens=self.seq[1],
+                                 num_seqs=self.seq[0, s:], cascade=self.casc,
+                                 group_slots=self.grp)
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """A built step: its device batch and what reading its result back needs.
+
+    Sample slots ``0 .. num_decode - 1`` are the decodes (``decode`` in batch order, each sampling
+    its token at ``decode_pos``); ``samples`` lists the other sampling items as (sequence, first
+    slot, number of slots, position of the sampled token).
+    """
+
+    device: DeviceBatch
+    num_tokens: int
+    num_seqs: int
+    decode: list[Sequence]
+    decode_pos: np.ndarray  # i64[nd]
+    samples: list[tuple[Sequence, int, int, int]]
+    items: list  # the scheduler's ScheduledSeq items (prefill chunks, odd decodes)
+    item_ends: list[int]  # each item's computed count once the step ran
+    # Sequences whose input token is fed from the previous step: their ids, rows (at build time)
+    # and that token's position.
+    fed: list = dataclasses.field(default_factory=list)
+    fed_rows: np.ndarray | None = None
+    fed_pos: list[int] = dataclasses.field(default_factory=list)
+    decode_rows: np.ndarray | None = None  # the decodes' rows when built
+    epoch: int = -1  # the input batch's epoch when built: the rows hold while it is unchanged
+    stop_any: np.ndarray | None = None  # decodes that may stop whatever they sample
+    # Log-probabilities asked for (the step then returns them): decodes (indices into
+    # ``decode``) and sampling items (indices into ``samples``) that want them for their sampled
+    # token, and prompt positions scored: (sequence, first slot, first position, count).
+    lp_decodes: np.ndarray | None = None
+    lp_samples: list[int] = dataclasses.field(default_factory=list)
+    prompt_lp: list[tuple[Sequence, int, int, int]] = dataclasses.field(default_factory=list)
+    with_logprobs: bool = False
+    # Speculative verify rows: (sequence, first slot, drafts k, position of the input token).
+    verify: list[tuple[Sequence, int, int, int]] = dataclasses.field(default_factory=list)
+    step_id: int = -1
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A step dispatched and not read back yet."""
+
+    batch: StepBatch
+    tokens: jax.Array  # i32[out_size] on device: its samples
+    extras: tuple | None = None  # log-probabilities on device, if the batch asked for them
+
+
+class PendingStep(NamedTuple):
+    """A step between ``Engine.dispatch_step`` and ``Engine.finish_step``."""
+
+    timing: object  # paged.workload.metrics.StepTiming
+    ended: list  # request ids that timed out or were aborted: reported first
+    sched: object  # paged.step.scheduler.SchedulerOutput
+    done: InFlight | None  # the step to read back (dispatched by the previous call)
+    launched: InFlight | None  # the step this call dispatched (None: nothing to run)
+
+
+class BatchBuilder:
+    """Turns the scheduler's choice into a ``StepBatch`` and advances the rows it serves."""
+
+    def __init__(self, batch: InputBatch, block_manager, page_size: int, *,
+                 min_tokens: int = MIN_TOKENS, min_seqs: int = 1, debug: bool = False,
+                 cascade=None):
+        self.ib = batch
+        self.cascade = cascade  # paged.step.cascade_plan.CascadePlanner, or None
+        self.bm = block_manager
+        # Tables per sequence (KV-cache groups), interleaved in a row; 1 without a manager (a
+        # builder used only for ``empty`` batches).
+        self.num_groups = 1 if block_manager is None else block_manager.num_groups
+        self.page_size = page_size
+        self.min_tokens = min_tokens
+        self.min_seqs = min_seqs
+        self.debug = debug
+
+    def buckets(self, num_tokens: int, num_seqs: int, num_samples: int) -> tuple[int, int, int]:
+        """Padded (tokens, sequences, sample slots) of a step."""
+        t_pad = next_pow2(max(num_tokens, self.min_tokens))
+        s_pad = next_pow2(max(num_seqs, self.min_seqs))
+        return t_pad, s_pad, max(s_pad, next_pow2(num_samples))
+
+    def all_shapes(self, max_tokens: int, max_seqs: int) -> list[tuple[int, int, int]]:
+        """Every (tokens, sequences, sample slots) bucket of steps within these budgets (sample
+        slots = the sequence bucket; parallel sampling may still add a shape)."""
+        pow2s = lambda n: [1 << i for i in range(next_pow2(n).bit_length())]  # 1, 2, .., >= n
+        return sorted({self.buckets(t, s, s) for t in pow2s(max_tokens)
+                       for s in pow2s(min(max_seqs, t))})
+
+    def verify_shapes(self, max_tokens: int, max_seqs: int) -> list[tuple[int, int, int]]:
+        """The buckets of steps with verify rows: each verify row samples every one of its
+        tokens, so sample slots range from the sequence bucket up to the token bucket."""
+        pow2s = lambda n: [1 << i for i in range(next_pow2(n).bit_length())]
+        return sorted({self.buckets(t, s, n) for t in pow2s(max_tokens)
+                       for s in pow2s(min(max_seqs, t)) for n in pow2s(t)})
+
+    def empty(self, t_pad: int, s_pad: int, n_pad: int, cascade: bool = False) -> DeviceBatch:
+        """An all-padding batch of the given shape (compiles the step without touching real KV):
+        tokens write the null page, sequences have no keys, samples are greedy. ``cascade``:
+        with the planner's shared-prefix metadata, every group padding (the cascade variant a
+        decode-only step of this shape takes; needs a planner that is not off)."""
+        smp_f = np.zeros((2, n_pad), np.float32)
+        smp_f[1] = 1.0  # top_p
+        tok = np.zeros((4, t_pad), np.int32)
+        tok[2] = NULL_PAGE * self.page_size  # slot mapping
+        tok[3] = -1  # nothing fed
+        smp = np.zeros((7, n_pad), np.int32)
+        smp[5:] = -1  # score the sampled token; nothing to verify
+        casc = None
+        if cascade:
+            if self.cascade is None or self.cascade.mode == "off":
+                raise ValueError("cascade=True needs a cascade planner that is not off")
+            casc = np.full((self.cascade.num_groups(s_pad), s_pad + 1), -1, np.int32)
+            casc[:, 0] = 0  # no prefix tokens, no members: a padding group
+        grp = None
+        if self.num_groups > 1:
+            grp = np.full((self.num_groups - 1, t_pad), NULL_PAGE * self.page_size, np.int32)
+        return DeviceBatch(tok=tok,
+                           seq=np.zeros((2, s_pad + 1), np.int32),
+                           page_indices=np.full((s_pad, self.ib.pages_per_seq), NULL_PAGE, np.int32),
+                           smp=smp, smp_f=smp_f, casc=casc, grp=grp)
+
+    def build(self, decode_rows: np.ndarray, items, copies: bool, *,
+              cascade: bool = True) -> StepBatch:
+        """The step's batch: the decodes (rows ``decode_rows``, one token each) first, then the
+        ``items`` (``ScheduledSeq``). ``copies``: the step copies pages on write (rows refreshed).
+        A decode-only step carries shared-prefix groups when the cascade planner takes some
+        (``cascade=False``: never, e.g. a draft model's proposals).
+        """
+        ib, page_size = self.ib, self.page_size
+        recycled = self.bm.take_recycled_seqs()  # rows whose tables lost blocks to a window
+        if recycled:
+            for r, sid in enumerate(ib.ids):
+                if sid in recycled:
+                    ib.num_blocks[r] = -1  # refreshed below if it runs
+        nd = len(decode_rows)
+        nc_d = ib.num_computed[decode_rows]
+        stale = np.arange(nd) if copies else np.flatnonzero(
+            ib.num_blocks[decode_rows] != (nc_d // page_size + 1) * self.num_groups)
+        for i in stale.tolist():
+            r = int(decode_rows[i])
+            ib.refresh(r, self.bm.block_table(ib.ids[r]))
+        decode = [ib.seqs[r] for r in decode_rows.tolist()] if nd != ib.num_rows else list(ib.seqs)
+
+        rows_o, q_lens, starts, samples, slot_seq, slot_j = [], [], [], [], [], []
+        scored = []  # (item's batch index, first offset in its chunk, count, sequence, position)
+        verifying = []  # (item's batch index, sequence, drafts, position of its input token)
+        for i, item in enumerate(items, start=nd):
+            q, n = item.seq, item.num_new_tokens
+            r, c = q.row, q.num_computed_tokens
+            ib.refresh(r, self.bm.block_table(q.seq_id))
+            rows_o.append(r)
+            q_lens.append(n)
+            starts.append(c)
+            if q.prompt_logprobs is not None and c < q.num_prompt_tokens - 1:
+                # Row c + j predicts prompt token c + j + 1: score it.
+                scored.append((i, 0, min(c + n, q.num_prompt_tokens - 1) - c, q, c))
+            if item.num_draft:  # verify: every position samples (its slots come after the rest)
+                verifying.append((i, q, item.num_draft, c))
+            elif c + n == q.num_tokens:  # reaches its end: sample (n slots for an unforked prompt)
+                count = q.params.n if q.sample_index == 0 and q.num_output_tokens == 0 else 1
+                samples.append((q, nd + len(slot_seq), count, c + n))
+                slot_seq.extend([i] * count)
+                slot_j.extend(range(count))
+        s = nd + len(items)
+        n_rows = nd + len(slot_seq)
+        n_scored = sum(x[2] for x in scored)
+        n_verify = sum(x[2] + 1 for x in verifying)
+        all_rows = np.concatenate([decode_rows, np.asarray(rows_o, np.intp)]) if items else decode_rows
+        if items:
+            q_lens = np.concatenate([np.ones(nd, np.int64), np.asarray(q_lens, np.int64)])
+            starts = np.concatenate([nc_d, np.asarray(starts, np.int32)])
+            t = int(q_lens.sum())
+        else:
+            starts, t = nc_d, nd
+        t_pad, s_pad, n_pad = self.buckets(t, s, n_rows + n_verify + n_scored)
+        device = self.empty(t_pad, s_pad, n_pad)
+        tok, seq, pages, smp, smp_f = (device.tok, device.seq, device.page_indices, device.smp,
+                                       device.smp_f)
+        np.take(ib.table, all_rows, axis=0, out=pages[:s])
+        kv_lens, cu = seq[0, :s], seq[1]
+        seq[0, s_pad] = s  # num_seqs
+        if items:
+            np.cumsum(q_lens, out=cu[1:s + 1])
+            cu[s + 1:] = t
+            owner = np.repeat(np.arange(s), q_lens)
+            pos = np.arange(t) - np.take(cu, owner) + np.take(starts, owner)
+            np.add(starts, q_lens, out=kv_lens)
+            slot_idx = np.concatenate([np.arange(nd), np.asarray(slot_seq, np.intp)])
+            smp[0, :n_rows] = np.take(cu, slot_idx + 1) - 1  # each sample reads its row's last token
+            smp[4, :n_rows] = np.take(kv_lens, slot_idx)
+            slot_rows = np.take(all_rows, slot_idx)
+        else:
+            cu[:s + 1] = owner = np.arange(s + 1)
+            cu[s + 1:] = t
+            owner = owner[:s]
+            pos = starts
+            np.add(starts, 1, out=kv_lens)
+            smp[0, :n_rows] = owner
+            smp[4, :n_rows] = kv_lens
+            slot_rows = all_rows
+            if cascade and self.cascade is not None:
+                casc = self.cascade.plan(pages[:s], kv_lens, s_pad)
+                if casc is not None:
+                    device = device.replace(casc=casc)
+        row_of = np.take(all_rows, owner)
+        ids = ib.tokens[row_of, pos]
+        tok[0, :t] = ids
+        tok[1, :t] = pos
+        G = self.num_groups
+        col, offset = pos // page_size * G, pos % page_size
+        tok[2, :t] = pages[owner, col] * page_size + offset
+        for g in range(1, G):  # the other KV-cache groups' slots (their tables interleave)
+            device.grp[g - 1, :t] = pages[owner, col + g] * page_size + offset
+        unknown = np.flatnonzero(ids == UNKNOWN)
+        fed, fed_rows, fed_pos = [], None, []
+        if len(unknown):  # sampled by the step in flight: fed from its output on device
+            fed_rows = row_of[unknown]
+            tok[3, unknown] = ib.last_slot[fed_rows]
+            tok[0, unknown] = 0
+            fr = fed_rows.tolist()
+            fed = list(ib.ids) if fr == list(range(ib.num_rows)) else [ib.ids[r] for r in fr]
+            fed_pos = pos[unknown].tolist()
+        ints = np.take(ib.ints, slot_rows, axis=0)
+        smp[1:4, :n_rows] = ints[:, :3].T  # top_k, seed, sample_index
+        if slot_j:
+            smp[3, nd:n_rows] += np.asarray(slot_j, np.int32)
+        smp_f[:, :n_rows] = np.take(ib.floats, slot_rows, axis=0).T  # temperature, top_p
+        verify, k = [], n_rows
+        for i, q, nd_i, c in verifying:  # slot j reads row j of the chunk, predicts c + 1 + j
+            cnt, r = nd_i + 1, q.row
+            smp[0, k:k + cnt] = cu[i] + np.arange(cnt)
+            smp[1:4, k:k + cnt] = ib.ints[r, :3, None]
+            smp[4, k:k + cnt] = c + 1 + np.arange(cnt)
+            smp[6, k:k + nd_i] = ib.tokens[r, c + 1:c + 1 + nd_i]
+            smp_f[:, k:k + cnt] = ib.floats[r, :, None]
+            verify.append((q, k, nd_i, c))
+            k += cnt
+        prompt_lp = []
+        for i, j0, cnt, q, c in scored:  # extra slots after the samples: scored prompt rows
+            smp[0, k:k + cnt] = cu[i] + j0 + np.arange(cnt)
+            smp[5, k:k + cnt] = ib.tokens[q.row, c + 1:c + 1 + cnt]
+            prompt_lp.append((q, k, c + 1, cnt))
+            k += cnt
+        if self.debug:
+            self._check(all_rows, pages)
+        decode_pos = ib.num_tokens[decode_rows].astype(np.int64)
+        # Decodes that may stop whatever they sample (a length limit or stop ids); EOS is checked
+        # against the sampled token.
+        d_ints = ints[:nd]
+        stop_any = np.flatnonzero((decode_pos + 1 >= d_ints[:, LIMIT]) | (d_ints[:, HAS_STOP_IDS] != 0))
+        lp_decodes = np.flatnonzero(d_ints[:, LOGPROBS] >= 0)
+        lp_samples = [j for j, x in enumerate(samples) if x[0].params.logprobs is not None]
+        return StepBatch(device=device, num_tokens=t, num_seqs=s, decode=decode,
+                         lp_decodes=lp_decodes, lp_samples=lp_samples, prompt_lp=prompt_lp,
+                         with_logprobs=bool(len(lp_decodes) or lp_samples or prompt_lp),
+                         verify=verify,
+                         decode_pos=decode_pos, samples=samples, items=list(items),
+                         item_ends=[c + n for c, n in zip(starts[nd:].tolist(), q_lens[nd:].tolist())]
+                         if items else [], fed=fed, fed_rows=fed_rows,
+                         fed_pos=fed_pos, stop_any=stop_any, decode_rows=decode_rows,
+                         epoch=ib.epoch)
+
+    def commit(self, decode_rows: np.ndarray, batch: StepBatch) -> None:
+        """Advances the served rows as if the step had run: computed counts, and one unknown
+        token per sampling row (filled when the step's result is read back, ``fill``)."""
+        ib = self.ib
+        nd = len(decode_rows)
+        if nd:
+            ib.num_computed[decode_rows] += 1
+            pos = batch.decode_pos
+            ib.tokens[decode_rows, pos] = UNKNOWN
+            ib.num_tokens[decode_rows] = pos + 1
+            ib.last_slot[decode_rows] = np.arange(nd)
+            ib.hold[decode_rows] = pos + 1 >= ib.ints[decode_rows, LIMIT]  # surely done by length
+        for item in batch.items:
+            q = item.seq
+            q.num_computed_tokens = q.num_computed_tokens + item.num_new_tokens
+        for q, _, _, _ in batch.verify:  # its tokens are set when read back
+            ib.hold[q.row] = True
+        for q, slot, count, p in batch.samples:
+            r = q.row
+            ib.tokens[r, p] = UNKNOWN
+            ib.num_tokens[r] = p + 1
+            ib.last_slot[r] = slot
+            # Its samples are forked from the result, or it is surely done by length: sit out.
+            ib.hold[r] = count > 1 or p + 1 >= ib.ints[r, LIMIT]
+
+    def _check(self, rows: np.ndarray, page_indices: np.ndarray) -> None:
+        """Debug: every batched row equals the block manager's table (a stale row would attend to,
+        or write into, another sequence's pages)."""
+        for i, r in enumerate(rows.tolist()):
+            table = self.bm.block_table(self.ib.ids[r])
+            got = page_indices[i, :len(table)].tolist()
+            if got != table or (page_indices[i, len(table):] != NULL_PAGE).any():
+                raise AssertionError(f"stale batch row for sequence {self.ib.ids[r]}: {got} vs {table}")
+
+
+__all__ = ["MIN_TOKENS", "BatchBuilder", "DeviceBatch", "InFlight", "StepBatch"]

@@ -1,0 +1,358 @@
+"""The host core of one engine replica: the request table, its collaborators and the host halves
+of the step.
+
+``HostCore`` builds and wires the host objects of a replica exactly once: the ``BlockManager``,
+the ``InputBatch``, the ``BatchBuilder``, the ``Scheduler`` and the ``StepReader``; and it owns the
+request table: which requests exist and their sequences (forked samples included), sequence ids,
+deadlines, the aborts and timeouts still to report, and the count of requests served. Whatever
+runs the device step composes one: ``paged.engine.engine.Engine`` (the jitted model step),
+``paged.sim.replica.SimReplica`` (a step-time model and pseudo-tokens) and, through ``Engine``,
+each data-parallel replica. Nothing outside this module touches the core's private fields: the
+owners of the device step call the methods below, in this order per step:
+
+    ended = core.take_ended(now)        # timeouts expired now, aborts since the last step
+    sched = core.schedule(now)          # the scheduler's plan (progress counted)
+    ... begin_step, device copies, core.builder.build / commit, dispatch ...
+    made, touched = core.reader.read(batch, tokens, now, next_batch, extras)
+    outputs = core.outputs(ended, batch.decode, made, touched)
+
+A step with nothing scheduled calls ``core.idle_step(sched)`` instead (the stall guard).
+"""
+
+from __future__ import annotations
+
+import time
+
+from paged.config.engine_config import EngineConfig
+from paged.kv.groups import KVGroupLayout
+from paged.kv.pools import build_host_pool
+from paged.request.checks import derive_seed
+from paged.request.outputs import RequestOutput, check_outputs, collect_outputs, state_of
+from paged.request.sequence import SeqStatus, Sequence
+from paged.step.batch import BatchBuilder
+from paged.step.cascade_plan import CascadePlanner
+from paged.step.input_batch import InputBatch
+from paged.step.readback import StepReader
+from paged.step.scheduler import Scheduler, SchedulerOutput
+
+
+class HostCore:
+    """One replica's host state and the request table (module docstring).
+
+    Args:
+      config: the engine settings (pool geometry: ``config.pool_geometry()``; batching,
+        scheduling, prefix caching, swap slots, debug checks).
+      tokenizer: with ``eos_id`` (and ``eos_ids``), ``decode``, ``encode``.
+      vocab_size: the model's vocabulary (prompt token ids are checked against it).
+      model_salt: what identifies the model and its weights in every prefix-cache key.
+      on_free: called with the block ids the pool frees (debug poisoning), or ``None``.
+      sliding_window: W when every layer of the model slides (blocks behind the window are
+        recycled, `paged.kv.blocks.window`); ignored by the contiguous layout.
+      host_tier_blocks: host-tier slots (`paged.kv.blocks.host_tier`; 0: no tier).
+      kv_groups: a model with full and sliding layers served with one block table per kind
+        (`paged.kv.groups`, `paged.kv.group_manager.GroupedBlockManager`): the same pool
+        bytes as ``config.pool_geometry()``'s blocks, in ``G`` times as many pages of
+        ``L / G`` layers each (plus the null page); ``sliding_window`` is then ignored.
+
+    Attributes:
+      page_size, num_pages: the KV pool's geometry (page 0 is the null page).
+      host_blocks: host swap slots (``preemption_mode="swap"``; else 0).
+      block_manager, batch, builder, scheduler, reader: the collaborators, built here.
+      num_requests_served: finished requests reported (any finish reason).
+      num_prefill_tokens, num_decode_tokens, num_recompute_tokens: tokens scheduled in prompt
+        chunks of never-preempted sequences, in decode (and verify) rows, and in chunks that
+        recompute a preempted sequence's KV (``count_tokens``).
+    """
+
+    def __init__(self, config: EngineConfig, *, tokenizer, vocab_size: int, model_salt: str,
+                 on_free=None, sliding_window: int | None = None, host_tier_blocks: int = 0,
+                 kv_groups: KVGroupLayout | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        pool = build_host_pool(config, model_salt=model_salt, on_free=on_free,
+                               sliding_window=sliding_window, host_tier_blocks=host_tier_blocks,
+                               kv_groups=kv_groups)
+        self.block_manager = pool.block_manager
+        self.page_size = page_size = pool.page_size
+        self.num_pages = pool.num_pages
+        self.pages_per_seq, self.host_blocks = pool.pages_per_seq, pool.host_blocks
+        self.batch = InputBatch(config.max_model_len, self.pages_per_seq, tokenizer.eos_id)
+        self.builder = BatchBuilder(self.batch, self.block_manager, page_size,
+                                    min_tokens=config.min_token_bucket,
+                                    min_seqs=config.min_seq_bucket, debug=config.debug_checks,
+                                    cascade=CascadePlanner(config.cascade_attention, page_size))
+        self.scheduler = Scheduler(config, self.block_manager, self.batch)
+        self.reader = StepReader(self)
+        self._requests: dict[str, list[Sequence]] = {}  # unfinished or finished-unreported
+        self._num_deadlines = 0  # unfinished requests with a timeout (skip the scan when 0)
+        self._aborted: set[str] = set()  # aborted since the last step, to report
+        self._next_seq_id = 0
+        self._num_requests = 0
+        self._steps_without_progress = 0
+        self.num_requests_served = 0
+        self.num_prefill_tokens = self.num_decode_tokens = self.num_recompute_tokens = 0
+
+    # --- what request checks and routers read ------------------------------------------
+    @property
+    def cache_salt(self) -> bytes:
+        """The salt of every prefix-cache key (model, weights, dtype); tenants' salts extend it."""
+        return self.block_manager.cache_salt
+
+    @property
+    def num_requests(self) -> int:
+        """Requests ever added (the index of the next one: unseeded requests' seeds derive from it)."""
+        return self._num_requests
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is unfinished, or finished and not reported yet."""
+        return request_id in self._requests
+
+    def unfinished_request_ids(self) -> list[str]:
+        """Requests added and not yet reported finished (aborted ones excluded)."""
+        return [r for r in self._requests if r not in self._aborted]
+
+    def has_unfinished(self) -> bool:
+        """Whether a step has work: a sequence waiting, running or swapped, or an abort to
+        report. (A dispatched step not read back yet is the device step owner's to add.)"""
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    @property
+    def has_unreported_aborts(self) -> bool:
+        return bool(self._aborted)
+
+    # --- requests -----------------------------------------------------------------------
+    def add(self, request_id: str, token_ids: list[int], params, arrival_time: float | None,
+            timeout_s: float | None, cache_salt: bytes | None, *, seed: int | None = None) -> None:
+        """Adds a request that ``request_checks.check_request`` accepted (cannot fail).
+
+        Args:
+          seed: the seed of an unseeded request (default: derived from the engine's seed and
+            this core's request count; a data-parallel engine passes its engine-wide one).
+        """
+        now = time.perf_counter() if arrival_time is None else arrival_time
+        if params.seed is not None:
+            seed = params.seed
+        elif seed is None:
+            seed = derive_seed(self.config.seed, self._num_requests)
+        seq_id = self.new_seq_id()
+        if params.prompt_logprobs is not None:  # a prefix-cache hit would skip scored positions
+            salt = self.cache_salt if cache_salt is None else cache_salt
+            cache_salt = salt + f"|prompt-logprobs:{seq_id}".encode()
+        seq = Sequence(seq_id, request_id, token_ids, len(token_ids), params, seed, now,
+                       deadline=None if timeout_s is None else now + timeout_s,
+                       cache_salt=cache_salt)
+        self._num_requests += 1
+        self._num_deadlines += seq.deadline is not None
+        self._requests[request_id] = [seq]
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str, now: float) -> bool:
+        """Finishes a request at ``now`` and releases its blocks (quarantined if a step may read
+        them); its final output comes with the next step. False for unknown or finished."""
+        seqs = self._requests.get(request_id)
+        if not seqs or all(s.finished for s in seqs):
+            return False
+        self._finish_request(request_id, "abort", now)
+        self._aborted.add(request_id)
+        return True
+
+    def new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+    def add_sample(self, child: Sequence) -> None:
+        """A parallel sample forked from its request's first sequence joins the table and runs
+        (``StepReader``)."""
+        self._requests[child.request_id].append(child)
+        self.scheduler.add_running(child)
+
+    # --- sequences whose prompt another replica computed (disaggregated decode) -----------
+    def reserve_received(self, seq: Sequence) -> bool:
+        """Blocks for the ``seq.num_computed_tokens`` slots whose KV another replica computed
+        (a hand-over about to start), all or nothing: ``False`` (nothing changed) if the pool
+        cannot hold them now. The sequence is not in the request table until
+        ``start_received``; ``release_received`` undoes this."""
+        n = seq.num_computed_tokens
+        ids = seq.token_ids[:n]
+        bm = self.block_manager
+        if not bm.can_allocate(ids, cache_salt=seq.cache_salt) or \
+                bm.allocate(seq.seq_id, ids, cache_salt=seq.cache_salt) is None:
+            return False
+        seq.num_slots = n
+        return True
+
+    def release_received(self, seq: Sequence) -> None:
+        """Frees the blocks ``reserve_received`` took (the hand-over was abandoned)."""
+        self.block_manager.free(seq.seq_id)
+        seq.num_slots = 0
+
+    def start_received(self, seq: Sequence) -> None:
+        """The reserved sequence's KV has arrived: its blocks count as computed (and get their
+        prefix-cache keys), and it joins the request table, running: its next step decodes."""
+        self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
+        self._num_requests += 1
+        self._num_deadlines += seq.deadline is not None
+        self._requests[seq.request_id] = [seq]
+        self.scheduler.add_running(seq)
+
+    def _finish_request(self, request_id: str, reason: str, now: float) -> None:
+        for seq in self._requests[request_id]:
+            if not seq.finished:
+                self.scheduler.finish(seq, reason, now)
+
+    # --- hand-over between replicas (paged.fleet.handover) -----------------------------------
+    def park_prefilled(self) -> list[str]:
+        """Requests whose prompt is computed and first token known leave the scheduler (a
+        prefill replica's step end): their running sequences get status ``TRANSFER`` and keep
+        their blocks; the requests stay in this table (abort and timeout work as before) until
+        ``release_request``. Returns their ids in admission order."""
+        ready = dict.fromkeys(s.request_id for s in self.scheduler.running
+                              if s.num_output_tokens > 0 and not s.pending)
+        for request_id in ready:
+            for seq in self._requests[request_id]:
+                if seq.status is SeqStatus.RUNNING:
+                    self.scheduler.detach(seq)
+        return list(ready)
+
+    def transfer_seqs(self, request_id: str) -> list[Sequence]:
+        """The unfinished (``TRANSFER``) sequences of a parked request; empty once it ended."""
+        return [s for s in self._requests.get(request_id, ()) if s.status is SeqStatus.TRANSFER]
+
+    def parked_seq_ids(self) -> list[int]:
+        """Sequence ids of every parked (``TRANSFER``) sequence: blocks held for a hand-over."""
+        return [s.seq_id for seqs in self._requests.values() for s in seqs
+                if s.status is SeqStatus.TRANSFER]
+
+    def release_request(self, request_id: str) -> list[Sequence]:
+        """A parked request leaves this table for another replica's; its sequences are returned
+        (their blocks here are the caller's to free). Not counted as served."""
+        seqs = self._requests.pop(request_id)
+        self._num_deadlines -= seqs[0].deadline is not None
+        return seqs
+
+    def adopt_request(self, request_id: str, seqs: list[Sequence]) -> None:
+        """A request handed over from another replica joins this table: its unfinished
+        sequences, whose blocks this block manager already holds under their (new) ids, run."""
+        self._requests[request_id] = seqs
+        self._num_deadlines += seqs[0].deadline is not None
+        for seq in seqs:
+            seq.out_state = None
+            if not seq.finished:
+                self.scheduler.add_running(seq)
+
+    # --- the host halves of a step ------------------------------------------------------
+    def take_ended(self, now: float) -> list[str]:
+        """The requests to report first in this step: those whose deadline passed at ``now``
+        (finished here, ``"timeout"``) and those aborted since the last step; by id."""
+        ended = self._expire(now) | self._aborted
+        self._aborted = set()
+        return sorted(ended)
+
+    def take_aborted(self) -> list[str]:
+        """The aborts not reported yet (by id), without expiring anything."""
+        ended, self._aborted = sorted(self._aborted), set()
+        return ended
+
+    def _expire(self, now: float) -> set[str]:
+        expired = set()
+        if not self._num_deadlines:
+            return expired
+        for request_id, seqs in self._requests.items():
+            if any(s.deadline is not None and now >= s.deadline and not s.finished for s in seqs):
+                expired.add(request_id)
+        for request_id in expired:
+            self._finish_request(request_id, "timeout", now)
+        return expired
+
+    @property
+    def has_deadlines(self) -> bool:
+        """Whether an unfinished request has a timeout (a step may expire it)."""
+        return bool(self._num_deadlines)
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        """The scheduler's plan for the step starting at ``now``."""
+        sched = self.scheduler.schedule(now)
+        if not sched.is_empty:
+            self._steps_without_progress = 0
+            self.count_tokens(sched)
+        return sched
+
+    def count_tokens(self, sched: SchedulerOutput) -> None:
+        """Adds a plan's tokens to the prefill / decode / recompute counts (read before the
+        step advances the rows). A single token after the prompt, or a verify row, is decode;
+        a chunk of a sequence preempted before is recompute; any other chunk is prefill."""
+        decode, prefill, recompute = len(sched.decode_rows), 0, 0
+        for item in sched.scheduled:
+            s, k = item.seq, item.num_new_tokens
+            if item.num_draft or (k == 1 and s.num_computed_tokens >= s.num_prompt_tokens):
+                decode += k
+            elif s.num_preemptions:
+                recompute += k
+            else:
+                prefill += k
+        self.num_decode_tokens += decode
+        self.num_prefill_tokens += prefill
+        self.num_recompute_tokens += recompute
+
+    def note_progress(self) -> None:
+        """A step ran that the scheduler did not plan (a simulator's fast-forwarded steps)."""
+        self._steps_without_progress = 0
+
+    def idle_step(self, sched: SchedulerOutput) -> None:
+        """A step that scheduled nothing: raises once too many in a row had unfinished work
+        (the pool cannot hold what waits)."""
+        if not self.scheduler.has_unfinished():
+            return
+        self._steps_without_progress += 1
+        if self._steps_without_progress > self.config.max_steps_without_progress:
+            raise RuntimeError(
+                f"no sequence could be scheduled for {self._steps_without_progress} steps "
+                f"(waiting={len(self.scheduler.waiting)}, swapped={len(self.scheduler.swapped)}, "
+                f"free blocks={self.block_manager.num_allocatable_blocks}); the pool is too small")
+
+    def check_invariants(self) -> None:
+        """Debug: the block manager's invariants, and the input batch against it."""
+        self.block_manager.check_invariants()
+        self.batch.check(self.block_manager)
+        if len(self.scheduler.running) != self.batch.num_rows:
+            raise AssertionError(f"{len(self.scheduler.running)} running but "
+                                 f"{self.batch.num_rows} input-batch rows")
+
+    # --- outputs ------------------------------------------------------------------------
+    def outputs(self, ended: list[str], decode: list[Sequence] = (), made: list = (),
+                touched=()) -> list[RequestOutput]:
+        """A step's outputs (``paged.request.outputs.collect_outputs``); finished requests are
+        reported once and then forgotten."""
+        if self.config.debug_checks:  # outputs made on the batched path equal the general ones
+            check_outputs(made, self.request_output)
+        return collect_outputs(ended, decode, made, touched, self._final_output, self._requests)
+
+    def finished_only(self, request_ids) -> list[str]:
+        """Of ``request_ids``, those known here whose every sample has finished."""
+        reqs = self._requests
+        return [r for r in request_ids if r in reqs and all(q.finished for q in reqs[r])]
+
+    def _final_output(self, request_id: str) -> RequestOutput:
+        """The request's output now; a finished request is forgotten (reported once)."""
+        out = self.request_output(request_id)
+        if out.finished:
+            self.num_requests_served += 1
+            seqs = self._requests.pop(request_id)
+            self._num_deadlines -= seqs[0].deadline is not None
+        return out
+
+    def request_output(self, request_id: str) -> RequestOutput:
+        """The request's output as of now (the table is unchanged)."""
+        seqs = self._requests[request_id]  # sample order: forks are appended in index order
+        head = seqs[0]
+        # Samples not forked yet (prompt unfinished) are simply absent.
+        finished = all(s.status is SeqStatus.FINISHED for s in seqs) and (
+            len(seqs) == head.params.n or head.finish_reason in ("abort", "timeout")
+            or head.num_output_tokens == 0)
+        finish = max(s.finish_time for s in seqs) if finished else None
+        return RequestOutput(head, head.num_known_tokens,
+                             state_of(seqs, finished, finish, self.tokenizer.decode))
+
+
+__all__ = ["HostCore"]
