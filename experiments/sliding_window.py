@@ -49,7 +49,7 @@ from pathlib import Path
 
 from experiments import common, plots
 from paged import Engine, SamplingParams
-from paged.kv.cache import NULL_PAGE
+from paged.kv.paging import NULL_PAGE
 from paged.models.config import LlamaConfig, recycling_window
 from paged.workload.workload import Workload, make_workload
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from paged.kv.block_manager import BlockManager
-from paged.kv.cache import NULL_PAGE
+from paged.kv.paging import NULL_PAGE
 
 B = 4
 

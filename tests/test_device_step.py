@@ -55,7 +55,7 @@ def test_stacked_layer_read_equals_slice(op):
 
 def test_all_greedy_batches_take_the_argmax_path_with_the_same_results():
     """The greedy fast paths of ``sample`` and ``verify`` equal the general rule row by row."""
-    from paged.request import sampling
+    from paged.engine import sampler as sampling
 
     rng = np.random.default_rng(0)
     n, vocab = 12, 50

@@ -18,7 +18,7 @@ sys.path.insert(0, "tests")
 import jax
 from engine_utils import prompts, small_model
 from paged import Engine, EngineConfig, SamplingParams
-from paged.kv.cache import next_pow2
+from paged.kv.paging import next_pow2
 
 assert len(jax.devices()) == 4, jax.devices()
 cfg, params = small_model()

@@ -12,7 +12,7 @@ import pytest
 from engine_utils import prompts, small_model
 
 from paged import Engine, EngineConfig, SamplingParams, SpeculativeConfig
-from paged.request import sampling
+from paged.engine import sampler as sampling
 
 
 def _engine(k: int | None, **kw) -> Engine:

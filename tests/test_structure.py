@@ -161,3 +161,27 @@ def test_engine_and_simulator_compose_one_host_core(which):
     assert isinstance(core, HostCore)
     assert core.reader.core is core and core.scheduler.batch is core.batch
     assert obj.block_manager is core.block_manager
+
+
+def test_kv_format_names_agree_with_the_kernels():
+    from paged.config import engine_config
+    from pallas_kernels import quant
+    assert engine_config.KV_CACHE_DTYPES == ("auto", *quant.QUANT_DTYPES)
+    assert engine_config.KV_SCALE_GRANULARITIES == quant.GRANULARITIES
+
+
+HOST_MODULES = ("paged.config", "paged.request.outputs", "paged.kv.block_manager",
+                "paged.kv.group_manager", "paged.step.scheduler", "paged.step.cascade_plan",
+                "paged.fleet.routing", "paged.workload", "paged.accounting")
+
+
+def test_host_modules_import_no_jax():
+    import subprocess
+    import sys
+    code = ("import importlib, sys\n"
+            f"for m in {HOST_MODULES!r}:\n"
+            "    importlib.import_module(m)\n"
+            "print(sorted(m for m in ('jax', 'flax') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

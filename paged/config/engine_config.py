@@ -6,7 +6,6 @@ import dataclasses
 
 from paged.config.speculative import SpeculativeConfig
 from paged.util import validate
-from pallas_kernels import quant
 
 KV_LAYOUTS = ("paged", "contiguous")
 SCHEDULINGS = ("continuous", "static")
@@ -15,8 +14,10 @@ PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_IMPLS = ("auto", "xla", "reference", "pallas", "pallas_tpu", "pallas_gpu", "interpret",
                    "interpret_tpu", "interpret_gpu")
 DTYPES = ("float32", "bfloat16")
-KV_CACHE_DTYPES = ("auto", *quant.QUANT_DTYPES)  # "auto" = ``dtype``
-KV_SCALE_GRANULARITIES = quant.GRANULARITIES
+# The names of ``pallas_kernels.quant.QUANT_DTYPES`` / ``GRANULARITIES`` (test_structure checks
+# they agree), spelled here so that reading settings imports no JAX.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")  # "auto" = ``dtype``
+KV_SCALE_GRANULARITIES = ("page", "token")
 CASCADE_MODES = ("auto", "on", "off")  # paged.step.cascade_plan.MODES
 ROUTERS = ("prefix_aware", "round_robin", "least_loaded")  # paged.fleet.routing.POLICIES
 
@@ -200,6 +201,7 @@ class EngineConfig:
         validate.one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         validate.one_of("kv_scale_granularity", self.kv_scale_granularity, KV_SCALE_GRANULARITIES)
         if self.kv_cache_dtype != "auto":
+            from pallas_kernels import quant
             quant.storage_dtype(self.kv_cache_dtype)  # fp8 this JAX lacks: ValueError now
         validate.real("request_timeout_s", self.request_timeout_s, minimum=0, exclusive=True,
                       allow_none=True)
@@ -283,5 +285,6 @@ def engine_config(config: EngineConfig | None, backend: str) -> EngineConfig:
                         f"{type(config).__name__}: {config!r:.80}")
     check_attention_impl(config.attention_impl, backend)
     if config.kv_cache_dtype != "auto":
+        from pallas_kernels import quant
         quant.check_backend(config.kv_cache_dtype, backend)
     return config

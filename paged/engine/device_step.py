@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged.engine import sampler as sampling
 from paged.kv import cache as kc
 from paged.kv.cache import KVCache
 from paged.models.config import LlamaConfig
 from paged.models.llama import Llama
-from paged.request import sampling
 
 
 @functools.lru_cache(maxsize=32)

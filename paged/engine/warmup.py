@@ -25,7 +25,7 @@ workload never asks for); `run` compiles them on all-padding batches (no KV touc
 
 from __future__ import annotations
 
-from paged.kv.cache import next_pow2
+from paged.kv.paging import next_pow2
 from paged.util.progress_bar import Progress
 
 PLAIN, LOGPROBS, VERIFY, VERIFY_LOGPROBS = (False, False), (True, False), (False, True), (True, True)

@@ -29,11 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged.kv.paging import NULL_PAGE, next_pow2  # noqa: F401 (re-exported)
 from paged.util import validate
 from pallas_kernels import quant
 from pallas_kernels.quant import QuantizedPages
-
-NULL_PAGE = 0
 
 
 @flax.struct.dataclass
@@ -425,11 +424,6 @@ def gather(cache: KVCache, page_indices, length: int) -> tuple[np.ndarray, np.nd
         return x.reshape(x.shape[0], -1, x.shape[3], x.shape[4])[:, :length]
 
     return flat(k), flat(v)
-
-
-def next_pow2(n: int) -> int:
-    """Smallest power of two >= n (1 for n <= 1)."""
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
 def pad_pages(pages: np.ndarray) -> np.ndarray:

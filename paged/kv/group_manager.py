@@ -41,7 +41,7 @@ from paged.kv.block_manager import BlockManager, SharedParts
 from paged.kv.blocks.admission import as_salt
 from paged.kv.blocks.invariants import check_invariants
 from paged.kv.blocks.tables import count_arg, token_list
-from paged.kv.cache import NULL_PAGE
+from paged.kv.paging import NULL_PAGE
 
 
 def group_salt(salt: bytes, group: int) -> bytes:

@@ -18,7 +18,7 @@ import flax
 import jax
 import numpy as np
 
-from paged.kv.cache import NULL_PAGE, next_pow2
+from paged.kv.paging import NULL_PAGE, next_pow2
 from paged.models.attention import AttentionMetadata
 from paged.request.sequence import UNKNOWN, Sequence
 from paged.step.input_batch import HAS_STOP_IDS, LIMIT, LOGPROBS, InputBatch

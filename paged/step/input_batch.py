@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from paged.kv.cache import NULL_PAGE
+from paged.kv.paging import NULL_PAGE
 from paged.request.sequence import UNKNOWN, Sequence
 
 _I32_MAX = 2**31 - 1

@@ -16,7 +16,7 @@ from paged.kv.blocks.pool import (
 )
 from paged.kv.blocks.prefix_index import PrefixCacheIndex, keys_equal
 from paged.kv.blocks.tables import SeqTables
-from paged.kv.cache import NULL_PAGE
+from paged.kv.paging import NULL_PAGE
 
 
 def fail(msg: str):

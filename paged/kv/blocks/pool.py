@@ -13,7 +13,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 
 from paged.kv.blocks.prefix_index import PrefixCacheIndex
-from paged.kv.cache import NULL_PAGE
+from paged.kv.paging import NULL_PAGE
 
 FREE, CACHED, USED, QUARANTINED, NULL = 0, 1, 2, 3, 4
 STATE_NAMES = ("free", "cached", "used", "quarantined", "null")

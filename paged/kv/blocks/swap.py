@@ -10,7 +10,7 @@ from __future__ import annotations
 from paged.kv.blocks.fence import StepFence
 from paged.kv.blocks.pool import BlockPool
 from paged.kv.blocks.tables import SeqTables
-from paged.kv.cache import NULL_PAGE
+from paged.kv.paging import NULL_PAGE
 
 
 class Swapper:

@@ -21,7 +21,7 @@ from collections.abc import Hashable, Sequence
 from paged.kv.blocks.fence import StepFence
 from paged.kv.blocks.pool import BlockPool
 from paged.kv.blocks.prefix_index import BlockKey, PrefixCacheIndex
-from paged.kv.cache import NULL_PAGE
+from paged.kv.paging import NULL_PAGE
 
 TOKEN_LIMIT = 2**63  # token ids are hashed as int64
 _INT = {int}

@@ -30,7 +30,7 @@ from collections.abc import Hashable, Iterable
 
 from paged.kv.blocks.fence import StepFence
 from paged.kv.blocks.tables import Seq, SeqTables
-from paged.kv.cache import NULL_PAGE
+from paged.kv.paging import NULL_PAGE
 
 
 class WindowRecycler:
