@@ -156,3 +156,12 @@ def test_every_make_command_in_the_readme_is_a_target():
 def test_ci_runs_the_readme_test_command():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^make test\b", PAGES["README.md"], flags=re.M)
+
+
+def test_no_stale_facts():
+    """Facts issue 46 found stale: the study model key, num_compilations as a call, a fixed
+    test count."""
+    for name, text in PAGES.items():
+        assert "config.engine.model=" not in text, name  # the model is config.model
+        assert "num_compilations()" not in text, name  # a property
+        assert not re.search(r"\b1,0\d\d tests", text), name  # say "about 1,100 tests"
