@@ -161,7 +161,8 @@ class Engine:
         # (with_logprobs, with_verify) -> the jitted step, as a follower process runs it.
         self.step_variants = {v: f for v, (f, _) in fns.items()}
         self._variants = dict(self.step_variants)
-        self.trace_count = lambda: sum(count() for _, count in fns.values())
+        # Compilations so far: the step variants' and the page copy / read / write functions'.
+        self.trace_count = lambda: sum(count() for _, count in fns.values()) + kc.trace_count()
         # The tokens fed as "the previous step's" when no step is in flight.
         self.no_prev_tokens = placement.put(np.zeros(out_size, np.int32))
         if self.leader is not None:  # every device call is announced to the other processes
@@ -444,22 +445,25 @@ class Engine:
         return generate(self, self.core, prompts, params, progress=progress)
 
     def warmup(self, *, logprobs: bool = True, parallel_sampling: bool = True,
-               progress: bool = False) -> int:
+               progress: bool = False, max_shapes: int | None = 128) -> int:
         """Compiles every step a request can select (``paged.engine.warmup``: each step shape, plain and
-        with log-probabilities, the sample-slot shapes of ``n > 1``, n-gram verify steps, and the
-        host tier's copies), so no request pays for a compilation; ``logprobs=False`` /
-        ``parallel_sampling=False`` skip what a workload never asks for. Returns the number of
-        step compilations."""
+        with log-probabilities, the sample-slot shapes and copy-on-write copies of ``n > 1``,
+        n-gram verify steps, and the host tier's copies), so no request pays for a compilation;
+        ``logprobs=False`` / ``parallel_sampling=False`` skip what a workload never asks for.
+        Prints one line saying how many shapes it compiles; more than ``max_shapes`` step
+        shapes is a ValueError naming the bucket settings that bound them (``None``: no bound).
+        Returns the number of compilations (as ``num_compilations`` counts them)."""
         from paged.engine import warmup
 
-        n = warmup.run(self, logprobs=logprobs, parallel_sampling=parallel_sampling,
-                       progress=progress)
+        before = self.trace_count()
+        warmup.run(self, logprobs=logprobs, parallel_sampling=parallel_sampling,
+                   progress=progress, max_shapes=max_shapes)
         if self.host_tier is not None:  # the tier's copies, at every padded page count
             self.cache = self.host_tier.warm(self.cache)
             if self._draft_tier is not None:
                 draft = self.speculator.draft
                 draft.cache = self._draft_tier.warm(draft.cache)
-        return n
+        return self.trace_count() - before
 
     def compile_step(self, variant: tuple[bool, bool], shape: tuple) -> None:
         """Runs the ``(with_logprobs, with_verify)`` step once on an all-padding batch of
@@ -473,7 +477,8 @@ class Engine:
     # --- introspection ------------------------------------------------------------------
     @property
     def num_compilations(self) -> int:
-        """Distinct step shapes traced (each is one XLA compilation)."""
+        """Compilations since this engine was built: distinct step shapes traced and page copy /
+        read / write shapes (``kv.cache.trace_count``; engines in one process share both)."""
         return self.trace_count() - self._traces_at_start
 
     def spec_decode_stats(self) -> dict:
