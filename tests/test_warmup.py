@@ -19,7 +19,7 @@ def test_warmup_refuses_an_unbounded_plan_before_compiling(capsys):
     cfg, params = small_model()
     engine = Engine(EngineConfig(max_model_len=256, attention_impl="xla"),
                     model_config=cfg, params=params)
-    with pytest.raises(ValueError, match=r"313 step shapes .*min_token_bucket=128, "
+    with pytest.raises(ValueError, match=r"244 step shapes .*min_token_bucket=128, "
                                          r"min_seq_bucket=32"):
         engine.warmup()
     assert engine.num_compilations == 0
@@ -32,7 +32,7 @@ def test_no_compilation_after_warmup_for_forks(capsys):
                                  min_seq_bucket=8), model_config=cfg, params=params)
     compiled = engine.warmup()
     line = capsys.readouterr().err
-    assert "warmup: compiling 9 step shapes" in line and "4 copy-on-write sizes" in line, line
+    assert "warmup: compiling 4 step shapes" in line and "4 copy-on-write sizes" in line, line
     assert compiled == engine.num_compilations >= 4  # steps + copies (fewer if compiled before)
     traces = []
 
@@ -48,7 +48,7 @@ def test_no_compilation_after_warmup_for_forks(capsys):
                                                             ignore_eos=True))
             assert len(outs[0].outputs) == n
         engine.generate([prompt] * 2, [SamplingParams(max_tokens=3, n=4, logprobs=2),
-                                       SamplingParams(max_tokens=3, prompt_logprobs=1)])
+                                       SamplingParams(max_tokens=3, n=2, logprobs=0)])
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert engine.block_manager.stats()["cow_copies"] > 0

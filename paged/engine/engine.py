@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from paged.accounting.kv_stats import kv_stats
-from paged.config.engine_config import EngineConfig, engine_config
+from paged.config.engine_config import EngineConfig, engine_config, warn_long_window
 from paged.engine import multihost
 from paged.engine.device_step import apply_copies, compile_shapes, make_step_fn
 from paged.engine.generate import generate
@@ -105,6 +105,7 @@ class Engine:
 
             if is_checkpoint_dir(config.model):
                 tokenizer = load_tokenizer(config.model, model_config.vocab_size)
+        warn_long_window(model_config.layer_windows, config.max_model_len)
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer

@@ -7,9 +7,10 @@ request selects:
 
 - a plain request: the plain variant at the step's buckets;
 - ``logprobs`` (any k: the step always returns the top ``MAX_LOGPROBS``), chat
-  ``top_logprobs``: the log-probability variant at the same buckets; ``prompt_logprobs``: that
-  variant with a sample slot per scored prompt token, so sample slots up to the token bucket
-  (plus the forks of ``n > 1``);
+  ``top_logprobs``: the log-probability variant at the same buckets;
+- ``prompt_logprobs``: that variant, but a step that scores more prompt tokens than its
+  sequence bucket has more sample slots (up to the token bucket) and then feeds the next step a
+  longer ``prev``: NOT covered, those compile on first use;
 - ``n > 1``: the forked prompt samples n slots, so the sample-slot bucket may exceed the sequence
   bucket (up to ``next_pow2(max_num_seqs)``: resident samples never exceed ``max_num_seqs``);
 - n-gram speculation: the verify variant (with and without log-probabilities), sample slots from
@@ -54,12 +55,8 @@ def plan(engine, *, logprobs: bool = True, parallel_sampling: bool = True) -> li
     shapes = set(builder.all_shapes(*budget))
     if parallel_sampling:
         shapes |= {builder.buckets(t, s, n) for t, s, _ in list(shapes) for n in _pow2s(s, top)}
-    out = [(PLAIN, shape) for shape in sorted(shapes)]
-    if logprobs:  # prompt_logprobs rows sample too: slots up to the token bucket (+ n forks)
-        last = lambda t: next_pow2(t + top) if parallel_sampling else t
-        out += [(LOGPROBS, shape) for shape in sorted(
-            shapes | {builder.buckets(t, s, n) for t, s, _ in shapes for n in _pow2s(s, last(t))})]
     variants = [PLAIN] + ([LOGPROBS] if logprobs else [])
+    out = [(v, shape) for v in variants for shape in sorted(shapes)]
     planner = builder.cascade
     if planner is not None and planner.mode != "off":
         pow2s = _pow2s(1, next_pow2(config.max_num_seqs))
