@@ -195,9 +195,11 @@ def describe_parse_error(error: BaseException, argv: list[str], default: str) ->
         found, parent, leaf = _lookup(config, key)
         if not found:
             leaf = key.rsplit(".", 1)[-1]
+            if leaf in STUDY_LEVEL_FIELDS:  # engine.model: the study names its model itself
+                return (f"unknown config key {key!r} (in --config.{key}={value}): the {leaf} "
+                        f"is a study-level key, use --config.{leaf}={value}")
             near = closest(key, keys) or closest(leaf, keys)
-            hint = (f"; closest: {', '.join(near)}" if near else "") + (
-                "; the model is config.model" if leaf in STUDY_LEVEL_FIELDS else "")
+            hint = f"; closest: {', '.join(near)}" if near else ""
             return f"unknown config key {key!r} (in --config.{key}={value}){hint}"
         if f"config.{key}=" in str(error) or f"config.{key}:" in str(error):
             kind = _type_name(parent, leaf)
