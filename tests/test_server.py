@@ -350,12 +350,25 @@ def test_cli_bad_value_is_one_line(cli):
              (["--dtype", "float8"], "dtype"),
              (["--request_timeout_s", "3"], "--request_timeout_s"),  # one spelling
              (["--speculative", "ngram:x"], "METHOD[:K]"),
-             (["--speculative", '{"num_speculative_token": 2}'], "closest: num_speculative_tokens"))
+             (["--speculative", '{"num_speculative_token": 2}'], "closest: num_speculative_tokens"),
+             (["--max_num_seq", "4"], "--max_num_seq: did you mean --max_num_seqs?"))
     for flags, word in cases:
         proc = cli.run("paged.server", *flags, timeout=60)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr
         assert lines[0].startswith("paged.server: ") and word in lines[0], lines
+
+
+def test_cli_help_lists_the_allowed_values():
+    from paged.server.cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    for words in ("kv_cache_dtype (default 'auto'); one of: auto, int8, fp8_e4m3, fp8_e5m2",
+                  "one of: prefix_aware, round_robin, least_loaded",
+                  "one of: decode-first, prefill-first", "one of: recompute, swap",
+                  "one of: continuous, static", "one of: float32, bfloat16",
+                  "one of: auto, xla, reference, pallas"):
+        assert words in text, words
 
 
 def test_online_vs_offline_smoke(cli, tmp_path):
