@@ -78,7 +78,7 @@ class DeltaEncoder:
         plps = None
         rid = out.request_id
         if rid not in self._prompt_sent and any(s[1] for s in samples):
-            plps = out.prompt_logprobs
+            plps = getattr(out, "prompt_logprobs", None)
             if plps is not None:
                 self._prompt_sent.add(rid)
         if out.finished:
