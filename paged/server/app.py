@@ -25,7 +25,8 @@ Log-probabilities: completions' ``logprobs: k`` and chat's ``logprobs: true`` wi
 ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``, chat ``content[]``). With
 ``echo`` the prompt's tokens are scored too, first (OpenAI's: the first one's null). vLLM's
 ``prompt_logprobs: k`` sets ``SamplingParams.prompt_logprobs`` and comes back as each completion
-choice's (chat: the response's) ``prompt_logprobs``. Every choice carries vLLM's
+choice's (chat: the response's) ``prompt_logprobs`` in a non-streaming response (a stream does
+not carry them; with ``echo`` its first chunk's ``logprobs`` score the prompt). Every choice carries vLLM's
 ``stop_reason`` (the stop string or stop token id that ended it). Chat roles outside
 `protocol.ROLES` are a 400.
 
