@@ -47,8 +47,8 @@ from paged.util.progress_bar import Progress  # noqa: F401  (the one progress he
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 USAGE_EXIT = 2  # exit status of a command-line or config mistake
-SMOKE_NOTE = ("smoke run: a plumbing check on tiny shapes (compilation included in its "
-              "timings), not a measurement; do not read or cite its numbers")
+SMOKE_NOTE = ("smoke run: a plumbing check (tiny shapes, few requests, timings may include "
+              "compilation), not a measurement; do not read or cite its numbers")
 _RUN = {"smoke": False}  # set by `run` from the config variant
 
 
