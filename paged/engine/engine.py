@@ -162,7 +162,6 @@ class Engine:
         # (with_logprobs, with_verify) -> the jitted step, as a follower process runs it.
         self.step_variants = {v: f for v, (f, _) in fns.items()}
         self._variants = dict(self.step_variants)
-        # Compilations so far: the step variants' and the page copy / read / write functions'.
         self.trace_count = lambda: sum(count() for _, count in fns.values()) + kc.trace_count()
         # The tokens fed as "the previous step's" when no step is in flight.
         self.no_prev_tokens = placement.put(np.zeros(out_size, np.int32))
@@ -447,13 +446,10 @@ class Engine:
 
     def warmup(self, *, logprobs: bool = True, parallel_sampling: bool = True,
                progress: bool = False, max_shapes: int | None = 128) -> int:
-        """Compiles every step a request can select (``paged.engine.warmup``: each step shape, plain and
-        with log-probabilities, the sample-slot shapes and copy-on-write copies of ``n > 1``,
-        n-gram verify steps, and the host tier's copies), so no request pays for a compilation;
-        ``logprobs=False`` / ``parallel_sampling=False`` skip what a workload never asks for.
-        Prints one line saying how many shapes it compiles; more than ``max_shapes`` step
-        shapes is a ValueError naming the bucket settings that bound them (``None``: no bound).
-        Returns the number of compilations (as ``num_compilations`` counts them)."""
+        """Compiles what a request can select (``paged.engine.warmup.run``, which says in one
+        line how many shapes, and refuses more than ``max_shapes`` step shapes naming the bucket
+        settings that bound them), then the host tier's copies. Returns the compilations (as
+        ``num_compilations`` counts them)."""
         from paged.engine import warmup
 
         before = self.trace_count()
@@ -478,8 +474,7 @@ class Engine:
     # --- introspection ------------------------------------------------------------------
     @property
     def num_compilations(self) -> int:
-        """Compilations since this engine was built: distinct step shapes traced and page copy /
-        read / write shapes (``kv.cache.trace_count``; engines in one process share both)."""
+        """Compilations since this engine was built: step and page-copy shapes traced."""
         return self.trace_count() - self._traces_at_start
 
     def spec_decode_stats(self) -> dict:
