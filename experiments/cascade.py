@@ -49,14 +49,16 @@ def check(c) -> None:
                          f"num_kv_heads={c.num_kv_heads}")
     if c.dtype not in TOLERANCE:
         raise ValueError(f"dtype={c.dtype!r} must be one of {tuple(TOLERANCE)}")
-    if not c.group_sizes or any(int(n) < 1 for n in c.group_sizes):
-        raise ValueError(f"group_sizes={tuple(c.group_sizes)} must be non-empty, each >= 1")
+    for name in ("group_sizes", "prefix_tokens"):
+        values = getattr(c, name)
+        if isinstance(values, (str, bytes)) or not values or any(
+                isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+            raise ValueError(f"{name}={values!r} must be a non-empty tuple of integers >= 1 "
+                             f"(e.g. --config.{name}=2,8)")
     for p in c.prefix_tokens:
         if int(p) < c.page_size or int(p) % c.page_size:
             raise ValueError(f"prefix_tokens has {p}: each must be a positive multiple of "
                              f"page_size={c.page_size} (shared prefixes are whole pages)")
-    if not c.prefix_tokens:
-        raise ValueError("prefix_tokens must be non-empty")
     pk.resolve_impl(c.impl)
 
 

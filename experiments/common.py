@@ -12,6 +12,11 @@ mistyped key, a value of the wrong type or out of range, an unknown variant or f
 stderr naming the key, the value and what is allowed (the closest valid keys for a typo), exit
 status 2, before any model is loaded.
 
+A ``:smoke`` variant (tiny shapes, few requests, often no warmup: the first arm pays the
+compilations) is a plumbing check, not a measurement: `run` says so in one line before and after
+the study, and every result it writes carries ``"smoke": true`` (in ``provenance`` and at the top
+of a payload that has one).
+
 Outputs go to ``config.output_dir``, by default ``results/<study>/<UTC timestamp>/`` (git-ignored;
 `output_dir`). Progress is `Progress`: a bar with rate and ETA on a terminal, one summary line per
 loop off a terminal.
@@ -42,6 +47,14 @@ from paged.util.progress_bar import Progress  # noqa: F401  (the one progress he
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 USAGE_EXIT = 2  # exit status of a command-line or config mistake
+SMOKE_NOTE = ("smoke run: a plumbing check (tiny shapes, few requests, timings may include "
+              "compilation), not a measurement; do not read or cite its numbers")
+_RUN = {"smoke": False}  # set by `run` from the config variant
+
+
+def is_smoke() -> bool:
+    """Whether this process runs a study's ``:smoke`` variant (`run` sets it)."""
+    return _RUN["smoke"]
 
 
 # --- the command line --------------------------------------------------------------------------
@@ -88,7 +101,12 @@ def run(study: str, main: Callable[[Any, Any], Any], check: Callable[[Any], Any]
             plan = check(config) if check is not None else None
         except (ValueError, TypeError, KeyError, OSError) as e:
             fail(study, _message(e))
+        _RUN["smoke"] = _config_spec(sys.argv, default).rpartition(":")[2] == "smoke"
+        if _RUN["smoke"]:
+            print(f"{study}: {SMOKE_NOTE}", flush=True)
         main(config, plan)
+        if _RUN["smoke"]:
+            print(f"{study}: {SMOKE_NOTE}", flush=True)
 
     app.run(wrapped, flags_parser=parse)
 
@@ -177,9 +195,11 @@ def describe_parse_error(error: BaseException, argv: list[str], default: str) ->
         found, parent, leaf = _lookup(config, key)
         if not found:
             leaf = key.rsplit(".", 1)[-1]
+            if leaf in STUDY_LEVEL_FIELDS:  # engine.model: the study names its model itself
+                return (f"unknown config key {key!r} (in --config.{key}={value}): the {leaf} "
+                        f"is a study-level key, use --config.{leaf}={value}")
             near = closest(key, keys) or closest(leaf, keys)
-            hint = (f"; closest: {', '.join(near)}" if near else "") + (
-                "; the model is config.model" if leaf in STUDY_LEVEL_FIELDS else "")
+            hint = f"; closest: {', '.join(near)}" if near else ""
             return f"unknown config key {key!r} (in --config.{key}={value}){hint}"
         if f"config.{key}=" in str(error) or f"config.{key}:" in str(error):
             kind = _type_name(parent, leaf)
@@ -257,6 +277,10 @@ def output_dir(config, study: str) -> Path:
 
 
 def write_json(path: Path | str, payload: dict) -> Path:
+    """Writes ``payload`` as indented JSON; in a smoke run a payload with ``provenance`` gets
+    ``"smoke": true`` first."""
+    if _RUN["smoke"] and isinstance(payload, dict) and "provenance" in payload:
+        payload = {"smoke": True, **payload}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=_jsonable) + "\n")
@@ -311,6 +335,7 @@ def provenance() -> dict:
         "platform": platform.platform(),
         "argv": sys.argv,
         "utc_time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "smoke": _RUN["smoke"],
     }
 
 

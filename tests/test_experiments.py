@@ -402,9 +402,13 @@ def test_disagg_engine_smoke(tmp_path):
     _replays_exactly(tmp_path, ["colocated", "P:D=1:3"], proc.stdout, devices=4)
 
 def test_kv_tiers_smoke(tmp_path):
-    _run("experiments.kv_tiers", "--config=experiments/configs/kv_tiers.py:smoke",
-         f"--config.output_dir={tmp_path}")
+    proc = _run("experiments.kv_tiers", "--config=experiments/configs/kv_tiers.py:smoke",
+                f"--config.output_dir={tmp_path}")
+    # A smoke run says, first and last, that it is a plumbing check (experiments.common.run).
+    lines = proc.stdout.strip().splitlines()
+    assert "not a measurement" in lines[0] and "not a measurement" in lines[-1], proc.stdout
     payload = json.loads((tmp_path / "kv_tiers.json").read_text())
+    assert payload["smoke"] is True and payload["provenance"]["smoke"] is True
     assert payload["evidence"] == "constructed" and payload["provenance"]["jax_version"]
     off, on = payload["arms"]
     assert (off["host_multiplier"], on["host_multiplier"]) == (0, 4)

@@ -1,5 +1,7 @@
 """Bundled weights: load_model and a loose check that "tiny" learned stdlib-like text."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +27,11 @@ def test_bundled_model_loads_as_float32(name):
     info = model_info(name)
     for key in ("final_train_loss", "final_eval_loss", "command", "jax_version", "corpus"):
         assert key in info, key
+    # The record's config is the one served: a sliding variant's window and layer types too.
+    assert info["name"] == name
+    for key in ("sliding_window", "layer_types"):
+        want = getattr(config, key)
+        assert info["config"].get(key) == (list(want) if isinstance(want, tuple) else want), key
 
 
 def test_tiny_greedy_continuation_is_text():
@@ -41,3 +48,16 @@ def test_tiny_greedy_continuation_is_text():
     printable = sum(c.isprintable() or c in "\n\t" for c in text)
     assert len(text) >= 30 and printable >= 0.9 * len(text), repr(text)
     assert len(set(text)) >= 5, repr(text)  # not one character repeated
+
+
+def test_a_window_not_shorter_than_max_model_len_warns_once():
+    from paged.config.engine_config import EngineConfig
+    from paged.engine.engine import Engine
+
+    config = EngineConfig(model="tiny-mixed", max_model_len=24, max_num_seqs=2)
+    with pytest.warns(UserWarning, match=r"sliding_window=32 .* max_model_len=24"):
+        Engine(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Engine(config)  # once per pair of numbers
+        Engine(EngineConfig(model="tiny-mixed", max_model_len=64, max_num_seqs=2))

@@ -47,6 +47,8 @@ def server():
                                                               stop_token_ids=[tid]))[0].outputs[0]
     lib["none"] = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=None,
                                                                temperature=0))[0].outputs[0]
+    lib_prompt = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0,
+                                                              prompt_logprobs=2))[0]
     # The README's library example: its prompts show text, not whitespace.
     readme = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
     prompts = ast.literal_eval(re.search(r"generate\((\[.*?\])", readme, re.S).group(1))
@@ -55,7 +57,8 @@ def server():
     # After warmup no request of any kind compiles (counted in test_no_compilation_after_warmup).
     # The plain shape is compiled already: at most the logprobs variant (none if an earlier
     # module of the suite compiled it: tests/conftest.py keeps compiled shapes across modules).
-    assert engine.warmup() <= 1
+    # Copy-on-write copies too: one per power of two up to max_num_seqs (fewer if compiled).
+    assert engine.warmup() <= 1 + CONFIG.max_num_seqs.bit_length()
     compiled = engine.num_compilations
     lp = engine.generate([PROMPTS[2]] * 2, [
         SamplingParams(max_tokens=4, prompt_logprobs=3, logprobs=5, n=2, seed=1),
@@ -66,7 +69,7 @@ def server():
     with serve_in_thread(app) as base:
         yield {"base": base, "app": app, "offline": offline,
                "offline_n2": [o.text for o in offline_n2.outputs], "stop": stop, "lib": lib,
-               "compiled": compiled, "engine": engine,
+               "compiled": compiled, "engine": engine, "lib_prompt": lib_prompt,
                "client": openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)}
 
 
@@ -152,6 +155,76 @@ def test_stop_token_reason_and_bad_stop_params(server):
         model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
         extra_body={"stop_token_ids": [ids[1]]})
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 2
+    # vLLM's stop_reason on every choice: the stop token id here.
+    assert r.choices[0].model_extra["stop_reason"] == ids[1]
+
+
+def test_stop_reason_is_the_matched_stop_string(server):
+    client, stop = server["client"], server["stop"]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                  temperature=0, stop=[stop, "zzz"])
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[0],
+                                            max_tokens=MAX_TOKENS, temperature=0, stop=stop,
+                                            stream=True))
+    assert chunks[-1].choices[0].model_extra["stop_reason"] == stop
+    assert all(c.choices[0].model_extra["stop_reason"] is None for c in chunks[:-1])
+    msgs = [{"role": "user", "content": PROMPTS[0]}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=MAX_TOKENS,
+                                          temperature=0)
+    text = full.choices[0].message.content
+    assert full.choices[0].model_extra["stop_reason"] is None  # length or EOS
+    if len(text) >= 3:
+        cut = client.chat.completions.create(model="tiny", messages=msgs, temperature=0,
+                                             max_tokens=MAX_TOKENS, stop=text[1:3])
+        assert cut.choices[0].model_extra["stop_reason"] == text[1:3]
+        last = list(client.chat.completions.create(model="tiny", messages=msgs, temperature=0,
+                                                   max_tokens=MAX_TOKENS, stop=text[1:3],
+                                                   stream=True))[-1]
+        assert last.choices[0].model_extra["stop_reason"] == text[1:3]
+
+
+def test_prompt_logprobs_and_echo_score_the_prompt(server):
+    """vLLM's prompt_logprobs (as the library computes them) and OpenAI's echo + logprobs."""
+    client, engine = server["client"], server["engine"]
+    ids = [256] + list(PROMPTS[0].encode())
+    lib = server["lib_prompt"]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for pos in range(1, len(ids)):
+        want = lib.prompt_logprobs[pos]
+        assert {int(t) for t in got[pos]} == set(want) and str(ids[pos]) in got[pos]
+        for t, v in want.items():
+            assert got[pos][str(t)]["logprob"] == pytest.approx(v, abs=1e-5)
+    for stream in (False, True):
+        out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3,
+                                        temperature=0, echo=True, logprobs=1, stream=stream)
+        choices = [out.choices[0]] if not stream else [c.choices[0] for c in out]
+        lp = choices[0].logprobs
+        assert "".join(c.text for c in choices).startswith(PROMPTS[0])
+        assert lp.tokens[:len(ids)] == [engine.tokenizer.decode([t]) for t in ids]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:len(ids)] == pytest.approx(
+            [lib.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))], abs=1e-5)
+        if not stream:
+            assert len(lp.tokens) == len(ids) + 3 and lp.text_offset[0] == 0
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2,
+                                  extra_body={"prompt_logprobs": 99})
+
+
+def test_unknown_chat_role_is_400(server):
+    client = server["client"]
+    with pytest.raises(openai.BadRequestError, match="wizard") as e:
+        client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+            {"role": "wizard", "content": "hi"}])
+    assert e.value.body["param"] == "messages[0].role"
+    for role in ("system", "developer"):
+        r = client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+            {"role": role, "content": "be brief"}, {"role": "user", "content": "hi"}])
+        assert r.choices[0].finish_reason in ("stop", "length")
 
 
 def test_no_compilation_after_warmup(server):
@@ -350,12 +423,25 @@ def test_cli_bad_value_is_one_line(cli):
              (["--dtype", "float8"], "dtype"),
              (["--request_timeout_s", "3"], "--request_timeout_s"),  # one spelling
              (["--speculative", "ngram:x"], "METHOD[:K]"),
-             (["--speculative", '{"num_speculative_token": 2}'], "closest: num_speculative_tokens"))
+             (["--speculative", '{"num_speculative_token": 2}'], "closest: num_speculative_tokens"),
+             (["--max_num_seq", "4"], "--max_num_seq: did you mean --max_num_seqs?"))
     for flags, word in cases:
         proc = cli.run("paged.server", *flags, timeout=60)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr
         assert lines[0].startswith("paged.server: ") and word in lines[0], lines
+
+
+def test_cli_help_lists_the_allowed_values():
+    from paged.server.cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    for words in ("kv_cache_dtype (default 'auto'); one of: auto, int8, fp8_e4m3, fp8_e5m2",
+                  "one of: prefix_aware, round_robin, least_loaded",
+                  "one of: decode-first, prefill-first", "one of: recompute, swap",
+                  "one of: continuous, static", "one of: float32, bfloat16",
+                  "one of: auto, xla, reference, pallas"):
+        assert words in text, words
 
 
 def test_online_vs_offline_smoke(cli, tmp_path):

@@ -15,23 +15,26 @@ from paged.server import wire  # noqa: E402
 from paged.server.core_client import RemoteOutput  # noqa: E402
 
 
-def _out(ids, finished, cached=12, host=8, lps=None):
+def _out(ids, finished, cached=12, host=8, lps=None, plps=None):
     log = [99, *ids]  # one prompt token, then the generated ones: a sequence's token list
     sample = CompletionOutput(0, log, 1, len(log), "length" if finished else None, str, lps)
     return types.SimpleNamespace(
         request_id="r", outputs=[sample], finished=finished,
         finish_reason="length" if finished else None, finish_time=2.0 if finished else None,
         arrival_time=0.5, first_token_time=1.0, num_cached_tokens=cached,
-        num_preemptions=1, num_host_cached_tokens=host)
+        num_preemptions=1, num_host_cached_tokens=host, prompt_logprobs=plps)
 
 
 def test_round_trip_carries_cached_tokens_per_tier():
     enc, remote = wire.DeltaEncoder(), RemoteOutput("r", [1, 2, 3])
-    first = enc.encode(_out([5, 6], False))
+    plps = [None, {2: -0.5, 7: -0.25}, {3: -1.0}]
+    assert enc.encode(_out([], False, plps=plps))[-1] is None  # not before the first token
+    first = enc.encode(_out([5, 6], False, plps=plps))
     remote.update(wire.unpack(wire.pack(first)))
+    assert remote.prompt_logprobs == plps  # int keys survive msgpack
     snap = remote.snapshot()
-    msg = enc.encode(_out([5, 6, 7], True))
-    assert msg[-1][0][1] == [7]  # only the new token travels
+    msg = enc.encode(_out([5, 6, 7], True, plps=plps))
+    assert msg[-2][0][1] == [7] and msg[-1] is None  # only the new token; the prompt's once
     remote.update(wire.unpack(wire.pack(msg)))
     assert remote.token_ids == [5, 6, 7] and remote.finished and remote.finish_time == 2.0
     assert (remote.num_cached_tokens, remote.num_host_cached_tokens) == (12, 8)

@@ -37,6 +37,7 @@ CASES = [
      "host_bench.steps"),
     ("sliding_window", "smoke", "window_fraction=(0.5,)", "window_fractions",
      "window_fractions=(0.05,)", "window_fractions"),
+    ("cascade", "smoke", "group_size=2", "group_sizes", "group_sizes=abc", "group_sizes"),
 ]
 
 
@@ -78,7 +79,7 @@ def test_typo_and_bad_value_end_in_one_line(cli, tmp_path, study, variant, typo,
     (["extra"], ["unexpected arguments"]),
     (["--config.engine.kv_layout=contiguous"], ["engine.kv_layout", "config.arms"]),
     (["--config.model=huge"], ["model='huge'", "tiny"]),
-    (["--config.engine.model=tiny"], ["engine.model", "config.model"]),
+    (["--config.engine.model=tiny"], ["engine.model", "use --config.model=tiny"]),
 ])
 def test_serve_mistakes(cli, tmp_path, flags, words):
     out = tmp_path / "out"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from paged.config.speculative import SpeculativeConfig
 from paged.util import validate
@@ -55,9 +56,12 @@ class EngineConfig:
     (TypeError for a wrong type, ValueError for a value out of range).
 
     Attributes:
-      model: bundled model name ("tiny", "tiny-draft") or a Hugging Face checkpoint directory
-        (``config.json`` + safetensors, see `paged.models.hf`); ignored when the engine is given
-        params.
+      model: bundled model name ("tiny"; "tiny-draft", a smaller draft for speculation;
+        "tiny-sliding", tiny's weights with a 32-token window in every layer; "tiny-mixed", that
+        window in layers 1 and 3 only, see `paged.models.registry`) or a Hugging Face checkpoint
+        directory (``config.json`` + safetensors, see `paged.models.hf`); ignored when the
+        engine is given params. A model window not shorter than ``max_model_len`` never drops
+        a token: the engine warns (`warn_long_window`).
       block_size: tokens per KV page (paged layout).
       num_blocks: pages in the pool including the null page; ``None`` sizes the pool so that
         ``max_num_seqs`` requests of ``max_model_len`` tokens fit (no preemption).
@@ -288,3 +292,19 @@ def engine_config(config: EngineConfig | None, backend: str) -> EngineConfig:
         from pallas_kernels import quant
         quant.check_backend(config.kv_cache_dtype, backend)
     return config
+
+
+_WARNED_WINDOWS: set[tuple[int, int]] = set()
+
+
+def warn_long_window(layer_windows, max_model_len: int) -> None:
+    """Warns (once per pair of numbers in a process) when the model's longest sliding window is
+    not shorter than ``max_model_len``: no sequence then grows past it, so its sliding layers
+    attend to every token, as full attention does (likely not what was meant)."""
+    window = max((w for w in layer_windows if w is not None), default=None)
+    if window is None or window < max_model_len or (window, max_model_len) in _WARNED_WINDOWS:
+        return
+    _WARNED_WINDOWS.add((window, max_model_len))
+    warnings.warn(f"sliding_window={window} is not shorter than max_model_len={max_model_len}: "
+                  f"no sequence is long enough for the window to drop a token, so the sliding "
+                  f"layers attend to everything (full attention)", UserWarning, stacklevel=3)

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from paged.accounting.kv_stats import kv_stats
-from paged.config.engine_config import EngineConfig, engine_config
+from paged.config.engine_config import EngineConfig, engine_config, warn_long_window
 from paged.engine import multihost
 from paged.engine.device_step import apply_copies, compile_shapes, make_step_fn
 from paged.engine.generate import generate
@@ -105,6 +105,7 @@ class Engine:
 
             if is_checkpoint_dir(config.model):
                 tokenizer = load_tokenizer(config.model, model_config.vocab_size)
+        warn_long_window(model_config.layer_windows, config.max_model_len)
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -161,7 +162,7 @@ class Engine:
         # (with_logprobs, with_verify) -> the jitted step, as a follower process runs it.
         self.step_variants = {v: f for v, (f, _) in fns.items()}
         self._variants = dict(self.step_variants)
-        self.trace_count = lambda: sum(count() for _, count in fns.values())
+        self.trace_count = lambda: sum(count() for _, count in fns.values()) + kc.trace_count()
         # The tokens fed as "the previous step's" when no step is in flight.
         self.no_prev_tokens = placement.put(np.zeros(out_size, np.int32))
         if self.leader is not None:  # every device call is announced to the other processes
@@ -444,22 +445,22 @@ class Engine:
         return generate(self, self.core, prompts, params, progress=progress)
 
     def warmup(self, *, logprobs: bool = True, parallel_sampling: bool = True,
-               progress: bool = False) -> int:
-        """Compiles every step a request can select (``paged.engine.warmup``: each step shape, plain and
-        with log-probabilities, the sample-slot shapes of ``n > 1``, n-gram verify steps, and the
-        host tier's copies), so no request pays for a compilation; ``logprobs=False`` /
-        ``parallel_sampling=False`` skip what a workload never asks for. Returns the number of
-        step compilations."""
+               progress: bool = False, max_shapes: int | None = 128) -> int:
+        """Compiles what a request can select (``paged.engine.warmup.run``, which says in one
+        line how many shapes, and refuses more than ``max_shapes`` step shapes naming the bucket
+        settings that bound them), then the host tier's copies. Returns the compilations (as
+        ``num_compilations`` counts them)."""
         from paged.engine import warmup
 
-        n = warmup.run(self, logprobs=logprobs, parallel_sampling=parallel_sampling,
-                       progress=progress)
+        before = self.trace_count()
+        warmup.run(self, logprobs=logprobs, parallel_sampling=parallel_sampling,
+                   progress=progress, max_shapes=max_shapes)
         if self.host_tier is not None:  # the tier's copies, at every padded page count
             self.cache = self.host_tier.warm(self.cache)
             if self._draft_tier is not None:
                 draft = self.speculator.draft
                 draft.cache = self._draft_tier.warm(draft.cache)
-        return n
+        return self.trace_count() - before
 
     def compile_step(self, variant: tuple[bool, bool], shape: tuple) -> None:
         """Runs the ``(with_logprobs, with_verify)`` step once on an all-padding batch of
@@ -473,7 +474,7 @@ class Engine:
     # --- introspection ------------------------------------------------------------------
     @property
     def num_compilations(self) -> int:
-        """Distinct step shapes traced (each is one XLA compilation)."""
+        """Compilations since this engine was built: step and page-copy shapes traced."""
         return self.trace_count() - self._traces_at_start
 
     def spec_decode_stats(self) -> dict:

@@ -210,6 +210,15 @@ def write(
     return _write(cache, k, v, jnp.asarray(slot_mapping, jnp.int32))
 
 
+_TRACES = [0]  # traces of the page functions below (copy, read, write, poison): one compile each
+
+
+def trace_count() -> int:
+    """How many shapes the page copy / read / write / poison functions traced so far in this
+    process (one XLA compilation each; the engine adds them to its ``num_compilations``)."""
+    return _TRACES[0]
+
+
 def _check_pages(cache: KVCache, name: str, pages) -> np.ndarray:
     arr = np.asarray(pages)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
@@ -221,6 +230,7 @@ def _check_pages(cache: KVCache, name: str, pages) -> np.ndarray:
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _copy_pages(cache, src, dst):
+    _TRACES[0] += 1  # runs at trace time only
     return jax.tree.map(lambda x: x.at[:, :, dst].set(x[:, :, src]), cache)
 
 
@@ -245,6 +255,7 @@ def copy_pages(cache: KVCache, src, dst) -> KVCache:
 
 @jax.jit
 def _read_pages(cache, pages):
+    _TRACES[0] += 1  # runs at trace time only
     return jax.tree.map(lambda x: x[:, :, pages], (cache.k_pages, cache.v_pages))
 
 
@@ -298,6 +309,7 @@ def host_get(host, slots):
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _write_pages(cache, pages, k, v):
+    _TRACES[0] += 1  # runs at trace time only
     def put(x, new):
         return x.at[:, :, pages].set(new)
 
@@ -384,6 +396,7 @@ def scatter_pages(cache: KVCache, pages, k, v) -> KVCache:
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _poison(cache, pages):
+    _TRACES[0] += 1  # runs at trace time only
     def nan(x):
         # int8 values cannot hold NaN: their scales (float32) can, and the product is NaN.
         if not jnp.issubdtype(x.dtype, jnp.floating):

@@ -108,11 +108,16 @@ def load_from(npz: str | Path, js: str | Path) -> tuple[LlamaConfig, Params]:
 
 
 def model_info(name: str) -> dict:
-    """The json record of a bundled model (config, losses, command, corpus, ``npz_sha256``; a
-    sliding variant gives tiny's record)."""
+    """The json record of a bundled model (config, losses, command, corpus, ``npz_sha256``). A
+    sliding variant gives tiny's training record under its own ``name``, its ``config`` with the
+    window (``sliding_window``, ``layer_types``) it is served with, and ``weights_of: "tiny"``."""
     _check_name(name)
-    base = "tiny" if name in SLIDING_VARIANTS else name
-    return json.loads((WEIGHTS_DIR / f"{base}.json").read_text())
+    if name not in SLIDING_VARIANTS:
+        return json.loads((WEIGHTS_DIR / f"{name}.json").read_text())
+    record = json.loads((WEIGHTS_DIR / "tiny.json").read_text())
+    window = {k: list(v) if isinstance(v, tuple) else v for k, v in SLIDING_VARIANTS[name].items()}
+    return {**record, "name": name, "weights_of": "tiny",
+            "config": {**record["config"], **window}}
 
 
 def load_model(name: str) -> tuple[LlamaConfig, Params]:

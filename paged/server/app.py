@@ -23,7 +23,12 @@ null). OpenAI's client raises ``APIError`` on that event.
 Log-probabilities: completions' ``logprobs: k`` and chat's ``logprobs: true`` with
 ``top_logprobs: k`` set ``SamplingParams.logprobs = k`` and come back in OpenAI's shapes (legacy
 ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``, chat ``content[]``). With
-``echo`` the prompt's own log-probabilities are not included.
+``echo`` the prompt's tokens are scored too, first (OpenAI's: the first one's null). vLLM's
+``prompt_logprobs: k`` sets ``SamplingParams.prompt_logprobs`` and comes back as each completion
+choice's (chat: the response's) ``prompt_logprobs`` in a non-streaming response (a stream does
+not carry them; with ``echo`` its first chunk's ``logprobs`` score the prompt). Every choice carries vLLM's
+``stop_reason`` (the stop string or stop token id that ended it). Chat roles outside
+`protocol.ROLES` are a 400.
 
 Chat messages are rendered with the tokenizer's chat template when it has one
 (``tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`` with a
@@ -37,18 +42,18 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import json
 import logging
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import paged.server.protocol as protocol
 from paged.server.engine_loop import EngineLoop, Stream
 from paged.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from paged.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from paged.server.raw_send import EventStream, keep_raw_send
 from paged.server.streams import CLIENT_REASONS, Choice
 
 log = logging.getLogger(__name__)
@@ -100,7 +105,7 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
             engine_loop.stop()
 
     app = FastAPI(title="paged", lifespan=lifespan)
-    _keep_raw_send(app, _gate(settings, engine_loop))
+    keep_raw_send(app, _gate(settings, engine_loop))
     app.state.loop = engine_loop
     app.state.settings = settings
     api = _Api(engine, engine_loop, settings)
@@ -147,9 +152,6 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
     return app
 
 
-_RAW_SEND = "paged.raw_send"
-
-
 def _gate(settings: ServerSettings, engine_loop: EngineLoop):
     """What the outermost layer answers itself, before any route: ``/v1/*`` without the API key
     (401), ``/v1/*`` and ``/health`` while the engine still compiles (503 with ``Retry-After``).
@@ -172,56 +174,6 @@ def _gate(settings: ServerSettings, engine_loop: EngineLoop):
         return None
 
     return gate
-
-
-async def _answer(send, status: int, body: dict, headers: dict) -> None:
-    raw = json.dumps(body).encode()
-    head = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
-    head += [(k.encode(), v.encode()) for k, v in headers.items()]
-    await send({"type": "http.response.start", "status": status, "headers": head})
-    await send({"type": "http.response.body", "body": raw})
-
-
-def _keep_raw_send(app: FastAPI, gate=None) -> None:
-    """Makes the outermost layer of ``app`` keep the server's own ``send`` in the scope, so
-    that `_EventStream` can send body chunks past the middleware stack (each layer wraps
-    ``send`` in a coroutine that only watches for the response start); ``gate`` (`_gate`) may
-    answer a request there instead."""
-    build = app.build_middleware_stack
-
-    def build_with_raw_send():
-        inner = build()
-
-        async def outer(scope, receive, send):
-            if scope["type"] == "http":
-                scope[_RAW_SEND] = send
-                answer = gate(scope) if gate is not None else None
-                if answer is not None:
-                    await _answer(send, *answer)
-                    return
-            await inner(scope, receive, send)
-
-        return outer
-
-    app.build_middleware_stack = build_with_raw_send
-
-
-class _EventStream(StreamingResponse):
-    """A StreamingResponse (disconnects cancel the body iterator, as Starlette's do) whose
-    response start and end go through the middleware stack, and whose body chunks, the hot
-    path of streaming, go straight to the server's ``send``."""
-
-    async def __call__(self, scope, receive, send):
-        self._raw_send = scope.get(_RAW_SEND) or send
-        await super().__call__(scope, receive, send)
-
-    async def stream_response(self, send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
-        raw = self._raw_send
-        async for chunk in self.body_iterator:
-            await raw({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class _Api:
@@ -277,7 +229,10 @@ class _Api:
         if not messages:
             raise ApiError("messages is required (a non-empty list)", param="messages")
         msgs = []
-        for m in messages:
+        for i, m in enumerate(messages):
+            if m.role not in protocol.ROLES:
+                raise ApiError(f"messages[{i}].role={m.role!r} must be one of {protocol.ROLES}",
+                               param=f"messages[{i}].role")
             content = m.content
             if isinstance(content, list):
                 content = "".join(part.get("text", "") for part in content
@@ -329,18 +284,22 @@ class _Api:
             max_tokens = self.check_lengths(prompts, wanted, "messages")
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
         stops = protocol.stop_strings(req.stop)
-        params = protocol.sampling_params(req, max_tokens, logprobs=logprobs, stop=stops)
+        echo = kind == "completion" and req.echo
+        plp = req.prompt_logprobs
+        if echo and logprobs is not None:  # the echoed prompt is scored as well
+            plp = max(plp or 0, logprobs)
+        params = protocol.sampling_params(req, max_tokens, logprobs=logprobs, stop=stops,
+                                          prompt_logprobs=plp)
         if req.n > self.max_num_seqs:
             raise ApiError(f"n={req.n} > max_num_seqs={self.max_num_seqs}", param="n")
         shapes = protocol.Shapes(kind, req.model or self.settings.served_model_name)
-        echo = kind == "completion" and req.echo
         job = _Job(self, shapes, prompts, params, stops, req.n, incremental=req.stream,
                    echo=[self.tokenizer.decode(p) for p in prompts] if echo else None,
-                   logprobs=logprobs)
+                   logprobs=logprobs, report_prompt=req.prompt_logprobs is not None)
         self.loop.submit(job.stream)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _EventStream(job.events(include_usage), media_type="text/event-stream",
+            return EventStream(job.events(include_usage), media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache"})
         return await job.collect(request)
 
@@ -349,12 +308,15 @@ class _Job:
     """One HTTP request in flight: its engine requests, choices and response shapes."""
 
     def __init__(self, api: _Api, shapes, prompts, params, stops, n, *, incremental, echo,
-                 logprobs=None):
+                 logprobs=None, report_prompt=False):
         self.api, self.shapes, self.prompts, self.n, self.echo = api, shapes, prompts, n, echo
         self.logprobs = logprobs  # k (top log-probabilities per token), or None
+        self.report_prompt = report_prompt  # the choices carry prompt_logprobs
+        self.plps: list = [None] * len(prompts)  # each prompt's, once they arrive
         rids = [f"{shapes.id}-{i}" for i in range(len(prompts))]
         self.stream = Stream([(rid, p, params) for rid, p in zip(rids, prompts)],
-                             logprobs=logprobs is not None)
+                             logprobs=logprobs is not None,
+                             prompt_logprobs=params.prompt_logprobs is not None)
         decode = api.tokenizer.decode
         self.choices = [Choice(t * n + j, decode, stops, incremental)
                         for t in range(len(prompts)) for j in range(n)]
@@ -365,11 +327,14 @@ class _Job:
         """Applies one queue item; returns the choices it touched and an error, if any."""
         if item[0] == "error":
             return [], item[2]
-        _, tag, outs, finished, _info = item
+        _, tag, outs, finished, _info, plps = item
+        if plps is not None:
+            self.plps[tag] = plps
         touched = []
-        for idx, new_ids, reason, new_lps, stop_text in outs:
+        for idx, new_ids, reason, new_lps, stop_text, stop_reason in outs:
             c = self.choices[tag * self.n + idx]
             if not c.done:
+                c.stop_reason = stop_reason
                 c.token_ids += new_ids  # the loop hands out deltas
                 if new_lps is not None:
                     if c.lps is None:
@@ -408,7 +373,11 @@ class _Job:
         ids = c.token_ids[start:start + len(lps)]
         decode = self.api.tokenizer.decode
         if self.shapes.kind == "completion":
-            return protocol.completion_logprobs(ids, lps, decode)
+            out = protocol.completion_logprobs(ids, lps, decode)
+            if self.echo is not None and start == 0:  # the echoed prompt's, first
+                tag = c.index // self.n
+                out = protocol.echo_logprobs(self.prompts[tag], self.plps[tag], decode, out)
+            return out
         return protocol.chat_logprobs(ids, lps, decode, self.logprobs)
 
     def _usage(self) -> dict:
@@ -449,7 +418,8 @@ class _Job:
                         self.reported.add(i)
                     lp = self._logprobs(c, streaming=True)
                     if text or fin is not None or lp:
-                        parts.append(shapes.chunk(i, text, fin, logprobs=lp))
+                        why = c.stop_reason if fin is not None else None
+                        parts.append(shapes.chunk(i, text, fin, logprobs=lp, stop_reason=why))
                 if err is not None:
                     parts.append(protocol.sse(err.body()))
                     yield "".join(parts) + protocol.SSE_DONE
@@ -478,7 +448,12 @@ class _Job:
         finally:
             self._abort_open()
         choices = []
+        decode = self.api.tokenizer.decode
+        plps = [protocol.prompt_logprobs(p, decode) if self.report_prompt else None
+                for p in self.plps]
         for c in self.choices:
             text = c.text if self.echo is None else self.echo[c.index // self.n] + c.text
-            choices.append((c.index, text, c.finish_reason, self._logprobs(c, streaming=False)))
-        return self.shapes.response(choices, self._usage())
+            choices.append((c.index, text, c.finish_reason, self._logprobs(c, streaming=False),
+                            c.stop_reason, plps[c.index // self.n]))
+        chat_plps = plps[0] if self.shapes.kind == "chat" else None
+        return self.shapes.response(choices, self._usage(), chat_plps)

@@ -91,6 +91,19 @@ def _flag_names(name: str) -> list[str]:
 
 # EngineConfig fields set by a server flag of another name (one flag per setting).
 SERVER_SPELLED = {"request_timeout_s": "request_timeout"}
+def _choices() -> dict[str, tuple[str, ...]]:
+    """The allowed values of EngineConfig's choice fields, listed in ``--help``."""
+    from paged.config import engine_config as ec
+    from paged.models.registry import KNOWN_MODELS
+
+    return {"kv_layout": ec.KV_LAYOUTS, "scheduling": ec.SCHEDULINGS, "policy": ec.POLICIES,
+            "preemption_mode": ec.PREEMPTION_MODES, "attention_impl": ec.ATTENTION_IMPLS,
+            "dtype": ec.DTYPES, "kv_cache_dtype": ec.KV_CACHE_DTYPES,
+            "kv_scale_granularity": ec.KV_SCALE_GRANULARITIES,
+            "cascade_attention": ec.CASCADE_MODES, "router": ec.ROUTERS,
+            "model": (*KNOWN_MODELS, "random-small", "a checkpoint directory")}
+
+
 _EXTRA_HELP = {"speculative": ": METHOD[:K] (ngram:4, draft:3) or a JSON object of "
                               "SpeculativeConfig's fields, as vLLM's --speculative-config: "
                               "'{\"method\": \"draft\", \"model\": \"DIR\", "
@@ -117,8 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "answer 503 with Retry-After. The shapes: unless --min_token_bucket "
                              "or --min_seq_bucket is given, one sequence bucket (--max_num_seqs) "
                              "and two token buckets (half of and all of --max_num_batched_tokens, "
-                             "capped by --max_model_len x --max_num_seqs): 4 compilations, 20-30 s "
-                             "to ready on 2 CPU cores; smaller --min_*_bucket values add shapes")
+                             "capped by --max_model_len x --max_num_seqs): 4 step compilations "
+                             "(20-30 s to ready on 2 CPU cores) and a small copy-on-write copy "
+                             "per power of two up to --max_num_seqs; smaller --min_*_bucket "
+                             "values add shapes")
     server.add_argument(*_flag_names("api_key"), default=os.environ.get(API_KEY_ENV) or None,
                         help=f"require 'Authorization: Bearer KEY' on every /v1/* route (401 "
                              f"otherwise; /health and /metrics stay open); default: the "
@@ -141,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=("critical", "error", "warning", "info", "debug"))
     engine = p.add_argument_group("engine (every EngineConfig field)")
     hints = typing.get_type_hints(EngineConfig)
+    choices = _choices()
     for f in dataclasses.fields(EngineConfig):
         if f.name in SERVER_SPELLED:
             continue
@@ -148,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
         engine.add_argument(*_flag_names(f.name), dest=f"engine.{f.name}", type=parse,
                             default=argparse.SUPPRESS, metavar=metavar,
                             help=f"EngineConfig.{f.name} (default {f.default!r})"
+                            + (f"; one of: {', '.join(choices[f.name])}"
+                               if f.name in choices else "")
                             + _EXTRA_HELP.get(f.name, ""))
     return p
 

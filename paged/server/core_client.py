@@ -96,7 +96,7 @@ class RemoteOutput:
 
     __slots__ = ("request_id", "prompt_token_ids", "finished", "finish_reason", "finish_time",
                  "arrival_time", "first_token_time", "num_cached_tokens", "num_preemptions",
-                 "num_host_cached_tokens", "_samples")
+                 "num_host_cached_tokens", "prompt_logprobs", "_samples")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int]):
         self.request_id = request_id
@@ -105,12 +105,15 @@ class RemoteOutput:
         self.finish_reason = self.finish_time = self.arrival_time = None
         self.first_token_time = None
         self.num_cached_tokens = self.num_preemptions = self.num_host_cached_tokens = 0
+        self.prompt_logprobs = None
         self._samples: dict[int, RemoteCompletion] = {}
 
     def update(self, msg: list) -> None:
         (_, self.finished, self.finish_reason, self.finish_time, self.arrival_time,
          self.first_token_time, self.num_cached_tokens, self.num_preemptions,
-         self.num_host_cached_tokens, samples) = msg
+         self.num_host_cached_tokens, samples, plps) = msg
+        if plps is not None:
+            self.prompt_logprobs = plps
         for index, new_ids, reason, new_lps, stop_reason, text in samples:
             s = self._samples.get(index)
             if s is None:

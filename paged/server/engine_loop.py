@@ -7,12 +7,14 @@ under a condition variable. The loop thread drains the commands, calls ``engine.
 on the condition when idle. After each step it hands every stream its new outputs with one
 ``loop.call_soon_threadsafe`` per step (not one per request), and updates the metrics.
 
-What a stream's asyncio queue receives (`Item`): ``("out", tag, choices, finished, info)`` with
-``choices`` a list of ``(sample index, the token ids new since the stream's previous item,
-finish reason, those tokens' log-probabilities or None, the text cut at the stop string when one
-ended the sample or None)`` (deltas, so a stream of n tokens copies O(n) ids in all, not per
-step; the stream appends them) and ``info`` (prompt tokens, cached tokens) on the last item; or
-``("error", tag, ApiError)``.
+What a stream's asyncio queue receives (`Item`): ``("out", tag, choices, finished, info,
+prompt_logprobs)`` with ``choices`` a list of ``(sample index, the token ids new since the
+stream's previous item, finish reason, those tokens' log-probabilities or None, the text cut at
+the stop string when one ended the sample or None, vLLM's stop_reason: the stop string or stop
+token id that ended it, or None)`` (deltas, so a stream of n tokens copies O(n) ids in all, not
+per step; the stream appends them), ``info`` (prompt tokens, cached tokens) on the last item,
+and the request's ``prompt_logprobs`` (`paged.request.outputs.RequestOutput.prompt_logprobs`)
+when the stream asked for them, else None; or ``("error", tag, ApiError)``.
 
 Back-pressure: at most ``max_waiting`` requests wait (accepted by the server but not running:
 commands not applied yet plus the engine's waiting queue); `submit` refuses more with a 503
@@ -49,6 +51,7 @@ class Stream:
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     timeout_s: float | None = None
     logprobs: bool = False  # deliver each choice's per-token log-probabilities too
+    prompt_logprobs: bool = False  # deliver the prompt's log-probabilities too
 
 
 class EngineLoop:
@@ -223,8 +226,9 @@ class EngineLoop:
                 continue  # aborted by its client
             stream, tag = entry
             choices = [(o.index, ids, o.finish_reason, lps,
-                        o.text if isinstance(o.stop_reason, str) else None)
+                        o.text if isinstance(o.stop_reason, str) else None, o.stop_reason)
                        for o, ids, lps in self._deltas.take(out, stream.logprobs)]
+            plps = getattr(out, "prompt_logprobs", None) if stream.prompt_logprobs else None
             finished = out.finished
             info = None
             if finished:
@@ -232,7 +236,7 @@ class EngineLoop:
                 info = (len(out.prompt_token_ids), out.num_cached_tokens)
                 self.metrics.observe_finished(out, out.finish_reason or "abort")
             batches.setdefault(stream.loop, []).append(
-                (stream.queue, ("out", tag, choices, finished, info)))
+                (stream.queue, ("out", tag, choices, finished, info, plps)))
         for loop, items in batches.items():
             try:
                 loop.call_soon_threadsafe(_fan_out, items)

@@ -8,8 +8,12 @@ engine. Responses are plain dicts built here (cheaper than models on the streami
 as OpenAI's:
 
 - completion: ``{"id": "cmpl-...", "object": "text_completion", "created", "model", "choices":
-  [{"index", "text", "logprobs": null, "finish_reason"}], "usage"}``; a stream chunk has the same
-  object name and ``"usage": null``.
+  [{"index", "text", "logprobs": null, "finish_reason", "stop_reason"}], "usage"}``; a stream
+  chunk has the same object name and ``"usage": null``. ``stop_reason`` is vLLM's: the stop
+  string or stop token id that ended the choice, else null. With vLLM's ``prompt_logprobs: k``
+  a choice also has ``"prompt_logprobs"``: null for the first prompt token, then per position
+  ``{"<token id>": {"logprob", "decoded_token"}}`` for the prompt's token and the k most likely
+  (chat: one such list at the response's top level).
 - chat: ``"chatcmpl-..."``, ``"chat.completion"`` with ``choices[].message`` ``{"role":
   "assistant", "content"}``; chunks ``"chat.completion.chunk"`` with ``choices[].delta`` (the
   first delta of each choice carries ``"role": "assistant"``).
@@ -79,6 +83,7 @@ class _Common(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_Common):
@@ -88,6 +93,10 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+
+# The chat roles OpenAI and vLLM accept; any other is a 400.
+ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 
 
 class ChatMessage(_Strict):
@@ -130,7 +139,8 @@ def _unsupported(param: str, what: str) -> ApiError:
 
 
 def sampling_params(req: _Common, max_tokens: int | None, *, logprobs: Any,
-                    stop: tuple[str, ...] = ()) -> SamplingParams:
+                    stop: tuple[str, ...] = (), prompt_logprobs: int | None = None
+                    ) -> SamplingParams:
     """The engine's SamplingParams for ``req`` (checked here so the engine never refuses them).
 
     Raises:
@@ -167,6 +177,8 @@ def sampling_params(req: _Common, max_tokens: int | None, *, logprobs: Any,
                   stop=stop, include_stop_str_in_output=req.include_stop_str_in_output)
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
+    if prompt_logprobs is not None:
+        kwargs["prompt_logprobs"] = prompt_logprobs
     try:
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as e:
@@ -205,22 +217,28 @@ class Shapes:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def response(self, choices: list[tuple[int, str, str | None, dict | None]],
-                 use: dict) -> dict:
+    def response(self, choices: list[tuple], use: dict, prompt_logprobs=None) -> dict:
         """The whole (non-streaming) response; ``choices``: (index, text, finish_reason,
-        logprobs object or None)."""
+        logprobs object or None, stop_reason, the completion choice's ``prompt_logprobs`` or
+        None); ``prompt_logprobs``: chat's, or None (then absent)."""
         if self.kind == "completion":
-            out = [{"index": i, "text": t, "logprobs": lp, "finish_reason": f}
-                   for i, t, f, lp in choices]
+            out = []
+            for i, t, f, lp, why, plp in choices:
+                out.append({"index": i, "text": t, "logprobs": lp, "finish_reason": f,
+                            "stop_reason": why})
+                if plp is not None:
+                    out[-1]["prompt_logprobs"] = plp
             return {**self._head("text_completion"), "choices": out, "usage": use,
                     "system_fingerprint": None}
         out = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
-                "finish_reason": f} for i, t, f, lp in choices]
+                "finish_reason": f, "stop_reason": why} for i, t, f, lp, why, _ in choices]
+        extra = {} if prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs}
         return {**self._head("chat.completion"), "choices": out, "usage": use,
-                "system_fingerprint": None}
+                "system_fingerprint": None, **extra}
 
     def chunk(self, index: int, text: str, finish_reason: str | None, *,
-              first: bool = False, logprobs: dict | None = None) -> str:
+              first: bool = False, logprobs: dict | None = None,
+              stop_reason: str | int | None = None) -> str:
         """One SSE event with one choice's delta (and its tokens' logprobs object, if asked).
 
         The common case (a completion's text delta, no logprobs) is formatted from a prefix
@@ -235,16 +253,19 @@ class Shapes:
                                       ensure_ascii=False)
                     prefix = self._prefix = "data: " + head[:-1] + ',"choices":[{"index":'
                 fin = "null" if finish_reason is None else f'"{finish_reason}"'
+                why = "null" if stop_reason is None else json.dumps(stop_reason,
+                                                                    ensure_ascii=False)
                 return (f"{prefix}{index},\"text\":{json.dumps(text, ensure_ascii=False)},"
-                        f'"logprobs":null,"finish_reason":{fin}}}],"usage":null}}\n\n')
+                        f'"logprobs":null,"finish_reason":{fin},"stop_reason":{why}}}],'
+                        f'"usage":null}}\n\n')
             choice = {"index": index, "text": text, "logprobs": logprobs,
-                      "finish_reason": finish_reason}
+                      "finish_reason": finish_reason, "stop_reason": stop_reason}
             obj = "text_completion"
         else:
             delta = {"role": "assistant", "content": text} if first else (
                 {"content": text} if text or finish_reason is None else {})
             choice = {"index": index, "delta": delta, "logprobs": logprobs,
-                      "finish_reason": finish_reason}
+                      "finish_reason": finish_reason, "stop_reason": stop_reason}
             obj = "chat.completion.chunk"
         return sse({**self._head(obj), "choices": [choice], "usage": None})
 
@@ -265,6 +286,32 @@ def completion_logprobs(ids, lps, decode, offset: int = 0) -> dict:
     return {"tokens": tokens, "token_logprobs": [lp.get(t) for t, lp in zip(ids, lps)],
             "top_logprobs": [{decode([k]): v for k, v in lp.items()} for lp in lps],
             "text_offset": offsets}
+
+
+def prompt_logprobs(plps, decode) -> list | None:
+    """vLLM's ``prompt_logprobs`` list from the engine's (`RequestOutput.prompt_logprobs`):
+    None at position 0, then ``{"<token id>": {"logprob", "decoded_token"}}`` per position."""
+    if plps is None:
+        return None
+    return [None if lp is None else {str(t): {"logprob": v, "decoded_token": decode([t])}
+                                     for t, v in lp.items()} for lp in plps]
+
+
+def echo_logprobs(prompt_ids, plps, decode, generated: dict | None) -> dict:
+    """OpenAI's ``echo`` with ``logprobs``: the prompt's tokens scored first (the first one's
+    ``token_logprobs`` and ``top_logprobs`` null, as it has no context), then ``generated`` (the
+    choice's `completion_logprobs`, its offsets from the end of the prompt's text)."""
+    plps = list(plps) if plps is not None else [None] * len(prompt_ids)
+    head = completion_logprobs(prompt_ids, [lp or {} for lp in plps], decode)
+    for i, lp in enumerate(plps):
+        if lp is None:
+            head["token_logprobs"][i] = head["top_logprobs"][i] = None
+    if generated:
+        end = sum(len(t) for t in head["tokens"])
+        generated = {**generated, "text_offset": [o + end for o in generated["text_offset"]]}
+        for key in head:
+            head[key] = head[key] + generated[key]
+    return head
 
 
 def chat_logprobs(ids, lps, decode, k: int) -> dict:

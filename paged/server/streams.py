@@ -34,7 +34,8 @@ class Choice:
     """
 
     __slots__ = ("index", "stops", "hold", "detok", "decode", "incremental", "text", "sent",
-                 "num_tokens", "finish_reason", "started", "lps", "lp_sent", "token_ids")
+                 "num_tokens", "finish_reason", "started", "lps", "lp_sent", "token_ids",
+                 "stop_reason")
 
     def __init__(self, index: int, decode, stops: tuple[str, ...] = (), incremental: bool = True):
         self.index, self.stops, self.decode = index, stops, decode
@@ -43,6 +44,7 @@ class Choice:
         self.detok = Detokenizer(decode) if self.incremental else None
         self.text, self.sent, self.num_tokens = "", 0, 0
         self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout"
+        self.stop_reason: str | int | None = None  # vLLM's: the stop string or token id
         self.started = False  # the first chunk (chat: with the role) was sent
         self.lps: list | None = None  # per-token {token id: log-probability}, when asked for
         self.lp_sent = 0

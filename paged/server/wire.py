@@ -16,7 +16,9 @@ Commands (server -> core), one msgpack list each:
 Step messages (core -> server): ``["step", outputs, stats]`` after every step, with ``stats`` the
 `STAT_KEYS` values of ``kv_stats()`` and one entry per `RequestOutput`:
 ``[request_id, finished, finish_reason, finish_time, arrival_time, first_token_time,
-num_cached_tokens, num_preemptions, num_host_cached_tokens, samples]``, each sample
+num_cached_tokens, num_preemptions, num_host_cached_tokens, samples, prompt_logprobs]``
+(``prompt_logprobs`` once, in the first message where a sample has a token, when the request
+asked for them; else None), each sample
 ``[index, new token ids, finish_reason, new logprobs or None, stop_reason, text or None]``
 (only the tokens and log-probabilities that are new since the previous message: the client keeps
 the rest; ``text`` only when a stop string ended the sample). ``["rejected", request_id, message]``
@@ -67,14 +69,24 @@ class DeltaEncoder:
 
     def __init__(self):
         self._deltas = OutputDeltas()
+        self._prompt_sent: set[str] = set()  # requests whose prompt_logprobs went out
 
     def encode(self, out) -> list:
         samples = [[o.index, ids, o.finish_reason, lps, o.stop_reason,
                     o.text if isinstance(o.stop_reason, str) else None]
                    for o, ids, lps in self._deltas.take(out)]
-        return [out.request_id, out.finished, out.finish_reason, out.finish_time, out.arrival_time,
+        plps = None
+        rid = out.request_id
+        if rid not in self._prompt_sent and any(s[1] for s in samples):
+            plps = getattr(out, "prompt_logprobs", None)
+            if plps is not None:
+                self._prompt_sent.add(rid)
+        if out.finished:
+            self._prompt_sent.discard(rid)
+        return [rid, out.finished, out.finish_reason, out.finish_time, out.arrival_time,
                 out.first_token_time, out.num_cached_tokens, out.num_preemptions,
-                out.num_host_cached_tokens, samples]
+                out.num_host_cached_tokens, samples, plps]
 
     def forget(self, request_id: str) -> None:
         self._deltas.forget(request_id)
+        self._prompt_sent.discard(request_id)
