@@ -147,7 +147,8 @@ def test_engine_and_simulator_compose_one_host_core(which):
 
     from paged import Engine, EngineConfig
     from paged.sim.replica import SimReplica
-    from paged.sim.step_model import H200, LLAMA3_8B, RooflineStepModel
+    from paged.sim.roofline import RooflineStepModel
+    from paged.sim.specs import H200, LLAMA3_8B
     from paged.step.host_core import HostCore
 
     cfg = EngineConfig(block_size=8, max_num_seqs=4, max_num_batched_tokens=32,
