@@ -12,7 +12,7 @@ split by ``Engine.last_timing`` into host and device parts. Its shape is read fr
 output before the step is committed (``paged.sim.replica.step_shape``, the function the simulator
 uses), through a wrapper around ``engine.scheduler.schedule``.
 
-The fit (``paged.sim.step_model.fit_linear``, relative least squares, one row per grid point:
+The fit (``paged.sim.linear_model.fit_linear``, relative least squares, one row per grid point:
 mean shape, median time) is
 ``t = a + b * tokens + c * seqs + d * kv_read`` by default; the alternative forms in
 ``config.alt_features`` are fitted too and their residuals reported, so the choice is visible.
@@ -31,7 +31,9 @@ import numpy as np
 from experiments import common
 from paged import Engine, SamplingParams
 from paged.sim.batches import step_shape
-from paged.sim.step_model import FEATURES, StepShape, fit_linear, ratio_quantiles
+from paged.sim.linear_model import FEATURES, fit_linear
+from paged.sim.measured import ratio_quantiles
+from paged.sim.step_model import StepShape
 
 
 def check(c) -> dict:

@@ -25,7 +25,7 @@ from experiments import common
 from paged.fleet.routing import POLICIES, Router
 from paged.sim import EVIDENCE, H200, RooflineStepModel, Simulator
 from paged.sim.handover import LINKS, Handover
-from paged.sim.step_model import MODELS
+from paged.sim.specs import MODELS
 from paged.workload import metrics
 from paged.workload.workload import AZURE_TRACES, check_same_evidence, load_azure_trace
 

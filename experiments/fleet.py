@@ -3,7 +3,7 @@
 The simulator (``paged.sim``) runs the real scheduler, block manager, input batch and read-back
 per replica; the device is ``RooflineStepModel(H200, model)``: weights and KV bytes over the
 bandwidth, FLOPs over the FLOP rate, plus the host time measured on the H200 machine (figures
-and their sources in ``paged.sim.step_model.H200``). Models are dimensions only (Llama-3-8B,
+and their sources in ``paged.sim.specs.H200``). Models are dimensions only (Llama-3-8B,
 Qwen2.5-7B), bfloat16 weights and KV.
 
 Capacity under the SLO (``capacity``): the highest request rate at which every request finishes
@@ -31,7 +31,7 @@ import numpy as np
 from experiments import common
 from paged.fleet.routing import POLICIES, Router
 from paged.sim import EVIDENCE, H200, RooflineStepModel, Simulator, check_not_mixed
-from paged.sim.step_model import H200_DATASHEET_BW, MODELS
+from paged.sim.specs import H200_DATASHEET_BW, MODELS
 from paged.workload.workload import (
     BOS_ID,
     Workload,

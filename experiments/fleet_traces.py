@@ -32,7 +32,8 @@ from experiments import fleet as _fleet
 from experiments import plots
 from paged.fleet.routing import Router
 from paged.sim import Simulator
-from paged.sim.step_model import MODELS, TensorParallelRooflineStepModel
+from paged.sim.roofline import TensorParallelRooflineStepModel
+from paged.sim.specs import MODELS
 from paged.workload.workload import AZURE_TRACES, Workload, check_same_evidence, load_azure_trace
 
 _FAILED_KEYS = ("request_id", "status", "arrival_s", "first_token_s", "finish_s", "prompt_len",

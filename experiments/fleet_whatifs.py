@@ -32,7 +32,7 @@ import dataclasses
 from experiments import fleet, plots
 from paged.config.engine_config import CASCADE_MODES, KV_CACHE_DTYPES
 from paged.sim import RooflineStepModel
-from paged.sim.step_model import MODELS
+from paged.sim.specs import MODELS
 from paged.workload.workload import make_workload
 
 WHATIFS = ("kv_dtype", "window", "cascade")

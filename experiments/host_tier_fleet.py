@@ -44,7 +44,7 @@ from experiments import common, fleet, fleet_whatifs, plots
 from paged.fleet.routing import Router
 from paged.sim import EVIDENCE, RooflineStepModel, Simulator, check_not_mixed
 from paged.sim.host_link import HOST_LINKS, TierPricer
-from paged.sim.step_model import MODELS
+from paged.sim.specs import MODELS
 from paged.workload.workload import (
     BOS_ID,
     RequestSpec,

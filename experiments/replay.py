@@ -174,8 +174,8 @@ def replay_sim(record: dict, **overrides) -> ReplayResult:
       ValueError: a record of an overlapped (``async_scheduling``) run.
     """
     from experiments.serving import request_params
+    from paged.sim.linear_model import LinearStepModel
     from paged.sim.replica import SimReplica
-    from paged.sim.step_model import LinearStepModel
 
     record = check_record(record)
     config = engine_config(record, **overrides)

@@ -45,7 +45,7 @@ Diagnostic ``sim_self`` (with ``self_fit``): fitted on the point's own real step
 a validation): the error left when the step-time model is as good as a shape-only fit can be,
 i.e. the simulator's own (scheduling, queueing, timing) error.
 
-With ``alt_features`` (a tuple of ``paged.sim.step_model.FEATURES`` names), ``sim_paired_alt`` and
+With ``alt_features`` (a tuple of ``paged.sim.linear_model.FEATURES`` names), ``sim_paired_alt`` and
 ``sim_self_alt``: the same fits as ``sim_paired`` and ``sim_self`` (the same rows) with that form,
 so two forms are compared on the same real runs.
 
@@ -78,7 +78,8 @@ from paged.sim import (
     fit_linear,
     load_model_json,
 )
-from paged.sim.step_model import FEATURES, ratio_quantiles
+from paged.sim.linear_model import FEATURES
+from paged.sim.measured import ratio_quantiles
 from paged.workload.workload import make_workload
 
 METRICS = (("p50_ttft_ms", "median_ttft_ms", "p50"), ("p99_ttft_ms", "p99_ttft_ms", "p99"),

@@ -325,7 +325,7 @@ def test_fleet_kv_whatifs_smoke(tmp_path, variant):
     row, its pool sized from one byte budget in its own format, its roofline in that format."""
     from experiments import fleet
     from experiments.configs import fleet as fleet_config
-    from paged.sim.step_model import MODELS
+    from paged.sim.specs import MODELS
 
     c = fleet_config.get_config(variant)
     c.output_dir = str(tmp_path)

@@ -18,7 +18,7 @@ from paged import EngineConfig, SamplingParams
 from paged.sim import RooflineStepModel, Simulator
 from paged.sim.host_link import NVLINK_C2C, PCIE5_X16, HostLink, TierPricer
 from paged.sim.replica import SimReplica
-from paged.sim.step_model import DeviceSpec
+from paged.sim.specs import DeviceSpec
 from paged.workload.workload import RequestSpec, Workload
 
 BPB = 256

@@ -9,7 +9,8 @@ import pytest
 from paged import EngineConfig
 from paged.accounting import kv_bytes
 from paged.sim import LLAMA3_8B, RooflineStepModel, StepShape
-from paged.sim.step_model import DeviceSpec, TensorParallelRooflineStepModel
+from paged.sim.roofline import TensorParallelRooflineStepModel
+from paged.sim.specs import DeviceSpec
 
 # One byte per second and no compute bound: a step's time is the bytes it moves, exactly.
 BYTES = DeviceSpec(name="bytes", mem_bandwidth=1.0, flop_s=1e30)

@@ -11,7 +11,7 @@ import pytest
 from paged import EngineConfig
 from paged.sim import ModelDims, RooflineStepModel, Simulator, StepShape, StepTimeModel
 from paged.sim.batches import window_pairs
-from paged.sim.step_model import DeviceSpec
+from paged.sim.specs import DeviceSpec
 from paged.workload import workload as wl
 
 # One byte per second and no compute bound: a step's time is the bytes it moves, exactly.

@@ -48,7 +48,7 @@ def test_speed_study_records_are_pinned():
     # The speed study's 10^3 point (experiments/fleet.py ``speed``): 64 replicas, least loaded.
     from experiments import common, fleet
     from experiments.configs.fleet import get_config
-    from paged.sim.step_model import MODELS
+    from paged.sim.specs import MODELS
 
     c = get_config()
     base = common.make_engine_config(c.engine, model="sim")

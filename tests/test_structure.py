@@ -147,7 +147,8 @@ def test_engine_and_simulator_compose_one_host_core(which):
 
     from paged import Engine, EngineConfig
     from paged.sim.replica import SimReplica
-    from paged.sim.step_model import H200, LLAMA3_8B, RooflineStepModel
+    from paged.sim.roofline import RooflineStepModel
+    from paged.sim.specs import H200, LLAMA3_8B
     from paged.step.host_core import HostCore
 
     cfg = EngineConfig(block_size=8, max_num_seqs=4, max_num_batched_tokens=32,
@@ -185,3 +186,55 @@ def test_host_modules_import_no_jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# Sizes as smoke detectors: a file, class or function past these sizes holds more than one job.
+MAX_FILE_LINES, MAX_CLASS_LINES, MAX_FUNCTION_LINES = 500, 400, 100
+SIZED_PACKAGES = ("paged", "pallas_kernels")
+# To be emptied by the host-step / event-loop work (issue 39 items 2 and 6): the engine's and the
+# simulated replica's host step, and the simulator's two event loops. Nothing else may join it.
+OVERSIZE_ALLOWED = {
+    "paged/engine/engine.py", "paged/engine/engine.py::Engine",
+    "paged/sim/replica.py", "paged/sim/replica.py::SimReplica",
+    "paged/sim/disagg.py::run", "paged/sim/simulator.py::_run",
+}
+
+
+def oversize(packages=SIZED_PACKAGES) -> dict[str, str]:
+    """``{"path" or "path::name": "N lines > limit"}`` of every file, class and function (methods
+    and nested functions included) longer than its limit."""
+    found = {}
+    for path, tree in _modules(packages):
+        rel = str(path.relative_to(ROOT))
+        n = len(path.read_text().splitlines())
+        if n > MAX_FILE_LINES:
+            found[rel] = f"{n} lines > {MAX_FILE_LINES}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                limit = MAX_CLASS_LINES
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                limit = MAX_FUNCTION_LINES
+            else:
+                continue
+            n = node.end_lineno - node.lineno + 1
+            if n > limit:
+                found[f"{rel}::{node.name}"] = f"{n} lines > {limit}"
+    return found
+
+
+def test_no_file_class_or_function_is_oversize():
+    found = oversize()
+    assert {k: v for k, v in found.items() if k not in OVERSIZE_ALLOWED} == {}, \
+        "split by job (a part per job, as paged/kv/blocks/)"
+    assert sorted(OVERSIZE_ALLOWED - found.keys()) == [], \
+        "within the limits now: remove these entries from OVERSIZE_ALLOWED"
+
+
+def test_the_size_scan_sees_an_oversize_function(tmp_path, monkeypatch):
+    pkg = tmp_path / "demo"
+    pkg.mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (pkg / "a.py").write_text(f"class A:\n    def ok(self):\n        pass\n\n\ndef f():\n{body}")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert oversize(("demo",)) == {"demo/a.py::f": f"{MAX_FUNCTION_LINES + 1} lines > "
+                                                   f"{MAX_FUNCTION_LINES}"}

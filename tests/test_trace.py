@@ -165,14 +165,9 @@ def test_trace_stats_smoke_labels_and_compares(tmp_path):
 
 
 def test_tensor_parallel_roofline():
-    from paged.sim.step_model import (
-        H200,
-        LLAMA3_8B,
-        LLAMA3_70B,
-        RooflineStepModel,
-        StepShape,
-        TensorParallelRooflineStepModel,
-    )
+    from paged.sim.roofline import RooflineStepModel, TensorParallelRooflineStepModel
+    from paged.sim.specs import H200, LLAMA3_8B, LLAMA3_70B
+    from paged.sim.step_model import StepShape
 
     s = StepShape(num_tokens=300, num_seqs=100, num_decode=100, kv_read=200_000,
                   attn_pairs=200_000, num_samples=100)

@@ -31,7 +31,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.repeats = 8  # measured prefill steps per chunk size
     c.warmup_steps = 2  # decode steps run before measuring each point
     c.warmup = "grid"  # "grid": one unmeasured pass compiles the grid's shapes; "all": every shape
-    c.features = ("const", "tokens", "seqs", "kv_read")  # the fitted form (paged.sim.step_model)
+    c.features = ("const", "tokens", "seqs", "kv_read")  # the fitted form (paged.sim.linear_model)
     c.alt_features = (("const", "padded_tokens", "seqs", "kv_read"),
                       ("const", "tokens", "seqs", "kv_read", "attn_pairs"))  # reported beside
     c.aggregate = "median"  # fit one row per grid point (median time), or "none": every step

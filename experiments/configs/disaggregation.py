@@ -25,7 +25,7 @@ from experiments.configs.engine_fields import engine_config_dict
 
 def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.model = "Llama-3-8B"  # paged.sim.step_model.MODELS
+    c.model = "Llama-3-8B"  # paged.sim.specs.MODELS
     c.services = ("conv", "code")
     c.gpus = ((8, "nvlink"), (16, "ib_ndr"))  # one HGX H200 node; two nodes, hand-overs over IB
     # Offered rate per GPU (req/s), per trace: the sweep (the same grid for every arm).

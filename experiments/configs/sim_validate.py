@@ -42,7 +42,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.repeat_real = True  # real_repeat: the same requests through the real engine again
     c.self_fit = True  # diagnostic sim_self: fitted on the point's own real steps (in sample)
     c.model_idle_wake = True  # an idle simulated replica admits as late as the real driver did
-    # Another step-time form (feature names of paged.sim.step_model), fitted on the same rows as
+    # Another step-time form (feature names of paged.sim.linear_model), fitted on the same rows as
     # sim_paired and sim_self: variants sim_paired_alt and sim_self_alt. () = none.
     c.alt_features = ()
     c.duration_s = 6.0  # offered load per point

@@ -45,22 +45,16 @@ it in later with ``set_tokens``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 from paged.kv.blocks import decode_run
 from paged.kv.blocks.admission import Admission, as_salt
-from paged.kv.blocks.fence import StepFence
-from paged.kv.blocks.host_tier import HostTier, TierCopies
+from paged.kv.blocks.host_tier import HostTier
 from paged.kv.blocks.invariants import check_invariants
-from paged.kv.blocks.pool import STATE_NAMES, BlockPool
-from paged.kv.blocks.prefix_index import (
-    BlockKey,
-    HashFn,
-    PrefixCacheIndex,
-    PrefixKeyer,
-    xxh3_block_hash,
-)
+from paged.kv.blocks.offload import OffloadCalls
+from paged.kv.blocks.prefix_index import HashFn, PrefixKeyer, xxh3_block_hash
 from paged.kv.blocks.progress import Progress
+from paged.kv.blocks.queries import ManagerQueries
+from paged.kv.blocks.shared import SharedParts
 from paged.kv.blocks.swap import Swapper
 from paged.kv.blocks.tables import SeqTables, count_arg
 from paged.kv.blocks.window import WindowRecycler
@@ -83,22 +77,7 @@ def _check_args(num_blocks, block_size, quarantine_steps, num_host_blocks, hash_
                          "with block_size <= sliding_window")
 
 
-class SharedParts(NamedTuple):
-    """The parts every KV-cache group of one pool shares: prefix index, block pool, step fence."""
-
-    index: PrefixCacheIndex
-    pool: BlockPool
-    fence: StepFence
-
-    @classmethod
-    def build(cls, num_blocks: int, quarantine_steps: int, num_host_blocks: int,
-              on_free) -> SharedParts:
-        index = PrefixCacheIndex(num_blocks)
-        pool = BlockPool(num_blocks, index, on_free)
-        return cls(index, pool, StepFence(pool, quarantine_steps, num_host_blocks))
-
-
-class BlockManager:
+class BlockManager(ManagerQueries, OffloadCalls):
     """Free list, refcounts, prefix cache, copy-on-write, quarantine window and swap accounting.
 
     Args:
@@ -213,101 +192,7 @@ class BlockManager:
     def last_completed_step(self) -> int:
         return self._fence.last_completed
 
-    # --- queries ---------------------------------------------------------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks with no content, reusable now (excludes cached and quarantined blocks)."""
-        return len(self._pool.free)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks with refcount 0 whose content is cached (evictable, so also allocatable)."""
-        return len(self._pool.lru)
-
-    @property
-    def num_allocatable_blocks(self) -> int:
-        """Blocks an allocation may take now: free plus evictable cached."""
-        return self._pool.num_allocatable
-
-    @property
-    def num_quarantined_blocks(self) -> int:
-        return self._pool.num_held
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self._pool.num_used
-
-    @property
-    def num_indexed_blocks(self) -> int:
-        """Blocks with a prefix-cache key: cached, used or quarantined."""
-        return len(self._index)
-
-    @property
-    def num_free_host_blocks(self) -> int:
-        return len(self._fence.host_free)
-
-    def has_seq(self, seq_id) -> bool:
-        return seq_id in self._tables.seqs
-
-    def is_swapped(self, seq_id) -> bool:
-        return self._tables.get(seq_id).host_table is not None
-
-    def num_tokens(self, seq_id) -> int:
-        """Slots of ``seq_id``: prompt, appended and lookahead tokens."""
-        return len(self._tables.get(seq_id).tokens)
-
-    def num_computed_tokens(self, seq_id) -> int:
-        return self._tables.get(seq_id).num_computed
-
-    def block_table(self, seq_id) -> list[int]:
-        """A copy of the block table of a resident sequence (ValueError if swapped out)."""
-        return list(self._tables.resident(seq_id).table)
-
-    def host_block_table(self, seq_id) -> list[int]:
-        """A copy of the host slots of a swapped-out sequence."""
-        seq = self._tables.get(seq_id)
-        if seq.host_table is None:
-            raise ValueError(f"sequence {seq_id!r} is not swapped out")
-        return list(seq.host_table)
-
-    def refcount(self, block: int) -> int:
-        return self._pool.rc[block]
-
-    def block_state(self, block: int) -> str:
-        """'free', 'cached', 'used', 'quarantined' or 'null'."""
-        return STATE_NAMES[self._pool.state[block]]
-
-    def block_version(self, block: int) -> int:
-        return self._pool.version[block]
-
-    def block_key(self, block: int) -> BlockKey | None:
-        """The prefix-cache key ``block`` is indexed under, if any."""
-        return self._index.key[block]
-
-    def seq_ids(self) -> list:
-        return list(self._tables.seqs)
-
-    def evictable_blocks(self) -> list[int]:
-        """Cached refcount-0 blocks in eviction order (next to be evicted first)."""
-        return list(self._pool.lru)
-
-    def stats(self) -> dict:
-        """Counters since construction plus the current pool split (all ints)."""
-        pool, fence = self._pool, self._fence
-        return dict(
-            self._admission.stats, cow_copies=self._tables.cow_copies,
-            quarantined=fence.quarantined, revived=pool.revived,
-            swapped_out_blocks=self._swap.swapped_out_blocks,
-            swapped_in_blocks=self._swap.swapped_in_blocks,
-            evictions=pool.evictions, peak_used_blocks=pool.peak_used,
-            num_blocks=self.num_blocks, block_size=self.block_size,
-            num_free_blocks=len(pool.free), num_cached_blocks=len(pool.lru),
-            num_used_blocks=pool.num_used, num_quarantined_blocks=pool.num_held,
-            num_indexed_blocks=len(self._index), num_seqs=len(self._tables.seqs),
-            num_host_blocks=self.num_host_blocks, num_free_host_blocks=len(fence.host_free),
-            num_quarantined_host_blocks=fence.num_host_held,
-            max_blocks_per_sequence=self._tables.max_blocks(),
-            recycled_blocks=0 if self._window is None else self._window.recycled_blocks)
+    # Read-only queries: `paged.kv.blocks.queries`; swap and host tier: `paged.kv.blocks.offload`.
 
     @property
     def seq_tables(self) -> SeqTables:
@@ -319,41 +204,6 @@ class BlockManager:
         """Sequences whose block tables lost leading blocks to the sliding window since the last
         call (a copy of their table held elsewhere is stale); empty without a window."""
         return set() if self._window is None else self._window.take_changed()
-
-    def block_usage(self, *, excluding: Sequence = ()) -> list[tuple[int, int]]:
-        """(refcount, filled token slots) of every used block, by block id; O(table entries).
-
-        A shared block counts the most slots any of its sequences fills. ``excluding``: sequence
-        ids whose blocks are left out unless another sequence holds them too (blocks held for a
-        hand-over, counted apart: ``num_blocks_only_in``).
-        """
-        return self._tables.block_usage(frozenset(excluding))
-
-    def num_blocks_only_in(self, seq_ids: Sequence) -> int:
-        """Blocks that only the sequences ``seq_ids`` hold (no other sequence shares them)."""
-        return len(self._tables.blocks_only_in(frozenset(seq_ids))) if seq_ids else 0
-
-    def cached_prefix_tokens(self, token_ids: Sequence[int], *,
-                             cache_salt: bytes | str | None = None, probe=None) -> int:
-        """Leading tokens of ``token_ids`` the prefix cache holds now: a multiple of the block
-        size, never the block holding the final token (as admission counts hits). No side
-        effects: no pool state, admission memo or counter changes (a router's query).
-
-        Args:
-          token_ids: a prompt's token ids.
-          cache_salt: the salt of the prompt's keys (``None``: the manager's own).
-          probe: a ``paged.fleet.routing.PrefixProbe`` of the same prompt, to hash it once across
-            several managers.
-        """
-        salt = self.cache_salt if cache_salt is None else as_salt(cache_salt)
-        return len(self._keyer.match(token_ids, salt, probe)) * self.block_size
-
-    def prefix_hits(self, token_ids: Sequence[int], *,
-                    cache_salt: bytes | str | None = None) -> list[int]:
-        """The blocks admission would serve ``token_ids``'s leading blocks from now (as
-        ``cached_prefix_tokens`` counts them). No side effects."""
-        salt = self.cache_salt if cache_salt is None else as_salt(cache_salt)
-        return [b for b, _ in self._keyer.match(token_ids, salt)]
 
     # --- allocation ------------------------------------------------------------------------
     def can_allocate(self, prompt_token_ids: Sequence[int], *,
@@ -543,81 +393,6 @@ class BlockManager:
         self._pool.evict(n)
         self._end_call()
         return n
-
-    # --- host tier -------------------------------------------------------------------------
-    @property
-    def num_host_tier_blocks(self) -> int:
-        """Host-tier slots (0: no tier)."""
-        return 0 if self._tier is None else self._tier.num_slots
-
-    def is_loading(self, seq_id) -> bool:
-        """Whether ``seq_id`` waits for its host-tier load (the copy step has not completed):
-        it must not be scheduled yet. False without a tier."""
-        return self._tier is not None and self._tier.is_loading(seq_id)
-
-    def loading_tokens(self, seq_id) -> int:
-        """Prompt tokens ``seq_id`` loads from the host tier (0 once loaded, or without one)."""
-        return 0 if self._tier is None else self._tier.loading_tokens(seq_id)
-
-    def take_tier_copies(self) -> TierCopies | None:
-        """The host tier's offloads, loads and dead slots recorded since the last call, for the
-        step about to launch (after ``begin_step``); ``None`` when there are none. The step
-        applies them among its copies: offload reads first (before poison and writes), then
-        loads."""
-        return None if self._tier is None else self._tier.take_copies()
-
-    def host_tier_stats(self) -> dict:
-        """The tier's counters and slots per state (all ints); empty without a tier."""
-        if self._tier is None:
-            return {}
-        return dict(self._tier.stats, num_blocks=self._tier.num_slots, **self._tier.counts())
-
-    def tiered_prefix_tokens(self, token_ids: Sequence[int], *,
-                             cache_salt: bytes | str | None = None, probe=None
-                             ) -> tuple[int, int]:
-        """``(device, host)``: leading tokens of ``token_ids`` the device prefix cache holds,
-        and the tokens after them the host tier holds (as admission counts hits). Read only."""
-        salt = self.cache_salt if cache_salt is None else as_salt(cache_salt)
-        hits = self._keyer.match(token_ids, salt, probe)
-        host = [] if self._tier is None else self._tier.match(list(token_ids), salt, hits)
-        return len(hits) * self.block_size, len(host) * self.block_size
-
-    # --- swap ------------------------------------------------------------------------------
-    def swap_out(self, seq_id) -> list[tuple[int, int]] | None:
-        """Moves ``seq_id`` to host slots for preemption by swapping.
-
-        Returns:
-          ``(device_page, host_slot)`` copies for the next step, or ``None`` (nothing changed) if
-          host slots run out or the sequence was swapped in since the last ``begin_step`` (its
-          swap-in copy has not run yet; free it or wait a step). The device pages are released
-          (held until the step performing the copy completes).
-
-        Raises:
-          ValueError: unknown or already swapped-out ``seq_id``.
-        """
-        pairs = self._swap.swap_out(seq_id)
-        self._end_call()
-        return pairs
-
-    def can_swap_in(self, seq_id) -> bool:
-        """Whether ``swap_in`` would succeed now (ValueError if ``seq_id`` is not swapped out)."""
-        return self._swap.can_swap_in(seq_id)
-
-    def swap_in(self, seq_id) -> list[tuple[int, int]] | None:
-        """Brings a swapped-out ``seq_id`` back into fresh device blocks.
-
-        Returns:
-          ``(host_slot, device_page)`` copies for the next step, or ``None`` (nothing changed) if
-          the pool cannot hold it or it was swapped out since the last ``begin_step`` (its
-          swap-out copy has not run yet). Its full blocks are keyed again at the next
-          ``mark_computed`` after the copy ran.
-
-        Raises:
-          ValueError: unknown or resident ``seq_id``.
-        """
-        pairs = self._swap.swap_in(seq_id)
-        self._end_call()
-        return pairs
 
     # --- debug -----------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -37,9 +37,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from paged.kv.block_manager import BlockManager, SharedParts
+from paged.kv.block_manager import BlockManager
 from paged.kv.blocks.admission import as_salt
 from paged.kv.blocks.invariants import check_invariants
+from paged.kv.blocks.shared import SharedParts
 from paged.kv.blocks.tables import count_arg, token_list
 from paged.kv.paging import NULL_PAGE
 

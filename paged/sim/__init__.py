@@ -1,7 +1,8 @@
 """Discrete-event simulation of serving: the real scheduler and block manager, a modelled device.
 
-* ``paged.sim.step_model``: ``StepShape`` and the ``StepTimeModel`` interface (fitted linear,
-  analytic roofline, replay of recorded steps).
+* ``paged.sim.step_model``: ``StepShape`` and the ``StepTimeModel`` interface; its families in
+  ``paged.sim.linear_model`` (fitted), ``paged.sim.roofline`` (analytic, over the device and model
+  figures of ``paged.sim.specs``) and ``paged.sim.measured`` (measured noise, replay).
 * ``paged.sim.replica``: ``SimReplica``, an engine replica running the real host code
   (``Scheduler``, ``BlockManager``, ``InputBatch``, ``BatchBuilder``, ``StepReader`` and the
   engine's request bookkeeping) with the device step replaced by the model; stretches of pure
@@ -13,7 +14,10 @@
 """
 
 from paged.sim.batches import light_batch, pseudo_tokens
+from paged.sim.linear_model import LinearStepModel, fit_linear, load_model_json
+from paged.sim.measured import NoisyStepModel, ReplayStepModel
 from paged.sim.replica import SimReplica
+from paged.sim.roofline import RooflineStepModel
 from paged.sim.simulator import (
     EVIDENCE,
     SimResult,
@@ -21,21 +25,8 @@ from paged.sim.simulator import (
     check_not_mixed,
     simulate,
 )
-from paged.sim.step_model import (
-    H200,
-    LLAMA3_8B,
-    QWEN25_7B,
-    DeviceSpec,
-    LinearStepModel,
-    ModelDims,
-    NoisyStepModel,
-    ReplayStepModel,
-    RooflineStepModel,
-    StepShape,
-    StepTimeModel,
-    fit_linear,
-    load_model_json,
-)
+from paged.sim.specs import H200, LLAMA3_8B, QWEN25_7B, DeviceSpec, ModelDims
+from paged.sim.step_model import StepShape, StepTimeModel
 
 __all__ = ["EVIDENCE", "H200", "LLAMA3_8B", "QWEN25_7B", "DeviceSpec", "LinearStepModel",
            "ModelDims", "NoisyStepModel", "ReplayStepModel", "RooflineStepModel", "SimReplica", "SimResult",

@@ -123,6 +123,36 @@ class PendingStep(NamedTuple):
     launched: InFlight | None  # the step this call dispatched (None: nothing to run)
 
 
+class _ItemPlan(NamedTuple):
+    """The scheduled items of one step, in batch order after the decodes."""
+
+    rows: list  # input-batch row of each item
+    q_lens: list  # tokens each item computes
+    starts: list  # computed tokens before the step
+    samples: list  # (sequence, first sample slot, count, position sampled)
+    slot_seq: list  # batch index of each item sample slot
+    slot_j: list  # sample index within its sequence of each item sample slot
+    scored: list  # (batch index, first offset in its chunk, count, sequence, position)
+    verifying: list  # (batch index, sequence, drafts, position of its input token)
+
+
+class _Layout(NamedTuple):
+    """A step's device batch as laid out by ``BatchBuilder._lay_out``, and the per-token and
+    per-slot arrays the later steps of ``build`` read."""
+
+    device: DeviceBatch
+    all_rows: np.ndarray  # intp[s]: input-batch row of each sequence
+    q_lens: np.ndarray | list  # tokens per sequence (with items)
+    starts: np.ndarray  # computed tokens per sequence before the step
+    t: int  # tokens
+    s: int  # sequences
+    n_rows: int  # sample slots of the samples (verify and scored slots follow)
+    cu: np.ndarray  # i32[s_pad + 1]: cumulative query lengths
+    owner: np.ndarray  # sequence of each token
+    pos: np.ndarray  # position of each token
+    slot_rows: np.ndarray  # input-batch row of each sample slot
+
+
 class BatchBuilder:
     """Turns the scheduler's choice into a ``StepBatch`` and advances the rows it serves."""
 
@@ -193,6 +223,40 @@ class BatchBuilder:
         A decode-only step carries shared-prefix groups when the cascade planner takes some
         (``cascade=False``: never, e.g. a draft model's proposals).
         """
+        ib = self.ib
+        nc_d = self._refresh_tables(decode_rows, copies)
+        nd = len(decode_rows)
+        decode = [ib.seqs[r] for r in decode_rows.tolist()] if nd != ib.num_rows else list(ib.seqs)
+        plan = self._plan_items(items, nd)
+        lay = self._lay_out(decode_rows, nc_d, items, plan, cascade)
+        fed, fed_rows, fed_pos = self._fill_tokens(lay)
+        ints = self._fill_sampling(lay, plan.slot_j, nd)
+        verify, prompt_lp = self._fill_extra_slots(lay, plan)
+        if self.debug:
+            self._check(lay.all_rows, lay.device.page_indices)
+        decode_pos = ib.num_tokens[decode_rows].astype(np.int64)
+        # Decodes that may stop whatever they sample (a length limit or stop ids); EOS is checked
+        # against the sampled token.
+        d_ints = ints[:nd]
+        stop_any = np.flatnonzero((decode_pos + 1 >= d_ints[:, LIMIT]) | (d_ints[:, HAS_STOP_IDS] != 0))
+        lp_decodes = np.flatnonzero(d_ints[:, LOGPROBS] >= 0)
+        samples = plan.samples
+        lp_samples = [j for j, x in enumerate(samples) if x[0].params.logprobs is not None]
+        return StepBatch(device=lay.device, num_tokens=lay.t, num_seqs=lay.s, decode=decode,
+                         lp_decodes=lp_decodes, lp_samples=lp_samples, prompt_lp=prompt_lp,
+                         with_logprobs=bool(len(lp_decodes) or lp_samples or prompt_lp),
+                         verify=verify,
+                         decode_pos=decode_pos, samples=samples, items=list(items),
+                         item_ends=[c + n for c, n in zip(lay.starts[nd:].tolist(),
+                                                          lay.q_lens[nd:].tolist())]
+                         if items else [], fed=fed, fed_rows=fed_rows,
+                         fed_pos=fed_pos, stop_any=stop_any, decode_rows=decode_rows,
+                         epoch=ib.epoch)
+
+    def _refresh_tables(self, decode_rows: np.ndarray, copies: bool) -> np.ndarray:
+        """Refreshes the block-table rows of the decodes that may have changed since they were
+        copied (all of them after copies on write; else those a block was added to or a window
+        recycled blocks of). Returns the decodes' computed counts."""
         ib, page_size = self.ib, self.page_size
         recycled = self.bm.take_recycled_seqs()  # rows whose tables lost blocks to a window
         if recycled:
@@ -206,11 +270,14 @@ class BatchBuilder:
         for i in stale.tolist():
             r = int(decode_rows[i])
             ib.refresh(r, self.bm.block_table(ib.ids[r]))
-        decode = [ib.seqs[r] for r in decode_rows.tolist()] if nd != ib.num_rows else list(ib.seqs)
+        return nc_d
 
-        rows_o, q_lens, starts, samples, slot_seq, slot_j = [], [], [], [], [], []
-        scored = []  # (item's batch index, first offset in its chunk, count, sequence, position)
-        verifying = []  # (item's batch index, sequence, drafts, position of its input token)
+    def _plan_items(self, items, nd: int) -> _ItemPlan:
+        """Each item's row, query length and start (its table refreshed), and the slots it adds
+        after the decodes' samples: its samples, verify rows or scored prompt rows."""
+        ib = self.ib
+        plan = _ItemPlan([], [], [], [], [], [], [], [])
+        rows_o, q_lens, starts, samples, slot_seq, slot_j, scored, verifying = plan
         for i, item in enumerate(items, start=nd):
             q, n = item.seq, item.num_new_tokens
             r, c = q.row, q.num_computed_tokens
@@ -228,22 +295,30 @@ class BatchBuilder:
                 samples.append((q, nd + len(slot_seq), count, c + n))
                 slot_seq.extend([i] * count)
                 slot_j.extend(range(count))
+        return plan
+
+    def _lay_out(self, decode_rows: np.ndarray, nc_d: np.ndarray, items, plan: _ItemPlan,
+                 cascade: bool) -> _Layout:
+        """The step's buckets and an empty batch of them, with its block tables, sequence ranges
+        and KV lengths, each token's row and position, and each sample slot's token row and KV
+        length filled; a decode-only step's shared-prefix groups when the planner takes some."""
+        nd = len(decode_rows)
         s = nd + len(items)
-        n_rows = nd + len(slot_seq)
-        n_scored = sum(x[2] for x in scored)
-        n_verify = sum(x[2] + 1 for x in verifying)
-        all_rows = np.concatenate([decode_rows, np.asarray(rows_o, np.intp)]) if items else decode_rows
+        n_rows = nd + len(plan.slot_seq)
+        n_scored = sum(x[2] for x in plan.scored)
+        n_verify = sum(x[2] + 1 for x in plan.verifying)
+        all_rows = np.concatenate([decode_rows, np.asarray(plan.rows, np.intp)]) \
+            if items else decode_rows
         if items:
-            q_lens = np.concatenate([np.ones(nd, np.int64), np.asarray(q_lens, np.int64)])
-            starts = np.concatenate([nc_d, np.asarray(starts, np.int32)])
+            q_lens = np.concatenate([np.ones(nd, np.int64), np.asarray(plan.q_lens, np.int64)])
+            starts = np.concatenate([nc_d, np.asarray(plan.starts, np.int32)])
             t = int(q_lens.sum())
         else:
-            starts, t = nc_d, nd
+            q_lens, starts, t = plan.q_lens, nc_d, nd
         t_pad, s_pad, n_pad = self.buckets(t, s, n_rows + n_verify + n_scored)
         device = self.empty(t_pad, s_pad, n_pad)
-        tok, seq, pages, smp, smp_f = (device.tok, device.seq, device.page_indices, device.smp,
-                                       device.smp_f)
-        np.take(ib.table, all_rows, axis=0, out=pages[:s])
+        seq, pages, smp = device.seq, device.page_indices, device.smp
+        np.take(self.ib.table, all_rows, axis=0, out=pages[:s])
         kv_lens, cu = seq[0, :s], seq[1]
         seq[0, s_pad] = s  # num_seqs
         if items:
@@ -252,7 +327,7 @@ class BatchBuilder:
             owner = np.repeat(np.arange(s), q_lens)
             pos = np.arange(t) - np.take(cu, owner) + np.take(starts, owner)
             np.add(starts, q_lens, out=kv_lens)
-            slot_idx = np.concatenate([np.arange(nd), np.asarray(slot_seq, np.intp)])
+            slot_idx = np.concatenate([np.arange(nd), np.asarray(plan.slot_seq, np.intp)])
             smp[0, :n_rows] = np.take(cu, slot_idx + 1) - 1  # each sample reads its row's last token
             smp[4, :n_rows] = np.take(kv_lens, slot_idx)
             slot_rows = np.take(all_rows, slot_idx)
@@ -269,7 +344,15 @@ class BatchBuilder:
                 casc = self.cascade.plan(pages[:s], kv_lens, s_pad)
                 if casc is not None:
                     device = device.replace(casc=casc)
-        row_of = np.take(all_rows, owner)
+        return _Layout(device, all_rows, q_lens, starts, t, s, n_rows, cu, owner, pos, slot_rows)
+
+    def _fill_tokens(self, lay: _Layout) -> tuple[list, np.ndarray | None, list]:
+        """Each token's id, position and slot in every KV-cache group; a token the host does not
+        know yet is fed from the previous step's sample slot. Returns ``(fed, fed_rows,
+        fed_pos)``: the fed tokens' sequence ids, rows and positions."""
+        ib, page_size, device = self.ib, self.page_size, lay.device
+        tok, pages, owner, pos, t = device.tok, device.page_indices, lay.owner, lay.pos, lay.t
+        row_of = np.take(lay.all_rows, owner)
         ids = ib.tokens[row_of, pos]
         tok[0, :t] = ids
         tok[1, :t] = pos
@@ -287,13 +370,25 @@ class BatchBuilder:
             fr = fed_rows.tolist()
             fed = list(ib.ids) if fr == list(range(ib.num_rows)) else [ib.ids[r] for r in fr]
             fed_pos = pos[unknown].tolist()
-        ints = np.take(ib.ints, slot_rows, axis=0)
+        return fed, fed_rows, fed_pos
+
+    def _fill_sampling(self, lay: _Layout, slot_j: list, nd: int) -> np.ndarray:
+        """Each sample slot's sampling parameters (top_k, seed, sample index; temperature,
+        top_p). Returns the slots' rows of the input batch's integer parameters."""
+        smp, smp_f, n_rows = lay.device.smp, lay.device.smp_f, lay.n_rows
+        ints = np.take(self.ib.ints, lay.slot_rows, axis=0)
         smp[1:4, :n_rows] = ints[:, :3].T  # top_k, seed, sample_index
         if slot_j:
             smp[3, nd:n_rows] += np.asarray(slot_j, np.int32)
-        smp_f[:, :n_rows] = np.take(ib.floats, slot_rows, axis=0).T  # temperature, top_p
-        verify, k = [], n_rows
-        for i, q, nd_i, c in verifying:  # slot j reads row j of the chunk, predicts c + 1 + j
+        smp_f[:, :n_rows] = np.take(self.ib.floats, lay.slot_rows, axis=0).T  # temperature, top_p
+        return ints
+
+    def _fill_extra_slots(self, lay: _Layout, plan: _ItemPlan) -> tuple[list, list]:
+        """The slots after the samples: verify rows (every position samples and is checked
+        against its draft), then scored prompt rows. Returns ``(verify, prompt_lp)``."""
+        ib, smp, smp_f, cu = self.ib, lay.device.smp, lay.device.smp_f, lay.cu
+        verify, k = [], lay.n_rows
+        for i, q, nd_i, c in plan.verifying:  # slot j reads row j of the chunk, predicts c + 1 + j
             cnt, r = nd_i + 1, q.row
             smp[0, k:k + cnt] = cu[i] + np.arange(cnt)
             smp[1:4, k:k + cnt] = ib.ints[r, :3, None]
@@ -303,29 +398,12 @@ class BatchBuilder:
             verify.append((q, k, nd_i, c))
             k += cnt
         prompt_lp = []
-        for i, j0, cnt, q, c in scored:  # extra slots after the samples: scored prompt rows
+        for i, j0, cnt, q, c in plan.scored:  # extra slots after the samples: scored prompt rows
             smp[0, k:k + cnt] = cu[i] + j0 + np.arange(cnt)
             smp[5, k:k + cnt] = ib.tokens[q.row, c + 1:c + 1 + cnt]
             prompt_lp.append((q, k, c + 1, cnt))
             k += cnt
-        if self.debug:
-            self._check(all_rows, pages)
-        decode_pos = ib.num_tokens[decode_rows].astype(np.int64)
-        # Decodes that may stop whatever they sample (a length limit or stop ids); EOS is checked
-        # against the sampled token.
-        d_ints = ints[:nd]
-        stop_any = np.flatnonzero((decode_pos + 1 >= d_ints[:, LIMIT]) | (d_ints[:, HAS_STOP_IDS] != 0))
-        lp_decodes = np.flatnonzero(d_ints[:, LOGPROBS] >= 0)
-        lp_samples = [j for j, x in enumerate(samples) if x[0].params.logprobs is not None]
-        return StepBatch(device=device, num_tokens=t, num_seqs=s, decode=decode,
-                         lp_decodes=lp_decodes, lp_samples=lp_samples, prompt_lp=prompt_lp,
-                         with_logprobs=bool(len(lp_decodes) or lp_samples or prompt_lp),
-                         verify=verify,
-                         decode_pos=decode_pos, samples=samples, items=list(items),
-                         item_ends=[c + n for c, n in zip(starts[nd:].tolist(), q_lens[nd:].tolist())]
-                         if items else [], fed=fed, fed_rows=fed_rows,
-                         fed_pos=fed_pos, stop_any=stop_any, decode_rows=decode_rows,
-                         epoch=ib.epoch)
+        return verify, prompt_lp
 
     def commit(self, decode_rows: np.ndarray, batch: StepBatch) -> None:
         """Advances the served rows as if the step had run: computed counts, and one unknown

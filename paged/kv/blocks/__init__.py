@@ -11,4 +11,7 @@
 * ``admission``: ``can_allocate``/``allocate``, hashing a prompt once.
 * ``swap``: swap-out and swap-in.
 * ``invariants``: the whole-state check.
+* ``queries``: the read-only half of the manager's interface (counts, views, stats, prefix probes).
+* ``offload``: the manager's swap and host-tier calls (``host_tier``: the tier itself).
+* ``shared``: the parts several KV-cache groups of one pool share.
 """
