@@ -293,13 +293,7 @@ def load(path):
 
 d = load(eb)
 if d:
-    rev = os.environ.get("GIT_REV")
-    prov = d.get("provenance", {})
-    if rev and prov.get("git_revision", "unknown") == "unknown":  # .git did not travel
-        prov["git_revision_env"] = rev
-        with open(eb, "w") as f:
-            json.dump(d, f, indent=2)
-            f.write("\n")
+    prov = d.get("provenance", {})  # off a checkout the writer took the commit from GIT_REV
     print(f"engine_bench ({prov.get('backend')}, {prov.get('devices')}):")
     def f(r, key, spec=".3f"):
         x = r.get(key)
@@ -324,7 +318,7 @@ for path in (kd, kr, kq):
     if not d:
         continue
     print(f"{os.path.basename(path)}: complete={d.get('complete')} backend={d.get('backend')} "
-          f"rev={d.get('git_revision')}")
+          f"rev={d.get('provenance', {}).get('git_describe')}")
     for op, table in d.get("kv_dtypes", {}).items():  # per KV dtype: time, bytes, read roofline
         for name, rows in table.items():
             for kv, r in rows.items():
