@@ -1,8 +1,8 @@
 """The one results writer: every study's JSON carries the code that produced it and where it ran.
 
-`code_state` reads the checkout: ``git describe --always --dirty``, the full commit, the diff of
-tracked changes and the untracked files (with sha256) under the source folders (`SOURCE_DIRS`,
-``experiments/results/`` left out). `write_result` writes a study's JSON with `record` (that code
+`code_state` reads the checkout: ``git describe --always --dirty`` (git's own view: any tracked
+file, docs included, makes it ``-dirty``), the full commit, the diff of tracked changes and the untracked files (with sha256) under the source folders (`SOURCE_DIRS`,
+``experiments/results/`` left out; ``git_dirty`` and the refusal look only at those). `write_result` writes a study's JSON with `record` (that code
 state plus JAX version, devices, UTC time, load average, Python version) under ``"provenance"``;
 a dirty tree or an untracked source file is refused (`DirtyTreeError`) unless ``allow_dirty``,
 and then the diff is stored beside the JSON as ``<name>.diff`` (untracked files' contents
