@@ -1,14 +1,16 @@
 """The one results writer: every study's JSON carries the code that produced it and where it ran.
 
 `code_state` reads the checkout: ``git describe --always --dirty`` (git's own view: any tracked
-file, docs included, makes it ``-dirty``), the full commit, the diff of tracked changes and the untracked files (with sha256) under the source folders (`SOURCE_DIRS`,
-``experiments/results/`` left out; ``git_dirty`` and the refusal look only at those). `write_result` writes a study's JSON with `record` (that code
-state plus JAX version, devices, UTC time, load average, Python version) under ``"provenance"``;
-a dirty tree or an untracked source file is refused (`DirtyTreeError`) unless ``allow_dirty``,
-and then the diff is stored beside the JSON as ``<name>.diff`` (untracked files' contents
-appended; ``EXPERIMENTS_ALLOW_DIRTY=1`` in the environment is the same as the flag: the test
-suite sets it for the studies it runs). `begin_run` captures the state once at a study's start (``common.run`` calls it with
-``--allow_dirty``), so the record names the code that started, not what was on disk at the end.
+file, docs included, makes it ``-dirty``), the full commit, the diff of tracked changes and the
+untracked files (with sha256) under the source folders (`SOURCE_DIRS`, ``experiments/results/``
+left out; ``git_dirty`` and the refusal look only at those). `write_result` writes a study's JSON
+with `record` (that code state plus JAX version, devices, UTC time, load average, Python version)
+under ``"provenance"``; a dirty tree or an untracked source file is refused (`DirtyTreeError`)
+unless ``allow_dirty``, and then the diff is stored beside the JSON as ``<name>.diff`` (untracked
+files' contents appended). ``EXPERIMENTS_ALLOW_DIRTY=1`` in the environment is the flag's default
+(the test suite sets it for the studies it runs). `begin_run` captures the state once at a study's
+start (``common.run`` calls it with ``--allow_dirty``), so the record names the code that
+started, not what was on disk at the end.
 
 Outside a git checkout (a tree copied to a device) the commit comes from the ``GIT_REV``
 environment variable and cannot be checked; ``source_sha256`` (one hash over every source file)
