@@ -285,10 +285,12 @@ def write_json(path: Path | str, payload: dict) -> Path:
     return path
 
 
-def write_result(path: Path | str, payload: dict) -> Path:
+def write_result(path: Path | str, payload: dict, *, inputs=()) -> Path:
     """The one results writer: ``payload`` with its provenance (`experiments.provenance`: code
-    state captured at the start, environment); a dirty run's diff beside it as ``<name>.diff``."""
-    return _provenance.write_result(path, payload)
+    state captured at the start, environment); a dirty run's diff beside it as ``<name>.diff``.
+    A post-processing step names the files it read in ``inputs`` (their sha256 and commits go
+    into the provenance) and never edits them."""
+    return _provenance.write_result(path, payload, inputs=inputs)
 
 
 jsonable = _provenance.jsonable  # the one JSON encoding of numpy values and ConfigDicts

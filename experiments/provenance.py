@@ -189,20 +189,40 @@ def diff_text(state: dict, root: Path | str) -> str:
     return "".join(parts)
 
 
+def derived_from(paths) -> list[dict]:
+    """Each input file of a post-processing step: its path, sha256 and the commit its own
+    provenance records (None when it records none)."""
+    out = []
+    for p in paths:
+        p = Path(p)
+        data = p.read_bytes()
+        try:
+            prov = json.loads(data).get("provenance") or {}
+        except (ValueError, AttributeError):
+            prov = {}
+        out.append({"path": str(p), "sha256": hashlib.sha256(data).hexdigest(),
+                    "git_commit": prov.get("git_commit") or prov.get("git_revision")})
+    return out
+
+
 def write_result(path: Path | str, payload: dict, *, allow_dirty: bool | None = None,
-                 root: Path | str | None = None) -> Path:
+                 root: Path | str | None = None, inputs=()) -> Path:
     """Writes ``payload`` as JSON at ``path`` with its provenance; returns the path.
 
     ``payload["provenance"]`` (if the study put extra facts there) is kept and completed with
     `record`. A dirty tree raises `DirtyTreeError` unless ``allow_dirty`` (default: what
     `begin_run` was given); a dirty run's diff goes to ``<path without .json>.diff``. Written
-    atomically (a kill mid-write leaves the previous version).
+    atomically (a kill mid-write leaves the previous version). ``inputs``: the files a
+    post-processing step read (never edited: it writes its own file), recorded as
+    ``provenance["derived_from"]`` (`derived_from`).
     """
     path = Path(path)
     state, allowed = _current(root, allow_dirty)
     check_clean(state, allowed)
     extra = payload.get("provenance") if isinstance(payload.get("provenance"), dict) else {}
     prov = {**extra, **record(root)}
+    if inputs:
+        prov["derived_from"] = derived_from(inputs)
     if state["git_dirty"]:
         diff_path = path.with_suffix(".diff")
         prov["git_diff_file"] = diff_path.name

@@ -104,3 +104,13 @@ def test_no_checkout_takes_git_rev(tmp_path, monkeypatch):
     state = provenance.code_state(tmp_path)
     assert state["git_commit"] == "abc123" and len(state["source_sha256"]) == 64
     provenance.check_clean(state, allow_dirty=False)  # the operator named the commit
+
+
+def test_post_processing_names_its_inputs(repo):
+    first = provenance.write_result(repo / "experiments/results/a.json", {"x": 1},
+                                    allow_dirty=False, root=repo)
+    out = provenance.write_result(repo / "experiments/results/b.json", {"y": 2}, allow_dirty=False,
+                                  root=repo, inputs=[first])
+    (src,) = json.loads(out.read_text())["provenance"]["derived_from"]
+    assert src["sha256"] == hashlib.sha256(first.read_bytes()).hexdigest()
+    assert src["git_commit"] == json.loads(first.read_text())["provenance"]["git_commit"]
