@@ -216,7 +216,7 @@ CAS_JSON="$OUT/cascade_${KB_VARIANT}.json"
 echo "device_check: OUT=$OUT smoke=$SMOKE stages=[$STAGES] GIT_REV=${GIT_REV:-unset}"
 # .git does not travel: the results writer (experiments/provenance.py) takes the commit from
 # GIT_REV and records the source tree's sha256 beside it; without GIT_REV it would refuse to write.
-if [ -z "${GIT_REV:-}" ] && [ ! -d .git ] && [ ! -f .git ]; then
+if [ -z "${GIT_REV:-}" ] && ! git rev-parse HEAD >/dev/null 2>&1; then
   echo "device_check: WARNING no .git and no GIT_REV: results are written with --allow_dirty semantics"
   export EXPERIMENTS_ALLOW_DIRTY=1
 fi
