@@ -87,7 +87,7 @@ def main(c, plan):
     for name, per_metric in effects.items():
         for metric, means in per_metric.items():
             print(f"  {name:22s} {metric:20s} " + "  ".join(f"{lv}={_fmt(v)}" for lv, v in means.items()))
-    common.write_json(out_dir / "ablate.json", {
+    common.write_result(out_dir / "ablate.json", {
         "study": "ablate", "evidence": workload.evidence, "config": c.to_dict(),
         "workload": {"name": workload.name, "seed": workload.seed, "meta": workload.meta},
         "arms": rows, "main_effects": effects, "provenance": common.provenance()})

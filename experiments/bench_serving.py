@@ -236,7 +236,7 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
         "records": [r.as_dict() for r in records],
         "provenance": common.provenance(),
     }
-    path = common.write_json(out_dir / "summary.json", payload)
+    path = common.write_result(out_dir / "summary.json", payload)
     print(serving.format_table([serving.ArmResult(
         name="http", summary={**summary, "engine_preemptions": None,
                               "prefix_cache_hit_tokens": None},

@@ -26,7 +26,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ import numpy as np
 from absl import app
 from ml_collections import config_flags
 
+from experiments import common
 from paged.kv.block_manager import BlockManager
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -44,6 +44,7 @@ _CONFIG = config_flags.DEFINE_config_file(
     "Bench config (experiments/configs/block_manager_bench.py[:smoke]).",
     lock_config=True,
 )
+common.define_allow_dirty()
 
 
 def make_trace(c: ml_collections.ConfigDict) -> list[tuple[list[int], int]]:
@@ -489,20 +490,6 @@ def micro(c: ml_collections.ConfigDict) -> dict:
     return out
 
 
-def _git_revision() -> dict:
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    return {"revision": git("rev-parse", "HEAD") or "unknown",
-            "dirty_files": len(git("status", "--porcelain").splitlines())}
-
-
 def _jax_version() -> str:
     try:
         import jax
@@ -546,7 +533,6 @@ def run(c: ml_collections.ConfigDict, *, command: str = "") -> dict:
         "evidence": "constructed",
         "study": "block_manager_bench",
         "command": command,
-        "git": _git_revision(),
         "python": sys.version,
         "jax": _jax_version(),
         "platform": platform.platform(),
@@ -575,17 +561,15 @@ def run(c: ml_collections.ConfigDict, *, command: str = "") -> dict:
     if c.out:
         out = Path(c.out)
     else:  # nothing under version control by default: results/block_manager_bench/<UTC time>/
-        from experiments.common import results_dir
-
-        out = results_dir("block_manager_bench") / "block_manager_bench.json"
+        out = common.results_dir("block_manager_bench") / "block_manager_bench.json"
         c.out = str(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1, sort_keys=False) + "\n")
+    common.write_result(out, record)  # adds the provenance: code state, devices, UTC time
     return record
 
 
 def main(argv):
     del argv
+    common.begin_run("block_manager_bench")
     c = _CONFIG.value
     record = run(c, command=" ".join(sys.argv))
     for api, r in record["replay"].items():

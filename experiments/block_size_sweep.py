@@ -346,7 +346,7 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
             "block_table_bytes": "max_num_seqs * ceil(max_model_len / B) * 4 (i32)",
             "goodput": "finished requests/s meeting TTFT and TPOT SLO"},
         "results": rows, "provenance": common.provenance()}
-    json_path = common.write_json(out_dir / "block_size_sweep.json", payload)
+    json_path = common.write_result(out_dir / "block_size_sweep.json", payload)
     if c.plots:
         plot(rows, out_dir / "block_size_sweep.png", c, workload.evidence)
     print(f"wrote {json_path}" + (" and block_size_sweep.png" if c.plots else ""))

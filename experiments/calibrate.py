@@ -416,7 +416,7 @@ def thin(payload: dict, keep: int) -> dict:
 def main(c, plan):
     out_dir = common.output_dir(c, "calibrate")
     _, payload = calibrate(c, plan["engine"], common.load_model(c.model))
-    path = common.write_json(out_dir / "calibration.json", thin(payload, c.keep_points))
+    path = common.write_result(out_dir / "calibration.json", thin(payload, c.keep_points))
     print(f"wrote {path}")
 
 

@@ -193,7 +193,7 @@ def main(c, _plan) -> None:
                   f"diff {rec['max_abs_diff']:.1e}", flush=True)
             # Rewritten after every point: a run stopped by a time limit keeps what it measured.
             payload = payload_of(c, points, load_before)
-            path = common.write_json(out_dir / "cascade.json", payload)
+            path = common.write_result(out_dir / "cascade.json", payload)
     if c.plot:
         plot(points, out_dir / "cascade.png")
     derived = payload["derived"]

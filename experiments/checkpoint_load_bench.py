@@ -218,7 +218,7 @@ def main(c, base: Path) -> None:
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     out = out_dir / "checkpoint_load_bench.json"
-    common.write_json(out, {
+    common.write_result(out, {
         "study": "checkpoint_load_bench", "evidence": "constructed",
         "note": "synthetic random bf16 weights; cold = fsync + POSIX_FADV_DONTNEED before the run, "
                 "resident_before measured with mincore",

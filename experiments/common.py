@@ -28,15 +28,12 @@ import datetime
 import importlib.util
 import json
 import logging
-import platform
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from experiments import provenance as _provenance
 from experiments.configs.engine_fields import (  # noqa: F401  (re-exported for the studies)
     STUDY_LEVEL_FIELDS,
     closest,
@@ -87,6 +84,7 @@ def run(study: str, main: Callable[[Any, Any], Any], check: Callable[[Any], Any]
             holder["flag"] = config_flags.DEFINE_config_file(
                 "config", default, f"{study} config (experiments/configs/{study}.py[:variant]).",
                 lock_config=True)
+            define_allow_dirty()
             rest = flags.FLAGS(argv)
             holder["flag"].value.keys()  # raises if the config file failed to load
         except Exception as e:  # noqa: BLE001  (every parse failure becomes one line)
@@ -101,6 +99,7 @@ def run(study: str, main: Callable[[Any, Any], Any], check: Callable[[Any], Any]
             plan = check(config) if check is not None else None
         except (ValueError, TypeError, KeyError, OSError) as e:
             fail(study, _message(e))
+        begin_run(study)
         _RUN["smoke"] = _config_spec(sys.argv, default).rpartition(":")[2] == "smoke"
         if _RUN["smoke"]:
             print(f"{study}: {SMOKE_NOTE}", flush=True)
@@ -109,6 +108,27 @@ def run(study: str, main: Callable[[Any, Any], Any], check: Callable[[Any], Any]
             print(f"{study}: {SMOKE_NOTE}", flush=True)
 
     app.run(wrapped, flags_parser=parse)
+
+
+def define_allow_dirty() -> None:
+    """Defines ``--allow_dirty`` (every study has it: `run` and the studies with their own
+    ``main`` call this)."""
+    from absl import flags
+
+    if "allow_dirty" not in flags.FLAGS:
+        flags.DEFINE_bool("allow_dirty", _provenance.env_allows_dirty(), "record a result of uncommitted code (the diff "
+                          "is stored beside the JSON as <name>.diff); refused otherwise")
+
+
+def begin_run(study: str) -> None:
+    """Captures the code state once, at the start; exits 2 (`fail`) on a dirty tree without
+    ``--allow_dirty``."""
+    from absl import flags
+
+    try:
+        _provenance.begin_run(bool(flags.FLAGS["allow_dirty"].value))
+    except _provenance.DirtyTreeError as e:
+        fail(study, str(e))
 
 
 def fail(study: str, message: str) -> None:
@@ -277,26 +297,29 @@ def output_dir(config, study: str) -> Path:
 
 
 def write_json(path: Path | str, payload: dict) -> Path:
-    """Writes ``payload`` as indented JSON; in a smoke run a payload with ``provenance`` gets
-    ``"smoke": true`` first."""
+    """A plain JSON file (a plot's data, a replay input); a study's result goes through
+    `write_result`. In a smoke run a payload with ``provenance`` gets ``"smoke": true`` first."""
     if _RUN["smoke"] and isinstance(payload, dict) and "provenance" in payload:
         payload = {"smoke": True, **payload}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=_jsonable) + "\n")
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=jsonable) + "\n")
     return path
 
 
-def _jsonable(x):
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating,)):
-        return float(x)
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if hasattr(x, "to_dict"):
-        return x.to_dict()
-    return str(x)
+def write_result(path: Path | str, payload: dict, *, inputs=()) -> Path:
+    """The one results writer: ``payload`` with its provenance (`experiments.provenance`: code
+    state captured at the start, environment); a dirty run's diff beside it as ``<name>.diff``.
+    A post-processing step names the files it read in ``inputs`` (their sha256 and commits go
+    into the provenance) and never edits them. A smoke run's result says so: ``"smoke": true``
+    first and in its provenance."""
+    if _RUN["smoke"] and isinstance(payload, dict):
+        extra = payload.get("provenance") if isinstance(payload.get("provenance"), dict) else {}
+        payload = {"smoke": True, **payload, "provenance": {**extra, "smoke": True}}
+    return _provenance.write_result(path, payload, inputs=inputs)
+
+
+jsonable = _provenance.jsonable  # the one JSON encoding of numpy values and ConfigDicts
 
 
 # --- progress --------------------------------------------------------------------------------------
@@ -307,45 +330,10 @@ def quiet_matplotlib() -> None:
 
 
 # --- provenance ------------------------------------------------------------------------------------
-def git_revision() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
-        rev = out.stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10,
-                               cwd=Path(__file__).resolve().parent).stdout.strip()
-        return (rev + ("-dirty" if dirty else "")) if rev else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def provenance() -> dict:
-    """Environment facts stored with every result."""
-    import jax
-
-    return {
-        "git_revision": git_revision(),
-        "jax_version": jax.__version__,
-        "jaxlib_version": getattr(jax.lib, "__version__", None) or _jaxlib_version(),
-        "numpy_version": np.__version__,
-        "python_version": platform.python_version(),
-        "backend": jax.default_backend(),
-        "devices": [str(d) for d in jax.devices()],
-        "platform": platform.platform(),
-        "argv": sys.argv,
-        "utc_time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "smoke": _RUN["smoke"],
-    }
-
-
-def _jaxlib_version() -> str | None:
-    try:
-        import jaxlib
-
-        return jaxlib.__version__
-    except (ImportError, AttributeError):
-        return None
+    """Code state and environment stored with every result (`experiments.provenance.record`),
+    and whether this run is a smoke run (a plumbing check, not a measurement)."""
+    return {**_provenance.record(), "smoke": _RUN["smoke"]}
 
 
 def load_model(name: str):

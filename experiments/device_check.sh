@@ -26,6 +26,15 @@
 #            (cascade vs ordinary paged decode, compiled GPU-style Pallas, bf16, groups 1-64 x
 #            prefix 256-8k; its JSON is rewritten after each point). Never run on a device yet;
 #            selecting it adds one file under $OUT and up to T_CASCADE (150 s) to the worst case.
+#   simval   (opt-in: add it to STAGES) experiments.sim_gpu_check -> $OUT/sim_gpu_check.json: the
+#            real engine serves 60 s of the Azure conversation trace (minutes 20-21, real arrival
+#            times; random weights of a ~1B Llama shape, bf16 KV) on this GPU, then paged.sim runs
+#            the same requests with RooflineStepModel at H200 figures (what every simulated result
+#            uses) and with this device's measured copy bandwidth; p50/p99 TTFT and TPOT side by
+#            side with relative errors. Never run on a device yet (estimate: ~1 min of serving plus
+#            compiles); up to T_SIMVAL (300 s). CPU dry run, under a minute:
+#              STAGES=simval DEVICE_CHECK_SMOKE=1 OUT=/tmp/sv PYTHON=.venv/bin/python \
+#                bash experiments/device_check.sh
 #   summary  key numbers and every error's head to stdout and $OUT/summary.txt
 # Both benches write their JSON as they go, so a stage stopped by its limit still leaves results.
 # Outputs: at most 10 files directly under $OUT (env.txt, engine_bench.log, kernel_bench.log, six
@@ -61,10 +70,13 @@ export JAX_TRACEBACK_FILTERING=${JAX_TRACEBACK_FILTERING:-off}  # lowering frame
 SMOKE=${DEVICE_CHECK_SMOKE:-0}
 if [ "$SMOKE" = 1 ]; then
   export JAX_PLATFORMS=cpu
+  export EXPERIMENTS_ALLOW_DIRTY=1  # a dry run of a working tree: its JSONs are no results
+  SV_VARIANT=smoke
   KB_VARIANT=smoke
   EB_VARIANT=smoke
   KV_IMPLS="('interpret_gpu', 'xla')"
 else
+  SV_VARIANT=default
   KB_VARIANT=h200
   EB_VARIANT=gpu
   KV_IMPLS="('pallas_gpu', 'xla')"
@@ -77,6 +89,7 @@ T_GRID=${T_GRID:-120}
 T_RAGGED=${T_RAGGED:-80}
 T_KVDTYPE=${T_KVDTYPE:-120}
 T_CASCADE=${T_CASCADE:-150}
+T_SIMVAL=${T_SIMVAL:-300}
 STAGES=${STAGES:-install env engine decode grid ragged}
 EB_FLAGS=${EB_FLAGS:-}
 KB_FLAGS=${KB_FLAGS:-}
@@ -201,6 +214,13 @@ KB_GRID="$OUT/kernel_bench_${KB_VARIANT}_grid.json"
 KB_KV="$OUT/kernel_bench_${KB_VARIANT}_kvdtype.json"
 CAS_JSON="$OUT/cascade_${KB_VARIANT}.json"
 echo "device_check: OUT=$OUT smoke=$SMOKE stages=[$STAGES] GIT_REV=${GIT_REV:-unset}"
+# .git does not travel: the results writer (experiments/provenance.py) takes the commit from
+# GIT_REV and records the source tree's sha256 beside it; without GIT_REV it would refuse to write.
+if [ -z "${GIT_REV:-}" ] && ! git rev-parse HEAD >/dev/null 2>&1; then
+  echo "device_check: WARNING no .git and no GIT_REV: results are written with --allow_dirty semantics"
+  export EXPERIMENTS_ALLOW_DIRTY=1
+fi
+SV_JSON="$OUT/sim_gpu_check.json"
 
 if want install || ! "$PYTHON" -c "import ml_collections" 2>/dev/null; then  # the benches need it
   run_stage install "$T_INSTALL" "$ENV_TXT" - bash -c "$(declare -f install_wheels); install_wheels"
@@ -250,6 +270,12 @@ if want kvdtype; then
     "--config.kv_cache_dtypes=('int8', 'fp8_e4m3')" "--config.kv_scale_granularity=page" \
     "--out=$KB_KV" $KB_FLAGS
 fi
+if want simval; then
+  # sim_gpu_check writes sim_gpu_check.json (and .diff for a dirty tree) into its output_dir.
+  run_stage simval "$T_SIMVAL" "$EB_LOG" - "$PYTHON" -m experiments.sim_gpu_check \
+    "--config=experiments/configs/sim_gpu_check.py:$SV_VARIANT" "--config.output_dir=$SITE/simval"
+  [ -f "$SITE/simval/sim_gpu_check.json" ] && cp "$SITE/simval/sim_gpu_check.json" "$SV_JSON"
+fi
 
 # Logs: cap each at 15 MiB (first and last 7 MiB).
 for f in "$OUT"/*.log "$ENV_TXT"; do
@@ -265,10 +291,10 @@ SUMMARY="$OUT/summary.txt"
 {
   echo "===== device_check summary ($(date -u +%FT%TZ), $((SECONDS - T_START))s total)"
   echo "stages:$STATUS"
-  timeout 15 "$PYTHON" - "$ENV_TXT" "$EB_JSON" "$KB_DECODE" "$KB_RAGGED" "$KB_GRID" "$KB_KV" <<'EOF' || echo "(summary script failed: rc=$?)"
+  timeout 15 "$PYTHON" - "$ENV_TXT" "$EB_JSON" "$KB_DECODE" "$KB_RAGGED" "$KB_GRID" "$KB_KV" "$SV_JSON" <<'EOF' || echo "(summary script failed: rc=$?)"
 import json, os, sys
 
-env_txt, eb, kd, kr, kg, kq = sys.argv[1:7]
+env_txt, eb, kd, kr, kg, kq, sv = sys.argv[1:8]
 if os.path.exists(env_txt):
     keys = ("revision", "jax ", "devices", "device_kind", "memory bytes_limit", "import ok",
             "import FAILED", "ml_collections ", "jax_pallas_use_mosaic_gpu",
@@ -293,13 +319,7 @@ def load(path):
 
 d = load(eb)
 if d:
-    rev = os.environ.get("GIT_REV")
-    prov = d.get("provenance", {})
-    if rev and prov.get("git_revision", "unknown") == "unknown":  # .git did not travel
-        prov["git_revision_env"] = rev
-        with open(eb, "w") as f:
-            json.dump(d, f, indent=2)
-            f.write("\n")
+    prov = d.get("provenance", {})  # off a checkout the writer took the commit from GIT_REV
     print(f"engine_bench ({prov.get('backend')}, {prov.get('devices')}):")
     def f(r, key, spec=".3f"):
         x = r.get(key)
@@ -324,7 +344,7 @@ for path in (kd, kr, kq):
     if not d:
         continue
     print(f"{os.path.basename(path)}: complete={d.get('complete')} backend={d.get('backend')} "
-          f"rev={d.get('git_revision')}")
+          f"rev={d.get('provenance', {}).get('git_describe')}")
     for op, table in d.get("kv_dtypes", {}).items():  # per KV dtype: time, bytes, read roofline
         for name, rows in table.items():
             for kv, r in rows.items():
@@ -409,6 +429,18 @@ if d:
         print("  (grid_line unavailable:", type(e).__name__, e, ")")
     for p in g.get("points", []):
         print("  " + grid_line(p))
+
+if os.path.exists(sv):  # simval: the roofline simulator against this device's serving run
+    d = load(sv)
+    if d:
+        res, w = d.get("results", {}), d.get("workload", {})
+        print(f"sim_gpu_check: {w.get('num_requests')} requests ({w.get('label')}), copy "
+              f"{d.get('copy_bandwidth_bytes_s', 0) / 1e9:.0f} GB/s")
+        for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms"):
+            real = res.get("real", {}).get(k)
+            cells = [f"{v}: {res.get(v, {}).get(k) or 0:.2f} ({100 * (res.get(v + '_rel_error', {}).get(k) or 0):+.0f}%)"
+                     for v in ("roofline_h200", "roofline_measured")]
+            print(f"  {k}: real {real or 0:.2f} | " + " | ".join(cells))
 EOF
   # Stages that timed out or crashed: where their logs ended.
   [ -f "$SITE/tails.txt" ] && cat "$SITE/tails.txt"

@@ -112,7 +112,7 @@ def main(config, plan) -> None:
                "evidence": workload.evidence, "config": config.to_dict(),
                "load_before": load_before, "load_after": os.getloadavg(),
                "cpu_count": os.cpu_count(), "arms": arms, "provenance": common.provenance()}
-    path = common.write_json(out / "disagg_engine.json", payload)
+    path = common.write_result(out / "disagg_engine.json", payload)
     print(f"wrote {path}", flush=True)
     if serving.write_replay_records(out / "replay.json", replays):
         print(f"replay: {replay_command(out, devices=config.data_parallel_size)}", flush=True)

@@ -212,7 +212,7 @@ def main(c, plan) -> dict:
                "slos_ms": plan["slos"], "attainment_target": c.attainment,
                "config": c.to_dict(), "results": results, "wall_s": time.perf_counter() - t0,
                "load_average": os.getloadavg(), "provenance": common.provenance()}
-    common.write_json(out_dir / "disaggregation.json", payload)
+    common.write_result(out_dir / "disaggregation.json", payload)
     if c.plots:
         from experiments.disaggregation_plots import plot
 

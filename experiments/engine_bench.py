@@ -240,7 +240,7 @@ def main(c, plan):
               f"{row['output_tokens_per_s']:.0f} tok/s", flush=True)
     bar.close()
     out = out_dir / "engine_bench.json"
-    common.write_json(out, {"study": "engine_bench", "evidence": "constructed", "config": c.to_dict(),
+    common.write_result(out, {"study": "engine_bench", "evidence": "constructed", "config": c.to_dict(),
                             "results": rows, "provenance": common.provenance()})
     print(f"wrote {out}")
 

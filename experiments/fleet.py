@@ -353,7 +353,7 @@ def main(c, plan):
     labels += [{"evidence": r["evidence"]} for m in results.values() for r in m.get("speed", [])]
     labels += [{"evidence": m["point"]["evidence"]} for m in results.values() if "point" in m]
     label = check_not_mixed(labels) if labels else EVIDENCE
-    path = common.write_json(out_dir / "fleet.json", {
+    path = common.write_result(out_dir / "fleet.json", {
         "study": "fleet", "evidence": label, "device": dataclasses.asdict(dev),
         "models": {n: dataclasses.asdict(MODELS[n]) for n in dict.fromkeys((*c.models, *results))},
         "slo": {"p99_ttft_ms": c.ttft_slo_ms, "p99_tpot_ms": c.tpot_slo_ms},

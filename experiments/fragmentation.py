@@ -17,12 +17,7 @@ Config: experiments/configs/fragmentation.py (``:smoke`` for a small variant). W
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import platform
-import subprocess
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -149,26 +144,6 @@ def format_tables(layouts: list[dict], sequences: list[dict], block_sizes: Seque
     return "\n".join(lines)
 
 
-def provenance() -> dict[str, Any]:
-    """Git revision and interpreter/library versions for the JSON record."""
-    try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        rev = ""
-    return {
-        "git_revision": rev or "unknown",
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-    }
-
-
 #: KV storage formats compared side by side: (column, kv_cache_dtype, scale granularity).
 KV_DTYPES = (("model", "auto", "token"), ("int8", "int8", "token"), ("int8/page", "int8", "page"),
              ("fp8", "fp8_e4m3", "token"))
@@ -220,7 +195,7 @@ def build_report(lengths: Sequence[int], block_sizes: Sequence[int], max_len: in
         "inputs": {"lengths": list(lengths), "block_sizes": list(block_sizes), "max_len": max_len},
         "layouts": layout_rows(lengths, block_sizes, max_len),
         "sequences": sequence_rows(lengths, block_sizes, max_len),
-        "provenance": provenance(),
+        "provenance": {"numpy": np.__version__},  # completed by common.write_result
     }
     if spec is not None:
         report["kv_bytes"] = {
@@ -229,15 +204,6 @@ def build_report(lengths: Sequence[int], block_sizes: Sequence[int], max_len: in
             "layouts": kv_bytes_rows(report["layouts"], spec),
         }
     return report
-
-
-def write_json(report: dict, path: str) -> str:
-    """Writes ``report`` to ``path`` (creating folders); returns the path."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    return path
 
 
 def check(c) -> tuple:
@@ -253,7 +219,7 @@ def main(c, plan) -> None:
     print(format_tables(report["layouts"], report["sequences"], block_sizes))
     if spec is not None:
         print("\n" + format_kv_bytes(report["kv_bytes"]))
-    path = write_json(report, str(common.output_dir(c, "fragmentation") / "fragmentation.json"))
+    path = common.write_result(common.output_dir(c, "fragmentation") / "fragmentation.json", report)
     print(f"\nwrote {path}")
 
 

@@ -122,7 +122,7 @@ def main(c, plan):
                                  for k, v in figs.items())
                 print(f"{name:8s} {api:6s} {phase:22s} {text}")
     out = out_dir / "host_speed.json"
-    common.write_json(out, {
+    common.write_result(out, {
         "study": "host_speed", "evidence": "constructed", "config": c.to_dict(),
         "trees": {n: {"path": p, "git_revision": _revision(p)} for n, p in trees.items()},
         "rounds": rounds, "summary": summary, "load_average_1_5_15_min": load,

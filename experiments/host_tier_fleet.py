@@ -204,7 +204,7 @@ def main(c, plan):
     labels = [{"evidence": p["evidence"]} for r in rows for p in r["points"]]
     if trace:
         labels += [{"evidence": r["point"]["evidence"]} for r in trace["arms"]]
-    path = common.write_json(out_dir / f"{STUDY}.json", {
+    path = common.write_result(out_dir / f"{STUDY}.json", {
         "study": STUDY, "evidence": check_not_mixed(labels) if labels else EVIDENCE,
         "model": dataclasses.asdict(model), "device": dataclasses.asdict(dev),
         "device_kv_bytes": plan["kv_bytes"], "device_pool_bytes": plan["pool_bytes"],

@@ -34,10 +34,7 @@ if any implementation errored or failed its check.
 
 from __future__ import annotations
 
-import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,6 +45,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments import common, provenance
 from experiments import kernel_bench_lib as lib
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -58,40 +56,14 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _PEAK = flags.DEFINE_float("peak_gbps", None, "Peak memory bandwidth in GB/s (default: config).")
 _OUT = flags.DEFINE_string("out", None, "JSON output path (default: config.out).")
-
-
-def git_revision() -> str:
-    """``git rev-parse HEAD``; off a checkout (a copied tree on a device) the ``GIT_REV`` env var."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=Path(__file__).resolve().parent,
-        )  # fmt: skip
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        rev = os.environ.get("GIT_REV", "")
-        return f"{rev} (from GIT_REV)" if rev else "unknown"
-
-
-def git_dirty() -> bool | None:
-    """Whether the working tree differs from ``git_revision`` (results then describe uncommitted code)."""
-    try:
-        out = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-            text=True, check=True, cwd=Path(__file__).resolve().parent,
-        )  # fmt: skip
-        return bool(out.stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        return None
+common.define_allow_dirty()
 
 
 def write_record(out: str, record: dict) -> None:
-    """Writes ``record`` to ``out`` atomically (a kill mid-write leaves the previous version)."""
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1, default=float) + "\n")
-    os.replace(tmp, path)
+    """Writes ``record`` to ``out`` through the one results writer (`experiments.provenance`:
+    code state captured at the start, environment; atomic, so a kill mid-write leaves the
+    previous version)."""
+    provenance.write_result(out, record)
 
 
 def _progress(t_start: float):
@@ -116,14 +88,12 @@ def run(config: ml_collections.ConfigDict, *, peak_gbps: float | None = None,
     rng = np.random.default_rng(config.seed)
     say = _progress(time.perf_counter())
     record = {
+        "study": "kernel_bench",
+        "evidence": "constructed",  # random K/V and queries, shapes from the config
         "config": config.to_dict(),
         "jax_version": jax.__version__,
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
-        "git_revision": git_revision(),
-        "git_dirty": git_dirty(),
-        "load_average": list(os.getloadavg()),
-        "host": platform.platform(),
         "command": " ".join(sys.argv),
         "peak_gbps": peak,
         "note": config.note,
@@ -297,6 +267,7 @@ def failures(record: dict) -> list[str]:
 
 def main(argv) -> None:
     del argv
+    common.begin_run("kernel_bench")
     config = _CONFIG.value
     out = _OUT.value or config.out
     if not out:  # nothing under version control by default: results/kernel_bench/<UTC time>/

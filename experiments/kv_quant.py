@@ -143,7 +143,7 @@ def main(c, formats) -> None:
             results.append({"model": model, "capacity_at_equal_bytes": results_capacity})
     payload = {"study": "kv_quant", "evidence": "constructed", "config": c.to_dict(),
                "provenance": common.provenance(), "load": _load(), "results": results}
-    path = common.write_json(out_dir / "kv_quant.json", payload)
+    path = common.write_result(out_dir / "kv_quant.json", payload)
     print(f"wrote {path}")
 
 

@@ -180,7 +180,7 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
         "not_measured": "a GPU (on CPU a host-device copy is a memcpy); simulator pricing of "
                         "loads and offloads by host-device bandwidth",
         "arms": rows, "load_avg": os.getloadavg(), "provenance": common.provenance()}
-    path = common.write_json(out_dir / "kv_tiers.json", payload)
+    path = common.write_result(out_dir / "kv_tiers.json", payload)
     if c.plots:
         plot(rows, out_dir / "kv_tiers.png")
     print(f"wrote {path}")

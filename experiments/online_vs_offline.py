@@ -299,7 +299,7 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
                     "loadavg_after": _loadavg()},
         "provenance": common.provenance(),
     }
-    path = common.write_json(out_dir / "summary.json", payload)
+    path = common.write_result(out_dir / "summary.json", payload)
     print(f"wrote {path}")
     if serving.write_replay_records(out_dir / "replay.json", replays):
         print(f"replay (offline runs): {replay_command(out_dir)}")

@@ -98,7 +98,7 @@ def main(c, plan):
                   f"{r[f'{key}ratio_max']:.3f}] over {c.rounds} rounds")
     prov = common.provenance()
     prov["load_average"] = [load_before, os.getloadavg()[0]]
-    path = common.write_json(out_dir / "output_kind_bench.json", {
+    path = common.write_result(out_dir / "output_kind_bench.json", {
         "study": "output_kind_bench", "evidence": "constructed", "results": results,
         "config": c.to_dict(), "provenance": prov})
     print(f"wrote {path}")

@@ -235,7 +235,7 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
             "ideal_workload": "ideal on an offline timeline: every request resident from step 0, "
                               "prompt done and samples forked, lengths p .. p + output - 2"},
         "rows": rows, "provenance": common.provenance()}
-    path = common.write_json(out_dir / "prefix_sharing.json", payload)
+    path = common.write_result(out_dir / "prefix_sharing.json", payload)
     print(f"wrote {path}")
     return payload
 

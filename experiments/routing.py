@@ -608,7 +608,7 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
         "headline": headline, "by_policy": by, "policies": policies, "scaling": scaling,
         "host_bench": host,
         "provenance": common.provenance()}
-    path = common.write_json(out_dir / "routing.json", payload)
+    path = common.write_result(out_dir / "routing.json", payload)
     print(f"wrote {path}")
     if serving.write_replay_records(out_dir / "replay.json", replays):
         devices = max(replay_mod.num_devices(r) for r in replays if r is not None)

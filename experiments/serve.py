@@ -76,7 +76,7 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
             "arms": [{"name": r.name, "summary": r.summary, "engine_config": r.engine_config,
                       "wall_s": r.wall_s, "records": [rec.as_dict() for rec in r.records]}
                      for r in real_results]}
-    common.write_json(out_dir / "summary.json", payload)
+    common.write_result(out_dir / "summary.json", payload)
     if serving.write_replay(out_dir / "replay.json", results, real_results):
         print(f"replay: {replay_command(out_dir)}")
     if c.plots:

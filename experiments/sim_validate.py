@@ -156,7 +156,7 @@ def step_model(c, engine_config, model, out_dir):
     if g.mode == "serving":  # serving periods: the validation's own engine settings
         cal_engine = engine_config
     sm, payload = calibrate.calibrate(g, cal_engine, model)
-    common.write_json(out_dir / "calibration.json", calibrate.thin(dict(payload), g.keep_points))
+    common.write_result(out_dir / "calibration.json", calibrate.thin(dict(payload), g.keep_points))
     return sm, {"source": f"calibrated now ({c.calibrate_grid} variant): "
                           f"{out_dir / 'calibration.json'}",
                 "fit": {k: v for k, v in sm.fit.items() if k != "residuals_s"},
@@ -470,7 +470,7 @@ def main(c, plan):
                   f"saturation within one step {j['saturation_within_one_step']}; in the real "
                   f"run's 95% interval at {j['in_real_ci_below_saturation']} of "
                   f"{j['points_below_saturation']} points")
-    path = common.write_json(out_dir / "sim_validate.json", {
+    path = common.write_result(out_dir / "sim_validate.json", {
         "study": "sim_validate",
         "evidence": {"real": rows[0]["real_evidence"], "sim": rows[0]["sim_evidence"],
                      **({"real_repeat": rows[0]["real_repeat_evidence"]}

@@ -203,7 +203,7 @@ def run(c, out_dir: Path, plan: dict | None = None) -> dict:
                         "the fleet what-if (experiments.fleet, variants window and "
                         "window_fractions): other studies",
         "arms": rows, "load_avg": os.getloadavg(), "provenance": common.provenance()}
-    path = common.write_json(out_dir / "sliding_window.json", payload)
+    path = common.write_result(out_dir / "sliding_window.json", payload)
     if c.plots:
         plot(rows, ecfg, out_dir / "sliding_window.png")
     print(f"wrote {path}")

@@ -89,7 +89,7 @@ def run(c, out_dir, plan: dict | None = None) -> dict:
                   "trained (with full attention)"},
         "slo": {"p99_ttft_ms": c.ttft_slo_ms, "p99_tpot_ms": c.tpot_slo_ms},
         "arms": arms, "capacity_over_full": ratios, "provenance": common.provenance()}
-    path = common.write_json(out_dir / "capacity.json", payload)
+    path = common.write_result(out_dir / "capacity.json", payload)
     if c.plots:
         plots.capacity_curves(arms, c.ttft_slo_ms, c.tpot_slo_ms, out_dir / "capacity.png")
     print(f"wrote {path}")

@@ -276,7 +276,7 @@ def main(c, plan):
     load, replays = None, []
     if c.load_rates:
         load = _load_sweep(c, plan, rows, model_config, params, engines, replays)
-    path = common.write_json(out_dir / "spec_decode.json", {
+    path = common.write_result(out_dir / "spec_decode.json", {
         "study": "spec_decode", "evidence": "constructed", "config": c.to_dict(),
         "prompts": kinds, "results": rows, "load": load, "provenance": common.provenance()})
     _plot(rows, load, out_dir)

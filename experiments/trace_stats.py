@@ -98,7 +98,7 @@ def main(c, plan):
                   f"{'within rounding' if row['within_rounding'] else 'DIFFERS'}")
     prov = common.provenance()
     prov["load_average"] = list(os.getloadavg())
-    path = common.write_json(out_dir / "trace_stats.json", {
+    path = common.write_result(out_dir / "trace_stats.json", {
         "study": "trace_stats", "evidence": "real", "traces": results,
         "paper": {"source": "Patel et al., 'Splitwise: Efficient generative LLM inference using "
                             "phase splitting', ISCA 2024 (medians as quoted in issue 26)",

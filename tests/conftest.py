@@ -35,6 +35,10 @@ if _JAX_CACHE not in ("", "0"):
     # serving run's wall limit pass at once. Unlocked, a reader that meets an entry another
     # process is still writing fails to decompress it; JAX warns and compiles instead.
 
+# The studies the tests run record results of whatever tree the suite runs in (a dirty one while
+# someone works): `experiments.provenance` refuses that without --allow_dirty, which this sets.
+os.environ.setdefault("EXPERIMENTS_ALLOW_DIRTY", "1")
+
 # Cheap XLA compiles for the tests: the suite's shapes are tiny, so it spends its time compiling,
 # not running (the first step of a tiny engine: 5.3 s with XLA's default CPU optimization, 3.1 s
 # with the first two flags, measured interleaved on this 2-core machine; the steps after it run

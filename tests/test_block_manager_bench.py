@@ -19,7 +19,7 @@ def test_smoke_config_writes_a_constructed_record(tmp_path):
         cwd=ROOT, check=True, capture_output=True, text=True, timeout=300)
     record = json.loads(out.read_text())
     assert record["evidence"] == "constructed"
-    assert record["config"]["name"] == "smoke" and record["python"] and record["git"]["revision"]
+    assert record["config"]["name"] == "smoke" and record["python"] and record["provenance"]["git_commit"]
     for api in ("per_seq", "batch"):
         replay = record["replay"][api]
         assert replay["decode_step_at_max_running_cpu"]["n"] > 0

@@ -76,7 +76,8 @@ def test_script_end_to_end(tmp_path):
     }
     alloc = {r["block_size"]: r["allocated_positions"] for r in report["layouts"]}
     assert alloc[None] == 2560 and alloc[16] == 992 and alloc[32] == 1024
-    assert set(report["provenance"]) == {"git_revision", "python", "numpy"}
+    assert {"git_revision", "git_commit", "python_version", "numpy", "utc_time"} <= set(
+        report["provenance"])
     assert len(report["sequences"]) == 5
 
 

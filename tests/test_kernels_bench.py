@@ -19,7 +19,8 @@ def test_smoke_config_end_to_end(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads(out.read_text())
-    for key in ("jax_version", "devices", "git_revision", "config", "peak_gbps"):
+    assert record["evidence"] == "constructed" and record["provenance"]["git_commit"]
+    for key in ("jax_version", "devices", "config", "peak_gbps"):
         assert key in record
     assert record["complete"] is True
     for op in ("decode", "ragged"):

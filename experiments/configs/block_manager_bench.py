@@ -6,7 +6,7 @@ Launch (from the repo root)::
     .venv/bin/python -m experiments.block_manager_bench --config=experiments/configs/block_manager_bench.py:smoke
 
 Variants: ``default`` (10,000 requests, 256 running sequences, writes
-``experiments/results/block_manager_bench.json``) and ``smoke`` (a few hundred short requests, writes
+``experiments/results/archive/block_manager_bench.json``, archived) and ``smoke`` (a few hundred short requests, writes
 to a temp dir). Override any field, e.g. ``--config.max_running=128 --config.enable_prefix_caching=False``;
 ``--config.nanovllm_path=DIR`` adds nano-vllm's block manager on the same trace, interleaved.
 """

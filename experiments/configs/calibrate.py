@@ -13,7 +13,7 @@ chunk size (one request per step, prefix caching off so every token is computed)
 point (its mean shape, its median time) unless ``aggregate='none'``.
 Variant ``serving``: instead of the grid, the step periods of real-time serving runs of
 ``serving_workloads`` (their own seed), one fit over every step. Writes ``calibration.json`` (``output_dir``; the committed copy is
-``experiments/results/sim/calibration_cpu.json``).
+``experiments/results/archive/sim/calibration_cpu.json``, archived).
 """
 
 import ml_collections

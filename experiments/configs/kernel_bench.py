@@ -9,13 +9,13 @@ Launch (from the repo root)::
 Variants:
   ``cpu``   the CPU target shape (B=32, context 1024, Hq=32, Hkv=8, D=128, float32): "xla" paged vs
             dense contiguous, interleaved; writes results/kernel_bench/<UTC timestamp>/ unless
-            ``--out`` names a file (the committed figures: experiments/results/kernel_bench_cpu.json).
+            ``--out`` names a file (the committed figures of 2026-12-01, archived for want of a label: experiments/results/archive/kernel_bench_cpu.json).
   ``smoke`` tiny shapes, every implementation including the interpret-mode kernels and JAX's own
             Pallas kernels; a test runs it end to end (timings meaningless).
   ``h200``  one H200: bfloat16, longer contexts, compiled GPU-style Pallas vs "xla" vs JAX's GPU
             kernel; correctness first; sized for < 3 minutes including compiles (what
             ``experiments/device_check.sh`` gives it). Ran on an H200 on 2026-11-30:
-            experiments/results/h200/README.md.
+            experiments/results/archive/h200/README.md (archived: the JSONs name a stale commit).
 
 Correctness: every implementation is compared with an oracle computed on the device: the plain
 float32 reference (``impl="reference"``, under ``jax.default_matmul_precision("highest")`` so no
@@ -193,7 +193,7 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
             impls=("pallas_gpu", "jax_gpu"), compare_to="jax_gpu", repeats=5, min_timing_ms=2.0,
             use_heuristic=True,
         ))  # fmt: skip
-        c.note = "one H200; results of 2026-11-30 in experiments/results/h200/"
+        c.note = "one H200; results of 2026-11-30 in experiments/results/archive/h200/"
     else:
         raise ValueError(f"unknown variant {arg!r}; known: cpu, smoke, h200")
     return c
