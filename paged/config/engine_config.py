@@ -53,7 +53,9 @@ class EngineConfig:
 
     Integer fields take Python or numpy integers only (not ``bool``, not ``2.0``), boolean fields
     ``bool`` only (no truthiness: ``"no"`` is refused), floats must be finite and fit in float32
-    (TypeError for a wrong type, ValueError for a value out of range).
+    (TypeError for a wrong type, ValueError for a value out of range). A pair of settings that
+    may not be combined is refused here too, and the pairs involving the model or where it
+    runs when the engine is built: one table, `paged.config.support`.
 
     Attributes:
       model: bundled model name ("tiny", "tiny-draft") or a Hugging Face checkpoint directory
