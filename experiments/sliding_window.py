@@ -49,6 +49,7 @@ from pathlib import Path
 
 from experiments import common, plots
 from paged import Engine, SamplingParams
+from paged.config.support import check_supported
 from paged.kv.paging import NULL_PAGE
 from paged.models.config import LlamaConfig, recycling_window
 from paged.workload.workload import Workload, make_workload
@@ -97,7 +98,9 @@ def check(c) -> dict:
     arms = arm_windows(c)
     probe = LlamaConfig()  # the window checks depend on the windows and the engine only
     for _, w in arms:
-        recycling_window(windowed(probe, w), ecfg)
+        model = windowed(probe, w)
+        check_supported(ecfg, model)
+        recycling_window(model, ecfg)
     return {"engine_config": ecfg, "arms": arms, "workload": build_workload(c)}
 
 

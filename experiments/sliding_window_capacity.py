@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 
 from experiments import capacity, common, plots, sliding_window
+from paged.config.support import check_supported
 from paged.models.config import LlamaConfig, recycling_window
 from paged.workload.workload import make_workload
 
@@ -35,7 +36,9 @@ def check(c) -> dict:
     arms = sliding_window.arm_windows(c)
     probe = LlamaConfig()  # the window checks depend on the windows and the engine only
     for _, w in arms:
-        recycling_window(sliding_window.windowed(probe, w), ecfg)
+        model = sliding_window.windowed(probe, w)
+        check_supported(ecfg, model)
+        recycling_window(model, ecfg)
     if not c.rates:
         raise ValueError("rates=() names no rate")
     common.check_positive(duration_s=c.duration_s, max_drain_s=c.max_drain_s,

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from paged import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from paged.config.support import check_supported
 from paged.kv.group_manager import GroupedBlockManager
 from paged.kv.groups import KVGroupLayout, kv_group_layout
 from paged.models.config import LlamaConfig
@@ -38,8 +39,9 @@ def test_layout_places_each_kind_in_its_own_group():
     assert kv_group_layout(LlamaConfig(num_layers=2, sliding_window=16), EngineConfig()) is None
     assert kv_group_layout(LlamaConfig(num_layers=2), EngineConfig()) is None
     draft = SpeculativeConfig(method="draft", model="tiny-draft", num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="method='draft' is not supported yet"):
-        kv_group_layout(mixed, EngineConfig(speculative=draft))
+    with pytest.raises(ValueError, match=r"speculative method='draft' needs a model whose layers "
+                                         r"all slide or none does .* draft \+ kv_groups"):
+        check_supported(EngineConfig(speculative=draft), mixed)
 
 
 def _step(bm, seq_ids, c):

@@ -137,11 +137,13 @@ def test_config_errors():
         BlockManager(8, 16, sliding_window=8)
     with pytest.raises(ValueError, match=r"sliding_window=32 is shorter than a page \(block_size=64"):
         Engine(EngineConfig(model="tiny-sliding", block_size=64))
-    with pytest.raises(ValueError, match="method='draft' cannot share"):
+    with pytest.raises(ValueError, match=r"speculative method='draft' needs a model with "
+                       r"full-attention layers .*every layer slides"):
         Engine(EngineConfig(model="tiny-sliding", speculative=SpeculativeConfig(
             method="draft", model="tiny-draft", num_speculative_tokens=2)))
     with pytest.raises(ValueError, match="does not recycle"):
         BlockManager(8, 4, sliding_window=8).run_decode_steps([], [])
     for model in ("tiny-sliding", "tiny-mixed"):  # the cascade kernel has no window
-        with pytest.raises(ValueError, match="cascade_attention='on' does not take sliding"):
+        with pytest.raises(ValueError, match=r"cascade_attention='on' needs a model without "
+                           r"sliding-window layers"):
             Engine(EngineConfig(model=model, cascade_attention="on"))

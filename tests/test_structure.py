@@ -238,3 +238,71 @@ def test_the_size_scan_sees_an_oversize_function(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert oversize(("demo",)) == {"demo/a.py::f": f"{MAX_FUNCTION_LINES + 1} lines > "
                                                    f"{MAX_FUNCTION_LINES}"}
+
+# --- the support matrix has one home ---------------------------------------------------------
+# The settings a refusal of a pair of mechanisms names (paged.config.support's mechanisms, by
+# the words their messages use). A raise elsewhere naming two of them is a pair decided outside
+# the table.
+MECHANISM_WORDS = {
+    "kv_cache_dtype": r"kv_cache_dtype", "kv_layout": r"kv_layout",
+    "scheduling": r"(?<![a-z_])scheduling=", "prefix caching": r"enable_prefix_caching",
+    "preemption_mode": r"preemption_mode", "async_scheduling": r"async_scheduling",
+    "speculative": r"speculative|method='(draft|ngram)'", "host tier": r"host_kv_cache_bytes",
+    "prefill_replicas": r"prefill_replicas", "data_parallel_size": r"data_parallel_size",
+    "tensor_parallel_size": r"tensor_parallel_size", "cascade": r"cascade_attention",
+    "windows": r"sliding_window|sliding-window|sliding layers|every layer slides",
+    "kv groups": r"KV-cache groups", "processes": r"(span|spanning|across) processes|in one process",
+    "engine processes": r"engine-core process",
+}
+# file: words of a raise that names two settings but decides no pair of mechanisms.
+PAIR_RAISE_ALLOWED = {
+    # P < D is a bound between two counts, not two mechanisms.
+    "paged/config/engine_config.py": ("prefill_replicas", "data_parallel_size"),
+    # D x T devices against the devices there are.
+    "paged/engine/placement.py": ("data_parallel_size", "tensor_parallel_size"),
+    # the draft model's KV heads against T (a fact of the draft checkpoint).
+    "paged/engine/spec_decode.py": ("speculative", "tensor_parallel_size"),
+}
+
+
+def _raise_text(node: ast.Raise) -> str:
+    """The string parts of a ``raise ValueError(...)``'s message (f-string constants joined)."""
+    exc = node.exc
+    if not (isinstance(exc, ast.Call) and isinstance(exc.func, ast.Name)
+            and exc.func.id == "ValueError" and exc.args):
+        return ""
+    return "".join(c.value for c in ast.walk(exc.args[0])
+                   if isinstance(c, ast.Constant) and isinstance(c.value, str))
+
+
+def pair_raises(packages=("paged",)) -> list[str]:
+    """``file:line: settings`` of every ValueError outside ``paged/config/support.py`` whose
+    message names two mechanisms' settings (``PAIR_RAISE_ALLOWED`` excepted)."""
+    import re
+
+    found = []
+    for path, tree in _modules(packages):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == "paged/config/support.py":
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Raise):
+                continue
+            text = _raise_text(node)
+            named = tuple(k for k, w in MECHANISM_WORDS.items() if re.search(w, text))
+            if len(named) >= 2 and set(named) != set(PAIR_RAISE_ALLOWED.get(rel, ())):
+                found.append(f"{rel}:{node.lineno}: {named}")
+    return found
+
+
+def test_pairs_of_mechanisms_are_refused_only_by_the_support_matrix():
+    assert pair_raises() == []
+
+
+def test_the_pair_scan_sees_a_pair_raise(tmp_path, monkeypatch):
+    pkg = tmp_path / "paged"
+    pkg.mkdir()
+    (pkg / "m.py").write_text("def f(c):\n    raise ValueError(f'cascade_attention={c} needs "
+                              "prefill_replicas=0')\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert len(pair_raises()) == 1

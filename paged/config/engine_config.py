@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+from paged.config import support
 from paged.config.speculative import SpeculativeConfig
 from paged.util import validate
 
@@ -53,7 +54,9 @@ class EngineConfig:
 
     Integer fields take Python or numpy integers only (not ``bool``, not ``2.0``), boolean fields
     ``bool`` only (no truthiness: ``"no"`` is refused), floats must be finite and fit in float32
-    (TypeError for a wrong type, ValueError for a value out of range).
+    (TypeError for a wrong type, ValueError for a value out of range). A pair of settings that
+    may not be combined is refused here too, and the pairs involving the model or where it
+    runs when the engine is built: one table, `paged.config.support`.
 
     Attributes:
       model: bundled model name ("tiny"; "tiny-draft", a smaller draft for speculation;
@@ -209,27 +212,11 @@ class EngineConfig:
             quant.storage_dtype(self.kv_cache_dtype)  # fp8 this JAX lacks: ValueError now
         validate.real("request_timeout_s", self.request_timeout_s, minimum=0, exclusive=True,
                       allow_none=True)
-        if self.host_kv_cache_bytes and (self.kv_layout != "paged"
-                                         or not self.enable_prefix_caching):
-            raise ValueError(f"host_kv_cache_bytes={self.host_kv_cache_bytes} needs "
-                             f"kv_layout='paged' and enable_prefix_caching=True (got "
-                             f"{self.kv_layout!r}, {self.enable_prefix_caching})")
-        self._check_roles()
-
-    def _check_roles(self) -> None:
-        """Prefill/decode disaggregation: settings it needs (ValueError naming them)."""
         p, d = self.prefill_replicas, self.data_parallel_size
-        if not p:
-            return
-        if p >= d:
+        if p and p >= d:
             raise ValueError(f"prefill_replicas={p} must be < data_parallel_size={d}: at least "
                              f"one replica must decode (0 prefill replicas: all do both)")
-        for name, value, need in (("kv_layout", self.kv_layout, "paged"),
-                                  ("scheduling", self.scheduling, "continuous"),
-                                  ("speculative", self.speculative, None),
-                                  ("host_kv_cache_bytes", self.host_kv_cache_bytes, 0)):
-            if value != need:
-                raise ValueError(f"prefill_replicas={p} needs {name}={need!r}, got {value!r:.80}")
+        support.check_supported(self)  # the pairs of settings that may not be combined
 
     @property
     def max_blocks_per_seq(self) -> int:

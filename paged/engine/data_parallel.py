@@ -37,12 +37,13 @@ import jax
 
 from paged.accounting.formulas import ModelSpec
 from paged.config.engine_config import EngineConfig, engine_config
+from paged.config.support import check_supported
 from paged.engine.generate import generate
+from paged.engine.multihost import spans_processes
 from paged.engine.placement import split_devices
 from paged.engine.spec_decode import SpecStats
 from paged.fleet.handover import HandOver
 from paged.fleet.routing import EngineReplica, Router
-from paged.models.config import recycling_window
 from paged.request.checks import check_request, derive_seed
 from paged.workload.metrics import StepTiming
 
@@ -82,8 +83,9 @@ class DataParallelEngine:
 
     Raises:
       ValueError: D x T more than the devices, KV heads not divisible by T, a ``mesh=`` (it names
-        one replica's devices), prefill replicas with a model whose every layer slides or over
-        several processes, or anything a single engine refuses.
+        one replica's devices), a pair of mechanisms `paged.config.support` refuses (prefill
+        replicas with a sliding or mixed model, or over several processes, ...), or anything a
+        single engine refuses.
     """
 
     def __init__(self, config: EngineConfig | None = None, *, replica_factory, model_config=None,
@@ -98,14 +100,13 @@ class DataParallelEngine:
 
             model_config, params, _ = load_any(config.model, dtype=config.dtype,
                                                max_model_len=config.max_model_len)
-        groups = split_devices(jax.devices() if devices is None else devices,
+        devices = jax.devices() if devices is None else devices
+        check_supported(config, model_config, processes=spans_processes(devices))
+        groups = split_devices(devices,
                                config.data_parallel_size, config.tensor_parallel_size,
                                model_config.num_kv_heads)
         one = dataclasses.replace(config, data_parallel_size=1, prefill_replicas=0)
         p = config.prefill_replicas
-        if p and recycling_window(model_config, config) is not None:
-            raise ValueError(f"prefill_replicas={p}: a model whose every layer slides recycles "
-                             f"blocks behind its window; hand-over does not move those")
         # A prefill replica reads each step back before scheduling the next (module docstring).
         prefill = dataclasses.replace(one, async_scheduling=False)
         self.roles = ["prefill"] * p + ["decode"] * (len(groups) - p) if p else ["both"] * len(groups)
@@ -113,8 +114,6 @@ class DataParallelEngine:
         self.replicas = [replica_factory(prefill if role == "prefill" else one,
                                          model_config=model_config, params=params, devices=g)
                          for g, role in zip(groups, self.roles)]
-        if p and any(r.leader is not None for r in self.replicas):
-            raise ValueError(f"prefill_replicas={p} runs in one process (devices of one host)")
         first = self.replicas[0]
         self.model_config, self.tokenizer, self.page_size = (
             first.model_config, first.tokenizer, first.page_size)

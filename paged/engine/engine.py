@@ -27,6 +27,7 @@ import numpy as np
 
 from paged.accounting.kv_stats import kv_stats
 from paged.config.engine_config import EngineConfig, engine_config, warn_long_window
+from paged.config.support import check_supported
 from paged.engine import multihost
 from paged.engine.device_step import apply_copies, compile_shapes, make_step_fn
 from paged.engine.generate import generate
@@ -112,6 +113,10 @@ class Engine:
         if model_config.vocab_size < self.tokenizer.vocab_size:
             raise ValueError(f"model vocab_size={model_config.vocab_size} < tokenizer's "
                              f"{self.tokenizer.vocab_size}")
+        self.placement = placement = Placement.for_replica(
+            model_config.num_kv_heads, config.tensor_parallel_size, mesh=mesh, devices=devices)
+        check_supported(config, model_config,
+                        processes=multihost.spans_processes(placement.devices))
         self._freed_pages: list[int] = []
         self.core = core = HostCore(
             config, tokenizer=tokenizer, vocab_size=model_config.vocab_size,
@@ -123,14 +128,9 @@ class Engine:
             kv_groups=(kv_groups := kv_group_layout(model_config, config)))
         page_size, num_pages, host_blocks = core.page_size, core.num_pages, core.host_blocks
         self._inflight: InFlight | None = None  # the step dispatched and not read back yet
-        self.placement = placement = Placement.for_replica(
-            model_config.num_kv_heads, config.tensor_parallel_size, mesh=mesh, devices=devices)
         # A multi-process engine's role (paged.engine.multihost): process 0 leads (``leader``), the
         # others follow (``follower``: this process's index).
         self.leader, self.follower = multihost.role(placement, config, core.pages_per_seq)
-        if kv_groups is not None and (self.leader is not None or self.follower is not None):
-            raise ValueError("a model with full and sliding layers (KV-cache groups) is not "
-                             "served across processes yet")
         # May be switched between steps; speculation proposes from the last step's tokens.
         self.async_scheduling = config.async_scheduling and config.speculative is None
         self.speculator = None if config.speculative is None else Speculator(

@@ -15,10 +15,10 @@ arrays (the step's ``DeviceBatch``, or the pages to copy and poison). All proces
 same jitted call over the global mesh. The step's sampled tokens come out fully replicated, so
 process 0 reads them from its own devices; no KV ever crosses to the host.
 
-Not supported across processes (``ValueError`` at construction): ``preemption_mode="swap"``
-(the swapped pages would have to be gathered from every process's devices) and speculative
-decoding (its proposals are host state of process 0 fed to a second model); data-parallel
-replicas inside a multi-process engine are not built either. ``initialize`` is a thin wrapper of
+Not supported across processes (``ValueError`` at construction, `paged.config.support`'s
+table): ``preemption_mode="swap"``, speculative decoding, the host tier, KV-cache groups and
+prefill/decode replicas; data-parallel replicas inside a multi-process engine are not built
+either. ``initialize`` is a thin wrapper of
 ``jax.distributed.initialize`` that selects gloo collectives on CPU.
 """
 
@@ -51,26 +51,13 @@ def spans_processes(devices) -> bool:
     return any(d.process_index != me for d in devices)
 
 
-def check_config(config) -> None:
-    """The settings a multi-process engine refuses (see the module docstring)."""
-    if config.preemption_mode == "swap":
-        raise ValueError("preemption_mode='swap' is not supported when the engine's devices span "
-                         "processes (use 'recompute')")
-    if config.speculative is not None:
-        raise ValueError("speculative decoding is not supported when the engine's devices span "
-                         "processes")
-    if config.host_kv_cache_bytes:
-        raise ValueError("host_kv_cache_bytes is not supported when the engine's devices span "
-                         "processes")
-
-
 def role(placement, config, pages_per_seq: int):
     """``(leader, follower)`` of an engine on ``placement``: ``(Leader, None)`` on process 0 of a
     multi-process engine, ``(None, process index)`` on the others, ``(None, None)`` when the
-    devices are all this process's. Refused settings raise ``ValueError`` (``check_config``)."""
+    devices are all this process's. The settings refused across processes are
+    `paged.config.support`'s (``Engine`` checks them before it gets here)."""
     if not spans_processes(placement.devices):
         return None, None
-    check_config(config)
     if jax.process_index() == 0:
         return Leader(pages_per_seq), None
     return None, jax.process_index()
@@ -176,5 +163,5 @@ def stop_followers(engine) -> None:
     engine.leader.stop()
 
 
-__all__ = ["Leader", "check_config", "follow", "initialize", "role", "spans_processes",
+__all__ = ["Leader", "follow", "initialize", "role", "spans_processes",
            "stop_followers"]

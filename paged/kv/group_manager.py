@@ -28,7 +28,7 @@ that must be taken once for all of them:
 
 Swap moves every group's live blocks to one pool of host slots (all or nothing) and back;
 speculative lookahead reserves slots in every group after one capacity check, and rollback
-drops them in every group. Not built (refused by `paged.kv.groups.kv_group_layout`):
+drops them in every group. Not built (refused by `paged.config.support`):
 a draft model (its KV would need the grouped layout too), the host tier, disaggregated
 replicas, ``run_decode_steps``.
 """

@@ -73,23 +73,10 @@ def kv_group_layout(model, engine) -> KVGroupLayout | None:
       model: the model's ``LlamaConfig``.
       engine: the ``EngineConfig``.
 
-    Raises:
-      ValueError: a setting the grouped pool does not serve yet (a draft model, the host
-        tier, disaggregated replicas).
+    The settings the grouped pool does not serve yet (a draft model, the host tier,
+    disaggregated replicas, several processes) are refused by `paged.config.support`.
     """
     windows = model.layer_windows
     if engine.kv_layout != "paged" or None not in windows or len(set(windows)) == 1:
         return None
-    layout = KVGroupLayout.of(windows)
-    spec = engine.speculative
-    refused = {
-        "speculative method='draft'": spec is not None and spec.method == "draft",
-        "host_kv_cache_bytes > 0": engine.host_kv_cache_bytes > 0,
-        "prefill_replicas > 0": engine.prefill_replicas > 0,
-    }
-    for name, on in refused.items():
-        if on:
-            raise ValueError(f"{name} is not supported yet for a model with full and sliding "
-                             f"layers (KV-cache groups, windows {layout.windows}); use "
-                             "kv_layout='contiguous' or turn it off")
-    return layout
+    return KVGroupLayout.of(windows)

@@ -21,7 +21,9 @@ default false), ``--log_level``. ``--model`` also accepts ``random-small`` (a sm
 random-weight model, for tests).
 
 A bad flag or value (an unknown flag, ``--max_num_seqs 0``, ``--dtype float8``) ends in one line
-on stderr naming it, exit status 2, before any model is loaded.
+on stderr naming it, exit status 2, before any model is loaded. A fatal engine error while
+serving (the engine raised) is logged and ends the process with exit status 1 (`run_server`):
+a server whose engine died does not stay up answering 503.
 """
 
 from __future__ import annotations
@@ -204,8 +206,6 @@ def main(argv: list[str] | None = None) -> None:
     config, ns = parse_args(argv)
     import logging
 
-    import uvicorn
-
     from paged.server.app import ServerSettings, build_app
 
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -238,10 +238,37 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{PROG}: serving {settings.served_model_name} on http://{ns.host}:{ns.port} "
           f"(max_num_seqs={config.max_num_seqs}, max_model_len={config.max_model_len})",
           file=sys.stderr, flush=True)
-    server = _graceful_server_class()(uvicorn.Config(app, host=ns.host, port=ns.port,
-                                            log_level=ns.log_level, access_log=False))
-    server.engine_loop = app.state.loop
+    run_server(app, host=ns.host, port=ns.port, log_level=ns.log_level)
+
+
+# After a fatal engine error: the seconds a graceful shutdown may take before the process ends.
+FATAL_EXIT_GRACE_S = 5.0
+
+
+def run_server(app, *, host: str, port: int, log_level: str = "info") -> None:
+    """Serves ``app`` (`paged.server.app.build_app`) with uvicorn until SIGTERM (exit 0) or a
+    fatal engine error: then every stream has got its error, the server stops and the process
+    exits with status 1 (after ``FATAL_EXIT_GRACE_S`` at most), the error logged."""
+    import threading
+
+    import uvicorn
+
+    server = _graceful_server_class()(uvicorn.Config(app, host=host, port=port,
+                                                     log_level=log_level, access_log=False))
+    server.engine_loop = engine_loop = app.state.loop
+
+    def fatal(error: BaseException) -> None:
+        print(f"{PROG}: the engine failed ({type(error).__name__}: {error}); exiting with "
+              f"status 1", file=sys.stderr, flush=True)
+        server.should_exit = True
+        timer = threading.Timer(FATAL_EXIT_GRACE_S, os._exit, (1,))  # a shutdown that hangs
+        timer.daemon = True
+        timer.start()
+
+    engine_loop.on_fatal = fatal
     server.run()
+    if engine_loop.error is not None:
+        sys.exit(1)
     if server.terminated:
         print(f"{PROG}: shut down on SIGTERM ({server.in_flight} requests in flight were ended "
               f"with a final error event)", file=sys.stderr, flush=True)

@@ -9,7 +9,8 @@ server its config and tokenizer (pickled, once), then loop:
 3. send the step's outputs as deltas plus the gauges the server's metrics need (`paged.server.wire`).
 
 It stops on ``["stop"]``, when the server's end of the socket goes away for good (it checks that
-its parent is alive every second while idle), or after an engine error, which it reports first.
+its parent is alive every second while idle), or after an engine error, which it reports first
+(then with exit status 1).
 """
 
 from __future__ import annotations
@@ -54,15 +55,19 @@ def run_core(config, cmd_addr: str, out_addr: str, replica: tuple[int, int] | No
         ctx.term()
         return
     outs.send(pickle.dumps(("hello", engine.config, engine.model_config, engine.tokenizer)))
+    failed = False
     try:
         _loop(engine, cmds, outs, parent)
     except BaseException as e:  # noqa: BLE001
         traceback.print_exc(file=sys.stderr)
         outs.send(wire.pack(["error", f"{type(e).__name__}: {e}"]))
+        failed = True
     finally:
         cmds.close(linger=0)
         outs.close()
         ctx.term()
+    if failed:
+        sys.exit(1)  # the core's exit status says it failed (the server exits 1 as well)
 
 
 def _loop(engine, cmds, outs, parent: int) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import zmq
 
+from paged.config.support import check_supported
 from paged.fleet.routing import Router
 from paged.router.backends import PrefixTree
 from paged.server.core_client import EngineCoreClient
@@ -75,9 +76,7 @@ class CoreReplicas:
         d = config.data_parallel_size
         if d < 2:
             raise ValueError(f"data_parallel_size={d}: use EngineCoreClient for one core")
-        if config.prefill_replicas:  # a hand-over moves device arrays within one process
-            raise ValueError(f"prefill_replicas={config.prefill_replicas} needs the replicas in "
-                             f"one process: serve without engine-core processes")
+        check_supported(config, engine_processes=True)
         self.clients: list[EngineCoreClient] = []
         try:
             for i in range(d):

@@ -16,6 +16,11 @@ per step; the stream appends them), ``info`` (prompt tokens, cached tokens) on t
 and the request's ``prompt_logprobs`` (`paged.request.outputs.RequestOutput.prompt_logprobs`)
 when the stream asked for them, else None; or ``("error", tag, ApiError)``.
 
+A fatal engine error (the engine raised from the loop thread) ends every stream with a 500
+error, then calls ``on_fatal(error)`` when it is set: ``python -m paged.server``
+(`paged.server.cli.run_server`) sets it to stop and exit the process with status 1, so a
+supervisor restarts a server whose engine died instead of it answering 503 forever.
+
 Back-pressure: at most ``max_waiting`` requests wait (accepted by the server but not running:
 commands not applied yet plus the engine's waiting queue); `submit` refuses more with a 503
 ApiError instead of queueing without bound.
@@ -29,6 +34,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from paged.request.outputs import OutputDeltas
@@ -81,6 +87,8 @@ class EngineLoop:
         self._engine_waiting = 0  # the engine's waiting sequences after the last step
         self._stopping = False
         self.error: BaseException | None = None  # set if the engine raised; the loop then stops
+        # Called from the loop thread with the error once the streams have theirs (see above).
+        self.on_fatal: Callable[[BaseException], None] | None = None
         self._live: dict[str, tuple[Stream, int]] = {}  # loop thread only
         self._deltas = OutputDeltas()  # what each live request's stream was handed (loop thread)
         self._thread = threading.Thread(target=self._run, name="paged-engine-loop", daemon=True)
@@ -184,6 +192,8 @@ class EngineLoop:
                 f"engine stopped: {self.error}" if self.error else "server shutting down",
                 status=500 if self.error else 503, type="server_error",
                 code="engine_error" if self.error else "shutting_down"))
+            if self.error is not None and self.on_fatal is not None:
+                self.on_fatal(self.error)
 
     def _update_metrics(self) -> None:
         with self._cond:

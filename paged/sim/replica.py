@@ -48,6 +48,7 @@ from bisect import bisect_left, bisect_right
 import numpy as np
 
 from paged.config.engine_config import EngineConfig
+from paged.config.support import check_supported
 from paged.fleet.routing import cached_prefix_tokens
 from paged.models.config import recycling_window
 from paged.models.tokenizer import ByteTokenizer
@@ -133,8 +134,9 @@ class SimReplica:
         self.step_model = step_model
         self.tokenizer = ByteTokenizer()
         self.model_config = model_config or _Dims(self.tokenizer.vocab_size, "byte")
-        # W when every layer slides (the engine's rule and errors: window shorter than a block,
-        # cascade attention); the shape counts in-window reads under any KV layout.
+        # The engine's refusals (paged.config.support), then W when every layer slides (the
+        # engine's rule); the shape counts in-window reads under any KV layout.
+        check_supported(config, self.model_config, prefill_decode=role != "both")
         self.window = recycling_window(self.model_config, config)
         self._tier = SimTier.build(config, self.model_config, host_link)
         self.core = core = HostCore(
