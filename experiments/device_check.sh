@@ -32,7 +32,8 @@
 #            the same requests with RooflineStepModel at H200 figures (what every simulated result
 #            uses) and with this device's measured copy bandwidth; p50/p99 TTFT and TPOT side by
 #            side with relative errors. Never run on a device yet (estimate: ~1 min of serving plus
-#            compiles); up to T_SIMVAL (300 s). CPU dry run, under a minute:
+#            compiles); up to T_SIMVAL (300 s). CPU dry run (29 s here on 2026-12-06; its numbers
+#            mean nothing: a CPU engine against H200 figures):
 #              STAGES=simval DEVICE_CHECK_SMOKE=1 OUT=/tmp/sv PYTHON=.venv/bin/python \
 #                bash experiments/device_check.sh
 #   summary  key numbers and every error's head to stdout and $OUT/summary.txt
