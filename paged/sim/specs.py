@@ -35,7 +35,7 @@ class DeviceSpec:
 
 
 # H200 (one chip). Bandwidth: the 3.1 TB/s that a jitted copy reached on the machine itself
-# (experiments/results/h200/README.md), not the 4.8 TB/s datasheet peak: a decode step is a
+# (experiments/results/archive/h200/README.md), not the 4.8 TB/s datasheet peak: a decode step is a
 # stream over weights and KV, and the copy is the best stream measured there (our paged decode
 # kernel reached 83 % of it). FLOP/s: 989 TFLOP/s dense bf16 (datasheet) at 60 % efficiency, an
 # assumption for large GEMMs (not measured here). Host: the measured engine host time per step on

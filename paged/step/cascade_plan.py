@@ -36,7 +36,7 @@ class CascadeCost:
     Defaults measured for the "xla" path on CPU only (GPU and TPU were not measured; their
     crossover may differ: the opt-in ``cascade`` stage of ``experiments/device_check.sh`` is the
     H200 measurement, not run yet), by
-    ``experiments/cascade.py`` (committed run: ``experiments/results/cascade/cascade.json``, JAX
+    ``experiments/cascade.py`` (committed run: ``experiments/results/archive/cascade/cascade.json``, JAX
     0.10.2 on 2 shared CPU cores, one group per step, groups of 1-16 sharing 64-1,024 tokens with
     16-token suffixes, Hq=8, Hkv=2, D=64, page 16, float32). The study fits
     ``t_cascade - t_ordinary = a - b * saved`` over the 20 points with two or more members
