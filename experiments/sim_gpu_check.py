@@ -1,5 +1,5 @@
 """The roofline checked on a device: one real trace window served by the real engine here, and the
-same window simulated with `paged.sim.step_model.RooflineStepModel`.
+same window simulated with `paged.sim.roofline.RooflineStepModel`.
 
 Every LLM-scale number in ``experiments/results/`` is priced by the roofline at H200 figures and
 was never compared with a GPU serving run. This study is that comparison, on whatever device it

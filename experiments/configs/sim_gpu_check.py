@@ -31,7 +31,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         azure="conv", window=(1200.0, 1260.0), time_scale=1.0, length_scale=1.0, seed=0,
         system_prompt_len=0))
     c.max_drain_s = 60.0  # after the last arrival, how long the real run may take to finish
-    # The simulator's device: "H200" (paged.sim.step_model.H200, exactly what the fleet studies
+    # The simulator's device: "H200" (paged.sim.specs.H200, exactly what the fleet studies
     # use) and the same figures with this device's copy bandwidth measured first ("measured").
     c.copy_bytes = 1 << 30  # array size of the copy that measures bandwidth (read + write)
     c.output_dir = ""

@@ -79,7 +79,7 @@ class Handover:
 
     Args:
       link: the link the KV crosses.
-      model: a ``paged.sim.step_model.ModelDims`` with the KV storage of the engine
+      model: a ``paged.sim.specs.ModelDims`` with the KV storage of the engine
         (``ModelDims.with_kv_cache(config)``): its layers, KV heads, head size and bytes per value.
     """
 

@@ -94,7 +94,7 @@ class SimReplica:
       config: the engine settings (``async_scheduling`` is ignored: steps are serial).
       step_model: seconds per step from its shape.
       model_config: an object with ``vocab_size``, ``layer_windows`` and ``to_dict()`` (a
-        ``LlamaConfig`` or a ``paged.sim.step_model.ModelDims``); it enters the prefix-cache salt
+        ``LlamaConfig`` or a ``paged.sim.specs.ModelDims``); it enters the prefix-cache salt
         as in the engine, and a model whose every layer slides (``recycling_window``) has its
         blocks recycled behind the window by the real block manager, and its steps' shapes count
         only in-window KV (``step_shape``; fast-forward is off: ``run_decode_steps`` does not
