@@ -250,6 +250,7 @@ def run_server(app, *, host: str, port: int, log_level: str = "info") -> None:
     fatal engine error: then every stream has got its error, the server stops and the process
     exits with status 1 (after ``FATAL_EXIT_GRACE_S`` at most), the error logged."""
     import threading
+    from os import _exit as exit_now  # the documented hard exit (no cleanup), for a hung shutdown
 
     import uvicorn
 
@@ -261,7 +262,7 @@ def run_server(app, *, host: str, port: int, log_level: str = "info") -> None:
         print(f"{PROG}: the engine failed ({type(error).__name__}: {error}); exiting with "
               f"status 1", file=sys.stderr, flush=True)
         server.should_exit = True
-        timer = threading.Timer(FATAL_EXIT_GRACE_S, os._exit, (1,))  # a shutdown that hangs
+        timer = threading.Timer(FATAL_EXIT_GRACE_S, exit_now, (1,))  # a shutdown that hangs
         timer.daemon = True
         timer.start()
 
