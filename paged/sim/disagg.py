@@ -1,5 +1,6 @@
-"""The event loop of a disaggregated fleet: P prefill replicas hand each prompt's KV to D - P
-decode replicas over a link (``Simulator(..., prefill_replicas=P, handover=...)``).
+"""A disaggregated fleet as a policy of the simulator's event loop (``paged.sim.event_loop``):
+P prefill replicas hand each prompt's KV to D - P decode replicas over a link
+(``Simulator(..., prefill_replicas=P, handover=...)``).
 
 A request's life, in simulated time:
 
@@ -44,18 +45,12 @@ Parallel samples (``n > 1``) are not modelled here (a ValueError before the run)
 from __future__ import annotations
 
 import collections
-import heapq
 import math
-import time
-from collections.abc import Callable, Mapping
 
 from paged.request.checks import derive_seed
 from paged.request.sampling import SamplingParams
 from paged.request.sequence import UNKNOWN, Sequence
-from paged.sim.records import close_records, fleet_summary, record_of, rejected_record
 from paged.workload import metrics
-
-STEP, STRETCH, WAKE, TRANSFER = 1, 2, 0, 3
 
 
 class _Handover:
@@ -78,304 +73,189 @@ class _Handover:
                 "aborted": self.aborted}
 
 
-class DisaggregatedRun:
-    """One run of ``prefill`` and ``decode`` replicas (module docstring).
+class Disaggregated:
+    """The fleet policy of P prefill replicas (``replicas[:P]``) and decode replicas
+    (``replicas[P:]``), for ``paged.sim.event_loop.EventLoop`` (module docstring).
 
     Args:
-      prefill, decode: the replicas (``SimReplica`` with roles "prefill" and "decode").
-      router: routes arrivals among the prefill replicas.
+      num_prefill: P, the prefill replicas (arrivals are routed among them).
+      decode: the decode replicas (``SimReplica`` with role "decode").
       handover: prices each hand-over (``paged.sim.handover.Handover``).
-      idle_wake_s: as ``Simulator``'s.
       seed: the engine seed (unseeded requests' sampling seeds derive from it and the request's
         index in the workload, so both sides agree).
     """
 
-    def __init__(self, prefill, decode, router, handover, idle_wake_s: float, seed: int):
-        self.prefill, self.decode = list(prefill), list(decode)
-        self.reps = self.prefill + self.decode
-        self.router, self.handover = router, handover
-        self.wake, self.seed = idle_wake_s, seed
+    def __init__(self, num_prefill: int, decode, handover, seed: int):
+        self.num_routable = self.P = num_prefill
+        self.decode = list(decode)
+        self.handover, self.seed = handover, seed
+        self.hands: list[_Handover] = []
+        self.moving: dict[str, _Handover] = {}  # handed, not yet started on a decode replica
+        self.pending: collections.deque[_Handover] = collections.deque()
+        D = len(self.decode)
+        self.reserved = [0] * D  # hand-overs in flight to each decode replica
+        self.src_free = [0.0] * num_prefill  # each GPU's link is busy until then
+        self.dst_free = [0.0] * D
+        self.rot = 0
+        self.loop = None
 
-    def run(self, workload, *, aborts: Mapping[str, float] | None = None,
-            timeout_s: float | None = None, max_time_s: float = math.inf,
-            ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
-            on_progress: Callable[[int], None] | None = None) -> dict:
-        """Serves ``workload`` (``Simulator.run``'s arguments); returns ``SimResult``'s fields."""
-        wall0 = time.perf_counter()
-        specs = list(workload.requests)
+    def check(self, specs) -> None:
         bad = [s.request_id for s in specs if s.n != 1]
         if bad:
             raise ValueError(f"requests {bad[:5]} ask for n > 1 samples; a disaggregated "
                              "simulation models n = 1 only")
-        spec_of = {r.request_id: r for r in specs}
-        index_of = {r.request_id: k for k, r in enumerate(specs)}
-        abort_list = sorted((t, rid) for rid, t in (aborts or {}).items())
-        reps, P = self.reps, len(self.prefill)
-        D = len(self.decode)
-        routed = [0] * len(reps)
-        where: dict[str, tuple] = {}  # request id -> ("p", r) | ("h", handover) | ("d", r)
-        records: dict[str, metrics.RequestRecord] = {}
-        hands: list[_Handover] = []
-        pending: collections.deque[_Handover] = collections.deque()
-        reserved = [0] * D  # hand-overs in flight to each decode replica
-        src_free = [0.0] * P  # each GPU's link is busy until then
-        dst_free = [0.0] * D
-        heap: list = []
-        busy = [False] * len(reps)
-        stretching: set[int] = set()
-        order = 0
-        rot = 0
-        i = j = 0
-        n = len(specs)
-        inf = math.inf
-        t = 0.0
-        last_progress = 0
-        ho = self.handover
 
-        def push(when, r, kind, version):
-            nonlocal order
-            order += 1
-            heapq.heappush(heap, (when, order, r, kind, version))
+    def bind(self, loop) -> None:
+        self.loop = loop
 
-        def collect(r, outs, now):
-            for out in outs:
-                if not out.finished:
-                    continue
-                rid = out.request_id
-                spec = spec_of[rid]
-                if r < P and out.finish_reason == "length" and spec.output_len > 1:
-                    handed(r, out, now)
-                else:
-                    records[rid] = record_of(out, spec.prompt_len)
+    def params(self, spec, index: int) -> SamplingParams:
+        return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                              seed=derive_seed(self.seed, index))
 
-        def handed(r, out, now):
-            rid = out.request_id
-            prompt = out.prompt_token_ids
-            rep = reps[r]
-            rep.hold_prompt(rid, prompt)
-            spec = spec_of[rid]
-            deadline = None if timeout_s is None else out.arrival_time + timeout_s
-            h = _Handover(rid, spec, r, out, prompt, ho.nbytes(len(prompt), rep.page_size), now,
-                          deadline)
-            hands.append(h)
-            pending.append(h)
-            where[rid] = ("h", h)
+    # --- the prefill side -----------------------------------------------------------------------
+    def finished(self, r: int, out, now: float) -> bool:
+        """A prefill replica's request that sampled its first token joins the hand-over queue."""
+        spec = self.loop.spec_of[out.request_id]
+        if not (r < self.P and out.finish_reason == "length" and spec.output_len > 1):
+            return False
+        rid, prompt = out.request_id, out.prompt_token_ids
+        rep = self.loop.replicas[r]
+        rep.hold_prompt(rid, prompt)
+        timeout_s = self.loop.timeout_s
+        deadline = None if timeout_s is None else out.arrival_time + timeout_s
+        h = _Handover(rid, spec, r, out, prompt,
+                      self.handover.nbytes(len(prompt), rep.page_size), now, deadline)
+        self.hands.append(h)
+        self.pending.append(h)
+        self.moving[rid] = h
+        return True
 
-        def cut(r, now, ready):
-            stretching.discard(r)
-            end = reps[r].advance_to(now)
-            collect(r, reps[r].take_outputs(), now)
-            if end is None:
-                busy[r] = False
-                ready.append(r)
-            else:
-                push(end, r, STEP, reps[r].version)
+    def abort(self, rid: str, now: float) -> bool:
+        if rid in self.loop.records:
+            return True
+        h = self.moving.get(rid)
+        if h is None:
+            return False
+        if h.start_s is None:  # still waiting: freed at once
+            self.pending.remove(h)
+            self.loop.replicas[h.src].release_prompt(rid, 0)
+        else:  # mid-transfer: freed when the copy ends
+            h.aborted = True
+        self._dropped(h, "aborted", now)
+        return True
 
-        def load(d):
+    def _dropped(self, h: _Handover, status: str, now: float) -> None:
+        out = h.out
+        now = max(now, h.ready_s)
+        self.loop.records[h.rid] = metrics.RequestRecord(
+            request_id=h.rid, status=status, arrival_s=out.arrival_time,
+            first_scheduled_s=out.first_scheduled_time, first_token_s=out.first_token_time,
+            finish_s=now, token_times=tuple(out.token_times), prompt_len=h.spec.prompt_len,
+            output_len=len(out.token_ids), num_preemptions=out.num_preemptions,
+            num_cached_tokens=out.num_cached_tokens)
+
+    # --- placement and transfer -----------------------------------------------------------------
+    def _load(self, d: int) -> int:
+        rep = self.decode[d]
+        return rep.num_running + rep.num_waiting + self.reserved[d]
+
+    def _place(self, h: _Handover, now: float, ready: list) -> int | None:
+        """Reserves blocks for ``h`` on a decode replica; its index, or None."""
+        D, P, loop = len(self.decode), self.P, self.loop
+        for d in sorted(range(D), key=lambda d: (self._load(d), (d - self.rot) % D)):
             rep = self.decode[d]
-            return rep.num_running + rep.num_waiting + reserved[d]
-
-        def place(h, now, ready):
-            """Reserves blocks for ``h`` on a decode replica; its index, or None."""
-            nonlocal rot
-            order_ = sorted(range(D), key=lambda d: (load(d), (d - rot) % D))
-            for d in order_:
-                rep = self.decode[d]
-                if load(d) >= rep.config.max_num_seqs:
-                    continue
-                if P + d in stretching:
-                    cut(P + d, now, ready)
-                out = h.out
-                seq = Sequence(rep.new_seq_id(), h.rid, list(h.prompt) + [UNKNOWN], len(h.prompt),
-                               SamplingParams(max_tokens=h.spec.output_len, temperature=0.0,
-                                              ignore_eos=True,
-                                              seed=derive_seed(self.seed, index_of[h.rid])),
-                               derive_seed(self.seed, index_of[h.rid]), out.arrival_time,
-                               deadline=h.deadline)
-                seq.set_sampled(len(h.prompt), h.first, out.first_token_time)
-                seq.num_computed_tokens = len(h.prompt)
-                if not rep.reserve_received(seq):
-                    continue
-                seq.first_scheduled_time = out.first_scheduled_time
-                seq.first_token_time = out.first_token_time
-                seq.num_cached_tokens = out.num_cached_tokens
-                seq.num_preemptions = out.num_preemptions
-                h.seq, h.dst = seq, d
-                reserved[d] += 1
-                rot = (d + 1) % D
-                return d
-            return None
-
-        def dropped(h, status, now):
+            if self._load(d) >= rep.config.max_num_seqs:
+                continue
+            if P + d in loop.stretching:
+                loop.cut(P + d, now, ready)
             out = h.out
-            now = max(now, h.ready_s)
-            records[h.rid] = metrics.RequestRecord(
-                request_id=h.rid, status=status, arrival_s=out.arrival_time,
-                first_scheduled_s=out.first_scheduled_time, first_token_s=out.first_token_time,
-                finish_s=now, token_times=tuple(out.token_times), prompt_len=h.spec.prompt_len,
-                output_len=len(out.token_ids), num_preemptions=out.num_preemptions,
-                num_cached_tokens=out.num_cached_tokens)
+            seed = derive_seed(self.seed, loop.index_of[h.rid])
+            seq = Sequence(rep.new_seq_id(), h.rid, list(h.prompt) + [UNKNOWN], len(h.prompt),
+                           SamplingParams(max_tokens=h.spec.output_len, temperature=0.0,
+                                          ignore_eos=True, seed=seed),
+                           seed, out.arrival_time, deadline=h.deadline)
+            seq.set_sampled(len(h.prompt), h.first, out.first_token_time)
+            seq.num_computed_tokens = len(h.prompt)
+            if not rep.reserve_received(seq):
+                continue
+            seq.first_scheduled_time = out.first_scheduled_time
+            seq.first_token_time = out.first_token_time
+            seq.num_cached_tokens = out.num_cached_tokens
+            seq.num_preemptions = out.num_preemptions
+            h.seq, h.dst = seq, d
+            self.reserved[d] += 1
+            self.rot = (d + 1) % D
+            return d
+        return None
 
-        def try_handovers(now, ready):
-            while pending:
-                h = pending[0]
-                if h.deadline is not None and now >= h.deadline:
-                    pending.popleft()
-                    reps[h.src].release_prompt(h.rid, 0)
-                    dropped(h, "timeout", now)
-                    continue
-                d = place(h, now, ready)
-                if d is None:
-                    return
+    def _try_handovers(self, now: float, ready: list) -> None:
+        """The queue's head, then the next, ... go to decode replicas while one has room."""
+        pending, reps = self.pending, self.loop.replicas
+        while pending:
+            h = pending[0]
+            if h.deadline is not None and now >= h.deadline:
                 pending.popleft()
-                h.start_s = max(now, src_free[h.src], dst_free[d])
-                h.end_s = h.start_s + ho.time(h.nbytes)
-                src_free[h.src] = dst_free[d] = h.end_s
-                push(h.end_s, -1, TRANSFER, h)
-
-        def arrived(h, now, ready):
-            d = h.dst
-            r = P + d
-            reserved[d] -= 1
-            if h.aborted:
-                self.decode[d].cancel_received(h.seq)
                 reps[h.src].release_prompt(h.rid, 0)
+                self._dropped(h, "timeout", now)
+                continue
+            d = self._place(h, now, ready)
+            if d is None:
                 return
-            if r in stretching:
-                cut(r, now, ready)
-            reps[h.src].release_prompt(h.rid, h.nbytes)
-            self.decode[d].start_received(h.seq, h.nbytes)
-            where[h.rid] = ("d", r)
-            routed[r] += 1
-            wake_up(r, now, ready)
+            pending.popleft()
+            h.start_s = max(now, self.src_free[h.src], self.dst_free[d])
+            h.end_s = h.start_s + self.handover.time(h.nbytes)
+            self.src_free[h.src] = self.dst_free[d] = h.end_s
+            self.loop.push_policy(h.end_s, h)
 
-        def wake_up(r, now, ready):
-            if not busy[r]:
-                if self.wake:
-                    busy[r] = True
-                    push(now + self.wake, r, WAKE, reps[r].version)
-                else:
-                    ready.append(r)
+    def on_event(self, h: _Handover, now: float, ready: list) -> None:
+        """``h``'s transfer ended: the request joins its decode replica (or both sides' blocks
+        are freed if it was aborted meanwhile)."""
+        loop = self.loop
+        d = h.dst
+        r = self.P + d
+        self.reserved[d] -= 1
+        if h.aborted:
+            self.decode[d].cancel_received(h.seq)
+            loop.replicas[h.src].release_prompt(h.rid, 0)
+            return
+        if r in loop.stretching:
+            loop.cut(r, now, ready)
+        loop.replicas[h.src].release_prompt(h.rid, h.nbytes)
+        self.decode[d].start_received(h.seq, h.nbytes)
+        del self.moving[h.rid]
+        loop.where[h.rid] = r
+        loop.routed[r] += 1
+        loop.wake_up(r, now, ready)
 
-        def begin_ready(ready, t):
-            """Every free replica of ``ready`` with work begins its next step (or stretch)."""
-            for r in dict.fromkeys(ready):
-                if busy[r]:
-                    continue
-                rep = reps[r]
-                while rep.has_unfinished_requests() or rep.has_unreported_aborts:
-                    end = rep.plan(t) if r >= P else None
-                    if end is not None:
-                        push(end, r, STRETCH, rep.version)
-                        busy[r] = True
-                        stretching.add(r)
-                        break
-                    dur, outs = rep.begin(t)
-                    collect(r, outs, t)
-                    if dur is not None:
-                        push(t + dur, r, STEP, rep.version)
-                        busy[r] = True
-                        break
+    def before_begin(self, now: float, ready: list) -> None:
+        if self.pending:
+            self._try_handovers(now, ready)
 
-        while True:
-            t_arr = specs[i].arrival_s if i < n else inf
-            t_ab = abort_list[j][0] if j < len(abort_list) else inf
-            t_ev = heap[0][0] if heap else inf
-            t = min(t_arr, t_ab, t_ev)
-            if t == inf or t > max_time_s:
-                break
-            ready = []
-            while heap and heap[0][0] == t:
-                _, _, r, kind, version = heapq.heappop(heap)
-                if kind == TRANSFER:
-                    arrived(version, t, ready)
-                    continue
-                rep = reps[r]
-                if version != rep.version:
-                    continue
-                if kind == STEP:
-                    collect(r, rep.finish(t), t)
-                elif kind == STRETCH:
-                    stretching.discard(r)
-                    if rep.advance_to(t) is not None:
-                        raise RuntimeError(f"{rep.name}: a stretch ended with a step in flight")
-                    collect(r, rep.take_outputs(), t)
-                busy[r] = False
-                ready.append(r)
-            while i < n and specs[i].arrival_s <= t:
-                spec = specs[i]
-                i += 1
-                prompt = spec.engine_prompt()
-                r = 0
-                if P > 1:
-                    ids = reps[0].tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-                    r = self.router.route(ids, self.prefill)
-                params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
-                                        seed=derive_seed(self.seed, i - 1))
-                try:
-                    reps[r].add_request(spec.request_id, prompt, params,
-                                        arrival_time=spec.arrival_s, timeout_s=timeout_s)
-                except ValueError:
-                    records[spec.request_id] = rejected_record(spec, spec.arrival_s)
-                    continue
-                routed[r] += 1
-                where[spec.request_id] = ("p", r)
-                wake_up(r, t, ready)
-            while j < len(abort_list) and abort_list[j][0] <= t:
-                rid = abort_list[j][1]
-                j += 1
-                if rid not in where or rid in records:
-                    continue
-                kind, at = where[rid]
-                if kind == "h":
-                    if at.start_s is None:  # still waiting: freed at once
-                        pending.remove(at)
-                        reps[at.src].release_prompt(rid, 0)
-                    else:  # mid-transfer: freed when the copy ends
-                        at.aborted = True
-                    dropped(at, "aborted", t)
-                    continue
-                if at in stretching:
-                    cut(at, t, ready)
-                reps[at].abort(rid, t)
-                if not busy[at]:
-                    ready.append(at)
-            if pending:
-                try_handovers(t, ready)
-            begin_ready(ready, t)
-            if pending:  # an abort or timeout a step began with may have made room
-                more = []
-                try_handovers(t, more)
-                begin_ready(more, t)
-            if on_progress is not None and len(records) - last_progress >= 256:
-                last_progress = len(records)
-                on_progress(last_progress)
-        for r in sorted(stretching):  # the time limit: the state at max_time_s
-            reps[r].advance_to(max_time_s, begin_at_t=True)
-            collect(r, reps[r].take_outputs(), max_time_s)
-        end = min(t, max_time_s) if t != inf else max(
-            [r.finish_s for r in records.values() if r.finish_s is not None], default=0.0)
-        for h in hands:  # unfinished hand-overs at the time limit
-            if h.rid not in records and (h.end_s is None or h.end_s > end):
+    def after_begin(self, now: float) -> None:
+        if self.pending:  # an abort or timeout a step began with may have made room
+            more: list = []
+            self._try_handovers(now, more)
+            self.loop.begin_ready(more, now)
+
+    # --- the end of the run ---------------------------------------------------------------------
+    def close(self, end: float) -> None:
+        for h in self.hands:  # unfinished hand-overs at the time limit
+            if h.rid not in self.loop.records and (h.end_s is None or h.end_s > end):
                 h.aborted = True
-                dropped(h, "aborted", end)
-        recs = close_records(reps, records, specs, end)
-        summary, stats, steps = fleet_summary(recs, reps, workload, ttft_slo_ms, tpot_slo_ms)
-        done = [h for h in hands if h.end_s is not None and not h.aborted]
+                self._dropped(h, "aborted", end)
+
+    def summarize(self, summary: dict) -> None:
+        done = [h for h in self.hands if h.end_s is not None and not h.aborted]
         secs = sorted(h.end_s - h.start_s for h in done)
         waits = sorted(h.start_s - h.ready_s for h in done)
         summary.update(
-            num_prefill_replicas=P, num_handovers=len(done), kv_transfer_bytes=sum(h.nbytes for h in done),
+            num_prefill_replicas=self.P, num_handovers=len(done),
+            kv_transfer_bytes=sum(h.nbytes for h in done),
             mean_transfer_ms=_ms(secs, None), p99_transfer_ms=_ms(secs, 0.99),
             mean_handover_wait_ms=_ms(waits, None), p99_handover_wait_ms=_ms(waits, 0.99))
-        if on_progress is not None:
-            on_progress(len(records))
-        schedule = [rep.schedule_log for rep in reps] if reps[0].schedule_log is not None \
-            else None
-        return {"records": recs, "summary": summary, "replicas": stats, "routed": routed,
-                "router": dict(self.router.num_routed), "wall_s": time.perf_counter() - wall0,
-                "sim_s": end, "num_steps": steps, "schedule": schedule,
-                "handovers": [h.as_dict() for h in hands]}
+
+    def records(self) -> list:
+        return [h.as_dict() for h in self.hands]
 
 
 def _ms(xs: list, q: float | None):
@@ -388,4 +268,4 @@ def _ms(xs: list, q: float | None):
     return 1e3 * xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
-__all__ = ["DisaggregatedRun"]
+__all__ = ["Disaggregated"]
