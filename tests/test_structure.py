@@ -173,7 +173,7 @@ def test_kv_format_names_agree_with_the_kernels():
 
 HOST_MODULES = ("paged.config", "paged.request.outputs", "paged.kv.block_manager",
                 "paged.kv.group_manager", "paged.step.scheduler", "paged.step.cascade_plan",
-                "paged.fleet.routing", "paged.workload", "paged.accounting")
+                "paged.fleet.routing", "paged.fleet.handover", "paged.workload", "paged.accounting")
 
 
 def test_host_modules_import_no_jax():

@@ -1,76 +1,77 @@
 """A disaggregated fleet as a policy of the simulator's event loop (``paged.sim.event_loop``):
 P prefill replicas hand each prompt's KV to D - P decode replicas over a link
-(``Simulator(..., prefill_replicas=P, handover=...)``).
+(``Simulator(..., prefill_replicas=P, handover=LinkTransport(link, model))``).
 
-A request's life, in simulated time:
+The hand-over is the engine's protocol (``paged.fleet.handover.HandOver``: park, place by its one
+rule, reserve all or nothing, transfer, start, or abandon) on the simulated replicas' host cores,
+with a priced link as its transport (``paged.sim.link_transport``). A request's life, in
+simulated time:
 
-1. **Prefill.** It is routed among the prefill replicas (the simulator's router: prefix-aware,
-   least loaded or round robin) and runs there as a request of one output token: the replica
-   computes its prompt in chunks and samples its first token (TTFT is that token's time, as a
-   client streaming from the prefill side sees it). A request of one output token ends here.
-2. **Waiting for a decode replica.** When the first token is read back, the request leaves the
-   prefill replica's schedule but its prompt's blocks stay held there (``SimReplica.hold_prompt``)
-   and it joins one FIFO queue of hand-overs. The head of the queue goes to the least loaded
-   decode replica (running + waiting + swapped + hand-overs in flight to it; ties by index from a
-   rotating start) that has a sequence slot (``max_num_seqs``) and room for the prompt's blocks
-   (``HostCore.reserve_received``: all or nothing); if none has, the head and everything behind
-   it wait (no overtaking, so nothing starves), holding their prefill-side blocks, and the queue
-   is tried again at every later event. The rule cannot deadlock: a decode replica's blocks are
-   freed by its own decodes, which never wait for the prefill side; its limit is head-of-line
-   blocking (a long prompt at the head holds back short ones that would fit).
-3. **Transfer.** Blocks are reserved on the decode side first, then the prompt's KV
-   (``Handover.nbytes``: ``M_KV`` of the prompt) crosses the link: it starts when the sending
-   and the receiving GPU are both free of earlier transfers (one at a time each way per GPU) and
-   takes ``Handover.time`` (latency + bytes / bandwidth). The prefill replica's steps go on
-   meanwhile (the copy overlaps them).
-4. **Decode.** At the transfer's end the held prefill-side blocks are freed (full ones stay in
-   that replica's prefix cache) and the request joins the decode replica running, its prompt
-   computed and its first token known (``HostCore.start_received``): its next step there decodes.
-   A decode replica preempted by a full pool recomputes (or swaps) as any replica does; a
-   recomputed prompt is counted in its ``num_prefill_tokens``.
+1. **Prefill.** It is routed among the prefill replicas (the simulator's router) and runs there:
+   the replica computes its prompt in chunks and samples its first token (TTFT is that token's
+   time, as a client streaming from the prefill side sees it). A request of one output token
+   ends here.
+2. **Park and place.** At the end of that step the request is parked on the prefill replica,
+   holding its blocks, and joins the FIFO queue; the queue's head goes to a decode replica that
+   fits it (nothing waiting or swapped there, a sequence slot with the hand-overs in flight to it
+   counted, room for the prompt's blocks) chosen by the decode side's router
+   (``EngineConfig.router`` of the decode replicas); if none fits, everything waits, and the
+   queue is tried again at every later event.
+3. **Transfer.** The decode replica reserves the prompt's blocks (its prefix-cache hits are not
+   sent); the KV of the other tokens crosses the link, starting when the sending and the
+   receiving GPU are both free of earlier transfers (one at a time each way per GPU), taking
+   ``LinkTransport.time`` (latency + bytes / bandwidth). The prefill replica's steps go on.
+4. **Decode.** At the transfer's end the prefill replica's held blocks are freed (full ones stay
+   in its prefix cache) and the request runs on the decode replica, its prompt computed and its
+   first token known: its next step there decodes.
 
-Aborts: on the prefill side or the decode side as in a colocated fleet; while waiting, at once
-(the held blocks are freed); mid-transfer, the request is reported aborted at once and both sides'
-blocks are freed when the transfer ends (the copy is ordered before any reuse). A request's timeout
-is checked by the replica that holds it and, while it waits, when it reaches the queue's head. The
-time limit aborts everything unfinished, hand-overs included.
+Aborts: on the prefill side (parked included) or the decode side as in a colocated fleet;
+mid-transfer, the request is reported aborted at once and both sides' blocks are freed when the
+transfer ends. The time limit aborts everything unfinished, transfers included.
 
-Each hand-over is recorded (``SimResult.handovers``): request, replicas, bytes, when the first
-token was ready, when the transfer began and ended. Decode replicas fast-forward stretches of pure
-decode steps as colocated ones do; a hand-over that reserves blocks on or joins a replica
-mid-stretch applies the stretch up to that moment first. Prefill replicas never fast-forward.
-Parallel samples (``n > 1``) are not modelled here (a ValueError before the run).
+Each hand-over is recorded (``SimResult.handovers``: ``HandOverRecord.as_dict``). Decode replicas
+fast-forward stretches of pure decode steps as colocated ones do; the protocol applies a
+stretch up to now before it reads or changes that replica (``HandOver(prepare=...)``). Prefill
+replicas never fast-forward. Parallel samples (``n > 1``) are not modelled here (a ValueError
+before the run).
 """
 
 from __future__ import annotations
 
-import collections
 import math
 
+from paged.fleet.handover import HandOver
+from paged.fleet.routing import Router
 from paged.request.checks import derive_seed
 from paged.request.sampling import SamplingParams
-from paged.request.sequence import UNKNOWN, Sequence
 from paged.workload import metrics
 
 
-class _Handover:
-    __slots__ = ("aborted", "deadline", "dst", "end_s", "first", "nbytes", "out", "prompt",
-                 "ready_s", "rid", "seq", "spec", "src", "start_s")
+class _Link:
+    """One run's link for ``HandOver``: one transfer at a time per sending and per receiving
+    GPU; each landing is an event of the loop."""
 
-    def __init__(self, rid, spec, src, out, prompt, nbytes, ready_s, deadline):
-        self.rid, self.spec, self.src, self.out, self.prompt = rid, spec, src, out, prompt
-        self.first = out.token_ids[0]
-        self.nbytes, self.ready_s, self.deadline = nbytes, ready_s, deadline
-        self.dst = self.seq = self.start_s = self.end_s = None
-        self.aborted = False
+    starts_on_dispatch = False
 
-    def as_dict(self) -> dict:
-        return {"request_id": self.rid, "prefill_replica": self.src, "decode_replica": self.dst,
-                "prompt_len": len(self.prompt), "bytes": self.nbytes, "ready_s": self.ready_s,
-                "start_s": self.start_s, "end_s": self.end_s,
-                "wait_s": None if self.start_s is None else self.start_s - self.ready_s,
-                "transfer_s": None if self.end_s is None else self.end_s - self.start_s,
-                "aborted": self.aborted}
+    def __init__(self, price, push):
+        self.price, self.push = price, push
+        self.src_free: dict[int, float] = {}
+        self.dst_free: dict[int, float] = {}
+
+    def nbytes(self, num_tokens: int, page_size: int) -> int:
+        return self.price.nbytes(num_tokens, page_size)
+
+    def send(self, flight, src, dst, src_pages, dst_pages, now: float) -> int:
+        rec = flight.record
+        rec.start_s = max(now, self.src_free.get(rec.source, 0.0),
+                          self.dst_free.get(rec.dest, 0.0))
+        end = rec.start_s + self.price.time(rec.bytes)
+        self.src_free[rec.source] = self.dst_free[rec.dest] = end
+        self.push(end, (flight, end))
+        return rec.bytes
+
+    def landed(self) -> list:
+        return []  # landings are the loop's events
 
 
 class Disaggregated:
@@ -79,25 +80,16 @@ class Disaggregated:
 
     Args:
       num_prefill: P, the prefill replicas (arrivals are routed among them).
-      decode: the decode replicas (``SimReplica`` with role "decode").
-      handover: prices each hand-over (``paged.sim.handover.Handover``).
+      transport: prices each hand-over (``paged.sim.link_transport.LinkTransport``).
       seed: the engine seed (unseeded requests' sampling seeds derive from it and the request's
-        index in the workload, so both sides agree).
+        index in the workload).
     """
 
-    def __init__(self, num_prefill: int, decode, handover, seed: int):
+    def __init__(self, num_prefill: int, transport, seed: int):
         self.num_routable = self.P = num_prefill
-        self.decode = list(decode)
-        self.handover, self.seed = handover, seed
-        self.hands: list[_Handover] = []
-        self.moving: dict[str, _Handover] = {}  # handed, not yet started on a decode replica
-        self.pending: collections.deque[_Handover] = collections.deque()
-        D = len(self.decode)
-        self.reserved = [0] * D  # hand-overs in flight to each decode replica
-        self.src_free = [0.0] * num_prefill  # each GPU's link is busy until then
-        self.dst_free = [0.0] * D
-        self.rot = 0
-        self.loop = None
+        self.transport, self.seed = transport, seed
+        self.loop = self.protocol = None
+        self._now, self._ready = 0.0, []
 
     def check(self, specs) -> None:
         bad = [s.request_id for s in specs if s.n != 1]
@@ -107,155 +99,97 @@ class Disaggregated:
 
     def bind(self, loop) -> None:
         self.loop = loop
+        reps, P = loop.replicas, self.P
+        cfg = reps[P].config
+        self.protocol = HandOver(
+            reps, ["prefill"] * P + ["decode"] * (len(reps) - P),
+            Router(cfg.router, cfg.router_load_threshold),
+            transport=_Link(self.transport, loop.push_policy), views=reps[P:],
+            prepare=self._prepare)
 
     def params(self, spec, index: int) -> SamplingParams:
-        return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+        return SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True,
                               seed=derive_seed(self.seed, index))
 
-    # --- the prefill side -----------------------------------------------------------------------
-    def finished(self, r: int, out, now: float) -> bool:
-        """A prefill replica's request that sampled its first token joins the hand-over queue."""
-        spec = self.loop.spec_of[out.request_id]
-        if not (r < self.P and out.finish_reason == "length" and spec.output_len > 1):
-            return False
-        rid, prompt = out.request_id, out.prompt_token_ids
-        rep = self.loop.replicas[r]
-        rep.hold_prompt(rid, prompt)
-        timeout_s = self.loop.timeout_s
-        deadline = None if timeout_s is None else out.arrival_time + timeout_s
-        h = _Handover(rid, spec, r, out, prompt,
-                      self.handover.nbytes(len(prompt), rep.page_size), now, deadline)
-        self.hands.append(h)
-        self.pending.append(h)
-        self.moving[rid] = h
-        return True
+    def _prepare(self, j: int) -> None:
+        """The protocol reads or changes decode replica ``j``: apply its stretch up to now."""
+        if j in self.loop.stretching:
+            self.loop.cut(j, self._now, self._ready)
+
+    def _place(self, now: float, ready: list) -> None:
+        self._now, self._ready = now, ready
+        self.protocol.place_parked(now)
+
+    # --- the loop's hooks -----------------------------------------------------------------------
+    def after_step(self, r: int, now: float) -> None:
+        if r < self.P:
+            self.protocol.park(r, now)
 
     def abort(self, rid: str, now: float) -> bool:
         if rid in self.loop.records:
             return True
-        h = self.moving.get(rid)
-        if h is None:
+        flight = self.protocol.abandon(rid)
+        if flight is None:
             return False
-        if h.start_s is None:  # still waiting: freed at once
-            self.pending.remove(h)
-            self.loop.replicas[h.src].release_prompt(rid, 0)
-        else:  # mid-transfer: freed when the copy ends
-            h.aborted = True
-        self._dropped(h, "aborted", now)
+        self._record(flight, "aborted", now)
         return True
 
-    def _dropped(self, h: _Handover, status: str, now: float) -> None:
-        out = h.out
-        now = max(now, h.ready_s)
-        self.loop.records[h.rid] = metrics.RequestRecord(
-            request_id=h.rid, status=status, arrival_s=out.arrival_time,
-            first_scheduled_s=out.first_scheduled_time, first_token_s=out.first_token_time,
-            finish_s=now, token_times=tuple(out.token_times), prompt_len=h.spec.prompt_len,
-            output_len=len(out.token_ids), num_preemptions=out.num_preemptions,
-            num_cached_tokens=out.num_cached_tokens)
-
-    # --- placement and transfer -----------------------------------------------------------------
-    def _load(self, d: int) -> int:
-        rep = self.decode[d]
-        return rep.num_running + rep.num_waiting + self.reserved[d]
-
-    def _place(self, h: _Handover, now: float, ready: list) -> int | None:
-        """Reserves blocks for ``h`` on a decode replica; its index, or None."""
-        D, P, loop = len(self.decode), self.P, self.loop
-        for d in sorted(range(D), key=lambda d: (self._load(d), (d - self.rot) % D)):
-            rep = self.decode[d]
-            if self._load(d) >= rep.config.max_num_seqs:
-                continue
-            if P + d in loop.stretching:
-                loop.cut(P + d, now, ready)
-            out = h.out
-            seed = derive_seed(self.seed, loop.index_of[h.rid])
-            seq = Sequence(rep.new_seq_id(), h.rid, list(h.prompt) + [UNKNOWN], len(h.prompt),
-                           SamplingParams(max_tokens=h.spec.output_len, temperature=0.0,
-                                          ignore_eos=True, seed=seed),
-                           seed, out.arrival_time, deadline=h.deadline)
-            seq.set_sampled(len(h.prompt), h.first, out.first_token_time)
-            seq.num_computed_tokens = len(h.prompt)
-            if not rep.reserve_received(seq):
-                continue
-            seq.first_scheduled_time = out.first_scheduled_time
-            seq.first_token_time = out.first_token_time
-            seq.num_cached_tokens = out.num_cached_tokens
-            seq.num_preemptions = out.num_preemptions
-            h.seq, h.dst = seq, d
-            self.reserved[d] += 1
-            self.rot = (d + 1) % D
-            return d
-        return None
-
-    def _try_handovers(self, now: float, ready: list) -> None:
-        """The queue's head, then the next, ... go to decode replicas while one has room."""
-        pending, reps = self.pending, self.loop.replicas
-        while pending:
-            h = pending[0]
-            if h.deadline is not None and now >= h.deadline:
-                pending.popleft()
-                reps[h.src].release_prompt(h.rid, 0)
-                self._dropped(h, "timeout", now)
-                continue
-            d = self._place(h, now, ready)
-            if d is None:
-                return
-            pending.popleft()
-            h.start_s = max(now, self.src_free[h.src], self.dst_free[d])
-            h.end_s = h.start_s + self.handover.time(h.nbytes)
-            self.src_free[h.src] = self.dst_free[d] = h.end_s
-            self.loop.push_policy(h.end_s, h)
-
-    def on_event(self, h: _Handover, now: float, ready: list) -> None:
-        """``h``'s transfer ended: the request joins its decode replica (or both sides' blocks
-        are freed if it was aborted meanwhile)."""
-        loop = self.loop
-        d = h.dst
-        r = self.P + d
-        self.reserved[d] -= 1
-        if h.aborted:
-            self.decode[d].cancel_received(h.seq)
-            loop.replicas[h.src].release_prompt(h.rid, 0)
+    def on_event(self, payload, now: float, ready: list) -> None:
+        """A transfer ended: the request starts on its decode replica (both sides' blocks are
+        freed instead if it was abandoned meanwhile)."""
+        flight, _ = payload
+        self._now, self._ready = now, ready
+        rec = flight.record
+        if not self.protocol.land(flight, now):
             return
-        if r in loop.stretching:
-            loop.cut(r, now, ready)
-        loop.replicas[h.src].release_prompt(h.rid, h.nbytes)
-        self.decode[d].start_received(h.seq, h.nbytes)
-        del self.moving[h.rid]
-        loop.where[h.rid] = r
-        loop.routed[r] += 1
-        loop.wake_up(r, now, ready)
+        reps, loop = self.loop.replicas, self.loop
+        reps[rec.source].note_transfer(rec.bytes)
+        reps[rec.dest].note_transfer(rec.bytes)
+        loop.where[rec.request_id] = rec.dest
+        loop.routed[rec.dest] += 1
+        loop.wake_up(rec.dest, now, ready)
 
     def before_begin(self, now: float, ready: list) -> None:
-        if self.pending:
-            self._try_handovers(now, ready)
+        if self.protocol.num_parked:
+            self._place(now, ready)
 
     def after_begin(self, now: float) -> None:
-        if self.pending:  # an abort or timeout a step began with may have made room
+        if self.protocol.num_parked:  # an abort or timeout a step began with may have made room
             more: list = []
-            self._try_handovers(now, more)
+            self._place(now, more)
             self.loop.begin_ready(more, now)
 
-    # --- the end of the run ---------------------------------------------------------------------
+    # --- records --------------------------------------------------------------------------------
+    def _record(self, flight, status: str, now: float) -> None:
+        seq, rec = flight.seqs[0], flight.record
+        self.loop.records[rec.request_id] = metrics.RequestRecord(
+            request_id=rec.request_id, status=status, arrival_s=seq.arrival_time,
+            first_scheduled_s=seq.first_scheduled_time, first_token_s=seq.first_token_time,
+            finish_s=max(now, rec.ready_s),
+            token_times=tuple(seq.token_times[:seq.num_output_tokens]),
+            prompt_len=self.loop.spec_of[rec.request_id].prompt_len,
+            output_len=seq.num_output_tokens, num_preemptions=seq.num_preemptions,
+            num_cached_tokens=seq.num_cached_tokens)
+
     def close(self, end: float) -> None:
-        for h in self.hands:  # unfinished hand-overs at the time limit
-            if h.rid not in self.loop.records and (h.end_s is None or h.end_s > end):
-                h.aborted = True
-                self._dropped(h, "aborted", end)
+        # Parked requests are in their prefill replica's table: the end aborts them there.
+        for rec in self.protocol.records:  # transfers unfinished at the time limit
+            if rec.end_s is None and rec.request_id not in self.loop.records:
+                rec.aborted = True
+                self._record(self.protocol.in_flight(rec.request_id), "aborted", end)
 
     def summarize(self, summary: dict) -> None:
-        done = [h for h in self.hands if h.end_s is not None and not h.aborted]
-        secs = sorted(h.end_s - h.start_s for h in done)
-        waits = sorted(h.start_s - h.ready_s for h in done)
+        done = [r for r in self.protocol.records if r.end_s is not None and not r.aborted]
+        secs = sorted(r.seconds for r in done)
+        waits = sorted(r.wait_s for r in done)
         summary.update(
             num_prefill_replicas=self.P, num_handovers=len(done),
-            kv_transfer_bytes=sum(h.nbytes for h in done),
+            kv_transfer_bytes=sum(r.bytes for r in done),
             mean_transfer_ms=_ms(secs, None), p99_transfer_ms=_ms(secs, 0.99),
             mean_handover_wait_ms=_ms(waits, None), p99_handover_wait_ms=_ms(waits, 0.99))
 
     def records(self) -> list:
-        return [h.as_dict() for h in self.hands]
+        return [r.as_dict() for r in self.protocol.records]
 
 
 def _ms(xs: list, q: float | None):

@@ -26,14 +26,13 @@ either way each replica's state at every event is the state stepping reaches (``
 compares records, schedules and block-manager counters).
 
 A fleet policy is an object with these members (``Colocated`` is the plain one;
-``paged.sim.disagg.Disaggregated`` hands prompts from prefill to decode replicas):
+``paged.sim.disagg.Disaggregated`` runs the hand-over protocol from prefill to decode replicas):
 
 * ``num_routable``: arrivals are routed among replicas ``0 .. num_routable - 1``;
 * ``check(specs)``: refuses a workload it cannot model (ValueError, before the run);
 * ``bind(loop)``: called once before the run with this loop;
 * ``params(spec, index)``: the ``SamplingParams`` a new request is added with;
-* ``finished(r, out, now) -> bool``: a finished output of replica ``r``; True if the policy
-  took it (the loop records it otherwise);
+* ``after_step(r, now)``: replica ``r`` read a step back (a prefill replica parks here);
 * ``abort(rid, now) -> bool``: True if the policy handled the client's abort itself;
 * ``on_event(payload, now, ready)``: one of its own heap events (``EventLoop.push_policy``);
 * ``before_begin(now, ready)``, ``after_begin(now)``: around step 4;
@@ -74,8 +73,8 @@ class Colocated:
                 max_tokens=spec.output_len, temperature=0.0, n=spec.n, ignore_eos=True)
         return params
 
-    def finished(self, r: int, out, now: float) -> bool:
-        return False
+    def after_step(self, r: int, now: float) -> None:
+        pass
 
     def abort(self, rid: str, now: float) -> bool:
         return False
@@ -146,9 +145,9 @@ class EventLoop:
         self.push(when, -1, POLICY, payload)
 
     def collect(self, r: int, outs, now: float) -> None:
-        policy, records, spec_of = self.policy, self.records, self.spec_of
+        records, spec_of = self.records, self.spec_of
         for out in outs:
-            if out.finished and not policy.finished(r, out, now):
+            if out.finished:
                 rid = out.request_id
                 records[rid] = record_of(out, spec_of[rid].prompt_len)
 
@@ -211,6 +210,7 @@ class EventLoop:
             self.touched.add(r)
             if kind == STEP:
                 self.collect(r, rep.finish(t), t)
+                self.policy.after_step(r, t)
             elif kind == STRETCH:
                 self.stretching.discard(r)
                 if rep.advance_to(t) is not None:

@@ -19,7 +19,7 @@ from paged.config.engine_config import EngineConfig
 from paged.fleet.routing import Router
 from paged.sim.disagg import Disaggregated
 from paged.sim.event_loop import Colocated, run_fleet
-from paged.sim.handover import Handover
+from paged.sim.link_transport import LinkTransport
 from paged.sim.records import EVIDENCE, STATUS, record_of, rejected_record
 from paged.sim.replica import SimReplica
 from paged.sim.step_model import StepTimeModel
@@ -95,7 +95,7 @@ class Simulator:
         prompt's KV is handed over (``paged.sim.disagg``). 0: colocated replicas. Default
         ``config.prefill_replicas`` (the engine's own setting). ``step_model``
         as a callable gives each role its own model (by replica index).
-      handover: a ``paged.sim.handover.Handover`` (link and model), required when P > 0.
+      handover: a ``paged.sim.link_transport.LinkTransport`` (link and model), required when P > 0.
       decode_config: the decode replicas' ``EngineConfig`` (default ``config``); P > 0 only.
       host_link: the host-device link pricing each replica's host KV tier
         (``config.host_kv_cache_bytes > 0``; ``paged.sim.host_link``, default PCIe Gen5 x16).
@@ -105,7 +105,7 @@ class Simulator:
                  *, num_replicas: int | None = None, router: Router | None = None,
                  model_config=None, build_device: bool = True, record_schedule: bool = False,
                  idle_wake_s: float = 0.0, fast_forward: bool = True,
-                 prefill_replicas: int | None = None, handover: Handover | None = None,
+                 prefill_replicas: int | None = None, handover: LinkTransport | None = None,
                  decode_config: EngineConfig | None = None, host_link=None):
         if prefill_replicas is None:  # the engine's own setting: EngineConfig(D, prefill_replicas=P)
             prefill_replicas = config.prefill_replicas
@@ -148,7 +148,7 @@ class Simulator:
         no reference cycles worth collecting, and its passes over the growing records made the
         wall time grow faster than the request count)."""
         P = self.prefill_replicas
-        policy = Disaggregated(P, self.replicas[P:], self.handover, self.config.seed) if P \
+        policy = Disaggregated(P, self.handover, self.config.seed) if P \
             else Colocated(len(self.replicas))
         enabled = gc.isenabled()
         gc.disable()
@@ -164,7 +164,7 @@ class Simulator:
 
 
 def check_roles(num_replicas: int, prefill_replicas, handover, decode_config) -> None:
-    """``Simulator``'s disaggregation settings: 0 <= P < num_replicas; a ``Handover`` exactly
+    """``Simulator``'s disaggregation settings: 0 <= P < num_replicas; a ``LinkTransport`` exactly
     when P > 0; ``decode_config`` only then (ValueError / TypeError before anything is built)."""
     P = prefill_replicas
     if isinstance(P, bool) or not isinstance(P, int) or P < 0:
@@ -175,8 +175,8 @@ def check_roles(num_replicas: int, prefill_replicas, handover, decode_config) ->
     if not P and (handover is not None or decode_config is not None):
         raise ValueError("handover / decode_config set with prefill_replicas=0: roles need "
                          "prefill_replicas >= 1")
-    if P and not isinstance(handover, Handover):
-        raise TypeError(f"prefill_replicas={P} needs handover=Handover(link, model), got "
+    if P and not isinstance(handover, LinkTransport):
+        raise TypeError(f"prefill_replicas={P} needs handover=LinkTransport(link, model), got "
                         f"{type(handover).__name__}")
     if decode_config is not None and not isinstance(decode_config, EngineConfig):
         raise TypeError(f"decode_config must be an EngineConfig, got "
