@@ -207,15 +207,12 @@ class HandOver:
             if j is None:
                 break  # FIFO: everything behind the head waits too
             self._parked.popleft()
-            if self._move(i, j, request_id, seqs, ready, now):
-                moved.append((request_id, j))
-            else:  # can_allocate held but allocate failed: the next event tries again
-                self._parked.appendleft((i, request_id, ready))
-                break
+            self._move(i, j, request_id, seqs, ready, now)
+            moved.append((request_id, j))
         return moved
 
     # --- place, reserve, transfer, start, abandon ---------------------------------------------
-    def _fits(self, j: int, k: int, seqs, tokens, salt) -> bool:
+    def _fits(self, j: int, seqs, tokens, salt) -> bool:
         rep = self.replicas[j]
         sched = rep.core.scheduler
         if sched.waiting or sched.swapped or len(sched.running) + self.reserved[j] + len(seqs) \
@@ -231,7 +228,7 @@ class HandOver:
         head = seqs[0]
         tokens = head.token_ids[:head.num_computed_tokens]
         ok = [k for k, j in enumerate(self.decode)
-              if self._fits(j, k, seqs, tokens, head.cache_salt)]
+              if self._fits(j, seqs, tokens, head.cache_salt)]
         if not ok:
             return None
         views = [self._views[k] for k in ok]
@@ -241,7 +238,7 @@ class HandOver:
         k = self.router.route(tokens, views, head.cache_salt, loads=loads)
         return self.decode[ok[k]]
 
-    def _move(self, i: int, j: int, request_id: str, seqs, ready: float, now: float) -> bool:
+    def _move(self, i: int, j: int, request_id: str, seqs, ready: float, now: float) -> None:
         src, dst = self.replicas[i], self.replicas[j]
         head = seqs[0]
         n = head.num_computed_tokens
@@ -249,7 +246,7 @@ class HandOver:
             raise AssertionError(f"{request_id}: samples differ in computed tokens")
         got = dst.core.reserve_received(head.token_ids[:n], head.cache_salt, len(seqs))
         if got is None:
-            return False
+            raise AssertionError(f"{request_id}: can_allocate held but allocate failed")
         hit, new_ids = got
         size = src.page_size
         src_pages = src.block_manager.block_table(head.seq_id)[:-(-n // size)]
@@ -272,7 +269,6 @@ class HandOver:
         self.received_bytes[j] += nbytes
         if self.transport.starts_on_dispatch:
             self._start(flight)
-        return True
 
     def _start(self, flight: Flight) -> None:
         j = flight.record.dest
