@@ -24,7 +24,7 @@ import time
 from experiments import common
 from paged.fleet.routing import POLICIES, Router
 from paged.sim import EVIDENCE, H200, RooflineStepModel, Simulator
-from paged.sim.handover import LINKS, Handover
+from paged.sim.link_transport import LINKS, LinkTransport
 from paged.sim.specs import MODELS
 from paged.workload import metrics
 from paged.workload.workload import AZURE_TRACES, check_same_evidence, load_azure_trace
@@ -102,7 +102,7 @@ def check(c) -> dict:
         traces[s] = w
     return {"traces": traces, "rates": {s: tuple(map(float, rates[s])) for s in c.services},
             "fleets": fleets, "slos": slos, "config": cfg, "step_model": sm, "kv_bytes": kv,
-            "handovers": {g: Handover(LINKS[link], dims) for g, link in fleets}}
+            "handovers": {g: LinkTransport(LINKS[link], dims) for g, link in fleets}}
 
 
 def arms(g: int) -> list[int]:

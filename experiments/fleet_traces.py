@@ -15,7 +15,7 @@ configured, lengths clipped to ``trace_max_model_len``, synthetic prompt ids fro
 assumption), and, per point, ``time_scale natural_rate / rate``: the real arrival process with every
 gap shrunk by one factor, so its burstiness stays. The search brackets the rate between
 ``trace_speedup_lo`` and ``trace_speedup_hi`` times the trace's own mean rate (widening as
-``fleet.capacity`` does) and bisects ``trace_bisect_steps`` times (geometric midpoints).
+``fleet_sweep.capacity`` does) and bisects ``trace_bisect_steps`` times (geometric midpoints).
 
 KV memory per replica: ``trace_memory_utilization * T * trace_hbm_gb`` minus the model's bf16
 weights (embedding and LM head included); no activation reserve. Every point keeps its failed
@@ -28,8 +28,7 @@ import dataclasses
 import time
 import types
 
-from experiments import fleet as _fleet
-from experiments import plots
+from experiments import fleet_sweep, plots
 from paged.fleet.routing import Router
 from paged.sim import Simulator
 from paged.sim.roofline import TensorParallelRooflineStepModel
@@ -76,7 +75,7 @@ def check(c, base) -> dict:
         if model not in MODELS:
             raise ValueError(f"trace_setups[{i}]: model {model!r}; known: {sorted(MODELS)}")
         dims = MODELS[model]
-        sm = TensorParallelRooflineStepModel(_fleet.device(c), dims.with_kv_cache(base),
+        sm = TensorParallelRooflineStepModel(fleet_sweep.device(c), dims.with_kv_cache(base),
                                              tensor_parallel=tp)  # the base's KV storage
         kv = c.trace_memory_utilization * tp * c.trace_hbm_gb * 1e9 - _weight_bytes(dims)
         if kv <= 0:
@@ -143,7 +142,7 @@ def run_point(c, cfg, sm, base: Workload, rate: float) -> dict:
     failed = [{k: v for k, v in r.as_dict().items() if k in _FAILED_KEYS}
               for r in res.records if r.status != "finished"]
     slo = types.SimpleNamespace(ttft_slo_ms=c.trace_ttft_slo_ms, tpot_slo_ms=c.trace_tpot_slo_ms)
-    return {"rate": rate, "time_scale": factor, "meets_slo": _fleet.meets(s, slo),
+    return {"rate": rate, "time_scale": factor, "meets_slo": fleet_sweep.meets(s, slo),
             "evidence": s["evidence"], "workload_evidence": w.evidence,
             "derived": w.meta["derived"], "label": w.label(),
             "summary": {k: s.get(k) for k in keep}, "failed": failed,
@@ -175,15 +174,15 @@ def run(c, plan) -> dict:
                         memo[r] = run_point(c, cfg, bsm, base, r)
                     return memo[r]
 
-                cap, _ = _fleet.capacity(bracket, point)
+                cap, _ = fleet_sweep.capacity(bracket, point)
                 points = sorted(memo.values(), key=lambda p: p["rate"])
                 check_same_evidence([{"evidence": p["workload_evidence"], "derived": p["derived"],
                                       "name": f"{name}@{p['rate']:.3g}"} for p in points],
                                     swept=("time_scale",))
                 wall = time.perf_counter() - t0
                 at = next((p for p in points if p["rate"] == cap), None)
-                print(f"  {service:4s} {setup['name']:32s} {name:26s} capacity {_fleet.fmt(cap)} "
-                      f"req/s (time_scale {_fleet.fmt(nat / cap if cap else None, '.4f')}); "
+                print(f"  {service:4s} {setup['name']:32s} {name:26s} capacity {fleet_sweep.fmt(cap)} "
+                      f"req/s (time_scale {fleet_sweep.fmt(nat / cap if cap else None, '.4f')}); "
                       f"{len(points)} runs, {wall:.1f} s", flush=True)
                 rows.append({"setup": setup["name"], "model": setup["model"],
                              "tensor_parallel": setup["tensor_parallel"], "arm": name,
@@ -216,7 +215,7 @@ def plot(out: dict, slo: tuple[float, float], out_dir) -> list:
                 xs = [p["rate"] for p in a["points"]]
                 ys = [p["summary"]["request_goodput"] or None for p in a["points"]]
                 line, = ax.plot(xs, ys, marker="o", ms=3, label=f"{a['arm']} "
-                                f"(cap {_fleet.fmt(a['capacity_rps'], '.2f').strip()})")
+                                f"(cap {fleet_sweep.fmt(a['capacity_rps'], '.2f').strip()})")
                 if a["capacity_rps"]:
                     ax.axvline(a["capacity_rps"], color=line.get_color(), ls=":", lw=0.8)
             rates = [p["rate"] for a in t["arms"] if a["setup"] == setup for p in a["points"]]

@@ -2,7 +2,7 @@
 
 Three studies of ``experiments/fleet.py`` (``evidence: simulated``; the real scheduler and block
 manager per replica, ``RooflineStepModel(H200, model)`` per arm), each a set of arms at the same
-KV bytes (``kv_budget``), each arm's capacity found by ``fleet.capacity`` (bracket, then bisect):
+KV bytes (``kv_budget``), each arm's capacity found by ``fleet_sweep.capacity`` (bracket, then bisect):
 
 * ``kv_dtype``: one arm per ``kv_dtypes`` entry (``EngineConfig.kv_cache_dtype``): the pool holds
   ``ModelDims.num_blocks`` blocks of that format (values + scales) and the roofline reads and
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from experiments import fleet, plots
+from experiments import fleet_sweep, plots
 from paged.config.engine_config import CASCADE_MODES, KV_CACHE_DTYPES
 from paged.sim import RooflineStepModel
 from paged.sim.specs import MODELS
@@ -112,7 +112,7 @@ def window_workload(c, num: int, rate: float, max_model_len: int):
     ``window_output_len`` > 0) long-output ``fixed`` requests of ``window_prompt_len`` prompt and
     ``window_output_len`` output tokens."""
     if c.window_output_len <= 0:
-        return fleet.plain_workload(c, num, rate, max_model_len)
+        return fleet_sweep.plain_workload(c, num, rate, max_model_len)
     return make_workload("fixed", num, rate, max_model_len=max_model_len, seed=c.seed,
                          prompt_len=c.window_prompt_len, output_len=c.window_output_len)
 
@@ -131,23 +131,23 @@ def _arms(c, base, model, specs) -> list:
 
 
 def run(c, study: str, plan, dev) -> dict:
-    """The capacity of each arm of ``study``; ``{model name: [arm result]}`` (``fleet.sweep``'s
+    """The capacity of each arm of ``study``; ``{model name: [arm result]}`` (``fleet_sweep.sweep``'s
     rows, each with its pool's ``kv_bytes``)."""
     out = {}
     for name, arms in plan:
         model = MODELS[name]
         if study == "window":
-            run_c, make_wl = fleet.WithChanges(c, duration_s=c.window_duration_s), window_workload
+            run_c, make_wl = fleet_sweep.WithChanges(c, duration_s=c.window_duration_s), window_workload
         elif study == "cascade":
-            run_c = fleet.WithChanges(c, num_prefixes=c.cascade_num_prefixes,
+            run_c = fleet_sweep.WithChanges(c, num_prefixes=c.cascade_num_prefixes,
                                 prefix_len=c.cascade_prefix_len)
-            make_wl = fleet.tenant_workload
+            make_wl = fleet_sweep.tenant_workload
         else:
-            run_c, make_wl = c, fleet.plain_workload
+            run_c, make_wl = c, fleet_sweep.plain_workload
         rows = []
         for arm, cfg, dims in arms:
             sm = RooflineStepModel(dev, dims, block_size=cfg.block_size)
-            [row] = fleet.sweep(run_c, study, model, sm, [(arm, cfg, "least_loaded")], make_wl)
+            [row] = fleet_sweep.sweep(run_c, study, model, sm, [(arm, cfg, "least_loaded")], make_wl)
             row.update(kv_bytes=kv_budget(c, model), step_model=sm.describe(),
                        at_capacity=_at_capacity(row))
             rows.append(row)
@@ -177,7 +177,7 @@ def plot(results: dict, slo: tuple[float, float], out_dir) -> list:
                 xs = [p["rate"] for p in pts]
                 for ax, key in ((ax_ttft, "p99_ttft_ms"), (ax_tpot, "p99_tpot_ms")):
                     line, = ax.plot(xs, [_nan(p["summary"][key]) for p in pts], marker="o", ms=3,
-                                    label=f"{row['arm']} (cap {fleet.fmt(row['capacity_rps'], '.2f').strip()})")
+                                    label=f"{row['arm']} (cap {fleet_sweep.fmt(row['capacity_rps'], '.2f').strip()})")
                     if row["capacity_rps"]:
                         ax.axvline(row["capacity_rps"], color=line.get_color(), ls=":", lw=0.8)
             for ax, key, limit in ((ax_ttft, "p99 TTFT (ms)", slo[0]), (ax_tpot, "p99 TPOT (ms)", slo[1])):

@@ -13,12 +13,12 @@ from paged import EngineConfig
 from paged.accounting.formulas import kv_bytes
 from paged.fleet.routing import Router
 from paged.sim import LLAMA3_8B, LinearStepModel, Simulator
-from paged.sim.handover import IB_NDR_400, NVLINK4_H200, Handover, Link
+from paged.sim.link_transport import IB_NDR_400, NVLINK4_H200, Link, LinkTransport
 from paged.workload import workload as wl
 
 MODEL = LinearStepModel({"const": 2e-3, "tokens": 2e-5, "seqs": 1e-5, "kv_read": 1e-7})
-HANDOVER = Handover(NVLINK4_H200, LLAMA3_8B)
-SLOW = Handover(Link("slow", 2e9, 1e-3), LLAMA3_8B)  # 65 ms per 1000 tokens: aborts land mid-copy
+HANDOVER = LinkTransport(NVLINK4_H200, LLAMA3_8B)
+SLOW = LinkTransport(Link("slow", 2e9, 1e-3), LLAMA3_8B)  # 65 ms per 1000 tokens: aborts land mid-copy
 
 
 def _config(**kw) -> EngineConfig:
@@ -151,12 +151,12 @@ def test_quantized_kv_hands_over_its_scales_and_the_network_is_slower():
     page = LLAMA3_8B.with_kv_cache(EngineConfig(kv_cache_dtype="int8",
                                                 kv_scale_granularity="page"))
     n = 1000
-    assert Handover(NVLINK4_H200, int8).nbytes(n, 16) == 2 * 32 * n * 8 * 128 * 1 + 2 * 32 * 8 * 4 * n
-    assert Handover(NVLINK4_H200, page).nbytes(n, 16) == \
+    assert LinkTransport(NVLINK4_H200, int8).nbytes(n, 16) == 2 * 32 * n * 8 * 128 * 1 + 2 * 32 * 8 * 4 * n
+    assert LinkTransport(NVLINK4_H200, page).nbytes(n, 16) == \
         2 * 32 * n * 8 * 128 + 2 * 32 * 8 * 4 * math.ceil(n / 16)
     b = HANDOVER.nbytes(n, 16)
     assert b == 131_072_000  # 128 KiB per token
-    assert Handover(IB_NDR_400, LLAMA3_8B).time(b) == 20e-6 + b / 50e9  # 2.64 ms
+    assert LinkTransport(IB_NDR_400, LLAMA3_8B).time(b) == 20e-6 + b / 50e9  # 2.64 ms
     assert HANDOVER.time(b) == 10e-6 + b / 450e9  # 0.30 ms
 
 

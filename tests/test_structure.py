@@ -130,8 +130,9 @@ def test_the_scan_sees_a_private_read(tmp_path, monkeypatch):
     assert private_reads(("demo",)) == ["demo/b.py:2: engine._requests"]
 
 
-def test_no_import_cycles_in_the_package():
-    assert import_cycles() == []
+@pytest.mark.parametrize("package", ["paged", "experiments"])
+def test_no_import_cycles_in_the_package(package):
+    assert import_cycles(package) == []
 
 
 def test_the_cycle_finder_finds_a_cycle(tmp_path, monkeypatch):
@@ -177,7 +178,7 @@ def test_kv_format_names_agree_with_the_kernels():
 
 HOST_MODULES = ("paged.config", "paged.request.outputs", "paged.kv.block_manager",
                 "paged.kv.group_manager", "paged.step.scheduler", "paged.step.cascade_plan",
-                "paged.fleet.routing", "paged.workload", "paged.accounting")
+                "paged.fleet.routing", "paged.fleet.handover", "paged.workload", "paged.accounting")
 
 
 def test_host_modules_import_no_jax():

@@ -167,8 +167,8 @@ def test_without_a_model_only_settings_pairs_are_checked():
 
 
 def test_the_simulator_refuses_what_the_engine_refuses():
-    from paged.sim.replica import SimReplica
     from paged.sim.linear_model import LinearStepModel
+    from paged.sim.replica import SimReplica
     from paged.sim.specs import ModelDims
 
     dims = ModelDims("tiny-dims", d_model=16, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -10,7 +10,7 @@ Launch::
         --config.gpus="((8, 'ib_ndr'),)"
 
 Per trace (``services``), per fleet size and link (``gpus``: (GPUs, link name of
-``paged.sim.handover.LINKS``)), per arm (colocated: every GPU a full replica; P:D for every
+``paged.sim.link_transport.LINKS``)), per arm (colocated: every GPU a full replica; P:D for every
 P in 1 .. G-1: P prefill-only and G-P decode-only replicas) and per offered rate (``rates_per_gpu``
 of the trace, times G: the trace's arrivals time-scaled, burstiness kept), one simulated run;
 SLO attainment (the fraction of all requests finished within both the TTFT and the TPOT bound)

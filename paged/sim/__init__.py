@@ -7,8 +7,10 @@
   (``Scheduler``, ``BlockManager``, ``InputBatch``, ``BatchBuilder``, ``StepReader`` and the
   engine's request bookkeeping) with the device step replaced by the model; stretches of pure
   decode steps are planned and applied in bulk where that is exact (fast-forward).
-* ``paged.sim.simulator``: ``Simulator``, the event loop over replicas behind a
-  ``paged.fleet.routing.Router``; results are labelled ``evidence: "simulated"``.
+* ``paged.sim.simulator``: ``Simulator``, replicas behind a ``paged.fleet.routing.Router`` run
+  by the one event loop (``paged.sim.event_loop``), colocated or disaggregated
+  (``paged.sim.disagg``: the hand-over protocol over a ``paged.sim.link_transport`` link);
+  results are labelled ``evidence: "simulated"``.
 * ``paged.sim.host_link``: ``HostLink`` (PCIe Gen5 x16, NVLink-C2C) and ``TierPricer``, the
   seconds of a replica's host KV tier copies (``EngineConfig(host_kv_cache_bytes=N)``).
 """

@@ -219,39 +219,15 @@ class SimReplica:
         return self.core.outputs(self.core.take_aborted())
 
     # --- hand-overs (a disaggregated fleet, ``paged.sim.disagg``) ------------------------------
-    def hold_prompt(self, request_id: str, token_ids) -> None:
-        """A prefill replica keeps a prompt's blocks after the request left its schedule, until
-        the hand-over ends: the same number of blocks (with prefix caching the same blocks,
-        revived by their keys), taken at the instant the request's blocks were freed."""
-        if self.block_manager.allocate(("held", request_id), token_ids) is None:
-            raise RuntimeError(f"{self.name}: cannot hold the {len(token_ids)} prompt tokens of "
-                               f"{request_id!r} it just freed")
-
-    def release_prompt(self, request_id: str, sent_bytes: int) -> None:
-        """The hand-over ended (``sent_bytes`` moved; 0 if abandoned): the held blocks return
-        to the pool (full ones stay in the prefix cache)."""
-        self.block_manager.free(("held", request_id))
-        self.kv_transfer_bytes += sent_bytes
-
+    # The protocol (``paged.fleet.handover.HandOver``) calls the host core's send and receive
+    # methods (park_prefilled, transfer_seqs, release_request; reserve_received,
+    # start_received, release_received) itself, as it does on an engine.
     def new_seq_id(self) -> int:
         return self.core.new_seq_id()
 
-    def reserve_received(self, seq) -> bool:
-        """A decode replica takes blocks for a handed-over prompt (``HostCore.reserve_received``);
-        False (nothing changed) if its pool cannot hold them now. Not mid-stretch."""
-        if self._stretch is not None:
-            raise RuntimeError(f"{self.name}: apply the planned stretch first (advance_to)")
-        return self.core.reserve_received(seq)
-
-    def cancel_received(self, seq) -> None:
-        self.core.release_received(seq)
-
-    def start_received(self, seq, received_bytes: int) -> None:
-        """The prompt's KV arrived: ``seq`` runs here from its next step. Not mid-stretch."""
-        if self._stretch is not None:
-            raise RuntimeError(f"{self.name}: apply the planned stretch first (advance_to)")
-        self.core.start_received(seq)
-        self.kv_transfer_bytes += received_bytes
+    def note_transfer(self, nbytes: int) -> None:
+        """A hand-over this replica sent or received landed: ``nbytes`` of KV moved."""
+        self.kv_transfer_bytes += nbytes
 
     def drop_step(self) -> None:
         """Forgets the step in flight (the simulation's time limit: it never ends)."""

@@ -167,34 +167,42 @@ class HostCore:
         self._requests[child.request_id].append(child)
         self.scheduler.add_running(child)
 
-    # --- sequences whose prompt another replica computed (disaggregated decode) -----------
-    def reserve_received(self, seq: Sequence) -> bool:
-        """Blocks for the ``seq.num_computed_tokens`` slots whose KV another replica computed
-        (a hand-over about to start), all or nothing: ``False`` (nothing changed) if the pool
-        cannot hold them now. The sequence is not in the request table until
-        ``start_received``; ``release_received`` undoes this."""
-        n = seq.num_computed_tokens
-        ids = seq.token_ids[:n]
+    # --- receiving a hand-over (paged.fleet.handover: reserve, start, or abandon) ------------
+    def reserve_received(self, token_ids, cache_salt, num_seqs: int) -> tuple[int, list] | None:
+        """Blocks for a prompt whose KV another replica computed (``token_ids``: its computed
+        slots), all or nothing, under a new sequence id; ``num_seqs`` ids in all (parallel
+        samples fork at ``start_received``). Returns (prefix-cache hit tokens, the new ids), or
+        None (nothing changed) if the pool cannot hold them now."""
         bm = self.block_manager
-        if not bm.can_allocate(ids, cache_salt=seq.cache_salt) or \
-                bm.allocate(seq.seq_id, ids, cache_salt=seq.cache_salt) is None:
-            return False
-        seq.num_slots = n
-        return True
+        if not bm.can_allocate(token_ids, cache_salt=cache_salt):
+            return None
+        ids = [self.new_seq_id() for _ in range(num_seqs)]
+        hit = bm.allocate(ids[0], token_ids, cache_salt=cache_salt)
+        if hit is None:
+            return None
+        return hit, ids
 
-    def release_received(self, seq: Sequence) -> None:
+    def release_received(self, seq_ids) -> None:
         """Frees the blocks ``reserve_received`` took (the hand-over was abandoned)."""
-        self.block_manager.free(seq.seq_id)
-        seq.num_slots = 0
+        for seq_id in seq_ids:
+            if self.block_manager.has_seq(seq_id):
+                self.block_manager.free(seq_id)
 
-    def start_received(self, seq: Sequence) -> None:
-        """The reserved sequence's KV has arrived: its blocks count as computed (and get their
-        prefix-cache keys), and it joins the request table, running: its next step decodes."""
-        self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
-        self._num_requests += 1
-        self._num_deadlines += seq.deadline is not None
-        self._requests[seq.request_id] = [seq]
-        self.scheduler.add_running(seq)
+    def start_received(self, request_id: str, seqs: list[Sequence]) -> None:
+        """The reserved prompt's KV is here (or ordered before any read of it): its blocks count
+        as computed (and get their prefix-cache keys), the parallel samples fork from them, and
+        the request joins this table, its unfinished sequences running."""
+        head, *samples = [s for s in seqs if s.status is SeqStatus.TRANSFER]
+        bm = self.block_manager
+        bm.mark_computed(head.seq_id, head.num_computed_tokens)
+        for s in samples:  # parallel samples share the received prompt blocks
+            bm.fork(head.seq_id, s.seq_id)
+        self._requests[request_id] = seqs
+        self._num_deadlines += seqs[0].deadline is not None
+        for seq in seqs:
+            seq.out_state = None
+            if not seq.finished:
+                self.scheduler.add_running(seq)
 
     def _finish_request(self, request_id: str, reason: str, now: float) -> None:
         for seq in self._requests[request_id]:
@@ -230,16 +238,6 @@ class HostCore:
         seqs = self._requests.pop(request_id)
         self._num_deadlines -= seqs[0].deadline is not None
         return seqs
-
-    def adopt_request(self, request_id: str, seqs: list[Sequence]) -> None:
-        """A request handed over from another replica joins this table: its unfinished
-        sequences, whose blocks this block manager already holds under their (new) ids, run."""
-        self._requests[request_id] = seqs
-        self._num_deadlines += seqs[0].deadline is not None
-        for seq in seqs:
-            seq.out_state = None
-            if not seq.finished:
-                self.scheduler.add_running(seq)
 
     # --- the host halves of a step ------------------------------------------------------
     def take_ended(self, now: float) -> list[str]:

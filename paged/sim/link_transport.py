@@ -1,8 +1,9 @@
-"""What a prefill-to-decode hand-over costs in the simulator: the link and the bytes.
+"""The simulator's transport of the hand-over protocol (``paged.fleet.handover``): a priced link.
 
 A disaggregated fleet (``Simulator(..., prefill_replicas=P)``, ``paged.sim.disagg``) moves each
-prompt's KV from the prefill replica that computed it to a decode replica. ``Handover`` prices one
-such move: ``bytes = M_KV`` of the prompt, the seed's formula ``2 * L * n * h_kv * d_h * b``
+prompt's KV from the prefill replica that computed it to a decode replica. ``LinkTransport``
+prices one such move: ``bytes = M_KV`` of the prompt tokens the decode replica's prefix cache
+lacks, the seed's formula ``2 * L * n * h_kv * d_h * b``
 (``paged.accounting.formulas.kv_bytes`` of the model's ``ModelSpec``: with a quantized KV cache ``b`` is the
 stored value's size and the scales travel too, per token or per page), and
 ``time = latency + bytes / bandwidth`` over a ``Link``. Only the prompt's ``n`` valid positions are
@@ -74,8 +75,9 @@ LINKS = {"nvlink": NVLINK4_H200, "ib_ndr": IB_NDR_400, "ib_hdr": IB_HDR_200}
 
 
 @dataclasses.dataclass(frozen=True)
-class Handover:
-    """Prices one prompt's KV hand-over.
+class LinkTransport:
+    """Prices one prompt's KV hand-over (``starts_on_dispatch`` False: a request starts on the
+    decode replica when the copy ends).
 
     Args:
       link: the link the KV crosses.
@@ -85,6 +87,7 @@ class Handover:
 
     link: Link
     model: object
+    starts_on_dispatch = False
 
     def __post_init__(self):
         if not isinstance(self.link, Link):
@@ -106,4 +109,4 @@ class Handover:
                 "time": "latency_s + bytes / bandwidth; one transfer at a time per GPU each way"}
 
 
-__all__ = ["IB_HDR_200", "IB_NDR_400", "LINKS", "NVLINK4_H200", "Handover", "Link"]
+__all__ = ["IB_HDR_200", "IB_NDR_400", "LINKS", "NVLINK4_H200", "Link", "LinkTransport"]
