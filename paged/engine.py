@@ -103,8 +103,14 @@ class Engine:
             from paged.models.hf import is_checkpoint_dir
             from paged.models.hf_tokenizer import load_tokenizer
 
+            from paged.models.gguf import is_gguf_path
+
             if is_checkpoint_dir(config.model):
                 tokenizer = load_tokenizer(config.model, model_config.vocab_size)
+            elif is_gguf_path(config.model):
+                from paged.models.gguf_tokenizer import GGUFTokenizer
+
+                tokenizer = GGUFTokenizer(config.model)
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
