@@ -155,7 +155,8 @@ def load_any(model: str, *, dtype: str = "float32", max_model_len: int | None = 
     Args:
       model: one of ``KNOWN_MODELS`` (float32 params, `ByteTokenizer`); a packaged model
         (``paged.models.gguf.PACKAGED``, e.g. "smollm2-135m") or a Llama ``.gguf`` file
-        (`paged.models.gguf.load_gguf`, tokenizer `paged.models.gguf_tokenizer.GGUFTokenizer`);
+        (`paged.models.gguf.load_gguf`, layers stacked by `paged.models.scan_layers`; tokenizer
+        `paged.models.gguf_tokenizer.GGUFTokenizer`);
         or a directory with
         ``config.json`` and safetensors weights (`paged.models.hf.load_checkpoint`; tokenizer from
         `paged.models.hf_tokenizer.load_tokenizer`).
@@ -170,6 +171,7 @@ def load_any(model: str, *, dtype: str = "float32", max_model_len: int | None = 
     import paged.models.gguf as gguf
     import paged.models.hf as hf
     from paged.models.hf_tokenizer import load_tokenizer
+    from paged.models.scan_layers import stack_layers
     from paged.models.tokenizer import ByteTokenizer
 
     if model in KNOWN_MODELS:
@@ -179,7 +181,8 @@ def load_any(model: str, *, dtype: str = "float32", max_model_len: int | None = 
 
         reader = gguf.open_gguf(gguf.resolve(model))
         config, params = gguf.load_gguf(model, dtype=dtype, reader=reader)
-        return config, params, GGUFTokenizer(model, reader=reader)
+        # stacked layers: one scanned block, so a deep model compiles in seconds
+        return config, stack_layers(config, params), GGUFTokenizer(model, reader=reader)
     if hf.is_checkpoint_dir(model) or "/" in model or Path(model).exists():
         config, params = hf.load_checkpoint(model, dtype=dtype, max_model_len=max_model_len)
         return config, params, load_tokenizer(model, config.vocab_size)
