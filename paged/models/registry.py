@@ -132,7 +132,7 @@ def load_model(name: str) -> tuple[LlamaConfig, Params]:
       ValueError: unknown name.
       FileNotFoundError: the weight files are missing from the installation.
     """
-    from paged.models import gguf
+    import paged.models.gguf as gguf
 
     if gguf.is_gguf_path(name):
         return gguf.load_gguf(name)
