@@ -109,3 +109,28 @@ def test_template_environment_as_transformers():
         ChatTemplate("{% for %}")
     with pytest.raises(TypeError):
         t.render("not a list")
+
+
+def test_server_chat_path_uses_the_files_template(tok):
+    """The chat endpoint's prompt (`paged.server.app._Api.chat_prompt`) is the model's ChatML;
+    a conversation the template refuses is a 400, not a server error."""
+    import types
+
+    from paged.server.app import ApiError, ServerSettings, _Api
+    from paged.server.protocol import ChatMessage
+
+    engine = types.SimpleNamespace(
+        tokenizer=tok, config=types.SimpleNamespace(max_model_len=512, max_num_seqs=4,
+                                                    model="smollm2-135m"),
+        model_config=types.SimpleNamespace(vocab_size=tok.vocab_size))
+    api = _Api(engine, None, ServerSettings(served_model_name="smollm2-135m"))
+    ids = api.chat_prompt([ChatMessage(role="user", content="Hi")])
+    assert tok.decode(ids, skip_special_tokens=False) == (
+        f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    strict = GGUFTokenizer.__new__(GGUFTokenizer)
+    strict.__dict__.update(tok.__dict__)
+    strict._template = ChatTemplate("{{ raise_exception('no system messages') }}")
+    api.tokenizer = strict
+    with pytest.raises(ApiError, match="no system messages"):
+        api.chat_prompt([ChatMessage(role="system", content="x")])
