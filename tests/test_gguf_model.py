@@ -136,10 +136,7 @@ def test_real_weights_model_english(dense, stacked):
     tok = GGUFTokenizer(MODEL)
     ids = tok.encode("The quick brown fox jumps over the lazy dog. The capital of France is "
                      "Paris, and the capital of Germany is Berlin.")
-    logits = dense(ids)
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
-                                                                              keepdims=True)) \
-        - logits.max(-1, keepdims=True)
+    logp = _log_softmax(dense(ids))
     nll = -np.mean(logp[np.arange(len(ids) - 1), ids[1:]])
     assert nll < 3.5, nll
 
