@@ -1,4 +1,5 @@
-"""Tensor parallel over KV heads: the engine on a 2-device mesh gives the 1-device tokens."""
+"""Tensor parallel over KV heads: the engine on a 2-device mesh gives the 1-device tokens (with
+per-layer and with stacked layer params)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ sharded = [o.token_ids for o in engine.generate(batch, sp)]
 assert len(engine.cache.k_pages.sharding.device_set) == 2, engine.cache.k_pages.sharding
 assert engine.cache.k_pages.sharding.spec[1] == "model"
 assert sharded == single, (sharded, single)
+# stacked layers (paged.models.scan_layers): the head axis is one further right
+from paged.models.scan_layers import stack_layers
+stacked = stack_layers(cfg, params)
+engine = Engine(conf, model_config=cfg, params=stacked, mesh=mesh)
+assert [o.token_ids for o in engine.generate(batch, sp)] == single
+q = engine.placement.put_params(stacked)["params"]["layers"]["attn"]["q_proj"]
+assert q.sharding.spec[1] is None and q.sharding.spec[2] == "model", q.sharding.spec
 print("MESH_OK")
 """
 

@@ -101,11 +101,16 @@ class Engine:
             model_config, params, tokenizer = load_any(config.model, dtype=config.dtype,
                                                        max_model_len=config.max_model_len)
         else:  # params given (loaded once by a study): a checkpoint's tokenizer still applies
+            from paged.models.gguf import is_gguf_path
             from paged.models.hf import is_checkpoint_dir
             from paged.models.hf_tokenizer import load_tokenizer
 
             if is_checkpoint_dir(config.model):
                 tokenizer = load_tokenizer(config.model, model_config.vocab_size)
+            elif is_gguf_path(config.model):
+                from paged.models.gguf_tokenizer import GGUFTokenizer
+
+                tokenizer = GGUFTokenizer(config.model)
         warn_long_window(model_config.layer_windows, config.max_model_len)
         self.config = config
         self.model_config = model_config

@@ -109,6 +109,8 @@ class Placement:
         divide by the mesh size)."""
         name = getattr(path[-1], "key", None) if path else None
         axis = _SHARDED_AXIS.get(name)
+        if axis is not None and any(getattr(p, "key", None) == "layers" for p in path):
+            axis += 1  # stacked layers (paged.models.scan_layers): the layer axis comes first
         shape = np.shape(leaf)
         if axis is None or self.size == 1 or len(shape) <= axis or shape[axis] % self.size:
             return self.replicated

@@ -10,6 +10,9 @@ Two entry points share one set of params:
   ragged batch of new tokens (prefill chunks, decode steps, verification tokens), KV written into the
   stacked paged cache ``[L, K, num_pages, page_size, H]``, which is returned updated.
 * ``model.apply(params, tokens, method="dense")`` -- training and the full-recompute reference.
+
+Params hold one ``layers_{i}`` per block, or ``layers``: all blocks stacked on a leading axis
+(`paged.models.scan_layers`), run by one ``jax.lax.scan`` so compile time does not grow with depth.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from paged.kv.groups import KVGroupLayout
 from paged.models.attention import AttentionMetadata, PagedAttention
 from paged.models.config import LlamaConfig
 from paged.models.layers import RMSNorm, SwiGLU
+from paged.models.scan_layers import STACKED
 
 
 class DecoderBlock(nn.Module):
@@ -61,8 +65,8 @@ class DecoderBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """Decoder-only LM. Params: ``embedding [V, D]``, ``layers_{i}``, ``final_norm``, and
-    ``lm_head [D, V]`` when embeddings are untied."""
+    """Decoder-only LM. Params: ``embedding [V, D]``, ``layers_{i}`` (or ``layers``, stacked),
+    ``final_norm``, and ``lm_head [D, V]`` when embeddings are untied."""
 
     config: LlamaConfig
 
@@ -71,7 +75,11 @@ class Llama(nn.Module):
         self.embedding = self.param(
             "embedding", nn.initializers.normal(stddev=0.02), (c.vocab_size, c.d_model), jnp.float32
         )
-        self.layers = [DecoderBlock(c, sliding_window=w) for w in c.layer_windows]
+        if self.has_variable("params", STACKED):  # stacked params (scan_layers): one scanned block
+            self.stacked = self.get_variable("params", STACKED)
+        else:
+            self.stacked = None
+            self.layers = [DecoderBlock(c, sliding_window=w) for w in c.layer_windows]
         self.final_norm = RMSNorm(eps=c.norm_eps, dtype=c.compute_dtype)
         if not c.tie_embeddings:
             self.lm_head = self.param(
@@ -144,6 +152,11 @@ class Llama(nn.Module):
                 f"head_dim={c.head_dim}]"
             )
         x = self._embed(tokens)
+        if self.stacked is not None:
+            x, k_pages, v_pages = self._scan(x, positions, k_pages, v_pages, md, attention_impl)
+            if logits_indices is not None:
+                x = x[logits_indices]
+            return self._logits(x), k_pages, v_pages
         mds = [md] if md.num_groups == 1 else [md.for_group(g) for g in range(md.num_groups)]
         for block, (g, slot) in zip(self.layers, place, strict=True):
             # Stacked cache + layer index (not k_pages[i] ... .at[i].set) keeps the update in place.
@@ -153,6 +166,26 @@ class Llama(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         return self._logits(x), k_pages, v_pages
+
+    def _unbound_block(self) -> DecoderBlock:
+        # parent=None: a top-level module applied to each layer's slice of the stacked params
+        return DecoderBlock(self.config, sliding_window=self.config.layer_windows[0], parent=None)
+
+    def _scan(self, x, positions, k_pages, v_pages, md, attention_impl):
+        """The stacked blocks as one scan; the cache is carried (updated in place) and each
+        iteration writes and reads its layer's slot."""
+        if md.num_groups > 1:
+            raise ValueError(f"stacked layers take one KV-cache group, the batch has "
+                             f"{md.num_groups}")
+        block = self._unbound_block()
+
+        def body(carry, xs):
+            (x, k, v), (p, layer) = carry, xs
+            return block.apply({"params": p}, x, positions, k, v, md, layer=layer,
+                               attention_impl=attention_impl), None
+
+        layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        return jax.lax.scan(body, (x, k_pages, v_pages), (self.stacked, layers))[0]
 
     def dense(
         self,
@@ -175,6 +208,14 @@ class Llama(nn.Module):
         """
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
         x = self._embed(tokens)
+        if self.stacked is not None:
+            block = self._unbound_block()
+
+            def body(x, p):
+                return block.apply({"params": p}, x, positions, method="dense",
+                                   attention_impl=attention_impl, kv_quant=kv_quant), None
+
+            return self._logits(jax.lax.scan(body, x, self.stacked)[0])
         for layer in self.layers:
             x = layer.dense(x, positions, attention_impl=attention_impl, kv_quant=kv_quant)
         return self._logits(x)

@@ -1,5 +1,6 @@
 """Bundled models: ``load_model(name) -> (config, params)``; ``init_params`` for random weights;
-``load_any(name_or_checkpoint_dir)`` for the engine (bundled names and Hugging Face checkpoints).
+``load_any(name_or_checkpoint)`` for the engine (bundled names, Hugging Face checkpoints, GGUF
+files and packaged GGUF models such as "smollm2-135m").
 
 Weights live in ``paged/models/weights/<name>.npz`` (float16 to stay small; loaded as float32) beside
 ``<name>.json`` (config, training results, the command that reproduces them, the corpus).
@@ -125,7 +126,8 @@ def load_model(name: str) -> tuple[LlamaConfig, Params]:
 
     Args:
       name: one of ``KNOWN_MODELS`` ("tiny", "tiny-draft", and tiny's weights with sliding
-        windows: "tiny-sliding", "tiny-mixed"; all use `ByteTokenizer`).
+        windows: "tiny-sliding", "tiny-mixed"; all use `ByteTokenizer`), or a Llama ``.gguf``
+        file or packaged GGUF model ("smollm2-135m"; float32, see `paged.models.gguf`).
 
     Returns:
       ``(config, params)``; params are float32 numpy arrays in a nested dict ready for
@@ -135,6 +137,10 @@ def load_model(name: str) -> tuple[LlamaConfig, Params]:
       ValueError: unknown name.
       FileNotFoundError: the weight files are missing from the installation.
     """
+    import paged.models.gguf as gguf
+
+    if gguf.is_gguf_path(name):
+        return gguf.load_gguf(name)
     _check_name(name)
     if name in SLIDING_VARIANTS:
         config, params = load_model("tiny")
@@ -152,7 +158,11 @@ def load_any(model: str, *, dtype: str = "float32", max_model_len: int | None = 
     """``(config, params, tokenizer)`` of a bundled model name or a Hugging Face checkpoint dir.
 
     Args:
-      model: one of ``KNOWN_MODELS`` (float32 params, `ByteTokenizer`), or a directory with
+      model: one of ``KNOWN_MODELS`` (float32 params, `ByteTokenizer`); a packaged model
+        (``paged.models.gguf.PACKAGED``, e.g. "smollm2-135m") or a Llama ``.gguf`` file
+        (`paged.models.gguf.load_gguf`, layers stacked by `paged.models.scan_layers`; tokenizer
+        `paged.models.gguf_tokenizer.GGUFTokenizer`);
+        or a directory with
         ``config.json`` and safetensors weights (`paged.models.hf.load_checkpoint`; tokenizer from
         `paged.models.hf_tokenizer.load_tokenizer`).
       dtype: params and compute dtype of a checkpoint (bundled models stay float32).
@@ -163,17 +173,27 @@ def load_any(model: str, *, dtype: str = "float32", max_model_len: int | None = 
       ValueError: an unknown name, or a checkpoint that cannot be loaded exactly (the message
         names the file and the key).
     """
+    import paged.models.gguf as gguf
     import paged.models.hf as hf
     from paged.models.hf_tokenizer import load_tokenizer
+    from paged.models.scan_layers import stack_layers
     from paged.models.tokenizer import ByteTokenizer
 
     if model in KNOWN_MODELS:
         return (*load_model(model), ByteTokenizer())
+    if gguf.is_gguf_path(model):
+        from paged.models.gguf_tokenizer import GGUFTokenizer
+
+        reader = gguf.open_gguf(gguf.resolve(model))
+        config, params = gguf.load_gguf(model, dtype=dtype, reader=reader)
+        # stacked layers: one scanned block, so a deep model compiles in seconds
+        return config, stack_layers(config, params), GGUFTokenizer(model, reader=reader)
     if hf.is_checkpoint_dir(model) or "/" in model or Path(model).exists():
         config, params = hf.load_checkpoint(model, dtype=dtype, max_model_len=max_model_len)
         return config, params, load_tokenizer(model, config.vocab_size)
-    raise ValueError(f"unknown model {model!r}: a bundled model {list(KNOWN_MODELS)} or a "
-                     "checkpoint directory (config.json + safetensors)")
+    raise ValueError(f"unknown model {model!r}: a bundled model {list(KNOWN_MODELS)}, a packaged "
+                     f"one {sorted(gguf.PACKAGED)}, a .gguf file or a checkpoint directory "
+                     "(config.json + safetensors)")
 
 
 def _check_name(name: str) -> None:

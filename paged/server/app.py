@@ -240,7 +240,10 @@ class _Api:
             msgs.append({"role": m.role, "content": content or ""})
         template = getattr(self.tokenizer, "apply_chat_template", None)
         if callable(template) and getattr(self.tokenizer, "chat_template", None):
-            text = template(msgs, tokenize=False, add_generation_prompt=True)
+            try:  # a template may refuse a conversation (raise_exception)
+                text = template(msgs, tokenize=False, add_generation_prompt=True)
+            except ValueError as e:
+                raise ApiError(f"messages: {e}", param="messages") from None
         else:
             text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in msgs) + "<|assistant|>\n"
         return self.encode(text, "messages")

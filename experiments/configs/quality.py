@@ -1,0 +1,58 @@
+"""Config of `experiments/quality.py`: what each KV mechanism costs in model quality on a real
+pretrained model (SmolLM2-135M-Instruct, GGUF).
+
+Launch::
+
+    python -m experiments.quality
+    python -m experiments.quality --config=experiments/configs/quality.py:smoke
+    python -m experiments.quality --config=experiments/configs/quality.py:long
+    python -m experiments.quality --config.arms="('float32', 'int8:token')" --config.num_chunks=2
+
+Variants: ``default`` (every arm, perplexity over 512- and 2048-token chunks, retrieval at 1k /
+2k / 4k tokens at three depths), ``long`` (adds 8192-token chunks and 8k retrieval), ``smoke``
+(three arms, 256-token chunks, 1k retrieval at one depth: what the test runs).
+
+Arms: "float32" (the reference), "bfloat16" (weights, activations and KV in bfloat16),
+"<int8|fp8_e4m3|fp8_e5m2>:<token|page>" (quantized pages, `EngineConfig.kv_cache_dtype` with
+its scale granularity), "window:<W>" (a sliding window of W tokens on every layer of this
+full-attention model). Exact mechanisms (``exact_checks``) must change nothing: "prefix_caching".
+"""
+
+import ml_collections
+
+ARMS = ("float32", "bfloat16", "int8:token", "int8:page", "fp8_e4m3:token", "fp8_e4m3:page",
+        "fp8_e5m2:token", "fp8_e5m2:page", "window:256", "window:1024")
+
+
+def get_config(arg: str = "default") -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.model = "smollm2-135m"
+    c.arms = ARMS
+    c.chunk_lengths = (512, 2048)  # perplexity chunks (tokens)
+    c.num_chunks = 8  # chunks per length, consecutive from the corpus start
+    c.fidelity_length = 512  # KL / top-1 over this many chunks of this length
+    c.fidelity_chunks = 4
+    c.needle_lengths = (1024, 2048, 4096)  # retrieval prompt lengths (tokens, approximate)
+    c.needle_depths = (0.1, 0.5, 0.9)  # where the needle sits in the haystack
+    c.needles_per_cell = 2  # different needles per (length, depth)
+    c.exact_checks = ("prefix_caching",)
+    c.block_size = 16
+    c.max_num_batched_tokens = 512  # prefill chunk of the engine runs
+    c.seed = 0
+    c.output_dir = ""  # default results/quality/<UTC timestamp>/
+    if arg == "smoke":
+        c.arms = ("float32", "int8:token", "fp8_e5m2:page")
+        c.chunk_lengths = (256,)
+        c.num_chunks = 2
+        c.fidelity_length = 256
+        c.fidelity_chunks = 2
+        c.needle_lengths = (1024,)
+        c.needle_depths = (0.5,)
+        c.needles_per_cell = 2
+    elif arg == "long":
+        c.chunk_lengths = (512, 2048, 8192)
+        c.num_chunks = 4
+        c.needle_lengths = (1024, 2048, 4096, 8000)
+    elif arg != "default":
+        raise ValueError(f"unknown variant {arg!r}; known: default, smoke, long")
+    return c
