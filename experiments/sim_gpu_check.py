@@ -78,7 +78,7 @@ def step_models(model, engine_config, bandwidth: float) -> dict:
     """The two roofline variants for this model's dimensions and weight storage."""
     import numpy as np
 
-    from paged.sim import step_model as sm
+    from paged import sim as sm
 
     cfg, params = model
     leaves = __import__("jax").tree.leaves(params)
