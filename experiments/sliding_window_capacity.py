@@ -22,7 +22,8 @@ from __future__ import annotations
 import os
 
 from experiments import capacity, common, plots, sliding_window
-from paged.models.config import LlamaConfig, recycling_window
+from paged.kv.spec import recycling_window
+from paged.models.config import LlamaConfig
 from paged.workload.workload import make_workload
 
 

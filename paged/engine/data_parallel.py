@@ -42,7 +42,7 @@ from paged.engine.placement import split_devices
 from paged.engine.spec_decode import SpecStats
 from paged.fleet.handover import HandOver
 from paged.fleet.routing import EngineReplica, Router
-from paged.models.config import recycling_window
+from paged.kv.spec import recycling_window
 from paged.request.checks import check_request, derive_seed
 from paged.workload.metrics import StepTiming
 

@@ -33,9 +33,9 @@ from paged.engine.generate import generate
 from paged.engine.placement import Placement
 from paged.engine.spec_decode import Speculator, load_draft
 from paged.kv import cache as kc
-from paged.kv.groups import kv_group_layout
-from paged.kv.host_store import HostTierStore, tier_blocks
-from paged.models.config import LlamaConfig, recycling_window
+from paged.kv.host_store import HostTierStore
+from paged.kv.spec import KVSpec
+from paged.models.config import LlamaConfig
 from paged.models.tokenizer import ByteTokenizer
 from paged.request.checks import check_request
 from paged.request.outputs import CompletionOutput, RequestOutput
@@ -112,14 +112,10 @@ class Engine:
             raise ValueError(f"model vocab_size={model_config.vocab_size} < tokenizer's "
                              f"{self.tokenizer.vocab_size}")
         self._freed_pages: list[int] = []
+        self.kv_spec = spec = KVSpec.build(model_config, config)
         self.core = core = HostCore(
-            config, tokenizer=tokenizer, vocab_size=model_config.vocab_size,
-            model_salt=f"{config.model}|{model_config.to_dict()}|{config.dtype}"
-                       f"|{config.kv_cache_dtype}|{config.kv_scale_granularity}",
-            on_free=self._freed_pages.extend if config.debug_checks else None,
-            sliding_window=recycling_window(model_config, config),
-            host_tier_blocks=tier_blocks(config, model_config),
-            kv_groups=(kv_groups := kv_group_layout(model_config, config)))
+            config, tokenizer=tokenizer, vocab_size=model_config.vocab_size, kv_spec=spec,
+            on_free=self._freed_pages.extend if config.debug_checks else None)
         page_size, num_pages, host_blocks = core.page_size, core.num_pages, core.host_blocks
         self._inflight: InFlight | None = None  # the step dispatched and not read back yet
         self.placement = placement = Placement.for_replica(
@@ -127,7 +123,7 @@ class Engine:
         # A multi-process engine's role (paged.engine.multihost): process 0 leads (``leader``), the
         # others follow (``follower``: this process's index).
         self.leader, self.follower = multihost.role(placement, config, core.pages_per_seq)
-        if kv_groups is not None and (self.leader is not None or self.follower is not None):
+        if spec.layout is not None and (self.leader is not None or self.follower is not None):
             raise ValueError("a model with full and sliding layers (KV-cache groups) is not "
                              "served across processes yet")
         # May be switched between steps; speculation proposes from the last step's tokens.
@@ -137,12 +133,12 @@ class Engine:
             load_draft(config, model_config, num_pages, page_size, host_blocks, placement),
             core.builder)
         core.reader.speculator = self.speculator
-        # With KV-cache groups the leading axis holds each group's L / G layers (tensor slots).
+        # A page holds the spec's layers: all of them, or one KV-cache group's L / G (slots).
+        page = spec.page
         self.cache = kc.KVCache.create(
-            model_config.num_layers if kv_groups is None else kv_groups.num_slots,
-            model_config.num_kv_heads, num_pages, page_size,
-            model_config.head_dim, config.dtype, sharding=placement.kv,
-            kv_cache_dtype=config.kv_cache_dtype, scale_granularity=config.kv_scale_granularity)
+            page.num_layers, page.num_kv_heads, num_pages, page_size, page.head_dim, page.dtype,
+            sharding=placement.kv, kv_cache_dtype=page.kv_cache_dtype,
+            scale_granularity=page.scale_granularity)
         self._host_k = self._host_v = None
         if host_blocks:
             self._host_k, self._host_v = kc.host_buffers(self.cache, host_blocks)

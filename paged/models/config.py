@@ -166,36 +166,3 @@ class LlamaConfig:
         if unknown:
             raise ValueError(f"unknown LlamaConfig keys {unknown}; known: {sorted(names)}")
         return cls(**d)
-
-
-def recycling_window(model: LlamaConfig, engine) -> int | None:
-    """The window whose blocks an engine may recycle: W when every layer slides, else None (a
-    model with full layers keeps every block; its sliding layers are only masked).
-
-    Args:
-      model: the model's config.
-      engine: the `EngineConfig` (its ``block_size`` and ``kv_layout``).
-
-    Raises:
-      ValueError: a paged engine whose ``block_size`` is longer than the window, cascade
-        attention on a model with a sliding layer (its kernel has no window), or a draft
-        model (speculative ``method="draft"``) beside a target that recycles: the draft's own
-        KV lives on the target's block tables and would lose the blocks it still attends to.
-    """
-    windows = {w for w in model.layer_windows if w is not None}
-    if windows and engine.kv_layout == "paged" and min(windows) < engine.block_size:
-        raise ValueError(f"sliding_window={min(windows)} is shorter than a page "
-                         f"(block_size={engine.block_size}): serve it with block_size <= "
-                         f"{min(windows)}")
-    if windows and getattr(engine, "cascade_attention", "off") != "off":
-        raise ValueError(f"cascade_attention={engine.cascade_attention!r} does not take "
-                         f"sliding-window layers (sliding_window={min(windows)}): use "
-                         "cascade_attention='off'")
-    if None in model.layer_windows:
-        return None
-    spec = getattr(engine, "speculative", None)
-    if spec is not None and spec.method == "draft" and engine.kv_layout == "paged":
-        raise ValueError(f"speculative method='draft' cannot share the block tables of a model "
-                         f"whose every layer slides (sliding_window={model.sliding_window}): its "
-                         "blocks are recycled behind the window; use method='ngram'")
-    return model.sliding_window

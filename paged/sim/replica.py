@@ -49,7 +49,7 @@ import numpy as np
 
 from paged.config.engine_config import EngineConfig
 from paged.fleet.routing import cached_prefix_tokens
-from paged.models.config import recycling_window
+from paged.kv.spec import KVSpec
 from paged.models.tokenizer import ByteTokenizer
 from paged.request.checks import check_request
 from paged.sim.batches import (
@@ -135,12 +135,11 @@ class SimReplica:
         self.model_config = model_config or _Dims(self.tokenizer.vocab_size, "byte")
         # W when every layer slides (the engine's rule and errors: window shorter than a block,
         # cascade attention); the shape counts in-window reads under any KV layout.
-        self.window = recycling_window(self.model_config, config)
-        self._tier = SimTier.build(config, self.model_config, host_link)
-        self.core = core = HostCore(
-            config, tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size,
-            model_salt=f"{config.model}|{self.model_config.to_dict()}|{config.dtype}",
-            sliding_window=self.window, host_tier_blocks=self._tier.num_blocks if self._tier else 0)
+        self.kv_spec = spec = KVSpec.build(self.model_config, config)
+        self.window = spec.window
+        self._tier = SimTier.build(config, spec, host_link)
+        self.core = core = HostCore(config, tokenizer=self.tokenizer,
+                                    vocab_size=self.model_config.vocab_size, kv_spec=spec)
         self.page_size, self.num_pages = core.page_size, core.num_pages
         self.block_manager, self.batch, self.scheduler = (
             core.block_manager, core.batch, core.scheduler)

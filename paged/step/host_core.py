@@ -24,8 +24,8 @@ from __future__ import annotations
 import time
 
 from paged.config.engine_config import EngineConfig
-from paged.kv.groups import KVGroupLayout
 from paged.kv.pools import build_host_pool
+from paged.kv.spec import KVSpec
 from paged.request.checks import derive_seed
 from paged.request.outputs import RequestOutput, check_outputs, collect_outputs, state_of
 from paged.request.sequence import SeqStatus, Sequence
@@ -44,15 +44,11 @@ class HostCore:
         scheduling, prefix caching, swap slots, debug checks).
       tokenizer: with ``eos_id`` (and ``eos_ids``), ``decode``, ``encode``.
       vocab_size: the model's vocabulary (prompt token ids are checked against it).
-      model_salt: what identifies the model and its weights in every prefix-cache key.
+      kv_spec: the replica's KV spec (`paged.kv.spec.KVSpec`): its KV-cache groups and their
+        windows (a grouped model's pool holds the same bytes as ``config.pool_geometry()``'s
+        blocks in ``G`` times as many pages of ``L / G`` layers each, plus the null page), the
+        prefix-cache salt and the host-tier slots.
       on_free: called with the block ids the pool frees (debug poisoning), or ``None``.
-      sliding_window: W when every layer of the model slides (blocks behind the window are
-        recycled, `paged.kv.blocks.window`); ignored by the contiguous layout.
-      host_tier_blocks: host-tier slots (`paged.kv.blocks.host_tier`; 0: no tier).
-      kv_groups: a model with full and sliding layers served with one block table per kind
-        (`paged.kv.groups`, `paged.kv.group_manager.GroupedBlockManager`): the same pool
-        bytes as ``config.pool_geometry()``'s blocks, in ``G`` times as many pages of
-        ``L / G`` layers each (plus the null page); ``sliding_window`` is then ignored.
 
     Attributes:
       page_size, num_pages: the KV pool's geometry (page 0 is the null page).
@@ -64,15 +60,13 @@ class HostCore:
         recompute a preempted sequence's KV (``count_tokens``).
     """
 
-    def __init__(self, config: EngineConfig, *, tokenizer, vocab_size: int, model_salt: str,
-                 on_free=None, sliding_window: int | None = None, host_tier_blocks: int = 0,
-                 kv_groups: KVGroupLayout | None = None):
+    def __init__(self, config: EngineConfig, *, tokenizer, vocab_size: int, kv_spec: KVSpec,
+                 on_free=None):
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        pool = build_host_pool(config, model_salt=model_salt, on_free=on_free,
-                               sliding_window=sliding_window, host_tier_blocks=host_tier_blocks,
-                               kv_groups=kv_groups)
+        self.kv_spec = kv_spec
+        pool = build_host_pool(config, kv_spec, on_free=on_free)
         self.block_manager = pool.block_manager
         self.page_size = page_size = pool.page_size
         self.num_pages = pool.num_pages
