@@ -159,7 +159,8 @@ def test_engine_and_simulator_compose_one_host_core(which):
         obj = SimReplica(cfg, RooflineStepModel(H200, LLAMA3_8B, block_size=8))
     core = obj.core
     assert isinstance(core, HostCore)
-    assert core.reader.core is core and core.scheduler.batch is core.batch
+    assert core.reader.ib is core.batch and core.reader.bm is core.block_manager
+    assert core.scheduler.batch is core.batch
     assert obj.block_manager is core.block_manager
 
 

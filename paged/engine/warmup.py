@@ -75,7 +75,9 @@ def run(engine, *, logprobs: bool = True, parallel_sampling: bool = True,
             engine.compile_step(variant, shape)
             bar.set(i + 1, shape="x".join(map(str, shape[:3])) + " " + _NAMES[variant]
                     + (" cascade" if len(shape) > 3 else ""))
-    return engine.trace_count() - before
+    n = engine.trace_count() - before
+    engine.warm_tier()  # the host tier's copies, at every padded page count
+    return n
 
 
 def server_buckets(config, given: set[str]):
