@@ -16,7 +16,6 @@ from paged.models.config import LlamaConfig
 from paged.models.llama import Llama
 
 
-@functools.lru_cache(maxsize=32)
 def device_cache(spec, num_pages: int, page_size: int, sharding=None) -> KVCache:
     """The device pool of a ``paged.kv.spec.KVSpec``: ``num_pages`` pages of ``page_size``
     tokens in its page format (``spec.page``: every layer, or one KV-cache group's ``L / G``),
@@ -43,6 +42,7 @@ def step_functions(model_config: LlamaConfig, config, placement, leader=None) ->
     return variants, called, lambda: sum(count() for _, count in fns.values()), no_prev
 
 
+@functools.lru_cache(maxsize=32)
 def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int = 1,
                  with_logprobs: bool = False, with_verify: bool = False):
     """Returns ``(step, trace_count)``, shared by every engine with the same model and attention.
