@@ -51,7 +51,8 @@ from experiments import common, plots
 from paged import Engine, SamplingParams
 from paged.config.support import check_supported
 from paged.kv.paging import NULL_PAGE
-from paged.models.config import LlamaConfig, recycling_window
+from paged.kv.spec import recycling_window
+from paged.models.config import LlamaConfig
 from paged.workload.workload import Workload, make_workload
 
 

@@ -23,7 +23,8 @@ import os
 
 from experiments import capacity, common, plots, sliding_window
 from paged.config.support import check_supported
-from paged.models.config import LlamaConfig, recycling_window
+from paged.kv.spec import recycling_window
+from paged.models.config import LlamaConfig
 from paged.workload.workload import make_workload
 
 

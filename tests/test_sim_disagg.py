@@ -170,7 +170,7 @@ def test_preemption_on_the_decode_side_recomputes_or_swaps_there(mode):
     assert res.summary["completed"] == 30 and dec["num_preemptions"] > 0
     assert sum(r.num_preemptions for r in res.records) == dec["num_preemptions"]
     if mode == "recompute":  # the preempted sequence's prompt is recomputed on the decode side
-        assert dec["num_prefill_tokens"] > 0
+        assert dec["num_recompute_tokens"] > 0
     else:  # (recompute too once the host slots run out)
         assert dec["num_swap_outs"] > 0
     assert res.replicas[0]["num_decode_tokens"] == 0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from paged import accounting
 
 
@@ -13,13 +11,9 @@ def kv_stats(engine, held_for_transfer=()) -> dict:
     bm, config = engine.block_manager, engine.config
     stats = bm.stats()
     held = [*engine.core.parked_seq_ids(), *held_for_transfer]
-    spec = accounting.ModelSpec.from_model_config(
-        engine.model_config, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
-        scale_granularity=config.kv_scale_granularity)
-    # A block holds the cache's layers: all of them, or one KV-cache group's share.
-    spec = dataclasses.replace(spec, num_layers=engine.cache.num_layers)
+    # A block holds one pool page's layers (``KVSpec.page``): all of them, or one group's share.
     ledger = accounting.MemoryLedger.from_blocks(
-        spec, engine.page_size, engine.cache.num_pages, used=bm.block_usage(excluding=held),
+        engine.kv_spec.page, engine.page_size, engine.cache.num_pages, used=bm.block_usage(excluding=held),
         transfer=bm.num_blocks_only_in(held),
         cached_free=bm.num_cached_blocks, free=bm.num_free_blocks,
         reserved=bm.num_quarantined_blocks,

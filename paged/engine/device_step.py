@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,33 @@ from paged.kv import cache as kc
 from paged.kv.cache import KVCache
 from paged.models.config import LlamaConfig
 from paged.models.llama import Llama
+
+
+def device_cache(spec, num_pages: int, page_size: int, sharding=None) -> KVCache:
+    """The device pool of a ``paged.kv.spec.KVSpec``: ``num_pages`` pages of ``page_size``
+    tokens in its page format (``spec.page``: every layer, or one KV-cache group's ``L / G``),
+    sharded by ``sharding``."""
+    page = spec.page
+    return KVCache.create(page.num_layers, page.num_kv_heads, num_pages, page_size,
+                          page.head_dim, page.dtype, sharding=sharding,
+                          kv_cache_dtype=page.kv_cache_dtype,
+                          scale_granularity=page.scale_granularity)
+
+
+def step_functions(model_config: LlamaConfig, config, placement, leader=None) -> tuple:
+    """An engine's jitted steps: ``(variants, called, trace_count, no_prev_tokens)``:
+    ``(with_logprobs, with_verify) -> step`` as a follower process runs them, the same as this
+    process calls them (a ``leader`` announces every call to the other processes), the count
+    of traces so far (the page copy / read / write functions' included), and the tokens fed as
+    "the previous step's" when no step is in flight."""
+    out_size = kc.next_pow2(max(config.max_num_seqs, config.min_seq_bucket))
+    fns = {v: make_step_fn(model_config, config.attention_impl, out_size, *v)
+           for v in itertools.product((False, True), repeat=2)}
+    variants = {v: f for v, (f, _) in fns.items()}
+    no_prev = placement.put(np.zeros(out_size, np.int32))
+    called = dict(variants) if leader is None else {
+        v: leader.wrap(f, v, no_prev) for v, f in variants.items()}
+    return variants, called, lambda: sum(c() for _, c in fns.values()) + kc.trace_count(), no_prev
 
 
 @functools.lru_cache(maxsize=32)

@@ -17,7 +17,6 @@ The host never reads KV back to decide anything: it sends indices and receives s
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Sequence as SequenceT
@@ -29,20 +28,19 @@ from paged.accounting.kv_stats import kv_stats
 from paged.config.engine_config import EngineConfig, engine_config, warn_long_window
 from paged.config.support import check_supported
 from paged.engine import multihost
-from paged.engine.device_step import apply_copies, compile_shapes, make_step_fn
-from paged.engine.generate import generate
+from paged.engine.device_step import apply_copies, compile_shapes, device_cache, step_functions
+from paged.engine.generate import generate, load_model
 from paged.engine.placement import Placement
-from paged.engine.spec_decode import Speculator, load_draft
+from paged.engine.spec_decode import SpecStats, Speculator, load_draft
 from paged.kv import cache as kc
-from paged.kv.groups import kv_group_layout
-from paged.kv.host_store import HostTierStore, tier_blocks
-from paged.models.config import LlamaConfig, recycling_window
-from paged.models.tokenizer import ByteTokenizer
+from paged.kv.host_store import HostTierStore
+from paged.kv.spec import KVSpec
+from paged.models.config import LlamaConfig
 from paged.request.checks import check_request
 from paged.request.outputs import CompletionOutput, RequestOutput
 from paged.request.sampling import SamplingParams
-from paged.step.batch import InFlight, PendingStep
-from paged.step.host_core import HostCore
+from paged.step.batch import PendingStep
+from paged.step.host_core import HostCore, HostStep
 from paged.step.scheduler import SchedulerOutput
 from paged.workload.metrics import StepTiming
 
@@ -55,32 +53,30 @@ __all__ = ["CompletionOutput", "Engine", "PendingStep", "RequestOutput", "StepTi
 class Engine:
     """Serves requests from a paged (or contiguous) KV cache with continuous batching.
 
-    The host side (request table, block manager, input batch, scheduler, step read-back) is a
-    ``paged.step.host_core.HostCore`` (``engine.core``); the engine owns the device side: params, the
-    KV cache, the jitted step and the step in flight.
+    The host side (request table, block manager, input batch, scheduler, the host step) is a
+    ``paged.step.host_core.HostCore`` (``engine.core``); the engine runs the device call (params,
+    KV cache, jitted step) and orders the core's ``begin`` / ``finish`` for the overlap.
 
     Args:
       config: engine settings.
       model_config, params: a model to serve instead of the bundled ``config.model`` (tests use
         random weights this way). Both or neither.
       devices: the devices to run on (default ``jax.devices()``): the first
-        ``tensor_parallel_size`` of them, or D x T of them for ``data_parallel_size = D > 1``
-        (then ``Engine(...)`` is a factory: it returns a
-        ``paged.engine.data_parallel.DataParallelEngine``, the same API over D replicas of this class).
+        ``tensor_parallel_size`` of them, or D x T of them for ``data_parallel_size = D > 1`` (then
+        ``Engine(...)`` returns a ``paged.engine.data_parallel.DataParallelEngine``: D replicas).
       mesh: instead of ``devices``, a device mesh with a ``"model"`` axis to shard over (tensor
         parallel, ``paged.engine.placement``); one block manager serves all shards.
 
     Raises:
       TypeError: ``config`` is not an ``EngineConfig`` (or ``None``: the defaults).
       ValueError: a pool too small for one ``max_model_len`` request, an ``attention_impl`` that
-        cannot run on this backend (``paged.config.engine_config.check_attention_impl``), D x T more than the
-        devices, KV heads not divisible by T, or inconsistent arguments.
+        cannot run here (``check_attention_impl``), D x T more than the devices, KV heads not
+        divisible by T, or inconsistent arguments.
     """
 
     def __new__(cls, config: EngineConfig | None = None, *args, **kwargs):
         if cls is Engine and isinstance(config, EngineConfig) and config.data_parallel_size > 1:
-            # A factory: D replicas of this class behind a router. The replica class is passed
-            # in, so ``paged.engine.data_parallel`` never imports this module.
+            # A factory: D replicas behind a router (data_parallel never imports this module).
             from paged.engine.data_parallel import DataParallelEngine
 
             return DataParallelEngine(config, *args, replica_factory=Engine, **kwargs)
@@ -94,23 +90,7 @@ class Engine:
                              f"Engine(config) (a DataParallelEngine), not a subclass")
         if (model_config is None) != (params is None):
             raise ValueError("pass both model_config and params, or neither")
-        tokenizer = ByteTokenizer()
-        if model_config is None:  # a bundled name or a Hugging Face checkpoint directory
-            from paged.models.registry import load_any
-
-            model_config, params, tokenizer = load_any(config.model, dtype=config.dtype,
-                                                       max_model_len=config.max_model_len)
-        else:  # params given (loaded once by a study): a checkpoint's tokenizer still applies
-            from paged.models.gguf import is_gguf_path
-            from paged.models.hf import is_checkpoint_dir
-            from paged.models.hf_tokenizer import load_tokenizer
-
-            if is_checkpoint_dir(config.model):
-                tokenizer = load_tokenizer(config.model, model_config.vocab_size)
-            elif is_gguf_path(config.model):
-                from paged.models.gguf_tokenizer import GGUFTokenizer
-
-                tokenizer = GGUFTokenizer(config.model)
+        model_config, params, tokenizer = load_model(config, model_config, params)
         warn_long_window(model_config.layer_windows, config.max_model_len)
         self.config = config
         self.model_config = model_config
@@ -123,16 +103,12 @@ class Engine:
         check_supported(config, model_config,
                         processes=multihost.spans_processes(placement.devices))
         self._freed_pages: list[int] = []
+        self.kv_spec = spec = KVSpec.build(model_config, config)
         self.core = core = HostCore(
-            config, tokenizer=tokenizer, vocab_size=model_config.vocab_size,
-            model_salt=f"{config.model}|{model_config.to_dict()}|{config.dtype}"
-                       f"|{config.kv_cache_dtype}|{config.kv_scale_granularity}",
-            on_free=self._freed_pages.extend if config.debug_checks else None,
-            sliding_window=recycling_window(model_config, config),
-            host_tier_blocks=tier_blocks(config, model_config),
-            kv_groups=(kv_groups := kv_group_layout(model_config, config)))
+            config, tokenizer=tokenizer, vocab_size=model_config.vocab_size, kv_spec=spec,
+            on_free=self._freed_pages.extend if config.debug_checks else None)
         page_size, num_pages, host_blocks = core.page_size, core.num_pages, core.host_blocks
-        self._inflight: InFlight | None = None  # the step dispatched and not read back yet
+        self._inflight: HostStep | None = None  # the step dispatched and not read back yet
         # A multi-process engine's role (paged.engine.multihost): process 0 leads (``leader``), the
         # others follow (``follower``: this process's index).
         self.leader, self.follower = multihost.role(placement, config, core.pages_per_seq)
@@ -143,43 +119,24 @@ class Engine:
             load_draft(config, model_config, num_pages, page_size, host_blocks, placement),
             core.builder)
         core.reader.speculator = self.speculator
-        # With KV-cache groups the leading axis holds each group's L / G layers (tensor slots).
-        self.cache = kc.KVCache.create(
-            model_config.num_layers if kv_groups is None else kv_groups.num_slots,
-            model_config.num_kv_heads, num_pages, page_size,
-            model_config.head_dim, config.dtype, sharding=placement.kv,
-            kv_cache_dtype=config.kv_cache_dtype, scale_granularity=config.kv_scale_granularity)
-        self._host_k = self._host_v = None
-        if host_blocks:
-            self._host_k, self._host_v = kc.host_buffers(self.cache, host_blocks)
+        self.cache = device_cache(spec, num_pages, page_size, placement.kv)
+        self._host_k, self._host_v = kc.host_buffers(self.cache, host_blocks) if host_blocks \
+            else (None, None)
         # The host tier's slots (one store per cache: a draft model's gets the same copies).
-        self.host_tier = self._draft_tier = None
-        if core.block_manager.num_host_tier_blocks:
-            n = core.block_manager.num_host_tier_blocks
-            self.host_tier = HostTierStore(self.cache, n, poison=config.debug_checks)
-            if self.speculator is not None and self.speculator.draft is not None:
-                self._draft_tier = HostTierStore(self.speculator.draft.cache, n)
+        n, draft = spec.host_tier_blocks, self.speculator and self.speculator.draft
+        self.host_tier = HostTierStore(self.cache, n, poison=config.debug_checks) if n else None
+        self._draft_tier = HostTierStore(draft.cache, n) if n and draft is not None else None
         self.params = placement.put_params(params)
-        out_size = kc.next_pow2(max(config.max_num_seqs, config.min_seq_bucket))
-        # The plain step, and variants that also return log-probabilities and/or verify drafts.
-        fns = {v: make_step_fn(model_config, config.attention_impl, out_size, *v)
-               for v in itertools.product((False, True), repeat=2)}
-        # (with_logprobs, with_verify) -> the jitted step, as a follower process runs it.
-        self.step_variants = {v: f for v, (f, _) in fns.items()}
-        self._variants = dict(self.step_variants)
-        self.trace_count = lambda: sum(count() for _, count in fns.values()) + kc.trace_count()
-        # The tokens fed as "the previous step's" when no step is in flight.
-        self.no_prev_tokens = placement.put(np.zeros(out_size, np.int32))
-        if self.leader is not None:  # every device call is announced to the other processes
-            self._variants = {v: self.leader.wrap(f, v, self.no_prev_tokens)
-                              for v, f in self.step_variants.items()}
+        # (with_logprobs, with_verify) -> the jitted step, as a follower process runs it, and as
+        # this process calls it (announced to the followers by a leader); the tokens fed as "the
+        # previous step's" when no step is in flight.
+        self.step_variants, self._variants, self.trace_count, self.no_prev_tokens = \
+            step_functions(model_config, config, placement, self.leader)
         self._step_fn = self._variants[False, False]
         self._traces_at_start = self.trace_count()
-        self.num_steps = 0
         self.last_timing = StepTiming()
         self._pending = False  # between dispatch_step() and finish_step()
-        # Off (None) unless a driver records the run: then one dict per ``dispatch_step`` (see
-        # ``record_steps``).
+        # Off (None) unless a driver records the run (``record_steps``).
         self.step_record: list[dict] | None = None
 
     # --- the host core's parts, read by studies, tests and kv_stats ---------------------
@@ -190,6 +147,7 @@ class Engine:
     page_size = property(lambda self: self.core.page_size)
     pages_per_seq = property(lambda self: self.core.pages_per_seq)
     num_requests_served = property(lambda self: self.core.num_requests_served)
+    num_steps = property(lambda self: self.core.num_steps)  # steps dispatched
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | SequenceT[int],
@@ -248,10 +206,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Finishes a request now and releases its blocks (quarantined if a step may read them).
-
-        Returns:
-          True if the request was unfinished; False (with a log message) for unknown or finished.
-        """
+        Returns True if it was unfinished; False (logged) for unknown or finished."""
         if not self.core.abort(request_id, time.perf_counter()):
             log.warning("abort(%r): no unfinished request with this id", request_id)
             return False
@@ -267,10 +222,9 @@ class Engine:
         return self.core.unfinished_request_ids()
 
     def has_unfinished_requests(self) -> bool:
-        """Whether ``step()`` still has something to do or report: an unfinished request, an
-        abort or timeout not reported yet, or a dispatched step not read back yet. The drain loop
-        ``while engine.has_unfinished_requests(): engine.step()`` therefore ends with no step in
-        flight, no block quarantined and every finished request reported once."""
+        """Whether ``step()`` has something to do or report: an unfinished request, an unreported
+        abort or timeout, or a step in flight; so ``while engine.has_unfinished_requests():
+        engine.step()`` ends with nothing in flight or quarantined and every request reported."""
         return self.core.has_unfinished() or self._inflight is not None
 
     def _refuse_follower(self, what: str) -> None:
@@ -290,54 +244,58 @@ class Engine:
         return self.finish_step(self.dispatch_step())
 
     def dispatch_step(self) -> PendingStep:
-        """The first half of ``step()``: schedules, builds and dispatches the next device call
-        without waiting for any device result. ``finish_step`` must follow before the next
-        ``dispatch_step`` (or ``step``) of this engine. A host loop over several engines
-        (data-parallel replicas) dispatches all of them before it finishes any, so their devices
-        run concurrently."""
+        """The first half of ``step()``: begins the next step (``HostCore.begin``, this engine the
+        driver) without waiting for a device result; ``finish_step`` follows before the next
+        ``dispatch_step``. A host loop over data-parallel replicas dispatches all before it
+        finishes any, so their devices run concurrently."""
         if self._pending:
             raise RuntimeError("dispatch_step() twice without finish_step()")
         self._refuse_follower("call paged.engine.multihost.follow(engine), not step()")
-        core = self.core
-        timing = StepTiming()
-        t0 = time.perf_counter()
-        ended = core.take_ended(t0)  # reported first
-        sched = core.schedule(t0)
-        if self.speculator is not None:
-            self.speculator.plan(sched)
-        t1 = time.perf_counter()
-        timing.schedule = t1 - t0
-        if self.step_record is not None:  # kept out of the step's timed phases
-            self.step_record.append({
-                "ended": list(ended), "batch": sched.composition(core.batch),
-                "preempted": [[s.request_id, s.sample_index] for s in sched.preempted]})
-            t1 = time.perf_counter()
-        done, launched = self._inflight, None
-        if not sched.is_empty:
-            step_id = core.block_manager.begin_step()
-            self._prepare_device(sched)
-            if self.speculator is not None:
-                self.speculator.draft_tokens()  # draft method: after the copies, both caches
-            batch = core.builder.build(sched.decode_rows, sched.scheduled, bool(sched.copies))
-            batch.step_id = step_id
-            prev = done.tokens if done is not None else self.no_prev_tokens
-            extras = None
-            variant = (batch.with_logprobs, bool(batch.verify))
-            if variant == (False, False):
-                self.cache, tokens = self._step_fn(self.params, self.cache, batch.device, prev)
-            else:
-                q = () if not batch.verify else self.speculator.verify_inputs(batch)
-                self.cache, tokens, extras = self._variants[variant](
-                    self.params, self.cache, batch.device, prev, *q)
-            if self.speculator is not None and self.speculator.draft is not None:
-                self.speculator.draft.mirror(batch.device)  # the draft's cache follows
-            core.builder.commit(sched.decode_rows, batch)
-            launched = self._inflight = InFlight(batch, tokens, extras)
-            timing.prepare = time.perf_counter() - t1
-            timing.num_seqs, timing.num_tokens = batch.num_seqs, batch.num_tokens
-            self.num_steps += 1
+        self._timing = timing = StepTiming()
+        self._t = time.perf_counter()
+        done = self._inflight
+        step = self.core.begin(self._t, self)
+        if step.batch is not None:
+            self._inflight = step
+            timing.prepare = time.perf_counter() - self._t
+            timing.num_seqs, timing.num_tokens = step.batch.num_seqs, step.batch.num_tokens
         self._pending = True
-        return PendingStep(timing, ended, sched, done, launched)
+        return PendingStep(timing, step.ended, step.sched, done,
+                           None if step.batch is None else step)
+
+    # HostCore.begin's driver hooks (paged.step.host_core): the device side of a step.
+    def planned(self, step: HostStep) -> None:
+        """After scheduling: speculation plans its proposals; the step is recorded (untimed)."""
+        if self.speculator is not None:
+            self.speculator.plan(step.sched)
+        self._timing.schedule = (t1 := time.perf_counter()) - self._t
+        self._t = t1
+        if self.step_record is not None:  # kept out of the step's timed phases
+            self.step_record.append(step.record(self.core.batch))
+            self._t = time.perf_counter()
+
+    def prepare(self, sched: SchedulerOutput) -> None:
+        """The step has begun: its device copies, then the draft model's proposals."""
+        self._prepare_device(sched)
+        if self.speculator is not None:
+            self.speculator.draft_tokens()  # draft method: after the copies, both caches
+
+    def launch(self, batch) -> tuple:
+        """Dispatches the device call (the cache donated); returns ``(tokens, extras)`` on
+        device. The tokens of the step in flight, if any, are fed on device."""
+        done = self._inflight
+        prev = done.out[0] if done is not None else self.no_prev_tokens
+        extras = None
+        variant = (batch.with_logprobs, bool(batch.verify))
+        if variant == (False, False):
+            self.cache, tokens = self._step_fn(self.params, self.cache, batch.device, prev)
+        else:
+            q = () if not batch.verify else self.speculator.verify_inputs(batch)
+            self.cache, tokens, extras = self._variants[variant](
+                self.params, self.cache, batch.device, prev, *q)
+        if self.speculator is not None and self.speculator.draft is not None:
+            self.speculator.draft.mirror(batch.device)  # the draft's cache follows
+        return tokens, extras
 
     def finish_step(self, pending: PendingStep) -> list[RequestOutput]:
         """The second half of ``step()``: waits for the step to read back (the previous one with
@@ -347,83 +305,62 @@ class Engine:
             raise RuntimeError("finish_step() without dispatch_step()")
         self._pending = False
         timing, ended, sched, done, launched = pending
-        bm = self.core.block_manager
-        if launched is None:  # nothing dispatched: read back, then the step's copies
-            made, touched, decode = self._read_back(done, None, timing) if done else ([], {}, [])
+        core = self.core
+        made, touched, decode = ([], {}, []) if done is None else \
+            self._read_back(done, launched, timing)
+        if launched is None:  # nothing dispatched: the step's copies, after the read-back
             self._inflight = None
             # The step's copies (swap, CoW) belong to it: pages they touch stay held until it ends.
-            step_id = bm.begin_step()
+            step_id = core.begin_copies()
             self._prepare_device(sched)
-            bm.step_completed(step_id)
+            core.finish_copies(step_id)
             if done is None:
-                self.core.idle_step(sched)
-        else:
-            made, touched, decode = [], {}, []
-            if done is not None:
-                made, touched, decode = self._read_back(done, launched, timing)
-            if not self.async_scheduling:
-                self._inflight = None
-                made2, touched2, decode2 = self._read_back(launched, None, timing)
-                made, decode = made + made2, decode + decode2
-                touched.update(touched2)
+                core.idle_step(sched)
+        elif not self.async_scheduling:
+            self._inflight = None
+            made2, touched2, decode2 = self._read_back(launched, None, timing)
+            made, decode = made + made2, decode + decode2
+            touched.update(touched2)
         t3 = time.perf_counter()
-        outputs = self.core.outputs(ended, decode, made, touched)
+        outputs = core.outputs(ended, decode, made, touched)
         timing.postprocess += time.perf_counter() - t3
         self.last_timing = timing
         return outputs
 
-    def _read_back(self, done: InFlight, nxt: InFlight | None, timing: StepTiming):
-        """Waits for ``done``'s tokens and applies them (``StepReader``)."""
-        t = time.perf_counter()
-        tokens = np.asarray(done.tokens)  # waits for the device
-        self.core.block_manager.step_completed(done.batch.step_id)
+    def _read_back(self, done: HostStep, nxt: HostStep | None, timing: StepTiming):
+        """Waits for ``done``'s tokens and applies them (``HostCore.read_back``)."""
+        t, (tokens, extras) = time.perf_counter(), done.out
+        tokens = np.asarray(tokens)  # waits for the device
         now = time.perf_counter()
         timing.device += now - t
-        extras = None if done.extras is None else jax.tree_util.tree_map(np.asarray, done.extras)
-        made, touched = self.core.reader.read(done.batch, tokens, now,
-                                              None if nxt is None else nxt.batch, extras)
-        if self.config.debug_checks:
-            self.core.check_invariants()
+        extras = None if extras is None else jax.tree_util.tree_map(np.asarray, extras)
+        made, touched = self.core.read_back(done, tokens, now, nxt, extras)
         timing.postprocess += time.perf_counter() - now
         return made, touched, done.batch.decode
 
     def record_steps(self) -> list[dict]:
-        """Starts recording every step's composition (for an exact replay,
-        ``experiments.replay``) and returns the list it fills: per ``dispatch_step`` one dict with
-        ``ended`` (requests aborted or timed out reported by the step, by id), ``batch``
-        (``SchedulerOutput.composition``: ``[request_id, sample_index, num_new_tokens]`` in batch
-        order) and ``preempted`` (``[request_id, sample_index]`` preempted by the step's plan)."""
+        """Starts recording every step (an exact replay, ``experiments.replay``); returns the list
+        it fills, per ``dispatch_step`` one ``HostStep.record``: ``ended`` (by id), ``batch``
+        (``[request_id, sample_index, num_new_tokens]`` in batch order) and ``preempted``."""
         self.step_record = []
         return self.step_record
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache between runs (vLLM's ``reset_prefix_cache``): every cached
-        block goes back to the free list, so the next run finds no hit, as on a new engine (an
-        exact replay, ``experiments.replay``, starts on one).
-
-        Returns:
-          True if emptied; False (nothing changed) while a request is unfinished or a step in
-          flight, or with a host tier (``host_kv_cache_bytes``: evicted blocks would spill into
-          it, so it is not emptied this way).
-        """
-        bm = self.core.block_manager
-        if self.has_unfinished_requests() or bm.num_host_tier_blocks:
-            return False
-        bm.evict_cached()
-        return True
+        block goes back to the free list, as on a new engine (``experiments.replay`` starts so).
+        Returns False (nothing changed) while a request is unfinished or a step in flight, or
+        with a host tier (evicted blocks would spill into it)."""
+        return self._inflight is None and self.core.reset_prefix_cache()
 
     def has_step_in_flight(self) -> bool:
         """Whether a dispatched step's result has not been read back yet."""
         return self._inflight is not None
 
     def set_device_step(self, fn=None) -> None:
-        """Replaces the plain jitted device step, for host-only benchmarks (``None`` restores it).
-
-        ``fn(params, cache, device_batch, prev_tokens) -> (cache, tokens)`` with ``tokens`` one
-        i32 per sample slot (at least ``prev_tokens``' length); a stub that returns zeros at once
-        (``paged.engine.device_step.stub_step``) measures the host's share of a step. Steps with log-probabilities or verify rows still
-        run the real variants.
-        """
+        """Replaces the plain jitted device step, for host-only benchmarks (``None`` restores it):
+        ``fn(params, cache, device_batch, prev_tokens) -> (cache, tokens)``, ``tokens`` one i32
+        per sample slot; ``paged.engine.device_step.stub_step`` returns zeros at once (the host's
+        share of a step). Steps with log-probabilities or verify rows run the real variants."""
         self._step_fn = self._variants[False, False] if fn is None else fn
 
     def _prepare_device(self, sched: SchedulerOutput) -> None:
@@ -457,20 +394,20 @@ class Engine:
         ``num_compilations`` counts them)."""
         from paged.engine import warmup
 
-        before = self.trace_count()
-        warmup.run(self, logprobs=logprobs, parallel_sampling=parallel_sampling,
-                   progress=progress, max_shapes=max_shapes)
-        if self.host_tier is not None:  # the tier's copies, at every padded page count
+        return warmup.run(self, logprobs=logprobs, parallel_sampling=parallel_sampling,
+                          progress=progress, max_shapes=max_shapes)
+
+    def warm_tier(self) -> None:
+        """Compiles the host tier's copies at every padded page count (``warmup``'s last part)."""
+        if self.host_tier is not None:
             self.cache = self.host_tier.warm(self.cache)
             if self._draft_tier is not None:
                 draft = self.speculator.draft
                 draft.cache = self._draft_tier.warm(draft.cache)
-        return self.trace_count() - before
 
     def compile_step(self, variant: tuple[bool, bool], shape: tuple) -> None:
-        """Runs the ``(with_logprobs, with_verify)`` step once on an all-padding batch of
-        ``shape`` (tokens, sequences, sample slots; a fourth element True: with cascade
-        metadata), which compiles it; no KV is touched (``paged.engine.warmup``'s unit)."""
+        """Compiles the ``(with_logprobs, with_verify)`` step on an all-padding batch of ``shape``
+        (tokens, sequences, sample slots; a 4th element True: cascade); touches no KV."""
         fn = self._variants[variant]
         extra = (None, None) if variant[1] else ()
         self.cache = compile_shapes(lambda *a: fn(*a, *extra)[:2], self.params, self.cache,
@@ -486,8 +423,6 @@ class Engine:
         """Speculation counters (``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``,
         ``draft_acceptance_rate``, ``mean_accepted_length``: accepted drafts per verify row,
         ``mean_emitted_per_verify``); all zero without ``speculative``."""
-        from paged.engine.spec_decode import SpecStats
-
         return (SpecStats() if self.speculator is None else self.speculator.stats).as_dict()
 
     def kv_stats(self, *, held_for_transfer=()) -> dict:

@@ -1,9 +1,11 @@
-"""``generate``: prompts in, finished outputs out, on any engine of the shared protocol."""
+"""``generate``: prompts in, finished outputs out, on any engine of the shared protocol; and
+``load_model``: the model, weights and tokenizer an engine serves."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from paged.models.tokenizer import ByteTokenizer
 from paged.request.checks import check_prompts
 from paged.util.progress_bar import progress as progress_bar
 
@@ -35,3 +37,25 @@ def generate(engine, table, prompts, params, *, progress: bool = False) -> list:
     while engine.has_step_in_flight() and not engine.unfinished_request_ids():
         engine.step()
     return [done[r] for r in ids]
+
+
+def load_model(config, model_config=None, params=None) -> tuple:
+    """``(model_config, params, tokenizer)`` an engine serves: the given model (a checkpoint
+    directory's or a GGUF file's tokenizer still applies), else ``config.model`` loaded (a
+    bundled name, a Hugging Face checkpoint directory or a GGUF file)."""
+    if model_config is None:
+        from paged.models.registry import load_any
+
+        return load_any(config.model, dtype=config.dtype, max_model_len=config.max_model_len)
+    from paged.models.gguf import is_gguf_path
+    from paged.models.hf import is_checkpoint_dir
+    from paged.models.hf_tokenizer import load_tokenizer
+
+    tokenizer = ByteTokenizer()
+    if is_checkpoint_dir(config.model):
+        tokenizer = load_tokenizer(config.model, model_config.vocab_size)
+    elif is_gguf_path(config.model):
+        from paged.models.gguf_tokenizer import GGUFTokenizer
+
+        tokenizer = GGUFTokenizer(config.model)
+    return model_config, params, tokenizer

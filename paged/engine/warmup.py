@@ -142,7 +142,9 @@ def run(engine, *, logprobs: bool = True, parallel_sampling: bool = True,
                     + (" cascade" if len(shape) > 3 else ""))
     for n in copies:
         _compile_copies(engine, n)
-    return engine.trace_count() - before
+    n = engine.trace_count() - before
+    engine.warm_tier()  # the host tier's copies, at every padded page count
+    return n
 
 
 def server_buckets(config, given: set[str]):

@@ -97,12 +97,12 @@ class EngineReplica:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + len(self.engine.scheduler.swapped)
+        return self.engine.core.num_waiting
 
     @property
     def num_running(self) -> int:
-        sched = self.engine.scheduler
-        return len(sched.running) + len(sched.loading)  # loading: admitted, copying its prefix
+        """Running or loading (``HostCore.num_running``; the sum is ``HostCore.load()``)."""
+        return self.engine.core.num_running
 
     def cached_prefix_tokens(self, token_ids, cache_salt=None, probe=None) -> int:
         return cached_prefix_tokens(self.engine.block_manager, token_ids, cache_salt, probe)

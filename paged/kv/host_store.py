@@ -20,29 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged.accounting import formulas as kv_formulas
 from paged.kv import cache as kc
 from paged.kv.cache import KVCache
-
-
-def tier_blocks(config, model_config) -> int:
-    """Host-tier slots ``config.host_kv_cache_bytes`` affords: whole blocks of the pool's page
-    layout (every layer and KV head, scales included); 0 without a tier.
-
-    Raises:
-      ValueError: a budget above 0 smaller than one block.
-    """
-    if not config.host_kv_cache_bytes:
-        return 0
-    spec = kv_formulas.ModelSpec.from_model_config(
-        model_config, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
-        scale_granularity=config.kv_scale_granularity)
-    per_block = spec.bytes_per_block(config.block_size)
-    n = config.host_kv_cache_bytes // per_block
-    if n < 1:
-        raise ValueError(f"host_kv_cache_bytes={config.host_kv_cache_bytes} holds no block of "
-                         f"{per_block} bytes (block_size={config.block_size})")
-    return n
 
 
 class HostTierStore:

@@ -2,10 +2,10 @@
 
 One place decides what the host side of a KV pool looks like: how many pages (page 0 is the null
 page), how many block-table entries a sequence row holds, how many host swap slots there are,
-and which block manager serves them: a `paged.kv.block_manager.BlockManager`, or, for a model with
-full and sliding layers served with one table per kind (`paged.kv.groups`), a
-`paged.kv.group_manager.GroupedBlockManager` over the same bytes in ``G`` times as many pages of
-``L / G`` layers each.
+and which block manager serves the `paged.kv.spec.KVSpec`'s groups: a
+`paged.kv.block_manager.BlockManager` for a one-group spec (its window, if any, recycled), or a
+`paged.kv.group_manager.GroupedBlockManager` for several groups (a model with full and sliding
+layers) over the same bytes in ``G`` times as many pages of ``L / G`` layers each.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import NamedTuple
 from paged.config.engine_config import EngineConfig
 from paged.kv.block_manager import BlockManager
 from paged.kv.group_manager import GroupedBlockManager
-from paged.kv.groups import KVGroupLayout
+from paged.kv.spec import KVSpec
 
 
 class HostPool(NamedTuple):
@@ -36,31 +36,34 @@ class HostPool(NamedTuple):
     host_blocks: int
 
 
-def build_host_pool(config: EngineConfig, *, model_salt: str, on_free=None,
-                    sliding_window: int | None = None, host_tier_blocks: int = 0,
-                    kv_groups: KVGroupLayout | None = None) -> HostPool:
-    """The block manager and geometry of one replica's pool (``HostCore``'s arguments)."""
+def build_host_pool(config: EngineConfig, spec: KVSpec, *, on_free=None) -> HostPool:
+    """The block manager and geometry of one replica's pool (``HostCore``'s).
+
+    Args:
+      config: the engine settings (pool geometry, prefix caching, swap slots, debug checks).
+      spec: the replica's KV spec: its groups' windows, prefix-cache salt and host-tier slots.
+      on_free: called with the block ids the pool frees (debug poisoning), or ``None``.
+    """
     page_size, num_pages = config.pool_geometry()
     host_blocks = 0
     if config.preemption_mode == "swap":
         host_blocks = num_pages if config.num_host_blocks is None else config.num_host_blocks
     pages_per_seq = -(-config.max_model_len // page_size)
     caching = config.enable_prefix_caching and config.kv_layout == "paged"
-    if kv_groups is None:
+    if spec.num_groups == 1:
         bm = BlockManager(
             num_pages, page_size, enable_prefix_caching=caching,
-            cache_salt=model_salt, quarantine_steps=config.quarantine_steps,
+            cache_salt=spec.salt, quarantine_steps=config.quarantine_steps,
             num_host_blocks=host_blocks, debug=config.debug_checks, on_free=on_free,
-            sliding_window=sliding_window if config.kv_layout == "paged" else None,
-            num_host_tier_blocks=host_tier_blocks)
+            sliding_window=spec.group_windows[0], num_host_tier_blocks=spec.host_tier_blocks)
         return HostPool(bm, page_size, num_pages, pages_per_seq, host_blocks)
     # One table per group, interleaved in a row; pages of L / G layers each.
-    G = kv_groups.num_groups
+    G = spec.num_groups
     num_pages = G * (num_pages - 1) + 1
     if host_blocks:  # slots of one page each: G per block of the full-layer pool
         host_blocks = num_pages if config.num_host_blocks is None else G * config.num_host_blocks
     bm = GroupedBlockManager(
-        num_pages, page_size, kv_groups.windows, enable_prefix_caching=caching,
-        cache_salt=model_salt, quarantine_steps=config.quarantine_steps,
+        num_pages, page_size, spec.group_windows, enable_prefix_caching=caching,
+        cache_salt=spec.salt, quarantine_steps=config.quarantine_steps,
         num_host_blocks=host_blocks, debug=config.debug_checks, on_free=on_free)
     return HostPool(bm, page_size, num_pages, G * pages_per_seq, host_blocks)

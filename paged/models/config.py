@@ -166,25 +166,3 @@ class LlamaConfig:
         if unknown:
             raise ValueError(f"unknown LlamaConfig keys {unknown}; known: {sorted(names)}")
         return cls(**d)
-
-
-def recycling_window(model: LlamaConfig, engine) -> int | None:
-    """The window whose blocks an engine may recycle: W when every layer slides, else None (a
-    model with full layers keeps every block; its sliding layers are only masked). Which
-    mechanisms may be combined with windows is `paged.config.support`'s table.
-
-    Args:
-      model: the model's config.
-      engine: the `EngineConfig` (its ``block_size`` and ``kv_layout``).
-
-    Raises:
-      ValueError: a paged engine whose ``block_size`` is longer than the window.
-    """
-    windows = {w for w in model.layer_windows if w is not None}
-    if windows and engine.kv_layout == "paged" and min(windows) < engine.block_size:
-        raise ValueError(f"sliding_window={min(windows)} is shorter than a page "
-                         f"(block_size={engine.block_size}): serve it with block_size <= "
-                         f"{min(windows)}")
-    if None in model.layer_windows:
-        return None
-    return model.sliding_window

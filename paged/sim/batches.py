@@ -9,7 +9,7 @@ import numpy as np
 
 from paged.sim.step_model import StepShape
 from paged.step.batch import BatchBuilder, StepBatch
-from paged.step.input_batch import HAS_STOP_IDS, LIMIT, InputBatch
+from paged.step.input_batch import HAS_STOP_IDS, LIMIT, SAMPLE_INDEX, SEED, InputBatch
 from paged.step.scheduler import SchedulerOutput
 
 
@@ -141,4 +141,26 @@ def light_batch(ib: InputBatch, sched: SchedulerOutput) -> StepBatch:
                      item_ends=ends, stop_any=stop_any, decode_rows=rows, epoch=ib.epoch)
 
 
-__all__ = ["light_batch", "pseudo_token", "pseudo_token_steps", "pseudo_tokens", "step_shape", "window_pairs"]
+
+
+def step_tokens(ib: InputBatch, batch: StepBatch, salt: int) -> np.ndarray:
+    """A simulated step's "sampled" tokens, one per sample slot (decodes first): the
+    pseudo-tokens of each row's (seed, sample index, position)."""
+    nd = len(batch.decode)
+    n = nd + sum(c for _, _, c, _ in batch.samples)
+    out = np.zeros(n, np.int64)
+    if nd:
+        rows = batch.decode_rows
+        out[:nd] = pseudo_tokens(ib.ints[rows, SEED], ib.ints[rows, SAMPLE_INDEX],
+                                 batch.decode_pos, salt)
+    for q, slot, count, p in batch.samples:
+        if count == 1:  # a prompt's first token (Python integers: the same mix)
+            out[slot] = pseudo_token(q.seed, q.sample_index, p, salt)
+        else:
+            out[slot:slot + count] = pseudo_tokens(
+                np.full(count, q.seed), np.arange(count) + q.sample_index, np.full(count, p), salt)
+    return out
+
+
+__all__ = ["light_batch", "pseudo_token", "pseudo_token_steps", "pseudo_tokens", "step_shape",
+           "step_tokens", "window_pairs"]

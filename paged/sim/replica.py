@@ -13,9 +13,11 @@ methods only. What it replaces:
   behave as they do with a model;
 * the clock: the caller passes simulated time to ``begin`` and ``finish``.
 
-Steps are serial, as ``EngineConfig(async_scheduling=False)``: ``begin(now)`` schedules, builds
-and commits a step and returns its duration; ``finish(now + duration)`` reads it back
-(``StepReader.read``), which stamps the step's tokens with the finish time. Overlap is not
+Steps are serial, as ``EngineConfig(async_scheduling=False)``: ``begin(now)`` is
+``HostCore.begin`` with this replica as the driver (the step's shape priced, its pseudo-tokens
+drawn) and returns the step's duration; ``finish(now + duration)`` is ``HostCore.finish``, which
+stamps the step's tokens with the finish time. The counters (steps, prefill / decode / recompute
+tokens) are the core's, as the engine's ``kv_stats`` reports them. Overlap is not
 modelled. Only requests that finished get outputs (``StepReader.make_outputs = False``): the
 simulator keeps those and nothing else.
 
@@ -50,23 +52,16 @@ import numpy as np
 from paged.config.engine_config import EngineConfig
 from paged.config.support import check_supported
 from paged.fleet.routing import cached_prefix_tokens
-from paged.models.config import recycling_window
+from paged.kv.spec import KVSpec
 from paged.models.tokenizer import ByteTokenizer
 from paged.request.checks import check_request
-from paged.sim.batches import (
-    light_batch,
-    pseudo_token,
-    pseudo_tokens,
-    step_shape,
-)
+from paged.sim.batches import light_batch, pseudo_tokens, step_shape, step_tokens
 from paged.sim.host_link import HostLink
 from paged.sim.step_model import StepShape, StepTimeModel
-from paged.sim.stretch import Stretch, plan_stretch
+from paged.sim.stretch import Stretch, apply_stretch, plan_stretch
 from paged.sim.tier import SimTier
 from paged.step.batch import StepBatch
-from paged.step.cascade_plan import CascadePlanner
 from paged.step.host_core import HostCore
-from paged.step.input_batch import LIMIT, SAMPLE_INDEX, SEED
 from paged.step.scheduler import SchedulerOutput
 
 ROLES = ("both", "prefill", "decode")
@@ -135,24 +130,19 @@ class SimReplica:
         self.tokenizer = ByteTokenizer()
         self.model_config = model_config or _Dims(self.tokenizer.vocab_size, "byte")
         # The engine's refusals (paged.config.support), then W when every layer slides (the
-        # engine's rule); the shape counts in-window reads under any KV layout.
+        # engine's rule: a window shorter than a block); the shape counts in-window reads under
+        # any KV layout.
         check_supported(config, self.model_config, prefill_decode=role != "both")
-        self.window = recycling_window(self.model_config, config)
-        self._tier = SimTier.build(config, self.model_config, host_link)
-        self.core = core = HostCore(
-            config, tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size,
-            model_salt=f"{config.model}|{self.model_config.to_dict()}|{config.dtype}",
-            sliding_window=self.window, host_tier_blocks=self._tier.num_blocks if self._tier else 0)
+        self.kv_spec = spec = KVSpec.build(self.model_config, config)
+        self.window = spec.window
+        self._tier = SimTier.build(config, spec, host_link)
+        self.core = core = HostCore(config, tokenizer=self.tokenizer,
+                                    vocab_size=self.model_config.vocab_size, kv_spec=spec)
         self.page_size, self.num_pages = core.page_size, core.num_pages
         self.block_manager, self.batch, self.scheduler = (
             core.block_manager, core.batch, core.scheduler)
         self._builder, self._reader = core.builder, core.reader
-        # Cascade attention's groups, chosen as the engine's builder chooses them (counted here:
-        # a light batch never asks the builder's planner).
-        self._cascade = CascadePlanner(config.cascade_attention, self.page_size)
-        self.cascade_steps = 0
-        self.cascade_prefix_tokens_shared = 0
-        self.num_steps = 0
+        self._shape: StepShape | None = None  # the step being begun's (``planned``)
         self.build_device = bool(build_device)
         self.token_salt = int(token_salt)
         self.schedule_log: list | None = [] if record_schedule else None
@@ -164,8 +154,6 @@ class SimReplica:
         self._ready: list = []  # outputs of requests a stretch finished, for ``take_outputs``
         self.version = 0  # bumped whenever a planned stretch is planned or cut
         self.num_fast_steps = 0  # steps applied by fast-forward
-        self.num_prefill_tokens = 0  # tokens computed in prefill chunks (recomputation included)
-        self.num_decode_tokens = 0  # tokens computed in decode steps
         self.kv_transfer_bytes = 0  # KV bytes handed over (sent by prefill, received by decode)
         self.fast_forward = bool(
             fast_forward and not self.build_device and not config.debug_checks
@@ -194,11 +182,20 @@ class SimReplica:
     # --- what a router reads -----------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.swapped)
+        return self.core.num_waiting
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        """Running or loading (``HostCore.num_running``; ``load()`` is their sum with waiting)."""
+        return self.core.num_running
+
+    def load(self) -> int:
+        return self.core.load()
+
+    @property
+    def num_steps(self) -> int:
+        """Steps that ran a batch (fast-forwarded ones included: ``HostCore.num_steps``)."""
+        return self.core.num_steps
 
     def cached_prefix_tokens(self, token_ids, cache_salt=None, probe=None) -> int:
         return cached_prefix_tokens(self.block_manager, token_ids, cache_salt, probe)
@@ -328,62 +325,20 @@ class SimReplica:
         return self.advance_to(t)
 
     def _apply(self, st: Stretch, upto: int) -> None:
-        """Applies planned steps ``st.done .. upto - 1`` as stepping would have run them.
-
-        The block manager's calls of those steps (each step's decode append, ``begin_step`` /
-        ``step_completed`` and ``mark_computed_many`` of the blocks it filled) are made in one
-        ``BlockManager.run_decode_steps``, which leaves the state they leave; the input-batch
-        rows are written in bulk."""
-        j0 = st.done
-        m = upto - j0
+        """Applies planned steps ``st.done .. upto - 1`` (``apply_stretch``); the outputs of the
+        requests its last step finished wait in ``take_outputs``."""
+        m = upto - st.done
         if m <= 0:
             return
-        ib, sched = self.batch, self.scheduler
-        n = st.n
-        nt0 = st.nt0
-        if not self.block_manager.run_decode_steps(ib.ids[:n], st.toks[:, j0:upto]):
-            raise RuntimeError(f"{self.name}: a fast-forwarded decode run needed more blocks "
-                               "than the pool had")
-        log = self.schedule_log
-        if log is not None:
-            ran = [(q.request_id, 1) for q in ib.seqs[:n]]
-            for j in range(j0, upto):
-                log.append((st.starts[j], list(ran), []))
-        busy = self.busy_s
-        for d in st.durs[j0:upto]:
-            busy += d
-        self.busy_s = busy
-        sched.num_fast_decode_steps += m
-        self.num_decode_tokens += n * m
-        self.num_steps += m
+        self.busy_s, last = apply_stretch(st, upto, self.batch, self.scheduler, self.block_manager,
+                                          self._reader, busy_s=self.busy_s, name=self.name,
+                                          log=self.schedule_log)
+        self.core.count_fast_decode(st.n, m)
         self.num_fast_steps += m
-        rows = np.arange(n)
-        # Row r's slots nt0[r] + j0 .. nt0[r] + upto - 1, as flat indices (row-major): the
-        # sampled tokens, and the step end times (the same m times in every row).
-        flat = (rows * ib.tokens.shape[1] + nt0)[:, None] + np.arange(j0, upto)
-        np.put(ib.tokens, flat, st.toks[:, j0 + 1:upto + 1])
-        np.put(ib.times, flat, st.end_times[j0:upto])
-        ib.num_slots[:n] += m
-        ib.num_computed[:n] += m
-        ib.num_tokens[:n] = nt0 + upto
-        ib.last_slot[:n] = rows
-        st.done = upto
-        if upto == st.k and st.finishes:
-            self._finish_last(st)
-
-    def _finish_last(self, st: Stretch) -> None:
-        """The readback of the stretch's last step, which samples some sequences' last token:
-        ``StepReader``'s stops and outputs of that pure decode step (the outputs wait for the
-        simulator in ``take_outputs``)."""
-        ib, n, k = self.batch, st.n, st.k
-        pos = st.nt0 + (k - 1)  # the positions the step sampled
-        rows = np.arange(n)
-        batch = StepBatch(device=None, num_tokens=n, num_seqs=n, decode=ib.seqs[:n],
-                          decode_pos=pos, samples=[], items=[], item_ends=[], decode_rows=rows,
-                          epoch=ib.epoch, stop_any=np.flatnonzero(pos + 1 >= ib.ints[:n, LIMIT]))
-        made = self._reader.stops_and_outputs(batch, rows, st.toks[:, k], st.ends[k - 1], True)
-        self._idle = not self.scheduler.has_unfinished()
-        self._ready += self.core.outputs([], batch.decode, made, ())
+        if last is not None:
+            decode, made = last
+            self._idle = not self.scheduler.has_unfinished()
+            self._ready += self.core.outputs([], decode, made, ())
 
     def take_outputs(self) -> list:
         """The outputs of requests an applied stretch finished (``advance_to``), once."""
@@ -392,7 +347,8 @@ class SimReplica:
 
     # --- the step ------------------------------------------------------------------------------
     def begin(self, now: float):
-        """Schedules and commits one step at ``now``.
+        """Begins one step at ``now`` (``HostCore.begin``, with this replica as the driver: the
+        step's shape priced, its pseudo-tokens drawn).
 
         Returns:
           ``(duration_s, outputs)``: the step's duration (``None`` when nothing could be scheduled;
@@ -401,64 +357,56 @@ class SimReplica:
         if self._inflight is not None:
             raise RuntimeError(f"{self.name}: a step is in flight; finish it first")
         core = self.core
-        ended = core.take_ended(now)
-        sched = core.schedule(now)
-        bm = self.block_manager
-        if sched.is_empty:
-            step_id = bm.begin_step()
+        step = core.begin(now, self, build=None if self.build_device else self._light)
+        if step.batch is None:
+            step.step_id = core.begin_copies()
             copy_s = self._tier_step(None)  # loads of sequences admitted into ``loading``
+            core.idle_step(step.sched)
             if copy_s is not None:  # a copy-only step (as the engine's): nothing computes
-                core.idle_step(sched)
                 self.busy_s += copy_s
-                self._inflight = (None, step_id, ended)
+                self._inflight = step
                 return copy_s, []
-            bm.step_completed(step_id)
-            core.idle_step(sched)
-            return None, core.outputs(ended)
-        shape = self.shape_of(sched)
-        nd = len(sched.decode_rows)
-        for it in sched.scheduled:
-            if it.seq.is_decoding:
-                nd += it.num_new_tokens
-            else:
-                self.num_prefill_tokens += it.num_new_tokens
-        self.num_decode_tokens += nd
+            core.finish_copies(step.step_id)
+            return None, core.outputs(step.ended)
+        duration = float(self.step_model.time(self._shape))
+        if self._tier is not None:
+            duration = self._tier_step(duration) or duration
+        self.busy_s += duration
+        self._inflight = step
+        return duration, []
+
+    # HostCore.begin's driver hooks (paged.step.host_core): the modelled device side.
+    def planned(self, step) -> None:
+        """After scheduling: the step's shape (read before the commit) and its log entry."""
+        sched = step.sched
+        if sched.is_empty:
+            return
+        self._shape = self.shape_of(sched)
         if self.schedule_log is not None:
             ib = self.batch
             ran = [(ib.seqs[r].request_id, 1) for r in sched.decode_rows.tolist()]
             ran += [(it.seq.request_id, it.num_new_tokens) for it in sched.scheduled]
-            self.schedule_log.append((now, ran, [s.request_id for s in sched.preempted]))
-        step_id = bm.begin_step()
-        if self.build_device:
-            batch = self._builder.build(sched.decode_rows, sched.scheduled, bool(sched.copies))
-        else:
-            batch = light_batch(self.batch, sched)
-        batch.step_id = step_id
-        tokens = self._tokens(batch)
-        self._builder.commit(sched.decode_rows, batch)
-        self.num_steps += 1
-        duration = float(self.step_model.time(shape))
-        if self._tier is not None:
-            duration = self._tier_step(duration) or duration
-        self.busy_s += duration
-        self._inflight = (batch, tokens, ended)
-        return duration, []
+            self.schedule_log.append((step.now, ran, [s.request_id for s in sched.preempted]))
+
+    def prepare(self, sched) -> None:
+        """Nothing to copy on a modelled device (host-tier copies are priced after the build)."""
+
+    def launch(self, batch: StepBatch) -> np.ndarray:
+        """The step's "sampled" tokens (read before the commit)."""
+        return step_tokens(self.batch, batch, self.token_salt)
+
+    def _light(self, sched) -> StepBatch:
+        return light_batch(self.batch, sched)
 
     def finish(self, now: float) -> list:
         """Reads back the step in flight at ``now`` (its end); returns the outputs."""
-        batch, tokens, ended = self._inflight
-        self._inflight = None
-        if batch is None:  # a copy-only step (``tokens``: its step id)
-            self.block_manager.step_completed(tokens)
-            return self.core.outputs(ended)
-        self.block_manager.step_completed(batch.step_id)
-        made, touched = self._reader.read(batch, tokens, now, None)
-        touched = self.core.finished_only(touched)
+        step, self._inflight = self._inflight, None
+        if step.batch is None:  # a copy-only step
+            self.core.finish_copies(step.step_id)
+            return self.core.outputs(step.ended)
+        outs = self.core.finish(step, step.out, now)
         self._idle = not self.scheduler.has_unfinished()
-        if self.config.debug_checks:
-            self.block_manager.check_invariants()
-            self.batch.check(self.block_manager)
-        return self.core.outputs(ended, batch.decode, made, touched)
+        return outs
 
     def _tier_step(self, compute_s: float | None) -> float | None:
         """The step just begun, its host-tier copies priced (``SimTier.step``); ``None``
@@ -470,47 +418,31 @@ class SimReplica:
         with cascade attention on carries the prefix reads its groups save (``kv_shared``)."""
         shape = step_shape(self.batch, self._builder, sched, after_idle=self._idle,
                            window=self.window)
-        if self._cascade.mode == "off" or sched.scheduled or not len(sched.decode_rows):
+        planner = self._builder.cascade
+        if planner.mode == "off" or sched.scheduled or not len(sched.decode_rows):
             return shape
         ib, rows = self.batch, sched.decode_rows
         tables = [self.block_manager.block_table(ib.ids[r]) for r in rows.tolist()]
         pages = np.zeros((len(tables), max(map(len, tables))), np.int64)  # NULL_PAGE padded
         for i, t in enumerate(tables):
             pages[i, :len(t)] = t
-        groups = self._cascade.select(pages, ib.num_computed[rows] + 1, shape.padded_seqs)
+        groups = planner.select(pages, ib.num_computed[rows] + 1, shape.padded_seqs)
         if not groups:
             return shape
+        if not self.build_device:  # a light batch never asks the planner: count its choice
+            planner.count(groups)
         saved = sum((len(m) - 1) * p for m, p in groups) * self.page_size
-        self.cascade_steps += 1
-        self.cascade_prefix_tokens_shared += saved
         return dataclasses.replace(shape, kv_shared=saved)
-
-    def _tokens(self, batch: StepBatch) -> np.ndarray:
-        """The step's "sampled" tokens, one per sample slot (decodes first)."""
-        ib = self.batch
-        nd = len(batch.decode)
-        n = nd + sum(c for _, _, c, _ in batch.samples)
-        out = np.zeros(n, np.int64)
-        if nd:
-            rows = batch.decode_rows
-            out[:nd] = pseudo_tokens(ib.ints[rows, SEED], ib.ints[rows, SAMPLE_INDEX],
-                                     batch.decode_pos, self.token_salt)
-        for q, slot, count, p in batch.samples:
-            if count == 1:  # a prompt's first token (Python integers: the same mix)
-                out[slot] = pseudo_token(q.seed, q.sample_index, p, self.token_salt)
-            else:
-                out[slot:slot + count] = pseudo_tokens(
-                    np.full(count, q.seed), np.arange(count) + q.sample_index, np.full(count, p),
-                    self.token_salt)
-        return out
 
     # --- figures -------------------------------------------------------------------------------
     def stats(self) -> dict:
         bm = self.block_manager.stats()
         sched = self.scheduler
+        cascade = self._builder.cascade.stats()
         return {"name": self.name, "role": self.role, "num_steps": self.num_steps,
-                "busy_s": self.busy_s, "num_prefill_tokens": self.num_prefill_tokens,
-                "num_decode_tokens": self.num_decode_tokens,
+                "busy_s": self.busy_s, "num_prefill_tokens": self.core.num_prefill_tokens,
+                "num_decode_tokens": self.core.num_decode_tokens,
+                "num_recompute_tokens": self.core.num_recompute_tokens,
                 "kv_transfer_bytes": self.kv_transfer_bytes,
                 "num_fast_forward_steps": self.num_fast_steps,
                 "num_preemptions": sched.num_preemptions, "num_swap_outs": sched.num_swap_outs,
@@ -519,8 +451,8 @@ class SimReplica:
                 "block_size": self.page_size,
                 "max_blocks_per_sequence": bm["max_blocks_per_sequence"],
                 "recycled_blocks": bm["recycled_blocks"], "sliding_window": self.window,
-                "cascade_steps": self.cascade_steps,
-                "cascade_prefix_tokens_shared": self.cascade_prefix_tokens_shared,
+                "cascade_steps": cascade["steps"],
+                "cascade_prefix_tokens_shared": cascade["prefix_tokens_shared"],
                 **({"host_tier": self.host_tier_stats()} if self._tier else {})}
 
     def host_tier_stats(self) -> dict:

@@ -5,7 +5,8 @@ the next steps surely are pure decode steps of every running sequence (``paged.s
 module docstring says when), computes their times (the step model's time of each step's shape:
 the same float sums as stepping), the blocks they would start, the step from which one would
 evict a cached block, and their pseudo-tokens, without running them. ``SimReplica`` applies a
-`Stretch` (``advance_to``, ``truncate``) and owns it while it runs.
+`Stretch` (``advance_to``, ``truncate``; `apply_stretch` writes the steps that ended) and owns
+it while it runs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 
 from paged.request.sequence import UNKNOWN
 from paged.sim.batches import pseudo_token_steps
+from paged.step.batch import StepBatch
 from paged.step.input_batch import HAS_STOP_IDS, LIMIT, SAMPLE_INDEX, SEED
 
 
@@ -99,3 +101,51 @@ class Stretch:
         self.evict_from = evict_from
         self.firsts = None  # (prompt length, first sampled token) per row, when first needed
         self.done = 0
+
+
+def apply_stretch(st: Stretch, upto: int, ib, sched, bm, reader, *, busy_s: float, name: str,
+                  log: list | None) -> tuple[float, tuple | None]:
+    """Applies planned steps ``st.done .. upto - 1`` as stepping would have run them.
+
+    The block manager's calls of those steps (each step's decode append, ``begin_step`` /
+    ``step_completed`` and ``mark_computed_many`` of the blocks it filled) are made in one
+    ``BlockManager.run_decode_steps``, which leaves the state they leave; the input-batch rows
+    are written in bulk; ``log`` (a replica's schedule log, or None) gets each step.
+
+    Returns:
+      ``busy_s`` plus the steps' durations (added one by one, as stepping adds them), and, when
+      the stretch's last step (which samples some sequences' last token) was applied, its
+      readback: ``(decodes, made)`` (``StepReader.stops_and_outputs``), else None.
+    """
+    j0, n, nt0 = st.done, st.n, st.nt0
+    m = upto - j0
+    if not bm.run_decode_steps(ib.ids[:n], st.toks[:, j0:upto]):
+        raise RuntimeError(f"{name}: a fast-forwarded decode run needed more blocks than the "
+                           "pool had")
+    if log is not None:
+        ran = [(q.request_id, 1) for q in ib.seqs[:n]]
+        for j in range(j0, upto):
+            log.append((st.starts[j], list(ran), []))
+    for d in st.durs[j0:upto]:
+        busy_s += d
+    sched.num_fast_decode_steps += m
+    rows = np.arange(n)
+    # Row r's slots nt0[r] + j0 .. nt0[r] + upto - 1, as flat indices (row-major): the sampled
+    # tokens, and the step end times (the same m times in every row).
+    flat = (rows * ib.tokens.shape[1] + nt0)[:, None] + np.arange(j0, upto)
+    np.put(ib.tokens, flat, st.toks[:, j0 + 1:upto + 1])
+    np.put(ib.times, flat, st.end_times[j0:upto])
+    ib.num_slots[:n] += m
+    ib.num_computed[:n] += m
+    ib.num_tokens[:n] = nt0 + upto
+    ib.last_slot[:n] = rows
+    st.done = upto
+    if upto < st.k or not st.finishes:
+        return busy_s, None
+    k = st.k
+    pos = nt0 + (k - 1)  # the positions the last step sampled
+    batch = StepBatch(device=None, num_tokens=n, num_seqs=n, decode=ib.seqs[:n], decode_pos=pos,
+                      samples=[], items=[], item_ends=[], decode_rows=rows, epoch=ib.epoch,
+                      stop_any=np.flatnonzero(pos + 1 >= ib.ints[:n, LIMIT]))
+    made = reader.stops_and_outputs(batch, rows, st.toks[:, k], st.ends[k - 1], True)
+    return busy_s, (batch.decode, made)

@@ -30,25 +30,13 @@ class SimTier:
         self.counts = dict.fromkeys(_COUNTS, 0)
 
     @classmethod
-    def build(cls, config: EngineConfig, dims, link: HostLink | None) -> SimTier | None:
-        """The tier ``config.host_kv_cache_bytes`` asks for (None without one).
-
-        Raises:
-          TypeError: a tier with a model that has no KV dimensions (not a ``ModelDims``).
-          ValueError: a budget smaller than one block.
-        """
-        if not config.host_kv_cache_bytes:
+    def build(cls, config: EngineConfig, kv_spec, link: HostLink | None) -> SimTier | None:
+        """The tier ``config.host_kv_cache_bytes`` asks for (None without one): the KV spec's
+        ``host_tier_blocks`` slots of ``bytes_per_block`` each (``paged.kv.spec.KVSpec``)."""
+        if not kv_spec.host_tier_blocks:
             return None
-        if not hasattr(dims, "kv_bytes_per_block"):
-            raise TypeError(f"host_kv_cache_bytes={config.host_kv_cache_bytes} needs a "
-                            f"model_config with KV dimensions (a paged.sim.ModelDims), got "
-                            f"{type(dims).__name__}")
-        per_block = int(dims.kv_bytes_per_block(config.block_size))
-        n = config.host_kv_cache_bytes // per_block
-        if n < 1:
-            raise ValueError(f"host_kv_cache_bytes={config.host_kv_cache_bytes} holds no block "
-                             f"of {per_block} bytes (block_size={config.block_size})")
-        return cls(TierPricer(PCIE5_X16 if link is None else link, per_block), n)
+        pricer = TierPricer(PCIE5_X16 if link is None else link, kv_spec.bytes_per_block)
+        return cls(pricer, kv_spec.host_tier_blocks)
 
     def step(self, block_manager, compute_s: float | None) -> float | None:
         """The step just begun with its host-tier copies priced: its duration, or ``None`` when

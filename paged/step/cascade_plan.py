@@ -164,10 +164,15 @@ class CascadePlanner:
         for g, (members, prefix) in enumerate(chosen):
             meta[g, 0] = prefix * ps
             meta[g, 1:1 + len(members)] = members
-            self.prefix_tokens_shared += (len(members) - 1) * prefix * ps
+        self.count(chosen)
+        return meta
+
+    def count(self, chosen: list[tuple[list[int], int]]) -> None:
+        """Counts a cascade step serving ``chosen`` (``select``'s groups): ``plan`` does, and a
+        simulator that prices the step without building its metadata."""
+        self.prefix_tokens_shared += sum((len(m) - 1) * p for m, p in chosen) * self.page_size
         self.steps += 1
         self.groups += len(chosen)
-        return meta
 
     def stats(self) -> dict:
         """``{"mode", "steps", "groups", "prefix_tokens_shared"}`` counted so far: cascade steps,

@@ -7,33 +7,64 @@ request table: which requests exist and their sequences (forked samples included
 deadlines, the aborts and timeouts still to report, and the count of requests served. Whatever
 runs the device step composes one: ``paged.engine.engine.Engine`` (the jitted model step),
 ``paged.sim.replica.SimReplica`` (a step-time model and pseudo-tokens) and, through ``Engine``,
-each data-parallel replica. Nothing outside this module touches the core's private fields: the
-owners of the device step call the methods below, in this order per step:
+each data-parallel replica. A step is two calls (vLLM's ``schedule`` / ``update_from_output``):
 
-    ended = core.take_ended(now)        # timeouts expired now, aborts since the last step
-    sched = core.schedule(now)          # the scheduler's plan (progress counted)
-    ... begin_step, device copies, core.builder.build / commit, dispatch ...
-    made, touched = core.reader.read(batch, tokens, now, next_batch, extras)
-    outputs = core.outputs(ended, batch.decode, made, touched)
+    step = core.begin(now, driver)     # ended requests, schedule, begin step, build, commit;
+                                       # the driver's hooks run the device side in between
+    outputs = core.finish(step, tokens, now)   # step completed, read back, outputs
 
-A step with nothing scheduled calls ``core.idle_step(sched)`` instead (the stall guard).
+``begin`` calls ``driver.planned(step)`` after scheduling (speculation plans, a simulator prices
+the step's shape), ``driver.prepare(sched)`` once the step has begun (the device copies: swap,
+copy-on-write, host tier; draft proposals) and ``driver.launch(batch)`` between the build and the
+commit (the device call, or a model of it); its result is ``step.out``. A step with nothing
+scheduled has no batch: its copies still get a step of their own (``begin_copies`` /
+``finish_copies``) and ``idle_step`` guards against a stall. The owner of the device step orders
+the calls: an engine with async scheduling begins step k+1 before it finishes step k.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from paged.config.engine_config import EngineConfig
-from paged.kv.groups import KVGroupLayout
 from paged.kv.pools import build_host_pool
+from paged.kv.spec import KVSpec
 from paged.request.checks import derive_seed
 from paged.request.outputs import RequestOutput, check_outputs, collect_outputs, state_of
 from paged.request.sequence import SeqStatus, Sequence
-from paged.step.batch import BatchBuilder
+from paged.step.batch import BatchBuilder, StepBatch
 from paged.step.cascade_plan import CascadePlanner
 from paged.step.input_batch import InputBatch
 from paged.step.readback import StepReader
 from paged.step.scheduler import Scheduler, SchedulerOutput
+
+
+@dataclasses.dataclass
+class HostStep:
+    """One step between ``HostCore.begin`` and ``HostCore.finish``.
+
+    Attributes:
+      now: when it began.
+      ended: requests that timed out or were aborted before it (reported first), by id.
+      sched: the scheduler's plan.
+      batch: the built and committed batch (``None``: nothing was scheduled).
+      out: what the driver's ``launch`` returned (the device's tokens, in flight).
+      step_id: the block manager's step (``-1`` until begun).
+    """
+
+    now: float
+    ended: list[str]
+    sched: SchedulerOutput
+    batch: StepBatch | None = None
+    out: object = None
+    step_id: int = -1
+
+    def record(self, batch) -> dict:
+        """The step as ``Engine.record_steps`` keeps it: ``ended``, ``batch`` (its composition
+        in the input ``batch``) and ``preempted``."""
+        return {"ended": list(self.ended), "batch": self.sched.composition(batch),
+                "preempted": [[s.request_id, s.sample_index] for s in self.sched.preempted]}
 
 
 class HostCore:
@@ -44,35 +75,31 @@ class HostCore:
         scheduling, prefix caching, swap slots, debug checks).
       tokenizer: with ``eos_id`` (and ``eos_ids``), ``decode``, ``encode``.
       vocab_size: the model's vocabulary (prompt token ids are checked against it).
-      model_salt: what identifies the model and its weights in every prefix-cache key.
+      kv_spec: the replica's KV spec (`paged.kv.spec.KVSpec`): its KV-cache groups and their
+        windows (a grouped model's pool holds the same bytes as ``config.pool_geometry()``'s
+        blocks in ``G`` times as many pages of ``L / G`` layers each, plus the null page), the
+        prefix-cache salt and the host-tier slots.
       on_free: called with the block ids the pool frees (debug poisoning), or ``None``.
-      sliding_window: W when every layer of the model slides (blocks behind the window are
-        recycled, `paged.kv.blocks.window`); ignored by the contiguous layout.
-      host_tier_blocks: host-tier slots (`paged.kv.blocks.host_tier`; 0: no tier).
-      kv_groups: a model with full and sliding layers served with one block table per kind
-        (`paged.kv.groups`, `paged.kv.group_manager.GroupedBlockManager`): the same pool
-        bytes as ``config.pool_geometry()``'s blocks, in ``G`` times as many pages of
-        ``L / G`` layers each (plus the null page); ``sliding_window`` is then ignored.
 
     Attributes:
       page_size, num_pages: the KV pool's geometry (page 0 is the null page).
       host_blocks: host swap slots (``preemption_mode="swap"``; else 0).
       block_manager, batch, builder, scheduler, reader: the collaborators, built here.
       num_requests_served: finished requests reported (any finish reason).
+      num_steps: steps that ran a batch (begun by ``begin``, or fast-forwarded).
       num_prefill_tokens, num_decode_tokens, num_recompute_tokens: tokens scheduled in prompt
         chunks of never-preempted sequences, in decode (and verify) rows, and in chunks that
-        recompute a preempted sequence's KV (``count_tokens``).
+        recompute a preempted sequence's KV (``count_tokens``): the one definition the engine's
+        ``kv_stats`` and the simulator's ``stats`` report.
     """
 
-    def __init__(self, config: EngineConfig, *, tokenizer, vocab_size: int, model_salt: str,
-                 on_free=None, sliding_window: int | None = None, host_tier_blocks: int = 0,
-                 kv_groups: KVGroupLayout | None = None):
+    def __init__(self, config: EngineConfig, *, tokenizer, vocab_size: int, kv_spec: KVSpec,
+                 on_free=None):
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        pool = build_host_pool(config, model_salt=model_salt, on_free=on_free,
-                               sliding_window=sliding_window, host_tier_blocks=host_tier_blocks,
-                               kv_groups=kv_groups)
+        self.kv_spec = kv_spec
+        pool = build_host_pool(config, kv_spec, on_free=on_free)
         self.block_manager = pool.block_manager
         self.page_size = page_size = pool.page_size
         self.num_pages = pool.num_pages
@@ -83,7 +110,9 @@ class HostCore:
                                     min_seqs=config.min_seq_bucket, debug=config.debug_checks,
                                     cascade=CascadePlanner(config.cascade_attention, page_size))
         self.scheduler = Scheduler(config, self.block_manager, self.batch)
-        self.reader = StepReader(self)
+        self.reader = StepReader(self.batch, self.block_manager, self.scheduler,
+                                 tokenizer=tokenizer, max_model_len=config.max_model_len,
+                                 new_seq_id=self.new_seq_id, add_sample=self.add_sample)
         self._requests: dict[str, list[Sequence]] = {}  # unfinished or finished-unreported
         self._num_deadlines = 0  # unfinished requests with a timeout (skip the scan when 0)
         self._aborted: set[str] = set()  # aborted since the last step, to report
@@ -91,6 +120,7 @@ class HostCore:
         self._num_requests = 0
         self._steps_without_progress = 0
         self.num_requests_served = 0
+        self.num_steps = 0
         self.num_prefill_tokens = self.num_decode_tokens = self.num_recompute_tokens = 0
 
     # --- what request checks and routers read ------------------------------------------
@@ -120,6 +150,19 @@ class HostCore:
     @property
     def has_unreported_aborts(self) -> bool:
         return bool(self._aborted)
+
+    num_waiting = property(lambda self: len(self.scheduler.waiting) + len(self.scheduler.swapped),
+                           doc="Sequences not admitted now: waiting, or swapped out.")
+    num_running = property(lambda self: len(self.scheduler.running) + len(self.scheduler.loading),
+                           doc="Sequences admitted: running, or loading from the host tier.")
+
+    def load(self) -> int:
+        """The replica's load, which every router and placement reads: its unfinished sequences
+        in the scheduler, ``num_waiting + num_running`` (waiting, swapped, loading, running).
+        A loading sequence counts: it holds blocks and runs within a step or two, so a replica
+        with many loads in flight is busy even before they run. Parked sequences (a hand-over
+        out) do not: they have left the scheduler."""
+        return self.num_waiting + self.num_running
 
     # --- requests -----------------------------------------------------------------------
     def add(self, request_id: str, token_ids: list[int], params, arrival_time: float | None,
@@ -240,6 +283,60 @@ class HostCore:
         return seqs
 
     # --- the host halves of a step ------------------------------------------------------
+    def begin(self, now: float, driver, *, build=None) -> HostStep:
+        """Begins the step at ``now`` (module docstring): the requests that ended, the
+        scheduler's plan, then, if it scheduled anything, the block manager's step, the batch
+        (``build(sched)`` if given: a simulator's light batch; else ``BatchBuilder.build``), the
+        driver's ``launch`` and the commit (rows advanced as if the step had run)."""
+        step = HostStep(now, self.take_ended(now), self.schedule(now))
+        driver.planned(step)
+        sched = step.sched
+        if sched.is_empty:
+            return step
+        step.step_id = self.block_manager.begin_step()
+        driver.prepare(sched)
+        if build is None:
+            batch = self.builder.build(sched.decode_rows, sched.scheduled, bool(sched.copies))
+        else:
+            batch = build(sched)
+        batch.step_id = step.step_id
+        step.batch = batch
+        step.out = driver.launch(batch)
+        self.builder.commit(sched.decode_rows, batch)
+        self.num_steps += 1
+        return step
+
+    def read_back(self, step: HostStep, tokens, now: float, nxt: HostStep | None = None,
+                  extras=None) -> tuple[list, dict]:
+        """The step completed: its tokens (numpy, one per sample slot) and ``extras`` (log-probs,
+        verify acceptances) are applied at ``now`` (``StepReader.read``); ``nxt``: the step begun
+        since, if any. Returns ``(made, touched)`` for ``outputs``."""
+        self.block_manager.step_completed(step.step_id)
+        made, touched = self.reader.read(step.batch, tokens, now,
+                                         None if nxt is None else nxt.batch, extras)
+        if not self.reader.make_outputs:
+            touched = self.finished_only(touched)
+        if self.config.debug_checks:
+            self.check_invariants()
+        return made, touched
+
+    def finish(self, step: HostStep, tokens, now: float, *, ended: list[str] | None = None,
+               nxt: HostStep | None = None, extras=None) -> list[RequestOutput]:
+        """Ends ``step`` (``read_back``) and returns the outputs: ``ended`` (default the step's
+        own; an engine that overlaps steps reports the newer step's) first."""
+        made, touched = self.read_back(step, tokens, now, nxt, extras)
+        return self.outputs(step.ended if ended is None else ended, step.batch.decode, made,
+                            touched)
+
+    def begin_copies(self) -> int:
+        """A step that scheduled nothing may still copy pages (swap, copy-on-write, host tier):
+        the copies get a block-manager step of their own (its id)."""
+        return self.block_manager.begin_step()
+
+    def finish_copies(self, step_id: int) -> None:
+        """The copies of ``begin_copies``' step are done."""
+        self.block_manager.step_completed(step_id)
+
     def take_ended(self, now: float) -> list[str]:
         """The requests to report first in this step: those whose deadline passed at ``now``
         (finished here, ``"timeout"``) and those aborted since the last step; by id."""
@@ -297,6 +394,12 @@ class HostCore:
         """A step ran that the scheduler did not plan (a simulator's fast-forwarded steps)."""
         self._steps_without_progress = 0
 
+    def count_fast_decode(self, num_rows: int, num_steps: int) -> None:
+        """``num_steps`` pure decode steps of ``num_rows`` rows ran without ``begin`` (a
+        simulator's fast-forward): counted as ``begin`` would count them."""
+        self.num_steps += num_steps
+        self.num_decode_tokens += num_rows * num_steps
+
     def idle_step(self, sched: SchedulerOutput) -> None:
         """A step that scheduled nothing: raises once too many in a row had unfinished work
         (the pool cannot hold what waits)."""
@@ -308,6 +411,15 @@ class HostCore:
                 f"no sequence could be scheduled for {self._steps_without_progress} steps "
                 f"(waiting={len(self.scheduler.waiting)}, swapped={len(self.scheduler.swapped)}, "
                 f"free blocks={self.block_manager.num_allocatable_blocks}); the pool is too small")
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache (``Engine.reset_prefix_cache``); False (nothing changed)
+        while a request is unfinished or an abort unreported, or with a host tier."""
+        bm = self.block_manager
+        if self.has_unfinished() or bm.num_host_tier_blocks:
+            return False
+        bm.evict_cached()
+        return True
 
     def check_invariants(self) -> None:
         """Debug: the block manager's invariants, and the input batch against it."""
@@ -353,4 +465,4 @@ class HostCore:
                              state_of(seqs, finished, finish, self.tokenizer.decode))
 
 
-__all__ = ["HostCore"]
+__all__ = ["HostCore", "HostStep"]

@@ -26,8 +26,11 @@ class StepReader:
     """Applies step results to the sequences, the block manager and the scheduler.
 
     Args:
-      core: the replica's ``paged.step.host_core.HostCore``: its input batch, block manager,
-        scheduler, tokenizer, config, and its request table (forked samples join it).
+      batch, block_manager, scheduler: the replica's input batch, block manager and scheduler.
+      tokenizer: with ``eos_id`` (and ``eos_ids``) and ``decode``.
+      max_model_len: the longest sequence (a stop by length).
+      new_seq_id: a fresh sequence id (a forked sample's).
+      add_sample: a forked sample joins the request table and runs.
 
     Attributes:
       speculator: the replica's ``paged.engine.spec_decode.Speculator`` (verify rows are read back
@@ -37,16 +40,17 @@ class StepReader:
         none for the rest.
     """
 
-    def __init__(self, core):
-        self.core = core
-        self.ib = core.batch
-        self.bm = core.block_manager
-        self.scheduler = core.scheduler
-        self.page_size = core.page_size
-        eos = tuple(getattr(core.tokenizer, "eos_ids", (core.tokenizer.eos_id,)))
+    def __init__(self, batch, block_manager, scheduler, *, tokenizer, max_model_len: int,
+                 new_seq_id, add_sample):
+        self.ib = batch
+        self.bm = block_manager
+        self.scheduler = scheduler
+        self.page_size = block_manager.block_size
+        eos = tuple(getattr(tokenizer, "eos_ids", (tokenizer.eos_id,)))
         self.eos_ids = tuple(t for t in eos if t >= 0)  # every token that ends generation
-        self.max_model_len = core.config.max_model_len
-        self.text = core.tokenizer.decode
+        self.max_model_len = max_model_len
+        self.text = tokenizer.decode
+        self.new_seq_id, self.add_sample = new_seq_id, add_sample
         self.speculator = None
         self.make_outputs = True
 
@@ -182,11 +186,11 @@ class StepReader:
 
     def _fork(self, parent: Sequence, j: int, p: int, token: int, now: float,
               lp: dict | None = None) -> None:
-        child = parent.fork(self.core.new_seq_id(), j, sampled=(p, token))
+        child = parent.fork(self.new_seq_id(), j, sampled=(p, token))
         if lp is not None:
             child.logprobs[-1] = lp
         self.bm.fork(parent.seq_id, child.seq_id)
-        self.core.add_sample(child)
+        self.add_sample(child)
         self.check_stop(child, token, p + 1, now)
 
     def _logprobs(self, batch: StepBatch, tokens: np.ndarray, extras: tuple) -> None:
