@@ -17,11 +17,11 @@ and `IncrementalDecoder` (streaming) use it the same way, plus ``chat_template``
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from paged.models.chat_template import ChatTemplate
-from paged.models.hf_tokenizer import _check_ids
+from paged.models.hf_tokenizer import TokenizersBase
 
 CONTROL, USER_DEFINED = 3, 4
 PRE_TOKENIZERS = ("smollm", "gpt2", "default")
@@ -78,7 +78,7 @@ def build_tokenizer(reader, path: Path):
     return tok, tokens, types
 
 
-class GGUFTokenizer:
+class GGUFTokenizer(TokenizersBase):
     """A GGUF file's byte-level BPE tokenizer and chat template.
 
     Attributes:
@@ -122,11 +122,6 @@ class GGUFTokenizer:
         specials = {k: tokens[v] for k, v in names.items() if v is not None and v >= 0}
         self._template = ChatTemplate(self.chat_template, specials) if self.chat_template else None
 
-    @property
-    def special_ids(self) -> frozenset[int]:
-        ids = set(self.eos_ids) | ({self.bos_id} if self.bos_id is not None else set())
-        return frozenset(ids)
-
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = False) -> list[int]:
         """Token ids of ``text`` (special tokens in the text become their ids).
 
@@ -149,16 +144,6 @@ class GGUFTokenizer:
                 raise ValueError(f"{self.source}: add_eos=True but the file names no EOS")
             ids = [*ids, self.eos_id]
         return list(ids)
-
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids`` (control tokens skipped by default; broken UTF-8 becomes U+FFFD).
-
-        Raises:
-          TypeError: ``ids`` is a str/bytes or holds a non-integer.
-          ValueError: an id outside ``[0, vocab_size)``.
-        """
-        ids = _check_ids(ids, self.vocab_size)
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[Mapping], *, tokenize: bool = False,
                             add_generation_prompt: bool = True):

@@ -106,7 +106,29 @@ def _check_ids(ids: Iterable[int], vocab_size: int) -> list[int]:
     return out
 
 
-class HFTokenizer:
+class TokenizersBase:
+    """What a tokenizer over the ``tokenizers`` library (``self._tok``) shares, wherever its
+    vocabulary came from (a checkpoint's ``tokenizer.json``: `HFTokenizer`; a GGUF file's
+    metadata: ``paged.models.gguf_tokenizer.GGUFTokenizer``): the special ids and decoding.
+    A subclass sets ``_tok``, ``bos_id``, ``eos_ids`` and ``vocab_size``."""
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        ids = set(self.eos_ids) | ({self.bos_id} if self.bos_id is not None else set())
+        return frozenset(ids)
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (special tokens skipped by default; broken UTF-8 becomes U+FFFD).
+
+        Raises:
+          TypeError: ``ids`` is a str/bytes or holds a non-integer.
+          ValueError: an id outside ``[0, vocab_size)``.
+        """
+        ids = _check_ids(ids, self.vocab_size)
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class HFTokenizer(TokenizersBase):
     """A checkpoint's ``tokenizer.json`` (``tokenizers`` library) with its special tokens.
 
     Attributes:
@@ -133,11 +155,6 @@ class HFTokenizer:
         self.eos_id: int = self.eos_ids[0] if self.eos_ids else -1
         self._add_bos, self._add_eos = special["add_bos"], special["add_eos"]
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def special_ids(self) -> frozenset[int]:
-        ids = set(self.eos_ids) | ({self.bos_id} if self.bos_id is not None else set())
-        return frozenset(ids)
 
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = False) -> list[int]:
         """Token ids of ``text``.
@@ -170,15 +187,6 @@ class HFTokenizer:
             ids = [*ids, self.eos_id]
         return list(ids)
 
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids`` (special tokens skipped by default; broken UTF-8 becomes U+FFFD).
-
-        Raises:
-          TypeError: ``ids`` is a str/bytes or holds a non-integer.
-          ValueError: an id outside ``[0, vocab_size)``.
-        """
-        ids = _check_ids(ids, self.vocab_size)
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class TokenIdsOnly:
