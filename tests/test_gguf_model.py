@@ -29,6 +29,7 @@ PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "The history of the Roman Empire spans more than a thousand years, from",
 ]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +176,14 @@ def test_paged_equals_contiguous_engine_and_chat_answers(stacked):
     for layout in ("paged", "contiguous"):
         engine = Engine(EngineConfig(model=MODEL, kv_layout=layout, **ENGINE),
                         model_config=config, params=params)
-        outs[layout] = engine.generate(PROMPTS, sp)
+        outs[layout] = engine.generate([*PROMPTS, CHAT], sp)
     assert [o.token_ids for o in outs["paged"]] == [o.token_ids for o in outs["contiguous"]]
     answer = outs["paged"][0]
     assert "Paris" in answer.text and answer.outputs[0].token_ids[-1] == 2  # <|im_end|> stops
+    # A conversation is rendered with the file's template (default system prompt included).
+    chat = outs["paged"][-1]
+    assert chat.prompt_token_ids == engine.tokenizer.encode(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    assert "Paris" in chat.text

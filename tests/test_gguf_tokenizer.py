@@ -134,3 +134,28 @@ def test_server_chat_path_uses_the_files_template(tok):
     api.tokenizer = strict
     with pytest.raises(ApiError, match="no system messages"):
         api.chat_prompt([ChatMessage(role="system", content="x")])
+
+
+def test_library_prompts_accept_conversations(tok):
+    """``Engine.generate`` / ``add_request`` with messages: the checks render a conversation with
+    the file's template (the same text as the server's chat endpoint) and encode it; a list of
+    dicts alone is one prompt; bad messages are refused before anything is added."""
+    import types
+
+    from paged.request.checks import check_prompts
+
+    table = types.SimpleNamespace(
+        tokenizer=tok, vocab_size=tok.vocab_size, num_requests=0, cache_salt=b"",
+        has_request=lambda rid: False,
+        config=types.SimpleNamespace(max_model_len=512, max_num_seqs=4, request_timeout_s=None))
+    msgs = [{"role": "user", "content": "Hi"}]
+    want = tok.encode(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"
+                      "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    one = check_prompts(table, msgs, None)
+    assert len(one) == 1 and one[0][1] == want
+    many = check_prompts(table, [msgs, "Hi", [5, 6]], None)
+    assert [m[1] for m in many] == [want, tok.encode("Hi"), [5, 6]]
+    with pytest.raises(ValueError, match=r"prompts\[0\].*role='robot'"):
+        check_prompts(table, [[{"role": "robot", "content": "x"}]], None)
+    with pytest.raises(TypeError, match=r"prompts\[1\].*content must be a str"):
+        check_prompts(table, [msgs, [{"role": "user", "content": None}]], None)

@@ -7,6 +7,7 @@ from collections.abc import Sequence as SequenceT
 
 import numpy as np
 
+from paged.request.chat import chat_ids, is_conversation
 from paged.request.sampling import SamplingParams
 from paged.util import validate
 
@@ -57,7 +58,12 @@ def check_request(table, request_id, prompt, params, arrival_time, timeout_s,
 
 
 def encode(table, prompt) -> list[int]:
-    """The prompt's token ids: text encoded with BOS, or token ids checked (never coerced)."""
+    """The prompt's token ids: text encoded with BOS, a conversation (a list of message dicts)
+    rendered with the tokenizer's chat template and encoded (`paged.request.chat`), or token ids
+    checked (never coerced)."""
+    if is_conversation(prompt):
+        return validate.token_ids("prompt", chat_ids(table.tokenizer, prompt),
+                                  limit=table.vocab_size)
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt is empty")
@@ -70,8 +76,9 @@ def encode(table, prompt) -> list[int]:
 def check_prompts(table, prompts, params) -> list[tuple]:
     """``Engine.generate``'s checks, all before any request is added: each prompt and params as
     ``check_request`` checks them (errors name ``prompts[i]``); returns their checked tuples, with
-    request ids ``gen<n>-<i>``."""
-    if isinstance(prompts, str):
+    request ids ``gen<n>-<i>``. A str or one conversation (a list of message dicts) is one
+    prompt."""
+    if isinstance(prompts, str) or is_conversation(prompts):
         prompts = [prompts]
     if not isinstance(prompts, SequenceT):
         raise TypeError(f"prompts must be a str or a sequence of prompts, got "

@@ -30,10 +30,8 @@ not carry them; with ``echo`` its first chunk's ``logprobs`` score the prompt). 
 ``stop_reason`` (the stop string or stop token id that ended it). Chat roles outside
 `protocol.ROLES` are a 400.
 
-Chat messages are rendered with the tokenizer's chat template when it has one
-(``tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`` with a
-non-empty ``tokenizer.chat_template``); otherwise with this plain template: one
-``"<|{role}|>\\n{content}\\n"`` block per message, then ``"<|assistant|>\\n"``, encoded with BOS.
+Chat messages are rendered as the library renders a conversation (`paged.request.chat`): with
+the tokenizer's chat template when it has one, otherwise with a plain template, encoded as text.
 """
 
 from __future__ import annotations
@@ -50,6 +48,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import paged.server.protocol as protocol
+from paged.request.chat import chat_text
 from paged.server.engine_loop import EngineLoop, Stream
 from paged.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from paged.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
@@ -238,14 +237,10 @@ class _Api:
                 content = "".join(part.get("text", "") for part in content
                                   if part.get("type") == "text")
             msgs.append({"role": m.role, "content": content or ""})
-        template = getattr(self.tokenizer, "apply_chat_template", None)
-        if callable(template) and getattr(self.tokenizer, "chat_template", None):
-            try:  # a template may refuse a conversation (raise_exception)
-                text = template(msgs, tokenize=False, add_generation_prompt=True)
-            except ValueError as e:
-                raise ApiError(f"messages: {e}", param="messages") from None
-        else:
-            text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in msgs) + "<|assistant|>\n"
+        try:  # a template may refuse a conversation (raise_exception)
+            text = chat_text(self.tokenizer, msgs)  # the library's rendering (paged.request.chat)
+        except ValueError as e:
+            raise ApiError(f"messages: {e}", param="messages") from None
         return self.encode(text, "messages")
 
     def check_lengths(self, prompts: list[list[int]], max_tokens: int | None,

@@ -33,6 +33,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
+from paged.request import chat
 from paged.request.sampling import SamplingParams
 
 
@@ -96,7 +97,7 @@ class CompletionRequest(_Common):
 
 
 # The chat roles OpenAI and vLLM accept; any other is a 400.
-ROLES = ("system", "user", "assistant", "tool", "developer", "function")
+ROLES = chat.ROLES
 
 
 class ChatMessage(_Strict):
