@@ -13,11 +13,12 @@ The KV mechanism is the factor (``config.arms``, see `experiments/configs/qualit
 * **retrieval**: needle-in-a-haystack key-value retrieval at several lengths and depths through
   the chat template, greedy, scored by exact match of the value; ``evidence: constructed``.
 
-Mechanisms that must be exact (``config.exact_checks``: "prefix_caching") are a check, not a
-figure: the retrieval prompts run again on the float32 engine with prefix caching on (the second
-pass hits the cache) and against an engine with it off; the tokens must be identical and the
-log-probabilities equal up to float32 rounding (a hit recomputes the uncached tail in a smaller
-step shape), else the study fails.
+Mechanisms that must be exact (``config.exact_checks``: prefix caching, cascade, host tier,
+preemption by recompute and by swap, n-gram and draft speculation) are checks, not figures
+(`experiments.quality_exact`): a short workload on the float32 engine with the mechanism on
+against the plain engine; tokens and log-probabilities must be identical, else the study fails;
+a mechanism the support matrix refuses for the model is recorded as refused, with the reason.
+With ``arms=()`` only the checks run.
 
 Writes ``quality.json`` (config, provenance, corpus, per-arm rows) and ``quality.png``.
 """
@@ -30,10 +31,10 @@ import time
 import numpy as np
 
 from experiments import common
+from experiments import quality_exact as exact
 from experiments import quality_tasks as tasks
 
 QUANT_GRANULARITIES = ("token", "page")
-LOGPROB_ROUNDING = 1e-4  # float32 rounding of a log-probability between two step shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +79,15 @@ def check(c) -> list[Arm]:
         raise ValueError(f"model={c.model!r} must be a packaged GGUF model or a .gguf file")
     if not resolve(c.model).is_file():
         raise ValueError(f"model={c.model!r}: {resolve(c.model)} not found")
-    unknown = sorted(set(c.exact_checks) - {"prefix_caching"})
+    unknown = sorted(set(c.exact_checks) - set(exact.CHECKS))
     if unknown:
-        raise ValueError(f"exact_checks {unknown} are not supported; supported: prefix_caching")
+        raise ValueError(f"exact_checks {unknown} are not supported; supported: "
+                         f"{sorted(exact.CHECKS)}")
     arms = [parse_arm(a) for a in c.arms]
-    if not arms or arms[0].name != "float32":
+    if arms and arms[0].name != "float32":
         raise ValueError(f"arms={c.arms}: the first arm must be 'float32' (the reference)")
+    if not arms and not c.exact_checks:
+        raise ValueError("arms=() and exact_checks=(): nothing to run")
     return arms
 
 
@@ -100,13 +104,14 @@ def arm_model(arm: Arm, config, params):
     return config, params
 
 
-def make_engine(c, arm: Arm, config, params, max_model_len: int, **overrides):
+def make_engine(c, arm: Arm, config, params, max_model_len: int | None = None, **overrides):
     from paged import Engine, EngineConfig
 
-    ec = EngineConfig(model=c.model, dtype=arm.dtype, kv_cache_dtype=arm.kv_cache_dtype,
-                      kv_scale_granularity=arm.granularity, block_size=c.block_size,
-                      max_model_len=max_model_len, max_num_seqs=4,
-                      max_num_batched_tokens=c.max_num_batched_tokens, **overrides)
+    fields = dict(model=c.model, dtype=arm.dtype, kv_cache_dtype=arm.kv_cache_dtype,
+                  kv_scale_granularity=arm.granularity, block_size=c.block_size,
+                  max_model_len=max_model_len, max_num_seqs=4,
+                  max_num_batched_tokens=c.max_num_batched_tokens)
+    ec = EngineConfig(**{**fields, **overrides})
     return Engine(ec, model_config=config, params=params)
 
 
@@ -155,7 +160,7 @@ def fidelity(ref: list[np.ndarray], got: list[np.ndarray]) -> dict:
 
 
 def retrieval(engine, needle_list) -> tuple[dict, list]:
-    """Exact-match accuracy per (length, depth); also the raw outputs (for the exact checks)."""
+    """Exact-match accuracy per (length, depth), and the raw outputs."""
     from paged import SamplingParams
 
     # digits are single tokens: "The secret code of X is NNNNNN." takes about 16
@@ -169,38 +174,8 @@ def retrieval(engine, needle_list) -> tuple[dict, list]:
     return acc, outs
 
 
-def exact_prefix_caching(c, config, params, needle_list, max_len, reference_outs) -> dict:
-    """Prefix caching on (a second pass that hits) vs off: identical tokens; log-probabilities
-    equal up to float32 rounding (``LOGPROB_ROUNDING``: a hit recomputes only the uncached tail,
-    in a smaller step shape whose matmuls round differently; the cached KV itself is reused)."""
-    ref_arm = Arm("float32")
-    on = make_engine(c, ref_arm, config, params, max_len)
-    retrieval(on, needle_list)
-    _, again = retrieval(on, needle_list)
-    hits = on.kv_stats()["prefix_cache_hit_tokens"]
-    off = make_engine(c, ref_arm, config, params, max_len, enable_prefix_caching=False)
-    _, plain = retrieval(off, needle_list)
-    diffs = [abs(a[t] - b[t]) for x, y in zip(again, plain, strict=True)
-             for a, b, t in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, x.token_ids)]
-    same = all(x.token_ids == y.token_ids for x, y in zip(again, plain, strict=True))
-    same_ref = all(x.token_ids == y.token_ids for x, y in zip(reference_outs, plain, strict=True))
-    worst = float(max(diffs, default=0.0))
-    result = {"identical_tokens": same and same_ref, "max_abs_logprob_diff": worst,
-              "logprob_tolerance": LOGPROB_ROUNDING, "prefix_cache_hit_tokens": hits,
-              "passed": same and same_ref and worst <= LOGPROB_ROUNDING and hits > 0}
-    if not result["passed"]:
-        raise AssertionError(f"prefix caching changed the outputs: {result}")
-    return result
-
-
-def main(c, arms: list[Arm]) -> None:
-    from paged.models.registry import load_any
-
-    out_dir = common.output_dir(c, "quality")
-    t0 = time.perf_counter()
-    config, params, tok = load_any(c.model)
-    text = tasks.corpus_text()
-    corpus = tok.encode(text, add_bos=False)
+def run_arms(c, arms: list[Arm], config, params, tok, corpus: list[int]) -> tuple[list, dict]:
+    """Perplexity, retrieval and fidelity per arm; returns the rows and the inputs' facts."""
     chunk_sets = {n: tasks.chunks(corpus, n, c.num_chunks) for n in c.chunk_lengths}
     fid_chunks = tasks.chunks(corpus, c.fidelity_length, c.fidelity_chunks)
     needle_list = [n for length in c.needle_lengths for d in c.needle_depths
@@ -208,7 +183,7 @@ def main(c, arms: list[Arm]) -> None:
     max_len = max(max(c.chunk_lengths), max(len(n.prompt_ids) for n in needle_list)) + 32
     max_len = -(-max_len // c.block_size) * c.block_size
     ref = dense_logprobs(arms[0], config, params, fid_chunks, c.block_size)
-    rows, ref_outs = [], None
+    rows = []
     with common.Progress(len(arms), "quality", unit="arms") as bar:
         for arm in arms:
             t = time.perf_counter()
@@ -216,8 +191,7 @@ def main(c, arms: list[Arm]) -> None:
             engine = make_engine(c, arm, cfg, prm, max_len)
             row = {"arm": arm.name, **dataclasses.asdict(arm),
                    "perplexity": perplexity(engine, chunk_sets)}
-            row["retrieval"], outs = retrieval(engine, needle_list)
-            ref_outs = outs if arm.name == "float32" else ref_outs
+            row["retrieval"], _ = retrieval(engine, needle_list)
             got = ref if arm.name == "float32" else dense_logprobs(arm, cfg, prm, fid_chunks,
                                                                     c.block_size)
             row["fidelity"] = fidelity(ref, got)
@@ -228,22 +202,35 @@ def main(c, arms: list[Arm]) -> None:
                   f"{row['fidelity']['top1_agreement']:.4f} retrieval {row['retrieval']['all']:.2f}",
                   flush=True)
             bar.update()
-    checks = {}
-    if "prefix_caching" in c.exact_checks:
-        checks["prefix_caching"] = exact_prefix_caching(c, config, params, needle_list, max_len,
-                                                        ref_outs)
+    needle = {"template": "The secret code of {name} is {number}.",
+              "question": tasks.QUESTION, "scoring": "answer contains the number",
+              "prompt_tokens": sorted({len(n.prompt_ids) for n in needle_list})}
+    return rows, needle
+
+
+def main(c, arms: list[Arm]) -> None:
+    from paged.models.registry import load_any
+
+    out_dir = common.output_dir(c, "quality")
+    t0 = time.perf_counter()
+    config, params, tok = load_any(c.model)
+    text = tasks.corpus_text()
+    corpus = tok.encode(text, add_bos=False)
+    rows, needle = run_arms(c, arms, config, params, tok, corpus) if arms else ([], None)
+    ref = Arm("float32")
+    checks = exact.run_checks(
+        c.exact_checks, lambda **kw: make_engine(c, ref, config, params, **{**exact.SHAPE, **kw}),
+        corpus) if c.exact_checks else {}
     payload = {
         "study": "quality", "model": c.model, "config": c.to_dict(),
-        "provenance": common.provenance(),
-        "evidence": {"perplexity": "real", "fidelity": "real", "retrieval": "constructed"},
-        "corpus": tasks.corpus_info(text, len(corpus)),
-        "needle": {"template": "The secret code of {name} is {number}.",
-                   "question": tasks.QUESTION, "scoring": "answer contains the number",
-                   "prompt_tokens": sorted({len(n.prompt_ids) for n in needle_list})},
+        "evidence": {"perplexity": "real", "fidelity": "real", "retrieval": "constructed",
+                     "exact_checks": "real"},
+        "corpus": tasks.corpus_info(text, len(corpus)), "needle": needle,
         "rows": rows, "exact_checks": checks, "seconds": time.perf_counter() - t0,
     }
-    path = common.write_json(out_dir / "quality.json", payload)
-    plot(rows, out_dir / "quality.png")
+    path = common.write_result(out_dir / "quality.json", payload)
+    if rows:
+        plot(rows, out_dir / "quality.png")
     print(f"wrote {path}")
 
 

@@ -80,13 +80,14 @@ def test_quality_smoke(tmp_path):
     _study(tmp_path, "quality", "experiments/configs/quality.py:smoke")
     payload = json.loads((tmp_path / "quality.json").read_text())
     assert payload["evidence"] == {"perplexity": "real", "fidelity": "real",
-                                   "retrieval": "constructed"}
+                                   "retrieval": "constructed", "exact_checks": "real"}
     rows = {r["arm"]: r for r in payload["rows"]}
     ref = rows["float32"]
     assert ref["fidelity"]["kl_mean"] == 0.0 and ref["fidelity"]["top1_agreement"] == 1.0
     assert 5 < ref["perplexity"]["256"]["perplexity"] < 60
     assert rows["fp8_e5m2:page"]["fidelity"]["kl_mean"] > rows["int8:token"]["fidelity"]["kl_mean"]
-    assert payload["exact_checks"]["prefix_caching"]["passed"]
+    assert {r["status"] for r in payload["exact_checks"].values()} == {"passed"}
+    assert set(payload["exact_checks"]) == {"prefix_caching", "preemption_swap"}
     assert (tmp_path / "quality.png").stat().st_size > 0
 
 
@@ -96,3 +97,37 @@ def test_real_model_decode_smoke(tmp_path):
     payload = json.loads((tmp_path / "real_model_decode.json").read_text())
     assert [r["batch_size"] for r in payload["rows"]] == [1, 2]
     assert all(r["paged"]["tokens_per_s_median"] > 0 for r in payload["rows"])
+
+
+def test_exact_checks_machinery_on_a_small_model():
+    """`experiments.quality_exact` on a small random model (the real model's run is the study's):
+    the mechanisms ran (evidence > 0) and changed nothing, bitwise; a pair the support matrix
+    refuses (cascade on a sliding-window model) is recorded with its reason; a changed output
+    fails the check."""
+    import dataclasses
+
+    import numpy as np
+    from engine_utils import small_model
+
+    from experiments import quality_exact as exact
+    from paged import Engine, EngineConfig
+
+    cfg, params = small_model()
+    corpus = np.random.default_rng(0).integers(0, 256, 400).tolist()
+
+    def make(model_config):
+        return lambda **kw: Engine(EngineConfig(**{**exact.SHAPE, "attention_impl": "xla", **kw}),
+                                   model_config=model_config, params=params)
+
+    out = exact.run_checks(["preemption_swap", "prefix_caching"], make(cfg), corpus,
+                           max_tokens=6)
+    for name, r in out.items():
+        assert r["status"] == "passed" and r["identical_tokens"], (name, r)
+        assert r["max_abs_logprob_diff"] == 0.0 and all(v > 0 for v in r["evidence"].values())
+    sliding = dataclasses.replace(cfg, sliding_window=32)
+    out = exact.run_checks(["cascade"], make(sliding), corpus, max_tokens=2)
+    assert out["cascade"]["status"] == "refused"
+    assert "[refused pair: cascade + sliding_window]" in out["cascade"]["reason"]
+    assert exact.compare([([1, 2], [-0.5, -1.0])], [([1, 2], [-0.5, -1.25])]) == (True, 0.25)
+    assert not exact.compare([([1, 3], [])], [([1, 2], [])])[0]
+    assert set(get_config().exact_checks) == set(exact.CHECKS)

@@ -10,18 +10,23 @@ Launch::
 
 Variants: ``default`` (every arm, perplexity over 512- and 2048-token chunks, retrieval at 1k /
 2k / 4k tokens at three depths), ``long`` (adds 8192-token chunks and 8k retrieval), ``smoke``
-(three arms, 256-token chunks, 1k retrieval at one depth: what the test runs).
+(three arms, 256-token chunks, 1k retrieval at one depth, two exact checks: what the test
+runs), ``exact`` (the exact checks only).
 
 Arms: "float32" (the reference), "bfloat16" (weights, activations and KV in bfloat16),
 "<int8|fp8_e4m3|fp8_e5m2>:<token|page>" (quantized pages, `EngineConfig.kv_cache_dtype` with
 its scale granularity), "window:<W>" (a sliding window of W tokens on every layer of this
-full-attention model). Exact mechanisms (``exact_checks``) must change nothing: "prefix_caching".
+full-attention model). Exact mechanisms (``exact_checks``, `experiments/quality_exact.py`) must
+change nothing: a check each, not a figure; ``arms=()`` runs only the checks (the ``exact``
+variant).
 """
 
 import ml_collections
 
 ARMS = ("float32", "bfloat16", "int8:token", "int8:page", "fp8_e4m3:token", "fp8_e4m3:page",
         "fp8_e5m2:token", "fp8_e5m2:page", "window:256", "window:1024")
+EXACT = ("prefix_caching", "cascade", "host_tier", "preemption_recompute", "preemption_swap",
+         "speculation_ngram", "speculation_draft")
 
 
 def get_config(arg: str = "default") -> ml_collections.ConfigDict:
@@ -35,7 +40,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.needle_lengths = (1024, 2048, 4096)  # retrieval prompt lengths (tokens, approximate)
     c.needle_depths = (0.1, 0.5, 0.9)  # where the needle sits in the haystack
     c.needles_per_cell = 2  # different needles per (length, depth)
-    c.exact_checks = ("prefix_caching",)
+    c.exact_checks = EXACT
     c.block_size = 16
     c.max_num_batched_tokens = 512  # prefill chunk of the engine runs
     c.seed = 0
@@ -49,10 +54,13 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.needle_lengths = (1024,)
         c.needle_depths = (0.5,)
         c.needles_per_cell = 2
+        c.exact_checks = ("prefix_caching", "preemption_swap")
+    elif arg == "exact":
+        c.arms = ()
     elif arg == "long":
         c.chunk_lengths = (512, 2048, 8192)
         c.num_chunks = 4
         c.needle_lengths = (1024, 2048, 4096, 8000)
     elif arg != "default":
-        raise ValueError(f"unknown variant {arg!r}; known: default, smoke, long")
+        raise ValueError(f"unknown variant {arg!r}; known: default, smoke, exact, long")
     return c
