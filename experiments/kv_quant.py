@@ -1,8 +1,9 @@
 """Quality of a quantized KV cache: what int8 / fp8 pages cost against the unquantized model.
 
-Per model (the bundled tiny model, the committed Hugging Face fixtures) and per format
-(``kv_cache_dtype`` x ``kv_scale_granularity``), over ``num_prompts`` constructed prompts
-(``evidence: constructed``; code-like text, its bytes taken modulo the vocabulary for the fixtures):
+Per model (the bundled tiny model, the committed Hugging Face fixtures, a packaged GGUF model
+such as ``smollm2-135m``) and per format (``kv_cache_dtype`` x ``kv_scale_granularity``), over
+``num_prompts`` constructed prompts (``evidence: constructed``; code-like text, its bytes taken
+modulo the vocabulary for the fixtures, encoded by the file's tokenizer for a GGUF model):
 
 * greedy agreement over ``max_tokens`` generated tokens: the fraction of positions where the
   quantized run's token equals the unquantized run's, and the length of the common prefix;
@@ -44,8 +45,32 @@ def check(c) -> list[tuple[str, str]]:
         quant.scale_width(granularity, c.page_size)
         formats.append((name, granularity))
     for model in c.models:
-        common.check_model(model)
+        check_model(model)
     return formats
+
+
+def check_model(model: str) -> None:
+    """A model `common.check_model` accepts, or a packaged GGUF model / ``.gguf`` file."""
+    from paged.models.gguf import is_gguf_path, resolve
+
+    if not is_gguf_path(model):
+        common.check_model(model)
+    elif not resolve(model).is_file():
+        raise ValueError(f"model={model!r}: {resolve(model)} not found")
+
+
+def load(model: str, num: int) -> tuple:
+    """``(config, params, prompts)``: a GGUF model's prompts through its tokenizer (with BOS as
+    the file says), any other model's as bytes modulo its vocabulary."""
+    from paged.models.gguf import is_gguf_path
+
+    if is_gguf_path(model):
+        from paged.models.registry import load_any
+
+        config, params, tok = load_any(model)
+        return config, params, [tok.encode(t) for t in (PROMPTS * num)[:num]]
+    config, params = common.load_model(model)
+    return config, params, _prompt_ids(config.vocab_size, num)
 
 
 def _prompt_ids(vocab: int, num: int) -> list[list[int]]:
@@ -121,8 +146,7 @@ def main(c, formats) -> None:
     total = len(c.models) * len(formats) * c.num_prompts
     with common.Progress(total, "kv_quant", unit="runs") as bar:
         for model in c.models:
-            config, params = common.load_model(model)
-            prompts = _prompt_ids(config.vocab_size, c.num_prompts)
+            config, params, prompts = load(model, c.num_prompts)
             exact_fn = _forward(config, None)
             wants = [_greedy(exact_fn, params, p, c.max_tokens) for p in prompts]
             for name, granularity in formats:

@@ -47,6 +47,23 @@ def test_config_checks():
         quality.check(c)
 
 
+def test_variants_and_kv_quant_on_smollm2():
+    for variant in ("smoke", "exact", "long", "long_smoke"):
+        quality.check(get_config(variant))
+    assert get_config("exact").arms == () and get_config("long_smoke").chunk_lengths == (8192,)
+    c = get_config("exact")
+    with c.unlocked():
+        c.exact_checks = ()
+    with pytest.raises(ValueError, match="nothing to run"):
+        quality.check(c)
+    from experiments import kv_quant
+    from experiments.configs.kv_quant import get_config as kv_config
+
+    assert len(kv_quant.check(kv_config("smollm2"))) == 6
+    with pytest.raises(ValueError, match="not found"):
+        kv_quant.check_model("/nonexistent/model.gguf")
+
+
 def test_corpus_and_needles():
     from paged.models.gguf_tokenizer import GGUFTokenizer
 

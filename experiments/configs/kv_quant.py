@@ -8,7 +8,8 @@ Launch::
 
 Variants: ``default`` (the bundled tiny model and every committed Hugging Face fixture under
 ``tests/fixtures/hf``, 128 generated tokens), ``smoke`` (the tiny model, two formats, 8 tokens:
-what the test runs).
+what the test runs), ``smollm2`` (SmolLM2-135M-Instruct from its GGUF file, 32 generated
+tokens: under 10 minutes on 2 CPU cores), ``smollm2_smoke`` (one format, 4 tokens).
 """
 
 import ml_collections
@@ -33,6 +34,14 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.formats = ("int8:token", "fp8_e5m2:page")
         c.max_tokens = 8
         c.num_prompts = 2
+    elif arg in ("smollm2", "smollm2_smoke"):
+        c.models = ("smollm2-135m",)
+        c.max_tokens = 32  # 30 layers without a cache: 128 tokens would take about 4x longer
+        if arg == "smollm2_smoke":
+            c.formats = ("int8:token",)
+            c.max_tokens = 4
+            c.num_prompts = 1
     elif arg != "default":
-        raise ValueError(f"unknown variant {arg!r}; known: default, smoke")
+        raise ValueError(f"unknown variant {arg!r}; known: default, smoke, smollm2, "
+                         "smollm2_smoke")
     return c

@@ -6,10 +6,13 @@ Launch::
     python -m experiments.quality
     python -m experiments.quality --config=experiments/configs/quality.py:smoke
     python -m experiments.quality --config=experiments/configs/quality.py:long
+    python -m experiments.quality --config=experiments/configs/quality.py:long_smoke
     python -m experiments.quality --config.arms="('float32', 'int8:token')" --config.num_chunks=2
 
 Variants: ``default`` (every arm, perplexity over 512- and 2048-token chunks, retrieval at 1k /
-2k / 4k tokens at three depths), ``long`` (adds 8192-token chunks and 8k retrieval), ``smoke``
+2k / 4k tokens at three depths), ``long`` (adds 8192-token chunks and 8k retrieval; not run:
+it is longer than the default's 49 minutes on 2 CPU cores), ``long_smoke`` (the 8k cells alone: float32 and int8:token, one 8192-token chunk,
+one 8k needle at depth 0.5), ``smoke``
 (three arms, 256-token chunks, 1k retrieval at one depth, two exact checks: what the test
 runs), ``exact`` (the exact checks only).
 
@@ -57,10 +60,20 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.exact_checks = ("prefix_caching", "preemption_swap")
     elif arg == "exact":
         c.arms = ()
-    elif arg == "long":
+    elif arg in ("long", "long_smoke"):
         c.chunk_lengths = (512, 2048, 8192)
         c.num_chunks = 4
         c.needle_lengths = (1024, 2048, 4096, 8000)
+        if arg == "long_smoke":  # the 8k cells alone, two arms, one chunk / needle each
+            c.arms = ("float32", "int8:token")
+            c.chunk_lengths = (8192,)
+            c.num_chunks = 1
+            c.fidelity_chunks = 1
+            c.needle_lengths = (8000,)
+            c.needle_depths = (0.5,)
+            c.needles_per_cell = 1
+            c.exact_checks = ()
     elif arg != "default":
-        raise ValueError(f"unknown variant {arg!r}; known: default, smoke, exact, long")
+        raise ValueError(f"unknown variant {arg!r}; known: default, smoke, exact, long, "
+                         "long_smoke")
     return c
