@@ -123,6 +123,12 @@ def simple_ratios(rows: list[dict], factors, metric: str = "output_throughput") 
     return out
 
 
+def scalars(summary: dict) -> dict:
+    """A run's summary as stored: every scalar, without the per-request arrays (24 runs of 192
+    requests would make the JSON 8 MB)."""
+    return {k: v for k, v in summary.items() if not isinstance(v, list)}
+
+
 def cell_summaries(rows: list[dict]) -> dict:
     """Per cell: `spread` over repeats of every metric, and the wall times."""
     out = {}
@@ -171,12 +177,14 @@ def main(c, plan):
             elif not serving.start_cold(engines[name]):  # a reused engine starts cold again
                 raise RuntimeError(f"ablate: cell {name}: the prefix cache could not be emptied")
             engine = engines[name]
+            compiled_before = engine.num_compilations
             res = serving.run_arm(f"{name}#{rep}", engine, workload, ttft_slo_ms=c.ttft_slo_ms,
                                   tpot_slo_ms=c.tpot_slo_ms, max_wall_s=c.max_wall_s,
                                   model_name=c.model, progress="tty")
             rows.append({"name": f"{name}#{rep}", "cell": name, "repeat": rep,
-                         "factors": factors, "summary": res.summary, "wall_s": res.wall_s,
-                         "num_compilations": res.num_compilations})
+                         "factors": factors, "summary": scalars(res.summary),
+                         "wall_s": res.wall_s,
+                         "compilations_in_run": res.num_compilations - compiled_before})
             replays.append(res.replay)  # every run starts cold: every run replays
             bar.update()
     cells = cell_summaries(rows)
