@@ -196,8 +196,8 @@ def zeros(shape: tuple[int, ...], bits: int, per: str) -> PackedPages:
     if d % (8 // bits):
         raise ValueError(f"head_dim={d} is not a multiple of {8 // bits} ({bits}-bit packing)")
     width = d if per == "channel" else page
-    stat = jnp.zeros((*lead, width), SCALE_DTYPE)
-    return PackedPages(jnp.zeros((*lead, page, d * bits // 8), jnp.uint8), stat, stat, bits, per)
+    scale, zero = (jnp.zeros((*lead, width), SCALE_DTYPE) for _ in range(2))  # two buffers
+    return PackedPages(jnp.zeros((*lead, page, d * bits // 8), jnp.uint8), scale, zero, bits, per)
 
 
 def close_pages(
