@@ -221,3 +221,17 @@ def test_packed_pages_are_not_written_token_by_token():
     x = jnp.zeros((1, 1, 1, D))
     with pytest.raises(TypeError, match="close_pages"):
         kvc.write(cache, x, x, jnp.array([9]))
+
+
+def test_capacity_study_rows():
+    """experiments/kivi_capacity.py's rows: the issue's goal arithmetic at page 64 (Llama-3-8B)."""
+    from experiments import kivi_capacity
+    from experiments.configs.kivi_capacity import get_config
+
+    c = get_config("smoke")
+    assert kivi_capacity.check(c)["specs"]
+    spec = ModelSpec(32, 8, 128, "bfloat16", kv_cache_dtype="int4")
+    r = kivi_capacity.row(spec, 64, 1000, 1 << 34)
+    assert r["sequence_bytes"] == 16 * spec.bytes_per_block(64) + spec.open_page_bytes(64)
+    assert r["open_page_without_pool_page"]["sequence_bytes"] == \
+        15 * spec.bytes_per_block(64) + spec.open_page_bytes(64)
