@@ -13,6 +13,10 @@ The KV mechanism is the factor (``config.arms``, see `experiments/configs/qualit
 * **retrieval**: needle-in-a-haystack key-value retrieval at several lengths and depths through
   the chat template, greedy, scored by exact match of the value; ``evidence: constructed``.
 
+Arms "int4:kivi" / "int2:kivi" (KIVI pages, not served by the engine yet) take perplexity and
+retrieval from the no-cache forward with their quantize-on-fill semantics instead
+(`experiments.quality_dense`; the row says ``"source": "dense (no cache)"``).
+
 Mechanisms that must be exact (``config.exact_checks``: "prefix_caching") are a check, not a
 figure: the retrieval prompts run again on the float32 engine with prefix caching on (the second
 pass hits the cache) and against an engine with it off; the tokens must be identical and the
@@ -57,6 +61,8 @@ def parse_arm(text: str) -> Arm:
         if not arg.isdigit() or int(arg) < 16:
             raise ValueError(f"arm {text!r}: window:<W> needs an integer W >= 16")
         return Arm(text, window=int(arg))
+    if kind in ("int4", "int2") and arg == "kivi":  # no engine yet: experiments.quality_dense
+        return Arm(text, kv_cache_dtype=kind, granularity=arg)
     quant.storage_dtype(kind)
     if arg not in QUANT_GRANULARITIES:
         raise ValueError(f"arm {text!r}: the scale granularity must be one of "
@@ -193,6 +199,15 @@ def exact_prefix_caching(c, config, params, needle_list, max_len, reference_outs
     return result
 
 
+def _dense_row(c, arm: Arm, config, params, tok, chunk_sets, needle_list) -> dict:
+    from experiments import quality_dense
+
+    kv_quant = (arm.kv_cache_dtype, arm.granularity, c.block_size)
+    return {"arm": arm.name, **dataclasses.asdict(arm), "source": "dense (no cache)",
+            "perplexity": quality_dense.perplexity(config, params, chunk_sets, kv_quant),
+            "retrieval": quality_dense.retrieval(config, params, tok, needle_list, kv_quant)}
+
+
 def main(c, arms: list[Arm]) -> None:
     from paged.models.registry import load_any
 
@@ -213,10 +228,13 @@ def main(c, arms: list[Arm]) -> None:
         for arm in arms:
             t = time.perf_counter()
             cfg, prm = arm_model(arm, config, params)
-            engine = make_engine(c, arm, cfg, prm, max_len)
-            row = {"arm": arm.name, **dataclasses.asdict(arm),
-                   "perplexity": perplexity(engine, chunk_sets)}
-            row["retrieval"], outs = retrieval(engine, needle_list)
+            if arm.granularity == "kivi":  # the dense forward (experiments.quality_dense)
+                row, outs = _dense_row(c, arm, cfg, prm, tok, chunk_sets, needle_list), None
+            else:
+                engine = make_engine(c, arm, cfg, prm, max_len)
+                row = {"arm": arm.name, **dataclasses.asdict(arm),
+                       "perplexity": perplexity(engine, chunk_sets)}
+                row["retrieval"], outs = retrieval(engine, needle_list)
             ref_outs = outs if arm.name == "float32" else ref_outs
             got = ref if arm.name == "float32" else dense_logprobs(arm, cfg, prm, fid_chunks,
                                                                     c.block_size)

@@ -235,3 +235,40 @@ def test_capacity_study_rows():
     assert r["sequence_bytes"] == 16 * spec.bytes_per_block(64) + spec.open_page_bytes(64)
     assert r["open_page_without_pool_page"]["sequence_bytes"] == \
         15 * spec.bytes_per_block(64) + spec.open_page_bytes(64)
+
+
+def test_dense_model_reference_with_kivi_pages():
+    """`Llama.dense(kv_quant=("int4", "kivi", page))`: exact while no page is full (one page
+    longer than the sequence), and changed once pages fill."""
+    import jax
+    from engine_utils import small_model
+
+    from paged.models.llama import Llama
+
+    cfg, params = small_model()
+    tokens = jax.numpy.asarray([[256, 5, 9, 77, 3, 120, 42, 8, 19, 200, 7]], jax.numpy.int32)
+    fn = lambda kvq: np.asarray(Llama(cfg).apply(params, tokens, method="dense", kv_quant=kvq))
+    exact = fn(None)
+    np.testing.assert_allclose(fn(("int4", "kivi", 16)), exact, rtol=2e-5, atol=2e-4)
+    quantized = fn(("int2", "kivi", 4))
+    assert np.all(np.isfinite(quantized)) and not np.allclose(quantized, exact, atol=1e-3)
+    # positions before the first page fills (0..2 of pages of 4) read only their open page: exact
+    np.testing.assert_allclose(quantized[:, :3], exact[:, :3], rtol=2e-5, atol=2e-4)
+
+
+def test_quality_parses_kivi_arms():
+    from experiments import quality
+
+    arm = quality.parse_arm("int4:kivi")
+    assert (arm.kv_cache_dtype, arm.granularity) == ("int4", "kivi")
+    with pytest.raises(ValueError):
+        quality.parse_arm("int4:token")
+
+
+def test_general_paged_attention_refuses_packed_pages():
+    import pallas_kernels as pk
+
+    rng = np.random.default_rng(4)
+    q, kp, vp, _, _, lengths, table = _case(rng, 4, 8, 2, 2)
+    with pytest.raises(ValueError, match="kivi"):
+        pk.paged_attention(jnp.asarray(q), kp, vp, jnp.asarray(lengths), jnp.asarray(table))

@@ -14,7 +14,9 @@ Variants: ``default`` (every arm, perplexity over 512- and 2048-token chunks, re
 
 Arms: "float32" (the reference), "bfloat16" (weights, activations and KV in bfloat16),
 "<int8|fp8_e4m3|fp8_e5m2>:<token|page>" (quantized pages, `EngineConfig.kv_cache_dtype` with
-its scale granularity), "window:<W>" (a sliding window of W tokens on every layer of this
+its scale granularity), "<int4|int2>:kivi" (KIVI pages of ``block_size`` tokens, from the no-cache
+forward: `experiments/quality_dense.py`; variant ``kivi``: short, 512-token chunks and three 1k
+needles, since the dense greedy decode re-runs the whole sequence per token), "window:<W>" (a sliding window of W tokens on every layer of this
 full-attention model). Exact mechanisms (``exact_checks``) must change nothing: "prefix_caching".
 """
 
@@ -49,10 +51,17 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.needle_lengths = (1024,)
         c.needle_depths = (0.5,)
         c.needles_per_cell = 2
+    elif arg == "kivi":
+        c.arms = ("float32", "bfloat16", "int4:kivi", "int2:kivi")
+        c.chunk_lengths = (512,)
+        c.num_chunks = 4
+        c.needle_lengths = (1024,)
+        c.needles_per_cell = 1
+        c.exact_checks = ()
     elif arg == "long":
         c.chunk_lengths = (512, 2048, 8192)
         c.num_chunks = 4
         c.needle_lengths = (1024, 2048, 4096, 8000)
     elif arg != "default":
-        raise ValueError(f"unknown variant {arg!r}; known: default, smoke, long")
+        raise ValueError(f"unknown variant {arg!r}; known: default, smoke, long, kivi")
     return c
