@@ -9,8 +9,7 @@ sequences ``budget_gib`` of KV holds and their tokens, and the ratio to the mode
 open page's pool page allocated only when it fills: ``n // page`` packed blocks plus the open
 page), to show what the reserved pool page costs. ``scale_share`` is the scales' and zeros'
 fraction of a block. Evidence: constructed (fixed-length sequences; exact accounting, which a
-test checks against the
-allocated arrays' ``nbytes``).
+test checks against the allocated arrays' ``nbytes``).
 
 Writes ``kivi_capacity.json``.
 """

@@ -72,7 +72,7 @@ def _check(q, k_pages, v_pages, open_k, open_v, lengths, page_indices):
 def paged_attention(
     q: jax.Array,  # [B, Hq, D]
     k_pages: PackedPages,  # keys: values u8[(L,) Hkv, P, page, D*bits/8], scale/zero f16[.., D]
-    v_pages: PackedPages,  # values: values u8[(L,) Hkv, P, page, D*bits/8], scale/zero f16[.., page]
+    v_pages: PackedPages,  # values: values u8[(L,) Hkv, P, page, D*bits/8], scale/zero [.., page]
     open_k: jax.Array,  # [B, Hkv, page, D] each sequence's open page (model dtype)
     open_v: jax.Array,  # [B, Hkv, page, D]
     lengths: jax.Array,  # i32[B] tokens of each sequence (closed: lengths // page * page)
@@ -184,7 +184,7 @@ def _closed_state_xla(qg, k_pages, v_pages, closed, page_indices, sm_scale, soft
 # ----------------------------------------------------------------------------- references
 
 
-def unpack_np(values: np.ndarray, bits: int) -> np.ndarray:
+def unpack_np(values: np.ndarray, bits: int) -> np.ndarray:  # u8[..., Dp] -> i64[..., D]
     """numpy unpack (independent of :func:`pallas_kernels.packed.unpack`): ``u8[..., Dp]`` ->
     ``int64[..., Dp * 8 / bits]``."""
     values = np.asarray(values).astype(np.int64)
@@ -192,7 +192,7 @@ def unpack_np(values: np.ndarray, bits: int) -> np.ndarray:
     return np.stack(parts, axis=-1).reshape(*values.shape[:-1], -1)
 
 
-def dequantize_np(pages: PackedPages) -> np.ndarray:
+def dequantize_np(pages: PackedPages) -> np.ndarray:  # -> f64[..., Hkv, P, page, D]
     """float64 ``[..., Hkv, P, page, D]`` of a packed pool."""
     q = unpack_np(pages.values, pages.bits).astype(np.float64)
     s, z = (np.asarray(x, np.float64) for x in (pages.scale, pages.zero))
@@ -201,8 +201,18 @@ def dequantize_np(pages: PackedPages) -> np.ndarray:
     return q * s[..., None] + z[..., None]
 
 
-def attention_np(q, k_pages, v_pages, open_k, open_v, lengths, page_indices, *, sm_scale=1.0,
-                 soft_cap=None):
+def attention_np(
+    q,  # [B, Hq, D]
+    k_pages: PackedPages,  # keys: values u8[Hkv, P, page, D*bits/8], scale/zero f16[Hkv, P, D]
+    v_pages: PackedPages,  # values: values u8[Hkv, P, page, D*bits/8], scale/zero f16[Hkv, P, page]
+    open_k,  # [B, Hkv, page, D]
+    open_v,  # [B, Hkv, page, D]
+    lengths,  # i32[B]
+    page_indices,  # i32[B, pages_per_seq]
+    *,
+    sm_scale=1.0,
+    soft_cap=None,
+):  # -> f64[B, Hq, D]
     """float64 numpy KIVI decode attention; ``q [B, Hq, D]`` -> ``[B, Hq, D]`` float64. Slices
     exactly the valid keys (closed pages, then the open page's first tokens), so it never reads
     NaN padding."""
@@ -230,7 +240,12 @@ def attention_np(q, k_pages, v_pages, open_k, open_v, lengths, page_indices, *, 
     return out
 
 
-def fake_quantize_sequence(x: jax.Array, bits: int, per: str, page_size: int) -> jax.Array:
+def fake_quantize_sequence(
+    x: jax.Array,  # [B, S, Hkv, D]
+    bits: int,
+    per: str,
+    page_size: int,
+) -> jax.Array:  # f32[B, S, Hkv, D]
     """Every whole page of a contiguous sequence's K or V ``[B, S, Hkv, D]`` (position 0 at a
     page start) quantized and read back, float32; a trailing partial page is left as is."""
     b, s, h, d = x.shape

@@ -119,7 +119,7 @@ def _shifts(bits: int):
     return jnp.arange(0, 8, bits, dtype=jnp.uint8)  # [8 / bits]
 
 
-def pack(q: jax.Array, bits: int) -> jax.Array:
+def pack(q: jax.Array, bits: int) -> jax.Array:  # q: u8[..., D] -> u8[..., D * bits / 8]
     """Integer codes ``[..., D]`` in ``[0, 2**bits)`` -> ``u8[..., D * bits / 8]`` (low bits
     first: channel ``c`` in byte ``c // (8 / bits)``)."""
     per_byte = 8 // bits
@@ -127,7 +127,7 @@ def pack(q: jax.Array, bits: int) -> jax.Array:
     return jnp.sum(q << _shifts(bits), axis=-1, dtype=jnp.uint8)
 
 
-def unpack(values: jax.Array, bits: int) -> jax.Array:
+def unpack(values: jax.Array, bits: int) -> jax.Array:  # u8[..., D*bits/8] -> u8[..., D]
     """``u8[..., D * bits / 8]`` -> integer codes ``u8[..., D]`` (the inverse of :func:`pack`)."""
     mask = jnp.uint8((1 << bits) - 1)
     q = (values[..., None] >> _shifts(bits)) & mask  # [..., Dp, 8 / bits]
@@ -140,7 +140,11 @@ def _group_axis(per: str) -> int:
     return -2 if per == "channel" else -1  # reduce over tokens (channel) or over channels
 
 
-def scale_zero(x: jax.Array, bits: int, per: str) -> tuple[jax.Array, jax.Array]:
+def scale_zero(
+    x: jax.Array,  # [..., page, D] float
+    bits: int,
+    per: str,
+) -> tuple[jax.Array, jax.Array]:  # f16[..., D] ("channel") or f16[..., page] ("token"), twice
     """float16 ``(scale, zero)`` of pages ``x [..., page, D]``: ``[..., D]`` ("channel") or
     ``[..., page]`` ("token"); ``zero`` = the group's minimum rounded to float16, ``scale`` spans
     ``[zero, max]`` in ``2**bits - 1`` steps (at least :data:`MIN_SCALE`)."""
@@ -157,7 +161,13 @@ def _expand(s: jax.Array, per: str) -> jax.Array:
     return s[..., None, :] if per == "channel" else s[..., None]
 
 
-def encode(x: jax.Array, scale: jax.Array, zero: jax.Array, bits: int, per: str) -> jax.Array:
+def encode(
+    x: jax.Array,  # [..., page, D] float
+    scale: jax.Array,  # f16[..., D] ("channel") or f16[..., page] ("token")
+    zero: jax.Array,  # same shape as scale
+    bits: int,
+    per: str,
+) -> jax.Array:  # u8[..., page, D] codes
     """Integer codes ``u8[..., page, D]`` of ``x`` with the stored ``scale`` and ``zero``."""
     s = _expand(scale.astype(jnp.float32), per)
     z = _expand(zero.astype(jnp.float32), per)
@@ -165,14 +175,19 @@ def encode(x: jax.Array, scale: jax.Array, zero: jax.Array, bits: int, per: str)
     return jnp.clip(q, 0, (1 << bits) - 1).astype(jnp.uint8)
 
 
-def quantize_pages(x: jax.Array, bits: int, per: str) -> PackedPages:
+def quantize_pages(x: jax.Array, bits: int, per: str) -> PackedPages:  # x: [..., page, D] float
     """Whole pages ``x [..., page, D]`` (float) -> :class:`PackedPages` (leading axes kept)."""
     scale, zero = scale_zero(x, bits, per)
     return PackedPages(pack(encode(x, scale, zero, bits, per), bits), scale, zero, bits, per)
 
 
-def dequantize_tile(values: jax.Array, scale: jax.Array, zero: jax.Array, bits: int,
-                    per: str) -> jax.Array:
+def dequantize_tile(
+    values: jax.Array,  # u8[..., page, D * bits / 8]
+    scale: jax.Array,  # f16[..., D] ("channel") or f16[..., page] ("token")
+    zero: jax.Array,  # same shape as scale
+    bits: int,
+    per: str,
+) -> jax.Array:  # f32[..., page, D]
     """float32 ``[..., page, D]`` of a tile of packed pages: ``values u8[..., page, D*bits/8]``,
     ``scale``/``zero`` ``[..., D]`` ("channel") or ``[..., page]`` ("token"). The one dequantize
     the jnp reference and the XLA path share."""
@@ -185,7 +200,7 @@ def dequantize(pages: PackedPages) -> jax.Array:
     return dequantize_tile(pages.values, pages.scale, pages.zero, pages.bits, pages.per)
 
 
-def fake_quantize_page(x: jax.Array, bits: int, per: str) -> jax.Array:
+def fake_quantize_page(x: jax.Array, bits: int, per: str) -> jax.Array:  # [..., page, D] -> f32
     """What full pages ``x [..., page, D]`` read back as once closed (float32)."""
     return dequantize(quantize_pages(x, bits, per))
 
