@@ -14,8 +14,10 @@ pool the group is the page, so the page is quantized exactly when it fills, and 
 read of it (any step, any chunking, after CoW or swap) sees the same values.
 
 Implementations (``impl``): "reference" (jnp, dequantizes the pages a sequence reads), "xla"
-(blocked online softmax, tile-wise dequantization), "auto" (= "xla"). The TPU-style, GPU-style and
-ragged Pallas kernels do not unpack sub-byte pages: those ``impl`` names raise ValueError.
+(blocked online softmax, tile-wise dequantization), "auto" (= "xla"), "interpret_gpu" /
+"pallas_gpu" (the GPU-style Pallas kernel of :mod:`pallas_kernels.kivi_gpu`, interpret mode on
+CPU; compiled: unverified). The TPU-style and ragged Pallas kernels do not unpack sub-byte pages:
+those ``impl`` names raise ValueError.
 :func:`attention_np` is the float64 numpy oracle; :func:`dense_on_fill` the no-cache reference.
 """
 
@@ -41,11 +43,11 @@ def check_impl(impl: str) -> str:
     """
     if impl in ("auto", "xla"):
         return "xla"
-    if impl == "reference":
-        return "reference"
+    if impl in ("reference", "interpret_gpu", "pallas_gpu"):
+        return impl
     raise ValueError(f"impl={impl!r}: int4/int2 (KIVI) pages are read by impl='xla' (or 'auto', "
-                     f"'reference') only; the TPU-style, GPU-style and ragged Pallas kernels do "
-                     f"not unpack sub-byte pages")
+                     f"'reference', 'interpret_gpu', 'pallas_gpu') only; the TPU-style and ragged "
+                     f"Pallas kernels do not unpack sub-byte pages")
 
 
 def _check(q, k_pages, v_pages, open_k, open_v, lengths, page_indices):
@@ -104,6 +106,12 @@ def paged_attention(
     qg = q.astype(jnp.float32).reshape(batch, hkv, hq // hkv, d)  # [B, Hkv, G, D]
     if kind == "reference":
         cm, cl, cacc = _closed_state_ref(qg, kp, vp, closed, page_indices, sm_scale, soft_cap)
+    elif kind in ("interpret_gpu", "pallas_gpu"):
+        from pallas_kernels import kivi_gpu
+
+        cm, cl, cacc = kivi_gpu.closed_state(qg, kp, vp, closed, page_indices, sm_scale=sm_scale,
+                                             soft_cap=soft_cap,
+                                             interpret=kind == "interpret_gpu")
     else:
         cm, cl, cacc = _closed_state_xla(qg, k_pages, v_pages, closed, page_indices, sm_scale,
                                          soft_cap, layer, block_tokens)

@@ -74,7 +74,7 @@ def _case(rng, bits, page, hq, hkv, batch=3, num_pages=10):
     return q, poison(kp), poison(vp), open_k, open_v, lengths, table
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla"])
+@pytest.mark.parametrize("impl", ["reference", "xla", "interpret_gpu"])
 @pytest.mark.parametrize("bits,page,hq,hkv", [(4, 8, 4, 2), (2, 8, 2, 2), (4, 16, 2, 2),
                                               (2, 16, 4, 1)])
 def test_decode_matches_float64_oracle(impl, bits, page, hq, hkv):
@@ -100,7 +100,7 @@ def test_decode_reads_a_stacked_layer():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("impl", ["interpret_tpu", "interpret_gpu", "pallas", "bogus"])
+@pytest.mark.parametrize("impl", ["interpret_tpu", "pallas_tpu", "pallas", "bogus"])
 def test_pallas_styles_refused(impl):
     rng = np.random.default_rng(2)
     q, kp, vp, ok, ov, lengths, table = _case(rng, 4, 8, 2, 2)
