@@ -20,6 +20,10 @@ against the plain engine; tokens and log-probabilities must be identical, else t
 a mechanism the support matrix refuses for the model is recorded as refused, with the reason.
 With ``arms=()`` only the checks run.
 
+Arms "int4:kivi" / "int2:kivi" (KIVI pages) take perplexity and retrieval from the no-cache
+forward with their quantize-on-fill semantics (`experiments.quality_dense`; the row says
+``"source": "dense (no cache)"``).
+
 Writes ``quality.json`` (config, provenance, corpus, per-arm rows) and ``quality.png``.
 """
 
@@ -58,6 +62,8 @@ def parse_arm(text: str) -> Arm:
         if not arg.isdigit() or int(arg) < 16:
             raise ValueError(f"arm {text!r}: window:<W> needs an integer W >= 16")
         return Arm(text, window=int(arg))
+    if kind in ("int4", "int2") and arg == "kivi":  # experiments.quality_dense
+        return Arm(text, kv_cache_dtype=kind, granularity=arg)
     quant.storage_dtype(kind)
     if arg not in QUANT_GRANULARITIES:
         raise ValueError(f"arm {text!r}: the scale granularity must be one of "
@@ -174,6 +180,15 @@ def retrieval(engine, needle_list) -> tuple[dict, list]:
     return acc, outs
 
 
+def _dense_row(c, arm: Arm, config, params, tok, chunk_sets, needle_list) -> dict:
+    from experiments import quality_dense
+
+    kv_quant = (arm.kv_cache_dtype, arm.granularity, c.block_size)
+    return {"arm": arm.name, **dataclasses.asdict(arm), "source": "dense (no cache)",
+            "perplexity": quality_dense.perplexity(config, params, chunk_sets, kv_quant),
+            "retrieval": quality_dense.retrieval(config, params, tok, needle_list, kv_quant)}
+
+
 def run_arms(c, arms: list[Arm], config, params, tok, corpus: list[int]) -> tuple[list, dict]:
     """Perplexity, retrieval and fidelity per arm; returns the rows and the inputs' facts."""
     chunk_sets = {n: tasks.chunks(corpus, n, c.num_chunks) for n in c.chunk_lengths}
@@ -188,10 +203,13 @@ def run_arms(c, arms: list[Arm], config, params, tok, corpus: list[int]) -> tupl
         for arm in arms:
             t = time.perf_counter()
             cfg, prm = arm_model(arm, config, params)
-            engine = make_engine(c, arm, cfg, prm, max_len)
-            row = {"arm": arm.name, **dataclasses.asdict(arm),
-                   "perplexity": perplexity(engine, chunk_sets)}
-            row["retrieval"], _ = retrieval(engine, needle_list)
+            if arm.granularity == "kivi":  # the dense forward (experiments.quality_dense)
+                row = _dense_row(c, arm, cfg, prm, tok, chunk_sets, needle_list)
+            else:
+                engine = make_engine(c, arm, cfg, prm, max_len)
+                row = {"arm": arm.name, **dataclasses.asdict(arm),
+                       "perplexity": perplexity(engine, chunk_sets)}
+                row["retrieval"], _ = retrieval(engine, needle_list)
             got = ref if arm.name == "float32" else dense_logprobs(arm, cfg, prm, fid_chunks,
                                                                     c.block_size)
             row["fidelity"] = fidelity(ref, got)

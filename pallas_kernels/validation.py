@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import quant
+from pallas_kernels import packed, quant
 
 #: Input dtypes every implementation accepts; accumulation is always float32.
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -72,6 +72,9 @@ def check_knobs(*, sm_scale, soft_cap) -> None:
 def _check_quantized(k_pages, v_pages) -> bool:
     """Checks quantized pages (values int8 / fp8, float32 scales ``[..., P, S]`` with S = page or
     1, the same layout for K and V); returns whether the pages are quantized."""
+    if any(isinstance(x, packed.PackedPages) for x in (k_pages, v_pages)):
+        raise ValueError("int4/int2 (KIVI) PackedPages are read by pallas_kernels.kivi."
+                         "paged_attention (closed pages plus the open page), not by this op")
     kq, vq = (isinstance(x, quant.QuantizedPages) for x in (k_pages, v_pages))
     if kq != vq:
         raise TypeError(f"k_pages and v_pages must both be QuantizedPages or both arrays, got "

@@ -43,7 +43,7 @@ def test_hand_computed_bytes_and_the_plain_formula_is_unchanged():
     with pytest.raises(ValueError, match="page_size"):
         accounting.kv_bytes(spec, 1000, kv_cache_dtype="int8", scale_granularity="page")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        accounting.ModelSpec(32, 8, 128, kv_cache_dtype="int4")
+        accounting.ModelSpec(32, 8, 128, kv_cache_dtype="int3")  # int4 / int2: tests/test_kivi.py
 
 
 def test_a_byte_budget_affords_about_twice_the_int8_pages():

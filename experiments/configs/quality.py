@@ -18,7 +18,9 @@ runs), ``exact`` (the exact checks only).
 
 Arms: "float32" (the reference), "bfloat16" (weights, activations and KV in bfloat16),
 "<int8|fp8_e4m3|fp8_e5m2>:<token|page>" (quantized pages, `EngineConfig.kv_cache_dtype` with
-its scale granularity), "window:<W>" (a sliding window of W tokens on every layer of this
+its scale granularity), "<int4|int2>:kivi" (KIVI pages of ``block_size`` tokens, from the no-cache
+forward: `experiments/quality_dense.py`; variant ``kivi``: short, 512-token chunks and three 1k
+needles, since the dense greedy decode re-runs the whole sequence per token), "window:<W>" (a sliding window of W tokens on every layer of this
 full-attention model). Exact mechanisms (``exact_checks``, `experiments/quality_exact.py`) must
 change nothing: a check each, not a figure; ``arms=()`` runs only the checks (the ``exact``
 variant).
@@ -60,6 +62,13 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.exact_checks = ("prefix_caching", "preemption_swap")
     elif arg == "exact":
         c.arms = ()
+    elif arg == "kivi":
+        c.arms = ("float32", "bfloat16", "int4:kivi", "int2:kivi")
+        c.chunk_lengths = (512,)
+        c.num_chunks = 4
+        c.needle_lengths = (1024,)
+        c.needles_per_cell = 1
+        c.exact_checks = ()
     elif arg in ("long", "long_smoke"):
         c.chunk_lengths = (512, 2048, 8192)
         c.num_chunks = 4
@@ -74,6 +83,6 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
             c.needles_per_cell = 1
             c.exact_checks = ()
     elif arg != "default":
-        raise ValueError(f"unknown variant {arg!r}; known: default, smoke, exact, long, "
-                         "long_smoke")
+        raise ValueError(f"unknown variant {arg!r}; known: default, smoke, exact, kivi, "
+                         "long, long_smoke")
     return c

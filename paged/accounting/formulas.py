@@ -27,6 +27,8 @@ from paged.util import validate
 __all__ = [
     "CATEGORIES",
     "ModelSpec",
+    "PACKED_BITS",
+    "PACKED_SCALE_BYTES",
     "QUANT_ITEMSIZE",
     "SCALE_BYTES",
     "allocated_positions",
@@ -58,6 +60,13 @@ CATEGORIES = (
 #: formulas need no JAX; a test checks them against the allocated arrays' ``nbytes``.
 QUANT_ITEMSIZE = {"int8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 SCALE_BYTES = 4
+#: Bits per value of the packed sub-byte formats (``pallas_kernels.packed``, KIVI layout: keys
+#: per channel, values per token, asymmetric) and bytes of each of their scales and zero points
+#: (float16). A closed page of one (layer, KV head) holds ``page * D * bits / 8`` value bytes of K
+#: and of V, ``D`` key scales and zeros (one per channel) and ``page`` value scales and zeros (one
+#: per token); the open page of a running sequence is held in the model dtype beside the pool.
+PACKED_BITS = {"int4": 4, "int2": 2}
+PACKED_SCALE_BYTES = 2
 SCALE_GRANULARITIES = ("token", "page")
 
 
@@ -88,7 +97,9 @@ def kv_bytes(
     kv_cache_dtype=..., scale_granularity=..., page_size=...)`` with a :class:`ModelSpec`: exact
     bytes of a (possibly quantized) cache, scales included: ``b`` is the stored value's size and a
     quantized cache adds ``2 * L * h_kv * 4`` bytes per token ("token" scales) or per page of
-    ``page_size`` tokens, ``ceil(n / page_size)`` pages ("page" scales). The keywords override
+    ``page_size`` tokens, ``ceil(n / page_size)`` pages ("page" scales); a packed format ("int4",
+    "int2") counts its ``ceil(n / page_size)`` pool pages with their scales and zero points (a
+    running sequence's open page: ``ModelSpec.sequence_bytes``). The keywords override
     the spec's own ``kv_cache_dtype`` / ``scale_granularity``.
 
     Args:
@@ -122,6 +133,11 @@ def _spec_kv_bytes(spec, num_tokens, kv_cache_dtype, scale_granularity, page_siz
                                    ("scale_granularity", scale_granularity)) if v is not None}
     spec = dataclasses.replace(spec, **overrides)
     num_tokens = validate.integer("num_tokens", num_tokens, minimum=0)
+    if spec.packed_bits is not None:  # whole packed pages; a running sequence's open page aside
+        if page_size is None:
+            raise ValueError(f"kv_cache_dtype={spec.kv_cache_dtype!r} needs page_size to count "
+                             "its packed pages")
+        return blocks_needed(num_tokens, page_size) * spec.bytes_per_block(page_size)
     values = num_tokens * spec.bytes_per_token
     if spec.kv_cache_dtype == "auto":
         return values
@@ -263,7 +279,8 @@ class ModelSpec:
       dtype: model (and, with ``kv_cache_dtype="auto"``, KV storage) dtype; normalised to its
         name (``"float32"``, ``"bfloat16"``, ...).
       kv_cache_dtype: "auto" (``dtype``) or a quantized format ("int8", "fp8_e4m3", "fp8_e5m2":
-        one byte per value plus float32 scales).
+        one byte per value plus float32 scales; "int4", "int2": packed KIVI pages, see
+        :data:`PACKED_BITS`, plus one open page per running sequence in ``dtype``).
       scale_granularity: quantized only: "token" (a scale per (token, KV head)) or "page" (per
         (page, KV head)).
     """
@@ -279,7 +296,8 @@ class ModelSpec:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             object.__setattr__(self, name, validate.integer(name, getattr(self, name), minimum=1))
         object.__setattr__(self, "dtype", _dtype_of(self.dtype).name)
-        validate.one_of("kv_cache_dtype", self.kv_cache_dtype, ("auto", *QUANT_ITEMSIZE))
+        validate.one_of("kv_cache_dtype", self.kv_cache_dtype,
+                        ("auto", *QUANT_ITEMSIZE, *PACKED_BITS))
         validate.one_of("scale_granularity", self.scale_granularity, SCALE_GRANULARITIES)
 
     @classmethod
@@ -325,8 +343,19 @@ class ModelSpec:
         return cls.from_model_config(model.config, dtype=stored if dtype is None else dtype)
 
     @property
+    def packed_bits(self) -> int | None:
+        """Bits per value of a packed format ("int4": 4, "int2": 2), else None."""
+        return PACKED_BITS.get(self.kv_cache_dtype)
+
+    @property
     def bytes_per_scalar(self) -> int:
-        """Bytes of one stored value ``b`` (1 for a quantized cache)."""
+        """Bytes of one stored value ``b`` (1 for a quantized cache).
+
+        Raises:
+          ValueError: a packed format (less than a byte per value: count per block)."""
+        if self.packed_bits is not None:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} packs {self.packed_bits} "
+                             "bits per value: count bytes per block (value_bytes_per_block)")
         if self.kv_cache_dtype != "auto":
             return QUANT_ITEMSIZE[self.kv_cache_dtype]
         return _dtype_of(self.dtype).itemsize
@@ -342,17 +371,55 @@ class ModelSpec:
         block_size = validate.integer("block_size", block_size, minimum=1)
         if self.kv_cache_dtype == "auto":
             return 0
+        if self.packed_bits is not None:  # K: per channel; V: per token; a scale and a zero each
+            return (self.num_layers * self.num_kv_heads * (self.head_dim + block_size)
+                    * 2 * PACKED_SCALE_BYTES)
         width = block_size if self.scale_granularity == "token" else 1
         return 2 * self.num_layers * self.num_kv_heads * width * SCALE_BYTES
 
     def value_bytes_per_block(self, block_size: int) -> int:
-        """KV value bytes of one physical block of ``block_size`` positions (no scales)."""
+        """KV value bytes of one physical block of ``block_size`` positions (no scales).
+
+        Raises:
+          ValueError: a packed format whose head dim does not pack into whole bytes."""
+        if self.packed_bits is not None:
+            block_size = validate.integer("block_size", block_size, minimum=1)
+            bits = self.num_layers * self.num_kv_heads * block_size * self.head_dim \
+                * self.packed_bits
+            if self.head_dim * self.packed_bits % 8:
+                raise ValueError(f"head_dim={self.head_dim} does not pack into whole bytes at "
+                                 f"{self.packed_bits} bits per value")
+            return 2 * bits // 8
         return self.bytes_per_token * validate.integer("block_size", block_size, minimum=1)
 
     def bytes_per_block(self, block_size: int) -> int:
         """Bytes of one physical block of ``block_size`` positions over all layers, scales
         included: what the pool allocates per page."""
         return self.value_bytes_per_block(block_size) + self.scale_bytes_per_block(block_size)
+
+    def open_page_bytes(self, block_size: int) -> int:
+        """Bytes of one running sequence's open page over all layers: a page in the model
+        ``dtype`` (packed formats quantize a page only when it fills; 0 for every other format)."""
+        block_size = validate.integer("block_size", block_size, minimum=1)
+        if self.packed_bits is None:
+            return 0
+        return kv_bytes(self.num_layers, block_size, self.num_kv_heads, self.head_dim,
+                        _dtype_of(self.dtype).itemsize)
+
+    def sequence_bytes(self, num_tokens: int, block_size: int, *, running: bool = True) -> int:
+        """Bytes one sequence of ``num_tokens`` holds: ``ceil(n / B)`` pool blocks (scales
+        included) plus, for a running sequence in a packed format, its open page in the model
+        dtype. The packed pool page of the open page is allocated with the page's first token
+        (as the block manager allocates every page) and receives the page when it fills; so
+        the saving of a packed format is realized only for the closed pages."""
+        blocks = blocks_needed(num_tokens, block_size) * self.bytes_per_block(block_size)
+        return blocks + (self.open_page_bytes(block_size) if running else 0)
+
+    def sequences_for_bytes(self, budget_bytes: int, num_tokens: int, block_size: int) -> int:
+        """Running sequences of ``num_tokens`` tokens a KV budget of ``budget_bytes`` holds
+        (:meth:`sequence_bytes` each; the null page not counted)."""
+        budget_bytes = validate.integer("budget_bytes", budget_bytes, minimum=0)
+        return budget_bytes // self.sequence_bytes(max(num_tokens, 1), block_size)
 
     def blocks_for_bytes(self, budget_bytes: int, block_size: int) -> int:
         """Physical blocks (null page included) a pool of ``budget_bytes`` affords: the page

@@ -205,6 +205,10 @@ class EngineConfig:
         validate.one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         validate.one_of("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         validate.one_of("dtype", self.dtype, DTYPES)
+        if self.kv_cache_dtype in ("int4", "int2"):  # pallas_kernels.packed / kivi (issue #42)
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: packed KIVI pages exist as "
+                             "ops (pallas_kernels.kivi) and a no-cache reference, but the engine's "
+                             "open-page buffer is not built: serve 'int8' or 'fp8_e4m3'")
         validate.one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         validate.one_of("kv_scale_granularity", self.kv_scale_granularity, KV_SCALE_GRANULARITIES)
         if self.kv_cache_dtype != "auto":

@@ -31,7 +31,7 @@ import numpy as np
 
 from paged.kv.paging import NULL_PAGE, next_pow2  # noqa: F401 (re-exported)
 from paged.util import validate
-from pallas_kernels import quant
+from pallas_kernels import packed, quant
 from pallas_kernels.quant import QuantizedPages
 
 
@@ -68,7 +68,8 @@ class KVCache:
           dtype: the page dtype when ``kv_cache_dtype == "auto"``.
           sharding: of the pages (KV heads on axis 1); scales get the same (their heads follow).
           kv_cache_dtype: "auto" (``dtype``) or a quantized format ("int8", "fp8_e4m3",
-            "fp8_e5m2").
+            "fp8_e5m2"; "int4", "int2": ``pallas_kernels.packed.PackedPages``, keys per channel
+            and values per token, written page by page with ``packed.close_pages``).
           scale_granularity: "token" (per (token, KV head)) or "page" (per (page, KV head)).
 
         Raises:
@@ -85,6 +86,14 @@ class KVCache:
         shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
         if kv_cache_dtype == "auto":
             zeros = functools.partial(jnp.zeros, shape, dtype)
+        elif kv_cache_dtype in packed.PACKED_BITS:  # keys per channel, values per token (KIVI)
+            packed.check_dims(kv_cache_dtype, page_size, head_dim)
+            bits = packed.bits_of(kv_cache_dtype)
+            k_zeros, v_zeros = (functools.partial(packed.zeros, shape, bits, per)
+                                for per in ("channel", "token"))
+            if sharding is not None:  # every leaf has the KV heads on axis 1
+                k_zeros, v_zeros = (jax.jit(z, out_shardings=sharding) for z in (k_zeros, v_zeros))
+            return cls(k_pages=k_zeros(), v_pages=v_zeros())
         else:
             qdtype = quant.storage_dtype(kv_cache_dtype)
             quant.scale_width(scale_granularity, page_size)
@@ -124,7 +133,9 @@ class KVCache:
 
     @property
     def scale_nbytes(self) -> int:
-        """Bytes of the scales (0 for an unquantized cache)."""
+        """Bytes of the scales (and zero points of packed pages; 0 for an unquantized cache)."""
+        if isinstance(self.k_pages, packed.PackedPages):
+            return sum(int(p.scale.nbytes + p.zero.nbytes) for p in (self.k_pages, self.v_pages))
         return sum(int(s.nbytes) for s in (quant.split(self.k_pages)[1], quant.split(self.v_pages)[1])
                    if s is not None)
 
@@ -146,6 +157,9 @@ def write_layer(
     in place. Padded tokens must carry a slot inside ``NULL_PAGE`` (0 .. page_size-1). Quantized
     pages (``QuantizedPages``) are written by ``pallas_kernels.quant.write_tokens``.
     """
+    if isinstance(k_pages, packed.PackedPages):
+        raise TypeError("packed (int4/int2) pages are not written token by token: a page is "
+                        "quantized when it fills (pallas_kernels.packed.close_pages)")
     if isinstance(k_pages, QuantizedPages):
         return _write_quantized(k_pages, k, slot_mapping, layer), _write_quantized(
             v_pages, v, slot_mapping, layer)
@@ -290,6 +304,9 @@ def swap_out(cache: KVCache, pages):
 def host_buffers(cache: KVCache, num_blocks: int):
     """Zeroed host swap space for ``num_blocks`` pages: ``(host_k, host_v)``, numpy (pytrees of
     numpy for a quantized cache), the page axis 2 like the cache's."""
+    if isinstance(cache.k_pages, packed.PackedPages):
+        return (packed.host_zeros(cache.k_pages, num_blocks),
+                packed.host_zeros(cache.v_pages, num_blocks))
     return (quant.host_zeros(cache.k_pages, num_blocks),
             quant.host_zeros(cache.v_pages, num_blocks))
 
@@ -433,6 +450,8 @@ def gather(cache: KVCache, page_indices, length: int) -> tuple[np.ndarray, np.nd
     def flat(x):
         if isinstance(x, QuantizedPages):
             x = np.asarray(quant.dequantize(x))
+        elif isinstance(x, packed.PackedPages):
+            x = np.asarray(packed.dequantize(x))
         x = np.moveaxis(x, 1, 3)  # [L, n, page, Hkv, D]
         return x.reshape(x.shape[0], -1, x.shape[3], x.shape[4])[:, :length]
 

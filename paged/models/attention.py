@@ -308,12 +308,16 @@ class PagedAttention(nn.Module):
             `pallas_kernels.flash_attention` ("xla", "pallas", ...).
           kv_quant: ``(kv_cache_dtype, scale_granularity, page_size)``: K and V are replaced by
             what a quantized paged cache reads back (`pallas_kernels.quant.fake_quantize_sequence`),
-            the reference of a quantized engine. None: exact.
+            the reference of a quantized engine. For "int4" / "int2" (KIVI pages; the
+            granularity is ignored) each query reads the pages full at its position quantized
+            and its open page exact (`pallas_kernels.kivi.dense_on_fill`). None: exact.
 
         Returns:
           Attention output projected back to ``D``.
         """
         q, k, v, wo = self._qkv(x, positions, "BTD")
+        if kv_quant is not None and kv_quant[0] in ("int4", "int2"):
+            return jnp.einsum("BTNH,NHD->BTD", self._dense_kivi(q, k, v, kv_quant), wo)
         if kv_quant is not None:
             from pallas_kernels import quant
 
@@ -335,3 +339,13 @@ class PagedAttention(nn.Module):
                 q, k, v, causal=True, sm_scale=sm_scale, soft_cap=self.soft_cap, impl=attention_impl
             )
         return jnp.einsum("BTNH,NHD->BTD", out.astype(self.dtype), wo)
+
+    def _dense_kivi(self, q, k, v, kv_quant):  # [B, T, N, H] x 3 -> [B, T, N, H]
+        from pallas_kernels import kivi, packed
+
+        if self.sliding_window is not None:
+            raise ValueError("kv_quant int4/int2 (KIVI) has no sliding-window reference")
+        name, _, page_size = kv_quant
+        out = kivi.dense_on_fill(q, k, v, bits=packed.bits_of(name), page_size=page_size,
+                                 sm_scale=self.head_dim**-0.5, soft_cap=self.soft_cap)
+        return out.astype(self.dtype)
