@@ -31,10 +31,12 @@ def parse_eviction(spec) -> tuple[str, dict[str, float]]:
     if not isinstance(spec, str):
         raise TypeError(f"prefix_eviction={spec!r:.80} must be a str such as 'lru' or "
                         f"'slru:protected=0.5'")
-    name, _, rest = spec.partition(":")
+    name, sep, rest = spec.partition(":")
     if name not in EVICTION_POLICIES:
         raise ValueError(f"prefix_eviction={spec!r}: unknown policy {name!r}; known: "
                          f"{', '.join(EVICTION_POLICIES)}")
+    if sep and not rest.strip():
+        raise ValueError(f"prefix_eviction={spec!r}: empty parameter list after ':'")
     schema = EVICTION_POLICIES[name]
     params = {k: v[0] for k, v in schema.items()}
     for item in filter(None, rest.split(",")) if rest else ():
@@ -53,6 +55,4 @@ def parse_eviction(spec) -> tuple[str, dict[str, float]]:
         if not lo <= x <= hi:
             raise ValueError(f"prefix_eviction={spec!r}: {key}={x} must be in [{lo}, {hi}]")
         params[key] = x
-    if rest and not rest.strip():
-        raise ValueError(f"prefix_eviction={spec!r}: empty parameter list after ':'")
     return name, params

@@ -41,14 +41,14 @@ class PriorityOrder(HeapOrder):
         while exp and exp[0][0] <= self.now:
             _, tick, b = heapq.heappop(exp)
             if b in members and stamp[b] == tick:
-                self._push(b, (-self.default,), tick)  # same release order, default priority
+                self._push(b, (self.default,), tick)  # same release order, default priority
 
     def _effective(self, b: int) -> int:
         until = self.until[b]
         return self.priority[b] if until is None or until > self.now else self.default
 
     def score(self, b: int) -> tuple:
-        return (-self._effective(b),)
+        return (self._effective(b),)
 
     def __setitem__(self, b: int, digest) -> None:
         super().__setitem__(b, digest)
