@@ -54,6 +54,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     QUARANTINE_STEPS = 1
     HASH_FN = staticmethod(lambda parent, ids, salt: ids[0] % 2)
     MAX_SEQS = 7
+    EVICTION = "lru"  # prefix_eviction (tests/test_eviction_policies.py runs every policy)
     rules_run = 0
 
     def __init__(self):
@@ -61,7 +62,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(
             self.NUM_BLOCKS, B, cache_salt=b"model", hash_fn=self.HASH_FN,
             quarantine_steps=self.QUARANTINE_STEPS, num_host_blocks=self.NUM_HOST,
-            on_free=self._on_free)
+            on_free=self._on_free, prefix_eviction=self.EVICTION)
         self.tokens: dict[int, list] = {}
         self.computed: dict[int, int] = {}
         self.salt: dict[int, bytes] = {}

@@ -46,6 +46,7 @@ RECIPES = {
     "kv_groups": ({}, (None, 32), {}),
     "multi_process": ({}, None, {"processes": True}),
     "engine_processes": ({}, None, {"engine_processes": True}),
+    "prefix_eviction": ({"prefix_eviction": "lfu"}, None, {}),
 }
 
 # Pairs whose recipes cannot both be on (by definition, not by refusal).

@@ -6,6 +6,7 @@ import dataclasses
 import warnings
 
 from paged.config import support
+from paged.config.eviction import parse_eviction
 from paged.config.speculative import SpeculativeConfig
 from paged.util import validate
 
@@ -132,6 +133,10 @@ class EngineConfig:
         (``paged.kv.blocks.host_tier``); as many whole blocks (all layers and KV heads, scales
         included) as fit. Separate from the swap slots of ``num_host_blocks``. Paged layout
         with prefix caching, single-process engines, full-attention models only; per replica.
+      prefix_eviction: which cached block the prefix cache evicts first: ``"lru"`` (default),
+        ``"lfu"``, ``"slru"``, ``"priority"`` (per-request ``SamplingParams.cache_priority`` and
+        retention), ``"cost"``, ``"waiting"``, ``"tail_first"``, with ``:key=value`` parameters
+        (``paged.config.eviction``; ``paged.kv.blocks.eviction``). The host tier uses the same.
     """
 
     model: str = "tiny"
@@ -166,6 +171,7 @@ class EngineConfig:
     cascade_attention: str = "off"
     prefill_replicas: int = 0
     host_kv_cache_bytes: int = 0
+    prefix_eviction: str = "lru"
 
     def __new__(cls, *args, **kwargs):
         # A mistyped keyword gets "closest: ..." (as the studies' config keys do), not the
@@ -220,6 +226,7 @@ class EngineConfig:
         if p and p >= d:
             raise ValueError(f"prefill_replicas={p} must be < data_parallel_size={d}: at least "
                              f"one replica must decode (0 prefill replicas: all do both)")
+        parse_eviction(self.prefix_eviction)
         support.check_supported(self)  # the pairs of settings that may not be combined
 
     @property

@@ -93,6 +93,8 @@ MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
        "a model whose layers all slide or none does", _model_windows),
     Mechanism("multi_process", "the engine's devices span several processes (jax.distributed)",
        "the engine's devices in one process", lambda c, m: "devices spanning processes"),
+    Mechanism("prefix_eviction", "prefix_eviction other than 'lru'", "prefix_eviction='lru'",
+       lambda c, m: f"prefix_eviction={c.prefix_eviction!r}"),
     Mechanism("engine_processes", "engine-core processes (the server's --engine_process)",
        "the replicas in one process: serve without engine-core processes",
        lambda c, m: "engine-core processes"),
@@ -113,6 +115,10 @@ REFUSED: tuple[Refusal, ...] = (
             "proposer's state"),
     Refusal("disaggregation", "host_tier", "a host-tier load on either side is not part of the "
             "hand-over's rules yet"),
+    Refusal("prefix_eviction", "no_prefix_caching", "an eviction policy orders the prefix "
+            "cache's blocks; without the cache it would do nothing"),
+    Refusal("prefix_eviction", "contiguous_layout", "the contiguous layout has no prefix cache "
+            "to evict from"),
     # With the model's windows.
     Refusal("cascade", "sliding_window", "the cascade kernel reads the shared prefix whole: it "
             "has no window mask"),
@@ -123,6 +129,8 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("host_tier", "window_recycling", "host-tier slots hold whole prefixes; a sliding "
             "model recycles the blocks behind its window"),
     Refusal("host_tier", "kv_groups", "the grouped pool does not serve the host tier yet"),
+    Refusal("prefix_eviction", "kv_groups", "the grouped pool's groups share one pool but are "
+            "not wired to a non-LRU eviction order yet"),
     Refusal("disaggregation", "window_recycling", "the hand-over does not move the blocks a "
             "sliding model recycles behind its window"),
     Refusal("disaggregation", "kv_groups", "the hand-over moves one block table per request; a "
@@ -172,6 +180,7 @@ def features(config, model_config=None, *, processes: bool = False,
         "cascade": config.cascade_attention != "off",
         "multi_process": processes,
         "engine_processes": engine_processes,
+        "prefix_eviction": getattr(config, "prefix_eviction", "lru") != "lru",
     }
     if model_config is not None:
         windows = _windows(model_config)

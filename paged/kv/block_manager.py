@@ -50,7 +50,9 @@ from paged.kv.blocks import decode_run
 from paged.kv.blocks.admission import Admission, as_salt
 from paged.kv.blocks.host_tier import HostTier
 from paged.kv.blocks.invariants import check_invariants
+from paged.kv.blocks.eviction import make_order
 from paged.kv.blocks.offload import OffloadCalls
+from paged.kv.blocks.policy_calls import PolicyCalls
 from paged.kv.blocks.prefix_index import HashFn, PrefixKeyer, xxh3_block_hash
 from paged.kv.blocks.progress import Progress
 from paged.kv.blocks.queries import ManagerQueries
@@ -77,7 +79,7 @@ def _check_args(num_blocks, block_size, quarantine_steps, num_host_blocks, hash_
                          "with block_size <= sliding_window")
 
 
-class BlockManager(ManagerQueries, OffloadCalls):
+class BlockManager(ManagerQueries, OffloadCalls, PolicyCalls):
     """Free list, refcounts, prefix cache, copy-on-write, quarantine window and swap accounting.
 
     Args:
@@ -115,7 +117,7 @@ class BlockManager(ManagerQueries, OffloadCalls):
                  quarantine_steps: int = 1, num_host_blocks: int = 0, debug: bool = False,
                  on_free: Callable[[list[int]], None] | None = None,
                  sliding_window: int | None = None, num_host_tier_blocks: int = 0,
-                 parts: SharedParts | None = None):
+                 parts: SharedParts | None = None, prefix_eviction: str = "lru"):
         _check_args(num_blocks, block_size, quarantine_steps, num_host_blocks, hash_fn, on_free,
                     sliding_window)
         if count_arg(num_host_tier_blocks, "num_host_tier_blocks") and sliding_window is not None:
@@ -130,7 +132,8 @@ class BlockManager(ManagerQueries, OffloadCalls):
         self.num_host_blocks = num_host_blocks
         self.debug = debug
         if parts is None:
-            parts = SharedParts.build(num_blocks, quarantine_steps, num_host_blocks, on_free)
+            parts = SharedParts.build(num_blocks, quarantine_steps, num_host_blocks, on_free,
+                                      eviction=prefix_eviction, block_size=block_size)
         self._index, self._pool, self._fence = parts.index, parts.pool, parts.fence
         self._keyer = PrefixKeyer(self._index, block_size, hash_fn or xxh3_block_hash,
                                   self._pool.version, self._fence,
@@ -140,7 +143,9 @@ class BlockManager(ManagerQueries, OffloadCalls):
         self._progress = Progress(self._tables, self._keyer)
         self._tier = None
         if num_host_tier_blocks:
-            self._tier = HostTier(num_host_tier_blocks, self._keyer, self._fence)
+            order = None if prefix_eviction == "lru" else (
+                lambda index: make_order(prefix_eviction, num_host_tier_blocks, index, block_size))
+            self._tier = HostTier(num_host_tier_blocks, self._keyer, self._fence, order)
             self._pool.spill = self._tier.offer
         self._admission = Admission(self._pool, self._keyer, self._tables, self.cache_salt,
                                     self._tier)
@@ -387,7 +392,8 @@ class BlockManager(ManagerQueries, OffloadCalls):
         self._end_call()
 
     def evict_cached(self, num_blocks: int | None = None) -> int:
-        """Drops up to ``num_blocks`` (default all) cached blocks to the free list, LRU first."""
+        """Drops up to ``num_blocks`` (default all) cached blocks to the free list, in the eviction
+        order (LRU first by default)."""
         lru = self._pool.lru
         n = len(lru) if num_blocks is None else min(count_arg(num_blocks, "num_blocks"), len(lru))
         self._pool.evict(n)

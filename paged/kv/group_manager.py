@@ -123,6 +123,14 @@ class GroupedBlockManager:
     num_indexed_blocks = property(lambda self: self.groups[0].num_indexed_blocks)
     num_free_host_blocks = property(lambda self: self.groups[0].num_free_host_blocks)
 
+    # --- eviction: a grouped pool evicts LRU only (paged.config.support refuses the others) ---
+    eviction_policy = "lru"
+    eviction_feed = None
+
+    def set_retention(self, seq_id, priority: int, until: float | None) -> None:
+        for g in self.groups:
+            g.set_retention(seq_id, priority, until)
+
     def has_seq(self, seq_id) -> bool:
         return self.groups[0].has_seq(seq_id)
 

@@ -55,7 +55,8 @@ def build_host_pool(config: EngineConfig, spec: KVSpec, *, on_free=None) -> Host
             num_pages, page_size, enable_prefix_caching=caching,
             cache_salt=spec.salt, quarantine_steps=config.quarantine_steps,
             num_host_blocks=host_blocks, debug=config.debug_checks, on_free=on_free,
-            sliding_window=spec.group_windows[0], num_host_tier_blocks=spec.host_tier_blocks)
+            sliding_window=spec.group_windows[0], num_host_tier_blocks=spec.host_tier_blocks,
+            prefix_eviction=config.prefix_eviction)
         return HostPool(bm, page_size, num_pages, pages_per_seq, host_blocks)
     # One table per group, interleaved in a row; pages of L / G layers each.
     G = spec.num_groups

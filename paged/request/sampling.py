@@ -51,6 +51,11 @@ class SamplingParams:
         it; ``Engine.generate`` uses it). The same tokens either way. vLLM's ``"delta"`` is not a
         kind here: a streaming consumer takes deltas from cumulative outputs with
         ``paged.request.outputs.OutputDeltas``.
+      cache_priority: ``None``, or 0..100: the prefix-cache priority of this request's blocks
+        once released (higher stays longer; TensorRT-LLM's retention priority, default 35); read
+        by the ``priority`` eviction policy (``EngineConfig.prefix_eviction``), ignored by others.
+      cache_retention_s: with ``cache_priority``: seconds after the request ends that its blocks
+        keep that priority (then the policy's default); ``None``: as long as they stay cached.
 
     Every field is checked at construction: integers must be integers (not ``bool`` or ``2.0``),
     floats finite and representable in float32 (they are sampled from in float32), ``ignore_eos``
@@ -70,6 +75,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     output_kind: str = "cumulative"
+    cache_priority: int | None = None
+    cache_retention_s: float | None = None
 
     def __post_init__(self):
         validate.integer("max_tokens", self.max_tokens, minimum=1, allow_none=True)
@@ -90,3 +97,9 @@ class SamplingParams:
             raise ValueError("output_kind='delta' is not a kind here: take deltas from cumulative "
                              "outputs with paged.request.outputs.OutputDeltas")
         validate.one_of("output_kind", self.output_kind, OUTPUT_KINDS)
+        validate.integer("cache_priority", self.cache_priority, minimum=0, maximum=100,
+                         allow_none=True)
+        validate.real("cache_retention_s", self.cache_retention_s, minimum=0, exclusive=True,
+                      allow_none=True)
+        if self.cache_retention_s is not None and self.cache_priority is None:
+            raise ValueError(f"cache_retention_s={self.cache_retention_s} needs cache_priority")

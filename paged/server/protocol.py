@@ -85,6 +85,9 @@ class _Common(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    # Prefix-cache retention (read by the ``priority`` eviction policy): SamplingParams' fields.
+    cache_priority: int | None = None
+    cache_retention_s: float | None = None
 
 
 class CompletionRequest(_Common):
@@ -180,6 +183,8 @@ def sampling_params(req: _Common, max_tokens: int | None, *, logprobs: Any,
         kwargs["logprobs"] = logprobs
     if prompt_logprobs is not None:
         kwargs["prompt_logprobs"] = prompt_logprobs
+    if req.cache_priority is not None or req.cache_retention_s is not None:
+        kwargs.update(cache_priority=req.cache_priority, cache_retention_s=req.cache_retention_s)
     try:
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as e:

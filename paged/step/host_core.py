@@ -122,6 +122,7 @@ class HostCore:
         self.num_requests_served = 0
         self.num_steps = 0
         self.num_prefill_tokens = self.num_decode_tokens = self.num_recompute_tokens = 0
+        self._feed_eviction = self.block_manager.eviction_feed  # None, or (now, waiting queue)
 
     # --- what request checks and routers read ------------------------------------------
     @property
@@ -367,6 +368,8 @@ class HostCore:
 
     def schedule(self, now: float) -> SchedulerOutput:
         """The scheduler's plan for the step starting at ``now``."""
+        if self._feed_eviction is not None:
+            self._feed_eviction(now, self.scheduler.waiting)
         sched = self.scheduler.schedule(now)
         if not sched.is_empty:
             self._steps_without_progress = 0

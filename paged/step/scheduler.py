@@ -145,6 +145,11 @@ class Scheduler:
             self._load_start.pop(seq.seq_id, None)
         seq.drop_unknown()
         if self.bm.has_seq(seq.seq_id):
+            priority = seq.params.cache_priority
+            if priority is not None and not self.bm.is_swapped(seq.seq_id):
+                retention = seq.params.cache_retention_s
+                self.bm.set_retention(seq.seq_id, priority,
+                                      None if retention is None else now + retention)
             self.bm.free(seq.seq_id)
         seq.num_slots = 0
         seq.status = SeqStatus.FINISHED

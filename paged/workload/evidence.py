@@ -74,6 +74,8 @@ def derivation_label(entry: Mapping) -> str:
     if name == "subsample":
         return f"subsample {entry.get('fraction', '?'):g} seed {entry.get('seed')}" \
             if "fraction" in entry else "subsample"
+    if name == "tokens_from_block_ids":
+        return f"token ids built from {entry.get('block_tokens')}-token block ids"
     if name == "shared_system_prompt":
         return f"shared system prompt {entry.get('tokens')} tokens (assumption)"
     return f"{name} {entry_args(entry)}".strip()

@@ -43,6 +43,8 @@ class Admission:
         self._memo: tuple[list[int], bytes, int, list[tuple[int, BlockKey]]] | None = None
         self.stats = {"hits": 0, "misses": 0, "hit_tokens": 0, "query_tokens": 0,
                       "allocations": 0, "failed_allocations": 0}
+        # (tokens, salt, device hits) of each admission, or None (`BlockManager.record_accesses`)
+        self.on_access = None
 
     def _match(self, prompt_token_ids: Sequence[int], cache_salt
                ) -> tuple[list[int], bytes, list[tuple[int, BlockKey]]]:
@@ -98,6 +100,8 @@ class Admission:
         if host:
             tier.load(seq_id, host, table[len(hits):len(hits) + len(host)])
         st["allocations"] += 1
+        if self.on_access is not None:
+            self.on_access(tokens, salt, len(hits))
         if self.keyer.enabled:
             st["hits"] += len(hits) + len(host)
             st["misses"] += (len(tokens) - 1) // B - len(hits) - len(host)

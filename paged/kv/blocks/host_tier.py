@@ -3,7 +3,8 @@
 A second prefix cache under the device's, in host memory, with the same keys: its own
 ``PrefixCacheIndex`` over host slots (same digests, salts and full-key verification; a slot's
 content version changes whenever it is given new content, so an entry made at an older version is
-never served), its own free list and LRU. Bookkeeping only; the bytes move in the engine's device
+never served), its own free list and eviction order (the device pool's interface,
+``paged.kv.blocks.eviction``; LRU by default). Bookkeeping only; the bytes move in the engine's device
 step (``paged.kv.host_store``), in the order this part returns them.
 
 Every slot is exactly one of:
@@ -11,8 +12,8 @@ Every slot is exactly one of:
 * *free*: no content (only before the tier first fills up);
 * *writing*: indexed, its offload copy belongs to step ``ready_at[slot]``; not loadable (and not
   evictable) before that step completes, but an eviction of an equal key is not copied again;
-* *cached*: indexed, in the LRU, loadable;
-* *held*: cached content a load of step ``held_until[slot]`` reads; out of the LRU (not evictable)
+* *cached*: indexed, in the eviction order (``lru``), loadable;
+* *held*: cached content a load of step ``held_until[slot]`` reads; out of the order (not evictable)
   until that step completes, still loadable by other admissions.
 
 Migration rules (write-back): a device block is copied to the host only when the device pool
@@ -26,9 +27,9 @@ later eviction of the loaded block costs no copy.
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict, deque
-from collections.abc import Hashable
+from collections import deque
 
+from paged.kv.blocks.eviction.lru import LRUOrder
 from paged.kv.blocks.prefix_index import BlockKey, PrefixCacheIndex, PrefixKeyer
 
 FREE, WRITING, CACHED, HELD = 0, 1, 2, 3
@@ -51,15 +52,18 @@ class TierCopies:
 
 
 class HostTier:
-    """Host slots, their index, LRU and states, and the loads of sequences (module docstring).
+    """Host slots, their index, eviction order and states, and the loads of sequences (module
+    docstring).
 
     Args:
       num_slots: host slots (each holds one block: every layer, every KV head, values and scales).
       keyer: the device's prefix keyer (its block size, hash function and enabled flag).
       fence: the step fence (step ids; device pages a load writes are held for the copy).
+      order: the slots' eviction order, built for ``num_slots`` slots over this tier's index
+        (``order(index)``); None: LRU.
     """
 
-    def __init__(self, num_slots: int, keyer: PrefixKeyer, fence):
+    def __init__(self, num_slots: int, keyer: PrefixKeyer, fence, order=None):
         self.num_slots = num_slots
         self.keyer = keyer
         self.fence = fence
@@ -67,7 +71,7 @@ class HostTier:
         self.version = [0] * num_slots
         self.state = [FREE] * num_slots
         self.free: deque[int] = deque(range(num_slots))
-        self.lru: OrderedDict[int, Hashable] = OrderedDict()  # cached slots, least recent first
+        self.lru = LRUOrder() if order is None else order(self.index)  # cached slots
         self.ready_at = [-1] * num_slots  # writing: the step whose copies write the slot
         self.held_until = [-1] * num_slots  # held: the step whose copies read the slot
         self.waiting: list[int] = []  # writing or held slots (lazy: checked at ``complete``)
@@ -86,13 +90,13 @@ class HostTier:
         slot = self.index.find(key.digest, key.parent, key.data, key.salt, self.version)
         if slot is not None:
             if self.state[slot] == CACHED:
-                self.lru.move_to_end(slot)
+                self.lru.touch(slot)
             self.stats["deduplicated_blocks"] += 1
             return
         if self.free:
             slot = self.free.popleft()
         elif self.lru:
-            slot, digest = self.lru.popitem(last=False)
+            slot, digest = self.lru.evict_one()
             self.index.remove(slot, digest)
             self._died.append(slot)
             self.stats["evicted_blocks"] += 1
@@ -100,6 +104,8 @@ class HostTier:
             self.stats["dropped_blocks"] += 1
             return
         self.version[slot] += 1
+        if self.lru.on_take is not None:
+            self.lru.on_take((slot,))
         self.index.add(slot, key, self.version[slot])
         self.state[slot] = WRITING
         self.ready_at[slot] = self.fence.last_begun + 1
@@ -134,7 +140,10 @@ class HostTier:
         completes, so that allocating the device pages they load into cannot evict them."""
         state, held_until, lru = self.state, self.held_until, self.lru
         step = self.fence.last_begun + 1
+        on_hit = lru.on_hit
         for slot, _ in hits:
+            if on_hit is not None:
+                on_hit(slot)
             if state[slot] == CACHED:
                 del lru[slot]
                 state[slot] = HELD

@@ -1,17 +1,21 @@
 """The block pool: refcount, state and content version of every physical block.
 
 Page ``NULL_PAGE`` is never handed out. Every other block is exactly one of *free* (no content,
-in the free queue), *cached* (refcount 0, content indexed in the prefix cache, waiting in the LRU),
+in the free queue), *cached* (refcount 0, content indexed in the prefix cache, waiting in the
+eviction order),
 *used* (refcount > 0) or *quarantined* (refcount 0 but held until a step completes; the step fence
 decides when). A block's content version changes whenever it is handed out fresh, so an index entry
-made at an older version is recognisably stale.
+made at an older version is recognisably stale. Which cached block goes first is the eviction
+order's choice (``paged.kv.blocks.eviction``: LRU by default); when blocks enter and leave the
+cached set is the pool's.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
+from collections import deque
+from collections.abc import Callable
 
+from paged.kv.blocks.eviction.lru import LRUOrder
 from paged.kv.blocks.prefix_index import PrefixCacheIndex
 from paged.kv.paging import NULL_PAGE
 
@@ -20,9 +24,10 @@ STATE_NAMES = ("free", "cached", "used", "quarantined", "null")
 
 
 class BlockPool:
-    """Per-block refcount, state and version; the free queue; the LRU of cached refcount-0 blocks.
+    """Per-block refcount, state and version; the free queue; the cached refcount-0 blocks in
+    their eviction order (``lru``, named for the default policy).
 
-    Fresh blocks come from the free queue first, then from the LRU (least recently cached first,
+    Fresh blocks come from the free queue first, then from the eviction order (its victims first,
     evicting their index entries). Blocks whose content died (entered the free queue, or were
     evicted to be reused) collect in ``died`` until ``flush`` hands them to ``on_free``.
 
@@ -30,10 +35,11 @@ class BlockPool:
       num_blocks: physical pages, counting ``NULL_PAGE``.
       index: the prefix-cache index (eviction drops entries from it).
       on_free: called by ``flush`` with the blocks whose content died, or ``None``.
+      order: the eviction order (`paged.kv.blocks.eviction`); None: LRU.
     """
 
     def __init__(self, num_blocks: int, index: PrefixCacheIndex,
-                 on_free: Callable[[list[int]], None] | None):
+                 on_free: Callable[[list[int]], None] | None, order=None):
         self.num_blocks = num_blocks
         self.index = index
         self.on_free = on_free
@@ -42,8 +48,9 @@ class BlockPool:
         self.state[NULL_PAGE] = NULL
         self.version = [0] * num_blocks
         self.free: deque[int] = deque(b for b in range(num_blocks) if b != NULL_PAGE)
-        # Cached blocks, least recent first, with their key digests (eviction needs no key load).
-        self.lru: OrderedDict[int, Hashable] = OrderedDict()
+        # Cached blocks in eviction order, with their key digests (eviction needs no key load).
+        self.lru = LRUOrder() if order is None else order
+        self.on_take, self.on_hit = self.lru.on_take, self.lru.on_hit  # None: no statistics
         self.num_used = 0
         self.num_held = 0  # blocks in the quarantined state
         self.peak_used = 0
@@ -67,6 +74,8 @@ class BlockPool:
             out = list(free)
             free.clear()
             out += self._evict_lru(n - len(out), to_free=False)
+        if self.on_take is not None:
+            self.on_take(out)
         version, rc, state = self.version, self.rc, self.state
         for b in out:
             version[b] += 1
@@ -77,11 +86,11 @@ class BlockPool:
         return out
 
     def _evict_lru(self, n: int, *, to_free: bool) -> list[int]:
-        """Drops the ``n`` least recent cached blocks from the LRU and the index."""
-        lru, remove, spill = self.lru, self.index.remove, self.spill
+        """Drops the order's ``n`` first victims from the cached set and the index."""
+        evict_one, remove, spill = self.lru.evict_one, self.index.remove, self.spill
         evicted = []
         for _ in range(n):
-            b, digest = lru.popitem(last=False)
+            b, digest = evict_one()
             if spill is not None:
                 spill(b, self.index.key[b])
             remove(b, digest)
@@ -98,7 +107,7 @@ class BlockPool:
         return evicted
 
     def evict(self, n: int) -> None:
-        """Moves the ``n`` least recent cached blocks (``n <= len(lru)``) to the free queue."""
+        """Moves the order's ``n`` first victims (``n <= len(lru)``) to the free queue."""
         self._evict_lru(n, to_free=True)
 
     def acquire(self, b: int) -> None:
@@ -113,6 +122,8 @@ class BlockPool:
             self.num_used += 1
             self.revived += 1
         self.rc[b] = rc + 1
+        if self.on_hit is not None:
+            self.on_hit(b)
 
     def deref(self, blocks) -> list[int]:
         """Drops one reference to each of ``blocks``; returns those now at refcount 0, in order."""
@@ -131,8 +142,8 @@ class BlockPool:
         self.num_held += 1
 
     def make_reusable(self, blocks) -> None:
-        """Refcount-0 blocks leave use for good, in order: to the LRU if keyed, else to the free
-        queue."""
+        """Refcount-0 blocks leave use for good, in order: to the eviction order if keyed, else to
+        the free queue."""
         key_of, state, lru, free, died = self.index.key, self.state, self.lru, self.free, \
             self.died
         for b in blocks:
