@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from paged.kv import events
 from paged.kv.blocks import decode_run
 from paged.kv.blocks.admission import Admission, as_salt
 from paged.kv.blocks.host_tier import HostTier
@@ -139,6 +140,7 @@ class BlockManager(ManagerQueries, OffloadCalls):
                                  enable_prefix_caching=self.enable_prefix_caching, debug=debug)
         self._progress = Progress(self._tables, self._keyer)
         self._tier = None
+        self._events = None  # the KV event sink (``set_event_sink``)
         if num_host_tier_blocks:
             self._tier = HostTier(num_host_tier_blocks, self._keyer, self._fence)
             self._pool.spill = self._tier.offer
@@ -391,8 +393,24 @@ class BlockManager(ManagerQueries, OffloadCalls):
         lru = self._pool.lru
         n = len(lru) if num_blocks is None else min(count_arg(num_blocks, "num_blocks"), len(lru))
         self._pool.evict(n)
+        if self._events is not None and not len(self._index) and (
+                self._tier is None or not len(self._tier.index)):
+            self._events.cleared()  # vLLM's reset_prefix_cache event (the removals came first)
         self._end_call()
         return n
+
+    def set_event_sink(self, sink) -> None:
+        """Reports every prefix-cache key stored or removed from now on to ``sink`` (a
+        `paged.kv.events.KVEventSink`; the keys held now first, as stored), the host tier's as
+        medium ``"CPU"``; ``None`` stops reporting."""
+        self._events = sink
+        parts = [(self._index, events.MEDIUM_DEVICE)]
+        if self._tier is not None:
+            parts.append((self._tier.index, events.MEDIUM_HOST))
+        for index, medium in parts:
+            index.events = None if sink is None else sink.medium(medium)
+            if sink is not None:
+                events.snapshot(index, index.events)
 
     # --- debug -----------------------------------------------------------------------------
     def check_invariants(self) -> None:
