@@ -179,6 +179,7 @@ class KVCacheView:
         self._child: dict[tuple, Hashable] = {}  # (medium, parent or root, tokens) -> hash
         self._where: dict[tuple, tuple] = {}  # (medium, hash) -> its (parent or root, tokens)
         self.num_events = 0
+        self.block_size: int | None = None  # from the first BlockStored
 
     def keys(self, medium: str = MEDIUM_DEVICE) -> collections.Counter:
         """The hashes held on ``medium``, each with its number of copies."""
@@ -205,6 +206,7 @@ class KVCacheView:
     def _stored(self, ev: dict) -> None:
         medium = ev.get("medium") or MEDIUM_DEVICE
         bs, tokens, hashes = ev["block_size"], ev["token_ids"], ev["block_hashes"]
+        self.block_size = bs
         extra = ev.get("extra_keys") or []
         parent = ev["parent_block_hash"]
         if parent is None:

@@ -5,7 +5,8 @@ applies each batch once to a `paged.kv.events.KVCacheView`, and detects a gap (`
 batches were missed, or the subscriber joined late). A gap is filled from the publisher's replay
 buffer when one is given; if the replay cannot fill it (the batches left the buffer) the view is
 marked ``lost`` (it may miss blocks: a router should not trust it) until a ``AllBlocksCleared``
-batch resets it. `KVEventSubscriber` connects a SUB socket (and a DEALER for replay) to a
+batch resets it; a stream that starts over at 0 is a restarted publisher (the view is emptied).
+`KVEventSubscriber` connects a SUB socket (and a DEALER for replay) to a
 publisher and feeds an `EventStream`; ``poll()`` applies whatever arrived, without blocking.
 """
 
@@ -41,6 +42,9 @@ class EventStream:
         self.lost = False  # a gap the replay could not fill: the view may miss blocks
 
     def receive(self, seq: int, payload: bytes) -> None:
+        if seq == 0 and self.last_seq >= 0:  # the publisher restarted: its cache starts empty
+            log.warning("KV events start over at 0 (the replica restarted)")
+            self.reset()
         if seq <= self.last_seq:
             return  # a duplicate (seen live and replayed)
         if seq > self.last_seq + 1:
@@ -58,6 +62,12 @@ class EventStream:
                 self.lost = True
         self._apply(seq, payload)
 
+    def reset(self) -> None:
+        """Forgets everything (a replica that restarted has an empty cache)."""
+        self.view.clear()
+        self.last_seq = -1
+        self.lost = False
+
     def _apply(self, seq: int, payload: bytes) -> None:
         _, events, _ = decode_batch(payload)
         if any(ev.get("type") == "AllBlocksCleared" for ev in events):
@@ -65,6 +75,14 @@ class EventStream:
         self.view.apply(events)
         self.last_seq = seq
         self.num_batches += 1
+
+
+def replay_endpoint(endpoint: str) -> str:
+    """The replay address beside a publisher's ``tcp://host:PORT``: ``tcp://host:PORT+1``."""
+    base, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit() or not base.startswith("tcp://"):
+        raise ValueError(f"kv_events={endpoint!r} must be tcp://HOST:PORT")
+    return f"{base}:{int(port) + 1}"
 
 
 class KVEventSubscriber:
@@ -123,4 +141,4 @@ class KVEventSubscriber:
             self._dealer.close(linger=0)
 
 
-__all__ = ["TOPIC", "EventStream", "KVEventSubscriber"]
+__all__ = ["TOPIC", "EventStream", "KVEventSubscriber", "replay_endpoint"]
