@@ -18,15 +18,16 @@ def _admit(bm, sid, prompt=PROMPT):
     bm.mark_computed(sid, len(prompt))
 
 
-def _bucket(h: dict, x: float) -> int:
-    return next(i for i, b in enumerate(h["bounds"]) if x <= b)
+def _in_bucket(h: dict, x: float) -> int:
+    """Observations in the bucket ``x`` falls in."""
+    return next(c for b, c in h["buckets"].items() if b == "+Inf" or x <= float(b))
 
 
 def test_histogram_buckets_are_prometheus_le_bounds():
     h = Histogram((1.0, 5.0))
     for x in (0.5, 1.0, 3.0, 9.0):
         h.observe(x)
-    assert h.as_dict() == {"bounds": [1.0, 5.0], "counts": [2, 1, 1], "sum": 13.5, "count": 4}
+    assert h.as_dict() == {"buckets": {"1.0": 2, "5.0": 1, "+Inf": 1}, "sum": 13.5, "count": 4}
 
 
 def test_lifetime_idle_reuse_and_regret_by_hand():
@@ -45,14 +46,14 @@ def test_lifetime_idle_reuse_and_regret_by_hand():
     assert (d["query_tokens"], d["hit_tokens"]) == (27, 8)
     assert d["hit_rate"] == pytest.approx(8 / 27)
     gap, dist = d["kv_block_reuse_gap_seconds"], d["kv_block_reuse_distance_blocks"]
-    assert gap["count"] == 2 and gap["sum"] == 2.0 and gap["counts"][_bucket(gap, 1.0)] == 2
+    assert gap["count"] == 2 and gap["sum"] == 2.0 and _in_bucket(gap, 1.0) == 2
     assert dist["count"] == 2 and dist["sum"] == 2  # one access of the other block between
     life, idle = d["kv_block_lifetime_seconds"], d["kv_block_idle_before_evict_seconds"]
-    assert life["count"] == 2 and life["sum"] == 10.0 and life["counts"][_bucket(life, 5.0)] == 2
-    assert idle["count"] == 2 and idle["sum"] == 8.0 and idle["counts"][_bucket(idle, 4.0)] == 2
+    assert life["count"] == 2 and life["sum"] == 10.0 and _in_bucket(life, 5.0) == 2
+    assert idle["count"] == 2 and idle["sum"] == 8.0 and _in_bucket(idle, 4.0) == 2
     assert d["eviction_regret_blocks"] == 2
     assert "host" not in bm.residency_stats()
-    assert list(life["bounds"]) == list(SECONDS_BUCKETS)
+    assert list(life["buckets"]) == [repr(float(b)) for b in SECONDS_BUCKETS] + ["+Inf"]
 
 
 def test_host_tier_hits_are_not_regret_and_count_per_tier():

@@ -166,9 +166,9 @@ class _ResidencyCollector:
             for tier, r in sorted(res.items()):
                 h = r[name]
                 cum, buckets = 0, []
-                for bound, c in zip([*h["bounds"], float("inf")], h["counts"]):
+                for bound, c in h["buckets"].items():
                     cum += c
-                    buckets.append(("+Inf" if bound == float("inf") else str(float(bound)), cum))
+                    buckets.append((bound, cum))
                 fam.add_metric([tier], buckets, h["sum"])
             yield fam
         for name, tier, key, doc in (

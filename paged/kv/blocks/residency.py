@@ -58,9 +58,11 @@ class Histogram:
         self.count += 1
 
     def as_dict(self) -> dict:
-        """``{"bounds", "counts" (per bucket, +Inf last), "sum", "count"}``."""
-        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.sum,
-                "count": self.count}
+        """``{"buckets": {upper bound: observations in the bucket (not cumulative), ...,
+        "+Inf": ...}, "sum", "count"}`` (bounds as strings: a data-parallel engine's stats add
+        replicas' dicts key by key)."""
+        names = [repr(float(b)) for b in self.bounds] + ["+Inf"]
+        return {"buckets": dict(zip(names, self.counts)), "sum": self.sum, "count": self.count}
 
 
 class Residency:
