@@ -61,6 +61,8 @@ def test_matches_no_cache_reference(batch, baseline):
         dict(block_size=32),
         dict(scheduling="static"),
         dict(policy="prefill-first"),
+        dict(policy="lpm"),
+        dict(policy="dfs-weight", num_blocks=12),
         dict(max_num_batched_tokens=16),  # long prompts in several chunks
         dict(num_blocks=12, preemption_mode="recompute"),
         dict(num_blocks=12, preemption_mode="swap"),

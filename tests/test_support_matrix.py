@@ -31,6 +31,7 @@ RECIPES = {
     "contiguous_layout": ({"kv_layout": "contiguous"}, None, {}),
     "static_scheduling": ({"scheduling": "static"}, None, {}),
     "no_prefix_caching": ({"enable_prefix_caching": False}, None, {}),
+    "cache_aware_scheduling": ({"policy": "lpm"}, None, {}),
     "swap": ({"preemption_mode": "swap"}, None, {}),
     "async_scheduling": ({"async_scheduling": True}, None, {}),
     "speculative": ({"speculative": NGRAM}, None, {}),

@@ -59,6 +59,9 @@ def kv_stats(engine, held_for_transfer=()) -> dict:
         "cascade": engine.builder.cascade.stats(),
         "ledger": ledger,
         "host_tier": tier,
+        # Block lifetime, idle time before eviction, reuse gap and distance, eviction regret
+        # and token hit rate, per tier (paged.kv.blocks.residency).
+        "residency": bm.residency_stats(),
     }
 
 

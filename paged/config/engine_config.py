@@ -12,7 +12,7 @@ from paged.util import validate
 
 KV_LAYOUTS = ("paged", "contiguous")
 SCHEDULINGS = ("continuous", "static")
-POLICIES = ("decode-first", "prefill-first")
+POLICIES = ("decode-first", "prefill-first", "lpm", "dfs-weight")  # lpm, dfs-weight: paged.step.waiting_order
 PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_IMPLS = ("auto", "xla", "reference", "pallas", "pallas_tpu", "pallas_gpu", "interpret",
                    "interpret_tpu", "interpret_gpu")
@@ -79,7 +79,11 @@ class EngineConfig:
         the current backend is checked when the ``Engine`` is built (``check_attention_impl``).
       scheduling: "continuous" (requests join and leave every step) or "static" (request-level
         batching: a batch runs until all of it finishes; the baseline).
-      policy: "decode-first" (decodes first, chunked prefill fills the budget) or "prefill-first".
+      policy: "decode-first" (decodes first, chunked prefill fills the budget) or "prefill-first";
+        "lpm" (longest cached prefix first) and "dfs-weight" (SGLang's two cache-aware orders of
+        the waiting queue, `paged.step.waiting_order`) run decode-first.
+      policy_max_wait_s: "lpm" / "dfs-weight" only: the starvation guard; a request that has
+        waited this many seconds is admitted before any cache-aware pick (oldest first).
       preemption_mode: "recompute" (free and re-prefill) or "swap" (pages to host and back).
       num_host_blocks: host swap slots; ``None`` = as many as device blocks.
       enable_prefix_caching: share full blocks of equal prefixes across requests.
@@ -149,6 +153,7 @@ class EngineConfig:
     attention_impl: str = "auto"
     scheduling: str = "continuous"
     policy: str = "decode-first"
+    policy_max_wait_s: float = 10.0
     preemption_mode: str = "recompute"
     num_host_blocks: int | None = None
     enable_prefix_caching: bool = True
@@ -208,6 +213,7 @@ class EngineConfig:
         validate.one_of("kv_layout", self.kv_layout, KV_LAYOUTS)
         validate.one_of("scheduling", self.scheduling, SCHEDULINGS)
         validate.one_of("policy", self.policy, POLICIES)
+        validate.real("policy_max_wait_s", self.policy_max_wait_s, minimum=0, allow_inf=True)
         validate.one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         validate.one_of("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         validate.one_of("dtype", self.dtype, DTYPES)

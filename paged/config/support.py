@@ -61,6 +61,8 @@ MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
        lambda c, m: f"kv_layout={c.kv_layout!r}"),
     Mechanism("static_scheduling", "scheduling='static'", "scheduling='continuous'",
        lambda c, m: f"scheduling={c.scheduling!r}"),
+    Mechanism("cache_aware_scheduling", "policy='lpm' or 'dfs-weight'",
+       "policy='decode-first' or 'prefill-first'", lambda c, m: f"policy={c.policy!r}"),
     Mechanism("no_prefix_caching", "enable_prefix_caching=False", "enable_prefix_caching=True",
        lambda c, m: f"enable_prefix_caching={c.enable_prefix_caching}"),
     Mechanism("swap", "preemption_mode='swap'", "preemption_mode='recompute'",
@@ -107,6 +109,8 @@ REFUSED: tuple[Refusal, ...] = (
             "pool's prefix cache: it keeps whole blocks"),
     Refusal("host_tier", "no_prefix_caching", "host-tier blocks are found again by their prefix "
             "key, which only the prefix cache computes"),
+    Refusal("cache_aware_scheduling", "no_prefix_caching", "its order ranks waiting requests "
+            "by what the prefix cache holds for them"),
     Refusal("disaggregation", "contiguous_layout", "the hand-over moves a request's pages by its "
             "block table"),
     Refusal("disaggregation", "static_scheduling", "decode replicas take each request as its "
@@ -168,6 +172,7 @@ def features(config, model_config=None, *, processes: bool = False,
         "contiguous_layout": not paged,
         "static_scheduling": config.scheduling == "static",
         "no_prefix_caching": not config.enable_prefix_caching,
+        "cache_aware_scheduling": config.policy in ("lpm", "dfs-weight"),
         "swap": config.preemption_mode == "swap",
         "async_scheduling": config.async_scheduling,
         "speculative": spec is not None,

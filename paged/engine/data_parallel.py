@@ -305,6 +305,8 @@ class DataParallelEngine:
         for key in _OWN:
             merged.pop(key)
         merged["prefill_replicas"] = self.config.prefill_replicas
+        for r in merged.get("residency", {}).values():  # a rate is not a sum
+            r["hit_rate"] = r["hit_tokens"] / r["query_tokens"] if r["query_tokens"] else 0.0
         if self.handover is not None:  # each hand-over is on two replicas: count it once
             records = self.handover.records
             merged["num_handovers"] = len(records)

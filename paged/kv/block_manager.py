@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from paged.kv import events
 from paged.kv.blocks import decode_run
 from paged.kv.blocks.admission import Admission, as_salt
 from paged.kv.blocks.host_tier import HostTier
@@ -56,6 +57,7 @@ from paged.kv.blocks.policy_calls import PolicyCalls
 from paged.kv.blocks.prefix_index import HashFn, PrefixKeyer, xxh3_block_hash
 from paged.kv.blocks.progress import Progress
 from paged.kv.blocks.queries import ManagerQueries
+from paged.kv.blocks.residency import Residency, listeners
 from paged.kv.blocks.shared import SharedParts
 from paged.kv.blocks.swap import Swapper
 from paged.kv.blocks.tables import SeqTables, count_arg
@@ -131,6 +133,7 @@ class BlockManager(ManagerQueries, OffloadCalls, PolicyCalls):
         self.quarantine_steps = quarantine_steps
         self.num_host_blocks = num_host_blocks
         self.debug = debug
+        own_parts = parts is None
         if parts is None:
             parts = SharedParts.build(num_blocks, quarantine_steps, num_host_blocks, on_free,
                                       eviction=prefix_eviction, block_size=block_size)
@@ -142,6 +145,7 @@ class BlockManager(ManagerQueries, OffloadCalls, PolicyCalls):
                                  enable_prefix_caching=self.enable_prefix_caching, debug=debug)
         self._progress = Progress(self._tables, self._keyer)
         self._tier = None
+        self._events = None  # the KV event sink (``set_event_sink``)
         if num_host_tier_blocks:
             order = None if prefix_eviction == "lru" else (
                 lambda index: make_order(prefix_eviction, num_host_tier_blocks, index, block_size))
@@ -150,6 +154,13 @@ class BlockManager(ManagerQueries, OffloadCalls, PolicyCalls):
         self._admission = Admission(self._pool, self._keyer, self._tables, self.cache_salt,
                                     self._tier)
         self._swap = Swapper(self._pool, self._fence, self._tables)
+        # Residency figures per tier (`paged.kv.blocks.residency`), for a manager with its own
+        # index (a KV-cache group's shares its index: none).
+        self._residency = None
+        if own_parts:
+            self._residency = (Residency(), None if self._tier is None else Residency())
+            self._admission.residency = self._residency
+        self._wire_listeners()
         self._window = None if sliding_window is None else WindowRecycler(
             self._tables, self._fence, sliding_window)
         if not debug and self._window is None:
@@ -397,8 +408,44 @@ class BlockManager(ManagerQueries, OffloadCalls, PolicyCalls):
         lru = self._pool.lru
         n = len(lru) if num_blocks is None else min(count_arg(num_blocks, "num_blocks"), len(lru))
         self._pool.evict(n)
+        if self._events is not None and not len(self._index) and (
+                self._tier is None or not len(self._tier.index)):
+            self._events.cleared()  # vLLM's reset_prefix_cache event (the removals came first)
         self._end_call()
         return n
+
+    def set_event_sink(self, sink) -> None:
+        """Reports every prefix-cache key stored or removed from now on to ``sink`` (a
+        `paged.kv.events.KVEventSink`; the keys held now first, as stored), the host tier's as
+        medium ``"CPU"``; ``None`` stops reporting."""
+        self._events = sink
+        if sink is not None:
+            events.snapshot(self._index, sink.medium(events.MEDIUM_DEVICE))
+            if self._tier is not None:
+                events.snapshot(self._tier.index, sink.medium(events.MEDIUM_HOST))
+        self._wire_listeners()
+
+    def _wire_listeners(self) -> None:
+        """Each index's listeners: its residency figures, then the event sink."""
+        res, sink = self._residency or (None, None), self._events
+        tiers = [(self._index, res[0], events.MEDIUM_DEVICE)]
+        if self._tier is not None:
+            tiers.append((self._tier.index, res[1], events.MEDIUM_HOST))
+        for index, residency, medium in tiers:
+            index.events = listeners([residency, None if sink is None else sink.medium(medium)])
+
+    def set_time(self, now: float) -> None:
+        """The clock of the residency figures: the host step's ``now`` (HostCore.begin)."""
+        if self._residency is not None:
+            for r in self._residency:
+                if r is not None:
+                    r.now = now
+
+    def residency_stats(self) -> dict:
+        """``{"device": ..., "host": ...}``: each tier's `Residency.as_dict` (a tier that does
+        not exist, or a KV-cache group's manager: absent)."""
+        res = self._residency or (None, None)
+        return {name: r.as_dict() for name, r in zip(("device", "host"), res) if r is not None}
 
     # --- debug -----------------------------------------------------------------------------
     def check_invariants(self) -> None:

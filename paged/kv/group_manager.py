@@ -356,6 +356,17 @@ class GroupedBlockManager:
             g.free(seq_id)
         self._end_call()
 
+    def set_time(self, now: float) -> None:
+        """A grouped pool keeps no residency figures (`BlockManager.set_time`)."""
+
+    def residency_stats(self) -> dict:
+        return {}
+
+    def set_event_sink(self, sink) -> None:
+        """``BlockManager.set_event_sink`` on the index every group shares (keys of all groups,
+        each salted by its group)."""
+        self.groups[0].set_event_sink(sink)
+
     def evict_cached(self, num_blocks: int | None = None) -> int:
         n = self.groups[0].evict_cached(num_blocks)
         self._end_call()

@@ -11,6 +11,8 @@ from paged.request.chat import chat_ids, is_conversation
 from paged.request.sampling import SamplingParams
 from paged.util import validate
 
+TENANT_MARK = b"|tenant:"  # a tenant's key salt: the model's salt, this mark, the tenant's salt
+
 
 def derive_seed(engine_seed: int, request_index: int) -> int:
     """The sampling seed of the ``request_index``-th unseeded request of an engine."""
@@ -53,7 +55,7 @@ def check_request(table, request_id, prompt, params, arrival_time, timeout_s,
             raise ValueError(f"cache_salt={cache_salt!r} must be non-empty (None: no salt)")
         raw = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
         # The model's salt first, so a tenant's keys never match another model's either.
-        cache_salt = table.cache_salt + b"|tenant:" + raw
+        cache_salt = table.cache_salt + TENANT_MARK + raw
     return request_id, token_ids, params, arrival_time, timeout_s, cache_salt
 
 

@@ -40,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from paged.fleet.routing import POLICIES, Router
-from paged.router.backends import Backend, parse_load, prompt_key
+from paged.router.backends import Backend, parse_load, prompt_key, token_key
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,8 @@ class RouterSettings:
         ``paged.server`` has its own ``--request_timeout``).
       max_tree_chars: bound of each backend's prefix tree (characters; LRU leaves dropped).
       prefix_granularity: hits count in whole multiples of this many characters.
+      kv_events: each backend's KV event endpoint (``tcp://host:PORT`` of its ``--kv_events``;
+        one per backend, in order), to route on the backends' true caches; () for the trees.
     """
 
     policy: str = "prefix_aware"
@@ -76,6 +78,7 @@ class RouterSettings:
     request_timeout_s: float | None = None
     max_tree_chars: int = 1 << 22
     prefix_granularity: int = 16
+    kv_events: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -169,13 +172,19 @@ class _Relay(StreamingResponse):
 class RouterApp:
     """The router's state: its backends, the policy, the HTTP client, the scraper."""
 
-    def __init__(self, backend_urls: list[str], settings: RouterSettings):
+    def __init__(self, backend_urls: list[str], settings: RouterSettings, tokenizer=None):
         if not backend_urls:
             raise ValueError("at least one backend URL is required")
+        events = tuple(settings.kv_events)
+        if events and len(events) != len(backend_urls):
+            raise ValueError(f"{len(events)} kv_events endpoints for {len(backend_urls)} "
+                             f"backends: give one per backend, in the same order")
         self.settings = settings
+        self.tokenizer = tokenizer  # encodes text prompts for routing on KV events
         self.backends = [Backend(u, max_tree_chars=settings.max_tree_chars,
-                                 prefix_granularity=settings.prefix_granularity)
-                         for u in backend_urls]
+                                 prefix_granularity=settings.prefix_granularity,
+                                 kv_events=events[i] if events else None)
+                         for i, u in enumerate(backend_urls)]
         self.router = Router(settings.policy, settings.load_threshold)
         self.client: httpx.AsyncClient | None = None
         self._scraper: asyncio.Task | None = None
@@ -190,6 +199,9 @@ class RouterApp:
         self._scraper = asyncio.create_task(self._scrape_forever())
 
     async def stop(self) -> None:
+        for b in self.backends:
+            if b.events is not None:
+                b.events.close()
         if self._scraper is not None:
             self._scraper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -198,6 +210,8 @@ class RouterApp:
             await self.client.aclose()
 
     async def _scrape_one(self, b: Backend) -> None:
+        if b.events is not None:
+            b.events.poll(0)  # keep the view current between requests
         timeout = min(max(self.settings.metrics_interval_s, 0.5), self.settings.connect_timeout_s)
         try:
             r = await self.client.get(b.url + "/metrics", timeout=timeout)
@@ -229,13 +243,14 @@ class RouterApp:
         up = [i for i, b in enumerate(self.backends) if b.up and i not in tried]
         return up or [i for i in range(len(self.backends)) if i not in tried]
 
-    def pick(self, key: str, tried: set[int] = frozenset()) -> int | None:
+    def pick(self, key, tried: set[int] = frozenset(), tenant: str | None = None) -> int | None:
         """The index of the backend a request with routing key ``key`` goes to (the policy's
-        decision among `_candidates`), or None when every backend was tried."""
+        decision among `_candidates`), or None when every backend was tried. With KV events
+        ``key`` is the prompt's token ids and ``tenant`` its ``cache_salt`` (`token_key`)."""
         cands = self._candidates(tried)
         if not cands:
             return None
-        j = self.router.route(key, [self.backends[i] for i in cands])
+        j = self.router.route(key, [self.backends[i] for i in cands], cache_salt=tenant)
         return cands[j]
 
     @staticmethod
@@ -249,11 +264,15 @@ class RouterApp:
         except (ValueError, UnicodeDecodeError):
             parsed = None
         key = prompt_key(parsed, endpoint) if isinstance(parsed, dict) else ""
+        route_key, tenant = key, None
+        if self.settings.kv_events:  # route on the true caches: token ids, or cold ([])
+            tk = token_key(parsed, endpoint, self.tokenizer) if isinstance(parsed, dict) else None
+            route_key, tenant = tk if tk is not None else ([], None)
         headers = self._forward_headers(request)
         tried: set[int] = set()
         refused = []
         while True:
-            i = self.pick(key, tried)
+            i = self.pick(route_key, tried, tenant)
             if i is None:
                 return _error(502, "no backend accepted the request: " + "; ".join(refused),
                               "backend_unavailable")
@@ -354,13 +373,15 @@ class RouterApp:
         yield routed
 
 
-def build_app(backend_urls: list[str], settings: RouterSettings | None = None) -> FastAPI:
+def build_app(backend_urls: list[str], settings: RouterSettings | None = None,
+              tokenizer=None) -> FastAPI:
     """The router's app over ``backend_urls`` (``http://host:port`` of ``paged.server``\\ s).
 
     The HTTP client and the scraper start with the app (ASGI lifespan) and stop with it;
-    ``app.state.router`` is the `RouterApp`.
+    ``app.state.router`` is the `RouterApp`. ``tokenizer`` (the backends' model's) encodes text
+    prompts for routing on KV events (``settings.kv_events``).
     """
-    state = RouterApp(list(backend_urls), settings or RouterSettings())
+    state = RouterApp(list(backend_urls), settings or RouterSettings(), tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

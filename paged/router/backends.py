@@ -12,6 +12,14 @@ exact for this router's traffic and updated at once) and the backend's own gauge
 ``paged:num_requests_waiting`` / ``paged:num_requests_running`` scraped from its ``/metrics``
 every few seconds (every client's traffic, but stale). A backend's load is the larger of the two.
 
+With KV events (``--kv_events``: each backend's ``python -m paged.server --kv_events`` endpoint)
+the router sees the true caches instead: a `paged.router.kv_subscriber.KVEventSubscriber` per
+backend keeps its `paged.kv.events.KVCacheView`, and a request's hit on a backend is the prompt's
+cached prefix in that view (device tokens plus `paged.fleet.routing.HOST_TIER_WEIGHT` times the
+host tier's, as in process), found by walking the prompt's token ids (`token_key`: token-id
+prompts as given, text completions through the router's tokenizer; chat and text without a
+tokenizer route as cold). A view whose stream lost batches counts no hits until it is reset.
+
 `Backend` has the `paged.fleet.routing.Replica` members (``num_waiting``, ``num_running``,
 ``cached_prefix_tokens``), so `paged.fleet.routing.Router` makes the decision here exactly as it does
 in-process over engines and in the simulator.
@@ -22,6 +30,8 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Sequence
+
+from paged.fleet.routing import HOST_TIER_WEIGHT
 
 # The first token-id character: token ids map to code points above the Basic Multilingual Plane
 # (one character per token), after a marker so that a token-id prompt never shares a prefix with
@@ -69,6 +79,31 @@ def prompt_key(body: dict, endpoint: str) -> str:
     if isinstance(salt, str) and salt and key:
         key = f"{_SALT_MARK}{salt}{_SALT_MARK}{key}"
     return key
+
+
+def token_key(body: dict, endpoint: str, tokenizer=None) -> tuple[list[int], str | None] | None:
+    """``(token ids, tenant)`` of a request body for routing on KV events, or None (routed as
+    cold): a completion's token-id prompt (the first of a list) as given, a text one through
+    ``tokenizer.encode`` (as the server encodes it) when there is a tokenizer; the tenant is a
+    string ``cache_salt``."""
+    if endpoint != "completion":
+        return None
+    p = body.get("prompt")
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        p = p[0]
+    ids = None
+    if isinstance(p, str) and p and tokenizer is not None:
+        try:
+            ids = list(tokenizer.encode(p))
+        except (TypeError, ValueError):
+            return None
+    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
+                                           for t in p):
+        ids = p
+    if not ids:
+        return None
+    salt = body.get("cache_salt")
+    return ids, salt if isinstance(salt, str) and salt else None
 
 
 # --- the approximate prefix tree ---------------------------------------------------------------
@@ -211,10 +246,16 @@ class Backend:
         prefix cache holds whole blocks only, so a few shared characters are no hit).
     """
 
-    def __init__(self, url: str, *, max_tree_chars: int = 1 << 22, prefix_granularity: int = 16):
+    def __init__(self, url: str, *, max_tree_chars: int = 1 << 22, prefix_granularity: int = 16,
+                 kv_events: str | None = None):
         if prefix_granularity < 1:
             raise ValueError(f"prefix_granularity={prefix_granularity!r} must be >= 1")
         self.url = url.rstrip("/")
+        self.events = None  # a KVEventSubscriber on the backend's KV events, or None
+        if kv_events is not None:
+            from paged.router.kv_subscriber import KVEventSubscriber, replay_endpoint
+
+            self.events = KVEventSubscriber(kv_events, replay_endpoint(kv_events))
         self.tree = PrefixTree(max_tree_chars)
         self.prefix_granularity = prefix_granularity
         self.up = True
@@ -244,11 +285,27 @@ class Backend:
                              probe=None) -> int:
         """The approximate hit of routing key ``token_ids`` (a `prompt_key` string): characters of
         its longest prefix routed here before, rounded down to ``prefix_granularity``. The salt
-        is part of the key already; ``probe`` (digests of a real cache) does not apply."""
+        is part of the key already; ``probe`` (digests of a real cache) does not apply.
+
+        With KV events: ``token_ids`` are a prompt's token ids (`token_key`) and ``cache_salt``
+        its tenant; the hit is read from the backend's true cache (module docstring)."""
+        if self.events is not None:
+            return self.event_hit(token_ids, cache_salt)
         if not isinstance(token_ids, str) or not token_ids:
             return 0
         g = self.prefix_granularity
         return self.tree.match(token_ids) // g * g
+
+    def event_hit(self, token_ids, tenant: str | None = None) -> int:
+        """The prompt's hit tokens in the backend's KV-event view (0 while it lost batches)."""
+        if not isinstance(token_ids, list) or not token_ids:
+            return 0
+        self.events.poll(0)
+        view = self.events.view
+        if self.events.stream.lost or view.block_size is None:
+            return 0
+        device, host = view.match(token_ids, view.block_size, tenant)
+        return device + int(host * HOST_TIER_WEIGHT)
 
     # --- bookkeeping ----------------------------------------------------------------------------
     def routed(self, key: str) -> None:
@@ -266,6 +323,8 @@ class Backend:
         its prefix tree starts over (a server that went away comes back with an empty cache)."""
         self.up = False
         self.tree = PrefixTree(self.tree.max_chars)
+        if self.events is not None:
+            self.events.stream.reset()
         # Its last scraped gauges describe a server that is gone: a down backend reports none.
         self.scraped_waiting = self.scraped_running = 0
         self.down_since = time.monotonic()
@@ -288,7 +347,10 @@ class Backend:
                 "waiting": self.scraped_waiting, "running": self.scraped_running,
                 "scraped_age_s": age(self.scraped_at), "down_for_s": age(self.down_since),
                 "tree_chars": self.tree.num_chars, "requests": self.num_requests,
+                "kv_event_blocks": 0 if self.events is None else
+                sum(self.events.view.keys().values()),
+                "kv_events_lost": self.events is not None and self.events.stream.lost,
                 "errors": self.num_errors, "last_error": self.last_error}
 
 
-__all__ = ["Backend", "PrefixTree", "parse_load", "prompt_key"]
+__all__ = ["Backend", "PrefixTree", "parse_load", "prompt_key", "token_key"]

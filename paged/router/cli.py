@@ -87,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="characters of routed prompts kept per backend (LRU)")
     p.add_argument(*_names("prefix_granularity"), type=int, default=16, metavar="INT",
                    help="a prefix hit counts in whole multiples of this many characters")
+    p.add_argument(*_names("kv_events"), action="append", default=[], metavar="tcp://HOST:PORT",
+                   help="a backend's KV event endpoint (its paged.server --kv_events PORT; "
+                        "replays from PORT+1); one per --backend, in the same order: route on "
+                        "the backends' true prefix caches instead of the approximate trees")
+    p.add_argument(*_names("tokenizer"), default=None, metavar="MODEL",
+                   help="with --kv_events: the backends' model (a bundled name such as tiny, or "
+                        "a checkpoint directory), to encode text completion prompts for routing "
+                        "(without it, only token-id prompts are routed on the caches)")
     p.add_argument(*_names("log_level"), default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
     return p
@@ -107,6 +115,12 @@ def parse_args(argv: list[str] | None = None):
         v = getattr(ns, name)
         if v is not None and not (v > 0 and math.isfinite(v)):
             fail(f"{name}={v} must be a finite number > 0")
+    if ns.kv_events and len(ns.kv_events) != len(urls):
+        fail(f"{len(ns.kv_events)} --kv_events for {len(urls)} --backend: give one per backend")
+    for e in ns.kv_events:
+        host, _, port = e.rpartition(":")
+        if not host.startswith("tcp://") or not port.isdigit() or not 0 < int(port) < 65535:
+            fail(f"--kv_events {e!r} must be tcp://HOST:PORT (PORT < 65535: PORT+1 replays)")
     # After the cheap checks: the app module imports FastAPI.
     from paged.router.app import RouterSettings
 
@@ -116,10 +130,29 @@ def parse_args(argv: list[str] | None = None):
                                   connect_timeout_s=ns.connect_timeout,
                                   request_timeout_s=ns.request_timeout,
                                   max_tree_chars=ns.max_tree_chars,
-                                  prefix_granularity=ns.prefix_granularity)
+                                  prefix_granularity=ns.prefix_granularity,
+                                  kv_events=tuple(ns.kv_events))
     except (TypeError, ValueError) as e:
         fail(str(e))
     return urls, settings, ns
+
+
+def load_tokenizer(model: str):
+    """The tokenizer of ``model``: the byte tokenizer of the bundled models, or a checkpoint
+    directory's (``config.json``'s ``vocab_size``); `fail` otherwise."""
+    from paged.models.registry import KNOWN_MODELS
+
+    if model in KNOWN_MODELS:
+        from paged.models.tokenizer import ByteTokenizer
+
+        return ByteTokenizer()
+    try:
+        from paged.models.hf_config import read_json
+        from paged.models.hf_tokenizer import load_tokenizer as load_hf
+
+        return load_hf(model, int(read_json(f"{model}/config.json")["vocab_size"]))
+    except (OSError, KeyError, ValueError) as e:
+        fail(f"--tokenizer {model!r}: {type(e).__name__}: {e}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -131,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     from paged.router.app import build_app
 
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    app = build_app(urls, settings)
+    app = build_app(urls, settings, load_tokenizer(ns.tokenizer) if ns.tokenizer else None)
     print(f"{PROG}: routing to {len(urls)} backend(s) ({settings.policy}, load_threshold="
           f"{settings.load_threshold}) on http://{ns.host}:{ns.port}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=False)

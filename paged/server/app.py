@@ -75,6 +75,8 @@ class ServerSettings:
         dashboards built on them).
       warmup: compile every step a request can select (``Engine.warmup``) in the engine thread
         once the app starts; meanwhile ``/health`` and ``/v1/*`` answer 503 with ``Retry-After``.
+      kv_events_port: publish the in-process engine's KV events from this port on
+        (`paged.server.kv_publisher`; None: not published).
     """
 
     served_model_name: str = "tiny"
@@ -83,6 +85,7 @@ class ServerSettings:
     api_key: str | None = None
     warmup: bool = False
     metrics_prefix: str = "paged"
+    kv_events_port: int | None = None
 
 
 def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
@@ -94,6 +97,10 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
     engine_loop = EngineLoop(engine, max_waiting=settings.max_waiting,
                              request_timeout_s=settings.request_timeout_s, warmup=settings.warmup,
                              metrics=ServerMetrics(settings.metrics_prefix))
+    if settings.kv_events_port is not None:
+        from paged.server.kv_publisher import attach_publishers
+
+        engine_loop.kv_events = attach_publishers(engine, settings.kv_events_port)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -102,6 +109,8 @@ def build_app(engine, settings: ServerSettings | None = None) -> FastAPI:
             yield
         finally:
             engine_loop.stop()
+            if engine_loop.kv_events is not None:
+                engine_loop.kv_events.close()
 
     app = FastAPI(title="paged", lifespan=lifespan)
     keep_raw_send(app, _gate(settings, engine_loop))

@@ -154,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "ZeroMQ + msgpack between them), so the HTTP event loop and the "
                              "engine's host work do not share one GIL; with "
                              "--data_parallel_size D, one process per replica, routed here")
+    server.add_argument(*_flag_names("kv_events"), type=int, default=None, metavar="PORT",
+                        help="publish KV cache events (vLLM's BlockStored / BlockRemoved / "
+                             "AllBlocksCleared, msgpack on a ZeroMQ PUB socket, topic "
+                             "kv-events) on 127.0.0.1:PORT, and replay missed batches on "
+                             "PORT+1; replica i of --data_parallel_size publishes on PORT+2i "
+                             "(and replays on PORT+2i+1), from its engine-core process with "
+                             "--engine_process (paged.server.kv_publisher)")
     server.add_argument(*_flag_names("log_level"), default="warning",
                         choices=("critical", "error", "warning", "info", "debug"))
     engine = p.add_argument_group("engine (every EngineConfig field)")
@@ -187,6 +194,10 @@ def parse_args(argv: list[str] | None = None):
         fail(f"request_timeout={ns.request_timeout} must be a finite number > 0")
     if ns.api_key is not None and not ns.api_key.strip():
         fail("api_key must be non-empty")
+    last = 2 * fields.get("data_parallel_size", 1) - 1
+    if ns.kv_events is not None and not 1 <= ns.kv_events <= 65535 - last:
+        fail(f"kv_events={ns.kv_events} must be a port in [1, {65535 - last}] (replica i "
+             f"publishes on PORT+2i and replays on PORT+2i+1)")
     try:
         from paged.engine.warmup import server_buckets
 
@@ -217,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         if ns.engine_process:
             from paged.server.core_replicas import start_engine_core
 
-            engine = start_engine_core(config)
+            engine = start_engine_core(config, kv_events=ns.kv_events)
         else:
             engine = make_engine(config)
     except (TypeError, ValueError, FileNotFoundError, RuntimeError) as e:
@@ -225,7 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     settings = ServerSettings(served_model_name=ns.served_model_name or config.model,
                               max_waiting=ns.max_waiting, request_timeout_s=ns.request_timeout,
                               api_key=ns.api_key, warmup=ns.warmup,
-                              metrics_prefix=ns.metrics_prefix)
+                              metrics_prefix=ns.metrics_prefix,
+                              kv_events_port=None if ns.engine_process else ns.kv_events)
     if ns.warmup:
         from paged.engine import warmup
 

@@ -160,12 +160,14 @@ class EngineCoreClient:
       poll_ms: how long ``step()`` waits for the core's next step before returning nothing (the
         server's loop then applies new commands and calls it again).
       replica: ``(i, D)``: the core is replica ``i`` of ``D`` (`paged.server.core_replicas`).
+      kv_events: the port the core publishes its KV events on (`paged.server.kv_publisher`).
 
     Raises:
       RuntimeError: the core could not build the engine (its message), or did not answer.
     """
 
-    def __init__(self, config, *, poll_ms: float = 5.0, replica: tuple[int, int] | None = None):
+    def __init__(self, config, *, poll_ms: float = 5.0, replica: tuple[int, int] | None = None,
+                 kv_events: int | None = None):
         self._poll_ms = poll_ms
         self._ctx = zmq.Context()
         self._dir = tempfile.mkdtemp(prefix="paged-core-")
@@ -178,7 +180,8 @@ class EngineCoreClient:
         self._outs = self._ctx.socket(zmq.PULL)
         self._outs.bind(out_addr)
         self._proc = multiprocessing.get_context("spawn").Process(
-            target=run_core, args=(config, cmd_addr, out_addr, replica), name="paged-engine-core",
+            target=run_core, args=(config, cmd_addr, out_addr, replica, kv_events),
+            name="paged-engine-core",
             daemon=True)
         self._proc.start()
         self._live: dict[str, RemoteOutput] = {}

@@ -30,12 +30,15 @@ log = logging.getLogger(__name__)
 _IDLE_POLL_MS = 1000  # while idle: wake this often to see whether the server is still there
 
 
-def run_core(config, cmd_addr: str, out_addr: str, replica: tuple[int, int] | None = None) -> None:
+def run_core(config, cmd_addr: str, out_addr: str, replica: tuple[int, int] | None = None,
+             kv_events: int | None = None) -> None:
     """The child's entry point (``multiprocessing`` spawn target).
 
     ``replica``: ``(i, D)`` when this core is replica ``i`` of ``config.data_parallel_size = D``:
     it builds a one-replica engine on the ``i``-th group of ``tensor_parallel_size`` devices of
     ``jax.devices()`` (`paged.engine.placement.split_devices`, as in-process replicas are placed).
+    ``kv_events``: the server's ``--kv_events`` port: this core publishes its KV events
+    (`paged.server.kv_publisher`, replica ``i`` on ``PORT + 2 i``).
     """
     ctx = zmq.Context()
     cmds = ctx.socket(zmq.PULL)
@@ -48,6 +51,11 @@ def run_core(config, cmd_addr: str, out_addr: str, replica: tuple[int, int] | No
         from paged.server.engines import make_engine
 
         engine = make_engine(config, replica=replica)
+        pubs = None
+        if kv_events is not None:
+            from paged.server.kv_publisher import attach_publishers
+
+            pubs = attach_publishers(engine, kv_events, rank=0 if replica is None else replica[0])
     except BaseException as e:  # noqa: BLE001  (the server reports it and exits)
         outs.send(pickle.dumps(("failed", f"{type(e).__name__}: {e}")))
         cmds.close(linger=0)  # an open socket makes ctx.term() wait forever
@@ -57,12 +65,14 @@ def run_core(config, cmd_addr: str, out_addr: str, replica: tuple[int, int] | No
     outs.send(pickle.dumps(("hello", engine.config, engine.model_config, engine.tokenizer)))
     failed = False
     try:
-        _loop(engine, cmds, outs, parent)
+        _loop(engine, cmds, outs, parent, pubs)
     except BaseException as e:  # noqa: BLE001
         traceback.print_exc(file=sys.stderr)
         outs.send(wire.pack(["error", f"{type(e).__name__}: {e}"]))
         failed = True
     finally:
+        if pubs is not None:
+            pubs.close()
         cmds.close(linger=0)
         outs.close()
         ctx.term()
@@ -70,7 +80,7 @@ def run_core(config, cmd_addr: str, out_addr: str, replica: tuple[int, int] | No
         sys.exit(1)  # the core's exit status says it failed (the server exits 1 as well)
 
 
-def _loop(engine, cmds, outs, parent: int) -> None:
+def _loop(engine, cmds, outs, parent: int, pubs=None) -> None:
     encoder = wire.DeltaEncoder()
     pack = wire.pack
     while True:
@@ -88,6 +98,8 @@ def _loop(engine, cmds, outs, parent: int) -> None:
             ready = cmds.poll(0)
         if engine.has_unfinished_requests() or engine.has_step_in_flight():
             outputs = engine.step()
+            if pubs is not None:
+                pubs.flush()
             s = engine.kv_stats()
             outs.send(pack(["step", [encoder.encode(o) for o in outputs],
                             [s[k] for k in wire.STAT_KEYS]]))

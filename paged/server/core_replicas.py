@@ -23,12 +23,13 @@ from paged.router.backends import PrefixTree
 from paged.server.core_client import EngineCoreClient
 
 
-def start_engine_core(config, *, poll_ms: float = 5.0):
+def start_engine_core(config, *, poll_ms: float = 5.0, kv_events: int | None = None):
     """The engine ``config`` describes, in its own process(es): an `EngineCoreClient`, or
-    `CoreReplicas` when ``config.data_parallel_size > 1``."""
+    `CoreReplicas` when ``config.data_parallel_size > 1``; ``kv_events``: the cores publish
+    their KV events from that port on (`paged.server.kv_publisher`)."""
     if config.data_parallel_size > 1:
-        return CoreReplicas(config, poll_ms=poll_ms)
-    return EngineCoreClient(config, poll_ms=poll_ms)
+        return CoreReplicas(config, poll_ms=poll_ms, kv_events=kv_events)
+    return EngineCoreClient(config, poll_ms=poll_ms, kv_events=kv_events)
 
 
 class _CoreView:
@@ -72,7 +73,7 @@ class CoreReplicas:
       poll_ms: how long ``step()`` waits for any core's next step.
     """
 
-    def __init__(self, config, *, poll_ms: float = 5.0):
+    def __init__(self, config, *, poll_ms: float = 5.0, kv_events: int | None = None):
         d = config.data_parallel_size
         if d < 2:
             raise ValueError(f"data_parallel_size={d}: use EngineCoreClient for one core")
@@ -80,7 +81,8 @@ class CoreReplicas:
         self.clients: list[EngineCoreClient] = []
         try:
             for i in range(d):
-                self.clients.append(EngineCoreClient(config, poll_ms=poll_ms, replica=(i, d)))
+                self.clients.append(EngineCoreClient(config, poll_ms=poll_ms, replica=(i, d),
+                                                     kv_events=kv_events))
         except BaseException:
             self.close()
             raise

@@ -91,6 +91,7 @@ class EngineLoop:
         self.on_fatal: Callable[[BaseException], None] | None = None
         self._live: dict[str, tuple[Stream, int]] = {}  # loop thread only
         self._deltas = OutputDeltas()  # what each live request's stream was handed (loop thread)
+        self.kv_events = None  # `paged.server.kv_publisher.KVEventPublishers`: flushed per step
         self._thread = threading.Thread(target=self._run, name="paged-engine-loop", daemon=True)
         self.num_steps = 0
 
@@ -167,6 +168,8 @@ class EngineLoop:
                 print(f"paged.server: ready: warmup compiled {n} step shapes in "
                       f"{time.monotonic() - self.warmup_started:.1f} s", file=sys.stderr,
                       flush=True)
+                if self.kv_events is not None:
+                    self.kv_events.flush()
                 self.ready = True
             while True:
                 with self._cond:
@@ -182,6 +185,8 @@ class EngineLoop:
                 if engine.has_unfinished_requests() or engine.has_step_in_flight():
                     outputs = engine.step()
                     self.num_steps += 1
+                    if self.kv_events is not None:
+                        self.kv_events.flush()
                     self._deliver(outputs)
                 self._update_metrics()
         except BaseException as e:  # noqa: BLE001  (reported to every stream, then the loop ends)

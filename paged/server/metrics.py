@@ -16,7 +16,14 @@ Names follow vLLM's with the ``paged:`` prefix (``--metrics_prefix vllm``: vLLM'
   ``paged:host_tier_offloaded_bytes_total``, ``paged:host_tier_loaded_bytes_total`` and
   ``paged:host_tier_load_wait_seconds_total`` (time sequences waited in ``loading``, summed);
 - histograms ``paged:time_to_first_token_seconds``, ``paged:time_per_output_token_seconds``
-  (per request: (finish - first token) / (tokens - 1)), ``paged:e2e_request_latency_seconds``.
+  (per request: (finish - first token) / (tokens - 1)), ``paged:e2e_request_latency_seconds``;
+- residency (``kv_stats()["residency"]``, `paged.kv.blocks.residency`; label ``tier``:
+  ``device`` or ``host``): histograms ``paged:kv_block_lifetime_seconds``,
+  ``paged:kv_block_idle_before_evict_seconds``, ``paged:kv_block_reuse_gap_seconds`` (vLLM's
+  names, vllm PR #27793) and ``paged:kv_block_reuse_distance_blocks``; counters
+  ``paged:prefix_cache_queries`` / ``paged:prefix_cache_hits`` (tokens, device; vLLM's),
+  ``paged:external_prefix_cache_queries`` / ``paged:external_prefix_cache_hits`` (the host tier,
+  vLLM's names for the tier behind the device) and ``paged:kv_eviction_regret_blocks``.
 
 The engine loop thread updates the gauges and counters after every step (`update_engine`) and
 observes each finished request once (`observe_finished`); ``/metrics`` renders the registry.
@@ -32,6 +39,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -88,6 +96,8 @@ class ServerMetrics:
                 ("load_wait_s", "load_wait_seconds",
                  "Seconds sequences waited for host KV tier loads."))}
         self._host_seen = dict.fromkeys(self._host_counters, 0)
+        self.residency: dict = {}  # kv_stats()["residency"] at the last update
+        r.register(_ResidencyCollector(self, p))
 
     def update_engine(self, engine, pending: int = 0) -> dict:
         """Gauges and counters from ``engine.kv_stats()`` (call from the engine's thread);
@@ -103,6 +113,7 @@ class ServerMetrics:
         if preempts > self._preempts:
             self.preemptions.inc(preempts - self._preempts)
         self._hits, self._preempts = hits, preempts
+        self.residency = s.get("residency") or {}
         tier = s.get("host_tier", {})
         self.host_usage.set(tier.get("used_blocks", 0) / max(tier.get("num_blocks", 0), 1))
         for key, counter in self._host_counters.items():
@@ -128,3 +139,52 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+_HISTOGRAMS = (("kv_block_lifetime_seconds", "Seconds from a prefix-cache block's store to its "
+                "removal."),
+               ("kv_block_idle_before_evict_seconds", "Seconds from a block's last access to "
+                "its removal."),
+               ("kv_block_reuse_gap_seconds", "Seconds between consecutive accesses of a block."),
+               ("kv_block_reuse_distance_blocks", "Block accesses between consecutive accesses "
+                "of a block."))
+
+
+class _ResidencyCollector:
+    """The residency figures of the last ``update_engine`` as Prometheus families."""
+
+    def __init__(self, metrics: ServerMetrics, prefix: str):
+        self.metrics, self.p = metrics, prefix
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        p, res = self.p, self.metrics.residency
+        for name, doc in _HISTOGRAMS:
+            fam = HistogramMetricFamily(f"{p}:{name}", doc, labels=["tier"])
+            for tier, r in sorted(res.items()):
+                h = r[name]
+                cum, buckets = 0, []
+                for bound, c in h["buckets"].items():
+                    cum += c
+                    buckets.append((bound, cum))
+                fam.add_metric([tier], buckets, h["sum"])
+            yield fam
+        for name, tier, key, doc in (
+                ("prefix_cache_queries", "device", "query_tokens", "Prompt tokens looked up in "
+                 "the device prefix cache."),
+                ("prefix_cache_hits", "device", "hit_tokens", "Prompt tokens the device prefix "
+                 "cache held."),
+                ("external_prefix_cache_queries", "host", "query_tokens", "Prompt tokens looked "
+                 "up in the host tier (after the device's hits)."),
+                ("external_prefix_cache_hits", "host", "hit_tokens", "Prompt tokens the host tier "
+                 "held.")):
+            fam = CounterMetricFamily(f"{p}:{name}", doc)
+            fam.add_metric([], float(res.get(tier, {}).get(key, 0)))
+            yield fam
+        fam = CounterMetricFamily(f"{p}:kv_eviction_regret_blocks", "Blocks stored again after "
+                                  "their tier removed them (device: recomputed).", labels=["tier"])
+        for tier, r in sorted(res.items()):
+            fam.add_metric([tier], float(r["eviction_regret_blocks"]))
+        yield fam

@@ -158,7 +158,7 @@ class SimReplica:
         self.fast_forward = bool(
             fast_forward and not self.build_device and not config.debug_checks
             and self.window is None and config.cascade_attention == "off"
-            and getattr(step_model, "stateless", False) and config.policy == "decode-first"
+            and getattr(step_model, "stateless", False) and config.policy != "prefill-first"
             and config.scheduling == "continuous"
             and all(not 0 <= e < 256 for e in self._reader.eos_ids))
 

@@ -289,6 +289,7 @@ class HostCore:
         scheduler's plan, then, if it scheduled anything, the block manager's step, the batch
         (``build(sched)`` if given: a simulator's light batch; else ``BatchBuilder.build``), the
         driver's ``launch`` and the commit (rows advanced as if the step had run)."""
+        self.block_manager.set_time(now)  # the residency figures' clock
         step = HostStep(now, self.take_ended(now), self.schedule(now))
         driver.planned(step)
         sched = step.sched

@@ -15,7 +15,9 @@ Plain Python over the block manager. Each ``schedule()`` reads top to bottom:
    ``max_num_seqs``) until the step that copies its blocks to the device completes, and then
    runs; the tokens loaded per step are bounded by the token budget.
 
-"prefill-first" admits waiting requests before serving running ones. "static" is request-level
+"prefill-first" admits waiting requests before serving running ones. "lpm" and "dfs-weight" run
+as "decode-first" with the waiting queue reordered before admission by what the prefix cache
+holds (``paged.step.waiting_order``, with its starvation guard). "static" is request-level
 batching: a batch is admitted only when nothing runs, and runs until every member finished.
 """
 
@@ -30,6 +32,7 @@ from paged.config.engine_config import EngineConfig
 from paged.kv.block_manager import BlockManager
 from paged.request.sequence import UNKNOWN, SeqStatus, Sequence
 from paged.step.input_batch import InputBatch
+from paged.step.waiting_order import ORDERS, WaitingOrder
 
 
 @dataclasses.dataclass
@@ -100,6 +103,10 @@ class Scheduler:
         self.num_loads = 0  # admissions that loaded from the host tier
         self.num_preemptions = 0
         self.num_swap_outs = 0
+        # The cache-aware order of the waiting queue ("lpm", "dfs-weight"), else None (FCFS).
+        self.order = (WaitingOrder(config.policy, block_manager, config.block_size,
+                                   config.policy_max_wait_s)
+                      if config.policy in ORDERS else None)
 
     # --- queues -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -163,6 +170,8 @@ class Scheduler:
                          self.config.max_num_batched_tokens)
         if self.loading:
             self._finish_loads(now)
+        if self.order is not None and self.waiting:
+            self.order.apply(self.waiting, now)
         if self.config.scheduling == "static":
             if not self.running and not self.swapped and not self.loading:
                 self._admit(out, budget, now, static=True)
@@ -182,7 +191,7 @@ class Scheduler:
         return out
 
     def _serve_running(self, out: SchedulerOutput, budget: _Budget, now: float) -> None:
-        decode_first = self.config.policy == "decode-first"
+        decode_first = self.config.policy != "prefill-first"
         ib = self.batch
         served = np.zeros(ib.num_rows, bool)
         if decode_first and not out.scheduled and self._decode_fast(out, budget):
@@ -290,6 +299,8 @@ class Scheduler:
             seq.num_slots = len(seq.token_ids)
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
+            if self.order is not None:
+                self.order.note_admitted(seq, now)
             loaded = self.bm.loading_tokens(seq.seq_id)  # host-tier hits, copied by this step
             if seq.num_preemptions == 0:  # the first admission; a re-admission keeps its count
                 seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)

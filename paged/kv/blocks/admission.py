@@ -45,6 +45,8 @@ class Admission:
                       "allocations": 0, "failed_allocations": 0}
         # (tokens, salt, device hits) of each admission, or None (`BlockManager.record_accesses`)
         self.on_access = None
+        # (device, host or None) `paged.kv.blocks.residency.Residency` told of each admission.
+        self.residency = None
 
     def _match(self, prompt_token_ids: Sequence[int], cache_salt
                ) -> tuple[list[int], bytes, list[tuple[int, BlockKey]]]:
@@ -107,4 +109,20 @@ class Admission:
             st["misses"] += (len(tokens) - 1) // B - len(hits) - len(host)
             st["hit_tokens"] += num_hit
             st["query_tokens"] += len(tokens)
+            if self.residency is not None:
+                self._observe(tokens, salt, hits, host)
         return num_hit
+
+    def _observe(self, tokens: list[int], salt: bytes, hits, host) -> None:
+        """Tells the residency figures of one admission: the keys hit in each tier and the
+        tokens asked and hit (no hashing: regret is found when a removed key is stored again)."""
+        device, tier = self.residency
+        B = self.keyer.block_size
+        for _, key in hits:
+            device.hit(key.digest)
+        device.queried(len(tokens), len(hits) * B)
+        if tier is not None:
+            for _, key in host:
+                tier.hit(key.digest)
+                device.forgive(key.digest)  # loaded from the host: no recompute, no regret
+            tier.queried(len(tokens) - len(hits) * B, len(host) * B)

@@ -181,6 +181,9 @@ class PrefixCacheIndex:
         self.version: list[int] = [0] * num_blocks  # content version it was indexed at
         self._collided = 0  # indexed blocks beyond the first of each bucket
         self.generation = 0  # bumped by every change: a lookup result is valid while it holds
+        # Told of every key indexed (``stored(key)``) and dropped (``removed(digest)``):
+        # `paged.kv.events` (KV events for routers); None: nobody listens.
+        self.events = None
 
     def __len__(self) -> int:
         return len(self.buckets) + self._collided
@@ -219,6 +222,8 @@ class PrefixCacheIndex:
                 key = self.key[block] = BlockKey(parent, data, salt, digest)
                 self.version[block] = versions[block]
                 self.generation += 1
+                if self.events is not None:
+                    self.events.stored(key)
                 return key
         else:
             bucket = buckets.get(digest)
@@ -243,6 +248,8 @@ class PrefixCacheIndex:
         self.key[block] = key
         self.version[block] = version
         self.generation += 1
+        if self.events is not None:
+            self.events.stored(key)
         buckets = self.buckets
         bucket = buckets.setdefault(key.digest, block)
         if bucket is not block:  # a digest collision: the bucket becomes (or is) a list
@@ -268,6 +275,8 @@ class PrefixCacheIndex:
         if bucket is block or type(bucket) is int and bucket == block:
             self.key[block] = None
             self.generation += 1
+            if self.events is not None:
+                self.events.removed(digest)
             return
         if type(bucket) is list and block in bucket:  # collided digests: put the others back
             bucket.remove(block)
@@ -275,6 +284,8 @@ class PrefixCacheIndex:
             self._collided -= 1
             self.key[block] = None
             self.generation += 1
+            if self.events is not None:
+                self.events.removed(digest)
             return
         if bucket is not None:
             buckets[digest] = bucket

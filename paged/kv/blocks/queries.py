@@ -107,6 +107,13 @@ class ManagerQueries:
         """The prefix-cache key ``block`` is indexed under, if any."""
         return self._index.key[block]
 
+    def prefix_cache_digests(self) -> tuple[list, list]:
+        """``(device, host)``: the digest of every key the device index and the host tier's
+        index hold now (what KV events describe, `paged.kv.events`)."""
+        parts = [self._index] + ([] if self._tier is None else [self._tier.index])
+        out = [[index.key[b].digest for b in index.blocks()] for index in parts]
+        return out[0], out[1] if len(out) > 1 else []
+
     def seq_ids(self) -> list:
         return list(self._tables.seqs)
 

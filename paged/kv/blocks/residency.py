@@ -1,0 +1,160 @@
+"""Residency of prefix-cache blocks: how long keys live, sit idle, come back, and are missed.
+
+One `Residency` per tier (the device index, the host tier's index) listens to its index (a key
+stored or removed, `paged.kv.blocks.prefix_index.PrefixCacheIndex.events`) and to admission (the
+keys a prompt hit). The clock is the host step's ``now`` (``BlockManager.set_time``: wall time in
+the engine, simulated time in the simulator). What it measures, as vLLM's KV cache residency
+metrics (vllm PR #27793) where vLLM has one:
+
+* ``kv_block_lifetime_seconds``: from a key's store to its removal (an eviction, or its block
+  rewritten in place);
+* ``kv_block_idle_before_evict_seconds``: from a key's last access (its store or its last hit)
+  to its removal;
+* ``kv_block_reuse_gap_seconds``: between consecutive accesses of a key (a hit after its store
+  or an earlier hit);
+* ``kv_block_reuse_distance_blocks``: block accesses of the tier (stores and hits of any key)
+  between consecutive accesses of one key: accesses, not distinct keys, so an upper bound of
+  the LRU stack distance;
+* eviction regret: keys stored again after the tier removed them (the last ``REMEMBER``
+  removals are remembered): on the device, a block a later request needed and recomputed
+  because it was evicted (a block loaded back from the host tier is not counted); on the host,
+  a block offloaded again after the host evicted it;
+* token hits per tier (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits`` for the device;
+  its ``external_prefix_cache_*`` for the host tier): the device is asked for every prompt token,
+  the host tier for those after the device's hits.
+
+Histograms have fixed buckets (``SECONDS_BUCKETS``, ``DISTANCE_BUCKETS``, Prometheus' ``le``
+bounds plus +Inf) and keep counts, a sum and a count, so memory stays bounded; per-key state is
+one entry per indexed key. Keys are told apart by digest (two keys of one digest, which only a
+weak ``hash_fn`` makes, share an entry).
+"""
+
+from __future__ import annotations
+
+import collections
+from bisect import bisect_left
+from collections.abc import Hashable, Sequence
+
+SECONDS_BUCKETS = (0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 7200.0)
+DISTANCE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+REMEMBER = 1 << 16  # removed device keys remembered for eviction regret
+
+
+class Histogram:
+    """Fixed buckets: ``counts[i]`` observations ``<= bounds[i]`` and above the bound before
+    (the last entry: above every bound), their sum and count."""
+
+    __slots__ = ("bounds", "count", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]):
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, x: float) -> None:
+        self.counts[bisect_left(self.bounds, x)] += 1
+        self.sum += x
+        self.count += 1
+
+    def as_dict(self) -> dict:
+        """``{"buckets": {upper bound: observations in the bucket (not cumulative), ...,
+        "+Inf": ...}, "sum", "count"}`` (bounds as strings: a data-parallel engine's stats add
+        replicas' dicts key by key)."""
+        names = [repr(float(b)) for b in self.bounds] + ["+Inf"]
+        return {"buckets": dict(zip(names, self.counts)), "sum": self.sum, "count": self.count}
+
+
+class Residency:
+    """One tier's residency figures (module docstring)."""
+
+    def __init__(self):
+        self.now = 0.0
+        self._birth: dict[Hashable, float] = {}
+        self._last: dict[Hashable, tuple[float, int]] = {}  # digest -> (time, access number)
+        self._accesses = 0
+        self.removed_keys: collections.OrderedDict = collections.OrderedDict()  # digest -> time
+        self.lifetime = Histogram(SECONDS_BUCKETS)
+        self.idle = Histogram(SECONDS_BUCKETS)
+        self.reuse_gap = Histogram(SECONDS_BUCKETS)
+        self.reuse_distance = Histogram(DISTANCE_BUCKETS)
+        self.query_tokens = 0
+        self.hit_tokens = 0
+        self.regret_blocks = 0
+
+    # --- the index's listener ----------------------------------------------------------------
+    def stored(self, key) -> None:
+        d = key.digest
+        self._birth[d] = self.now
+        self._touch(d)
+        if self.removed_keys.pop(d, None) is not None:  # needed again after its removal
+            self.regret_blocks += 1
+
+    def removed(self, digest: Hashable) -> None:
+        born = self._birth.pop(digest, None)
+        last = self._last.pop(digest, None)
+        if born is None or last is None:
+            return
+        self.lifetime.observe(self.now - born)
+        self.idle.observe(self.now - last[0])
+        rk = self.removed_keys
+        rk[digest] = self.now
+        if len(rk) > REMEMBER:
+            rk.popitem(last=False)
+
+    # --- admission -----------------------------------------------------------------------------
+    def hit(self, digest: Hashable) -> None:
+        last = self._last.get(digest)
+        if last is not None:
+            self.reuse_gap.observe(self.now - last[0])
+            self.reuse_distance.observe(self._accesses - last[1] - 1)
+        self._touch(digest)
+
+    def queried(self, query_tokens: int, hit_tokens: int) -> None:
+        self.query_tokens += query_tokens
+        self.hit_tokens += hit_tokens
+
+    def forgive(self, digest: Hashable) -> None:
+        """``digest`` comes back from another tier, not by recompute: no regret when stored."""
+        self.removed_keys.pop(digest, None)
+
+    def _touch(self, d: Hashable) -> None:
+        self._last[d] = (self.now, self._accesses)
+        self._accesses += 1
+
+    def as_dict(self) -> dict:
+        q = self.query_tokens
+        return {"query_tokens": q, "hit_tokens": self.hit_tokens,
+                "hit_rate": self.hit_tokens / q if q else 0.0,
+                "kv_block_lifetime_seconds": self.lifetime.as_dict(),
+                "kv_block_idle_before_evict_seconds": self.idle.as_dict(),
+                "kv_block_reuse_gap_seconds": self.reuse_gap.as_dict(),
+                "kv_block_reuse_distance_blocks": self.reuse_distance.as_dict(),
+                "eviction_regret_blocks": self.regret_blocks}
+
+
+class Listeners:
+    """Several listeners of one index (``stored(key)`` / ``removed(digest)``), in order."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: Sequence):
+        self.parts = tuple(parts)
+
+    def stored(self, key) -> None:
+        for p in self.parts:
+            p.stored(key)
+
+    def removed(self, digest) -> None:
+        for p in self.parts:
+            p.removed(digest)
+
+
+def listeners(parts: Sequence):
+    """What an index's ``events`` slot holds for ``parts`` (None, one, or `Listeners`)."""
+    parts = [p for p in parts if p is not None]
+    return None if not parts else parts[0] if len(parts) == 1 else Listeners(parts)
+
+
+__all__ = ["DISTANCE_BUCKETS", "REMEMBER", "SECONDS_BUCKETS", "Histogram", "Listeners",
+           "Residency", "listeners"]

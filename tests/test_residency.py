@@ -1,0 +1,106 @@
+"""Residency figures (`paged.kv.blocks.residency`) on hand-built sequences with a set clock:
+block lifetime, idle time before eviction, reuse gap and distance, eviction regret, token hit
+rate per tier; then ``kv_stats()`` and the server's ``/metrics`` carry them."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged.kv.block_manager import BlockManager
+from paged.kv.blocks.residency import SECONDS_BUCKETS, Histogram
+
+B = 4
+PROMPT = list(range(1, 10))  # two full blocks and the final token
+
+
+def _admit(bm, sid, prompt=PROMPT):
+    bm.allocate(sid, prompt)
+    bm.mark_computed(sid, len(prompt))
+
+
+def _in_bucket(h: dict, x: float) -> int:
+    """Observations in the bucket ``x`` falls in."""
+    return next(c for b, c in h["buckets"].items() if b == "+Inf" or x <= float(b))
+
+
+def test_histogram_buckets_are_prometheus_le_bounds():
+    h = Histogram((1.0, 5.0))
+    for x in (0.5, 1.0, 3.0, 9.0):
+        h.observe(x)
+    assert h.as_dict() == {"buckets": {"1.0": 2, "5.0": 1, "+Inf": 1}, "sum": 13.5, "count": 4}
+
+
+def test_lifetime_idle_reuse_and_regret_by_hand():
+    bm = BlockManager(8, B, quarantine_steps=0)
+    bm.set_time(0.0)
+    _admit(bm, "a")  # stores k1, k2 at t=0 (accesses 0, 1)
+    bm.free("a")
+    bm.set_time(1.0)
+    _admit(bm, "b")  # hits k1, k2 at t=1 (accesses 2, 3)
+    bm.free("b")
+    bm.set_time(5.0)
+    bm.evict_cached()  # both removed at t=5
+    bm.set_time(7.0)
+    _admit(bm, "c")  # needed again: recomputed and stored again (regret 2)
+    d = bm.residency_stats()["device"]
+    assert (d["query_tokens"], d["hit_tokens"]) == (27, 8)
+    assert d["hit_rate"] == pytest.approx(8 / 27)
+    gap, dist = d["kv_block_reuse_gap_seconds"], d["kv_block_reuse_distance_blocks"]
+    assert gap["count"] == 2 and gap["sum"] == 2.0 and _in_bucket(gap, 1.0) == 2
+    assert dist["count"] == 2 and dist["sum"] == 2  # one access of the other block between
+    life, idle = d["kv_block_lifetime_seconds"], d["kv_block_idle_before_evict_seconds"]
+    assert life["count"] == 2 and life["sum"] == 10.0 and _in_bucket(life, 5.0) == 2
+    assert idle["count"] == 2 and idle["sum"] == 8.0 and _in_bucket(idle, 4.0) == 2
+    assert d["eviction_regret_blocks"] == 2
+    assert "host" not in bm.residency_stats()
+    assert list(life["buckets"]) == [repr(float(b)) for b in SECONDS_BUCKETS] + ["+Inf"]
+
+
+def test_host_tier_hits_are_not_regret_and_count_per_tier():
+    bm = BlockManager(4, B, num_host_tier_blocks=4, quarantine_steps=0)  # 3 usable blocks
+    bm.set_time(0.0)
+    step = bm.begin_step()
+    _admit(bm, "a")
+    bm.free("a")
+    bm.step_completed(step)
+    step = bm.begin_step()
+    _admit(bm, "x", [50 + i for i in range(9)])  # takes every block: a's go to the host tier
+    bm.free("x")
+    bm.step_completed(step)
+    bm.step_completed(bm.begin_step())  # the offloads complete: loadable
+    bm.set_time(3.0)
+    step = bm.begin_step()
+    assert bm.allocate("b", PROMPT) == 8  # from the host tier
+    bm.step_completed(step)
+    bm.mark_computed("b", len(PROMPT))
+    res = bm.residency_stats()
+    assert res["device"]["eviction_regret_blocks"] == 0  # loaded back, not recomputed
+    assert res["host"]["hit_tokens"] == 8 and res["host"]["query_tokens"] == 27
+    assert res["device"]["hit_tokens"] == 0 and res["device"]["query_tokens"] == 27
+    gap = res["host"]["kv_block_reuse_gap_seconds"]
+    assert (gap["count"], gap["sum"]) == (2, 6.0)  # both blocks, stored at 0, hit at 3
+
+
+def test_kv_stats_and_metrics_serve_the_residency_figures():
+    from server_utils import CONFIG
+
+    from paged import Engine, SamplingParams
+    from paged.server.metrics import ServerMetrics
+
+    engine = Engine(CONFIG)
+    prompt = "residency " * 6
+    for _ in range(2):  # the second hits the first's blocks
+        engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))
+    res = engine.kv_stats()["residency"]["device"]
+    assert res["hit_tokens"] > 0 and res["kv_block_reuse_gap_seconds"]["count"] > 0
+    m = ServerMetrics("vllm")
+    m.update_engine(engine)
+    text = m.render().decode()
+    for name in ("vllm:kv_block_lifetime_seconds_bucket", "vllm:kv_block_reuse_gap_seconds_count",
+                 "vllm:kv_block_idle_before_evict_seconds_sum",
+                 "vllm:kv_block_reuse_distance_blocks_bucket", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total",
+                 "vllm:kv_eviction_regret_blocks_total"):
+        assert name in text, name
+    line = next(x for x in text.splitlines() if x.startswith("vllm:prefix_cache_hits_total"))
+    assert float(line.split()[-1]) == res["hit_tokens"]
