@@ -131,7 +131,7 @@ if _COMPILE_LOG:
 # with ``--durations=0``, summed per file) are collected first, in this order; the rest follow in
 # their usual order. Only the order changes: every test still runs.
 SLOW_FIRST = (
-    "test_experiments.py", "test_forced_devices.py", "test_spec_decode.py",
+    "test_experiments.py", "test_gguf_model.py", "test_forced_devices.py", "test_spec_decode.py",
     "test_kv_quant_engine.py", "test_server.py", "test_kv_groups.py", "test_hf_checkpoints.py",
     "test_engine.py", "test_core_process.py", "test_kernels_bench.py", "test_kernels_quant.py",
     "test_reference.py", "test_sliding_window.py", "test_spec_decode_sched.py",
