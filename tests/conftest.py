@@ -131,10 +131,10 @@ if _COMPILE_LOG:
 # with ``--durations=0``, summed per file) are collected first, in this order; the rest follow in
 # their usual order. Only the order changes: every test still runs.
 SLOW_FIRST = (
-    "test_experiments.py", "test_spec_decode.py", "test_kv_quant_engine.py", "test_server.py",
-    "test_kv_groups.py", "test_hf_checkpoints.py", "test_engine.py", "test_core_process.py",
-    "test_kernels_bench.py", "test_kernels_quant.py", "test_reference.py", "test_sliding_window.py",
-    "test_data_parallel.py", "test_spec_decode_sched.py", "test_disaggregation.py",
+    "test_experiments.py", "test_gguf_model.py", "test_forced_devices.py", "test_spec_decode.py",
+    "test_kv_quant_engine.py", "test_server.py", "test_kv_groups.py", "test_hf_checkpoints.py",
+    "test_engine.py", "test_core_process.py", "test_kernels_bench.py", "test_kernels_quant.py",
+    "test_reference.py", "test_sliding_window.py", "test_spec_decode_sched.py",
     "test_server_start.py", "test_studies_memory.py", "test_models.py", "test_routing_study.py",
     "test_kernels_cascade.py", "test_cascade_engine.py", "test_http_router.py",
     "test_fragmentation.py", "test_kernels_sliding.py", "test_kernels_paged.py",

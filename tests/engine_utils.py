@@ -85,13 +85,41 @@ def host_devices_flags(num_devices: int) -> str:
     return " ".join(kept + [f"--xla_force_host_platform_device_count={num_devices}"])
 
 
-def run_on_host_devices(script: str, marker: str, num_devices: int = 4) -> str:
-    """Runs ``script`` in a new Python process with ``num_devices`` forced CPU host devices
-    (``XLA_FLAGS`` must be set before JAX starts, hence the process), from the repository root;
-    asserts it exited 0 and printed ``marker``; returns its stdout."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=host_devices_flags(num_devices))
-    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and marker in proc.stdout, proc.stdout + proc.stderr[-3000:]
-    return proc.stdout
+# Runs each section's script in its own globals, in order, in one process; a section that raises
+# is reported and the next one still runs.
+_SECTIONS_DRIVER = r"""
+import json, sys, traceback
+for name, script in json.load(sys.stdin):
+    print(f"=== BEGIN {name}", flush=True)
+    try:
+        exec(compile(script, f"<{name}>", "exec"), {"__name__": "__main__"})
+        print(f"=== END {name} ok", flush=True)
+    except BaseException:
+        traceback.print_exc(file=sys.stdout)
+        print(f"=== END {name} FAILED", flush=True)
+"""
+
+
+def run_sections_on_host_devices(sections: dict[str, str], num_devices: int = 4) -> dict:
+    """Runs several forced-device scripts in ONE new Python process with ``num_devices`` forced
+    CPU host devices (one JAX start, and the engines of scripts that share a configuration share
+    its compiled step shapes), one after the other. Returns ``name -> (ok, output)``: whether the
+    script ran to its end, and what it printed (with its traceback when it raised)."""
+    import json
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=host_devices_flags(num_devices))
+    proc = subprocess.run([sys.executable, "-c", _SECTIONS_DRIVER],
+                          input=json.dumps(list(sections.items())),
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True,
+                          text=True, timeout=900)
+    out = {}
+    for name in sections:
+        begin, end = f"=== BEGIN {name}\n", f"=== END {name} "
+        if begin not in proc.stdout or end not in proc.stdout:
+            out[name] = (False, f"section never ended (exit {proc.returncode}):\n"
+                                f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+            continue
+        body = proc.stdout.split(begin, 1)[1].split(end, 1)
+        out[name] = (body[1].startswith("ok"), body[0] + proc.stderr[-2000:] * (
+            not body[1].startswith("ok")))
+    return out

@@ -1,15 +1,15 @@
 """Data-parallel replicas and tensor parallel through ``EngineConfig`` (``paged.engine.data_parallel``).
 
-The multi-device checks run in one subprocess with four forced host devices
-(``XLA_FLAGS=--xla_force_host_platform_device_count=4`` must be set before JAX starts); the
-argument checks run here on the one CPU device.
+The multi-device checks are ``SCRIPT``, run by `test_forced_devices` in its one subprocess with
+four forced host devices (``XLA_FLAGS`` must be set before JAX starts); the argument checks run
+here on the one CPU device.
 """
 
 from __future__ import annotations
 
 import jax
 import pytest
-from engine_utils import run_on_host_devices, small_model
+from engine_utils import small_model
 
 from paged import Engine, EngineConfig
 
@@ -130,10 +130,6 @@ assert [r.block_manager.num_free_blocks + r.block_manager.num_cached_blocks
 assert engine.replica_of("a") is None
 print("DP_OK")
 """
-
-
-def test_replicas_and_tensor_parallel_give_the_single_device_tokens():
-    run_on_host_devices(SCRIPT, "DP_OK")
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -1,14 +1,13 @@
 """Prefill/decode disaggregation (``EngineConfig.prefill_replicas``, ``paged.fleet.handover``).
 
-The multi-device checks share one subprocess with four forced host devices
-(``XLA_FLAGS=--xla_force_host_platform_device_count=4`` must be set before JAX starts); the
-setting checks run here.
+The multi-device checks are ``SCRIPT``, run by `test_forced_devices` in its one subprocess with
+four forced host devices (``XLA_FLAGS`` must be set before JAX starts); the setting checks run
+here.
 """
 
 from __future__ import annotations
 
 import pytest
-from engine_utils import run_on_host_devices
 
 from paged import EngineConfig, SpeculativeConfig
 
@@ -176,10 +175,6 @@ for r in engine.kv_stats()["replicas"]:
     assert r["num_prefill_tokens"] > 0 and r["num_decode_tokens"] > 0, r
 print("DISAGG_OK")
 """
-
-
-def test_disaggregated_replicas_give_the_single_device_tokens():
-    print(run_on_host_devices(SCRIPT, "DISAGG_OK"))  # shown with -s: hits, parking, aborts
 
 
 @pytest.mark.parametrize("kw, exc, match", [

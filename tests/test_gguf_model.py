@@ -147,18 +147,29 @@ def _log_softmax(x):
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
-def test_paged_engine_equals_dense_model(stacked, dense):
-    """Greedy tokens and prompt log-probabilities through the paged engine (prefill chunked into
-    32-token pieces) equal the dense no-cache forward of the same params."""
+# Greedy, prompt log-probabilities, and the chat prompt's answer ends at <|im_end|> (EOS on).
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, seed=0, prompt_logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def paged_run(stacked):
+    """One paged engine's greedy outputs on the three prompts and one conversation (last), read by
+    the two tests below (one 30-layer engine run instead of two)."""
     config, params = stacked
     assert is_stacked(params)
     engine = Engine(EngineConfig(model=MODEL, **ENGINE), model_config=config, params=params)
-    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
-    outs = engine.generate(prompts, sp)
+    return prompts, engine.generate([*prompts, CHAT], GREEDY)
+
+
+def test_paged_engine_equals_dense_model(paged_run, dense):
+    """Greedy tokens and prompt log-probabilities through the paged engine (prefill chunked into
+    32-token pieces) equal the dense no-cache forward of the same params."""
+    prompts, outs = paged_run
     for prompt, out in zip(prompts, outs):
         gen = out.outputs[0].token_ids
         full = prompt + gen
+        assert len(full) <= 64  # the dense forward's padded width
         logp = _log_softmax(dense(full))
         for i in range(1, len(prompt)):
             assert abs(out.prompt_logprobs[i][prompt[i]] - logp[i - 1, prompt[i]]) < 2e-3
@@ -169,19 +180,19 @@ def test_paged_engine_equals_dense_model(stacked, dense):
                 assert tok == int(np.argmax(row)), (j, tok, int(np.argmax(row)))
 
 
-def test_paged_equals_contiguous_engine_and_chat_answers(stacked):
+def test_paged_equals_contiguous_engine_and_chat_answers(stacked, paged_run):
     config, params = stacked
-    sp = SamplingParams(max_tokens=12, temperature=0.0, seed=0)
-    outs = {}
-    for layout in ("paged", "contiguous"):
-        engine = Engine(EngineConfig(model=MODEL, kv_layout=layout, **ENGINE),
-                        model_config=config, params=params)
-        outs[layout] = engine.generate([*PROMPTS, CHAT], sp)
-    assert [o.token_ids for o in outs["paged"]] == [o.token_ids for o in outs["contiguous"]]
-    answer = outs["paged"][0]
+    prompts, paged = paged_run
+    engine = Engine(EngineConfig(model=MODEL, kv_layout="contiguous", **ENGINE),
+                    model_config=config, params=params)
+    contiguous = engine.generate([*PROMPTS, CHAT],
+                                 dataclasses.replace(GREEDY, prompt_logprobs=None))
+    assert [o.prompt_token_ids for o in contiguous[:-1]] == prompts
+    assert [o.token_ids for o in paged] == [o.token_ids for o in contiguous]
+    answer = paged[0]
     assert "Paris" in answer.text and answer.outputs[0].token_ids[-1] == 2  # <|im_end|> stops
     # A conversation is rendered with the file's template (default system prompt included).
-    chat = outs["paged"][-1]
+    chat = paged[-1]
     assert chat.prompt_token_ids == engine.tokenizer.encode(
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
         "Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"

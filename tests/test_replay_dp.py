@@ -1,8 +1,9 @@
 """Exact replay of a data-parallel serving run (two replicas behind the router): the record holds
 each request's replica and every replica's batch per step; the replay routes again, in
 lockstep, and reproduces both, and a changed router is caught at the request it sends elsewhere.
-Runs in one subprocess with two forced host devices (``XLA_FLAGS`` must be set before JAX
-starts); the device-count check of the command line runs here on one device."""
+``SCRIPT`` runs in `test_forced_devices`' one subprocess with forced host devices (``XLA_FLAGS``
+must be set before JAX starts; two are used); the device-count check of the command line runs here
+on one device."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import json
 
 import jax
 import pytest
-from engine_utils import run_on_host_devices
 
 from experiments import replay as rp
 
@@ -24,7 +24,7 @@ from experiments import common, serving
 from experiments import replay as rp
 from paged import Engine, EngineConfig
 
-assert len(jax.devices()) == 2, jax.devices()
+assert len(jax.devices()) >= 2, jax.devices()
 model = common.load_model("random-small")
 config = EngineConfig(**CONFIG, data_parallel_size=2, router="prefix_aware",
                       router_load_threshold=1)  # hits win only while loads stay close
@@ -54,11 +54,6 @@ assert again.replay["fresh_engine"], "not cold after start_cold"
 assert rp.replay(again.replay, model).ok
 print("DP REPLAY OK")
 """
-
-
-def test_data_parallel_run_replays_in_lockstep():
-    out = run_on_host_devices(SCRIPT, "DP REPLAY OK", num_devices=2)
-    assert "changed router caught: replay differs at step " in out
 
 
 def test_cli_names_the_devices_a_data_parallel_record_needs(tmp_path, capsys):
