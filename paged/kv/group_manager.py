@@ -356,11 +356,10 @@ class GroupedBlockManager:
             g.free(seq_id)
         self._end_call()
 
-    def set_time(self, now: float) -> None:
-        """A grouped pool keeps no residency figures (`BlockManager.set_time`)."""
+    def set_time(self, now: float) -> None:  # a grouped pool keeps no residency figures
+        pass
 
-    def residency_stats(self) -> dict:
-        return {}
+    residency_stats = staticmethod(dict)
 
     def set_event_sink(self, sink) -> None:
         """``BlockManager.set_event_sink`` on the index every group shares (keys of all groups,
