@@ -51,6 +51,7 @@ CATEGORIES = (
     "reserved",
     "transfer",
     "scales",
+    "page_metadata",
 )
 
 #: Bytes per stored value of each quantized ``kv_cache_dtype`` (``pallas_kernels.quant``'s formats)
@@ -266,6 +267,8 @@ class ModelSpec:
         one byte per value plus float32 scales).
       scale_granularity: quantized only: "token" (a scale per (token, KV head)) or "page" (per
         (page, KV head)).
+      page_bounds: each page also holds its keys' element-wise minimum and maximum per KV head
+        (sparse decode): ``2 * L * h_kv * d_h`` values of ``dtype`` per block.
     """
 
     num_layers: int
@@ -274,6 +277,7 @@ class ModelSpec:
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"
     scale_granularity: str = "token"
+    page_bounds: bool = False
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -284,7 +288,7 @@ class ModelSpec:
 
     @classmethod
     def from_model_config(cls, cfg: Any, *, dtype: Any = None, kv_cache_dtype: str = "auto",
-                          scale_granularity: str = "token") -> ModelSpec:
+                          scale_granularity: str = "token", page_bounds: bool = False) -> ModelSpec:
         """Reads ``num_layers``, ``num_kv_heads``, ``head_dim`` and ``dtype`` from any object.
 
         Args:
@@ -305,6 +309,7 @@ class ModelSpec:
             dtype=cfg.dtype if dtype is None else dtype,
             kv_cache_dtype=kv_cache_dtype,
             scale_granularity=scale_granularity,
+            page_bounds=page_bounds,
         )
 
     @classmethod
@@ -345,14 +350,23 @@ class ModelSpec:
         width = block_size if self.scale_granularity == "token" else 1
         return 2 * self.num_layers * self.num_kv_heads * width * SCALE_BYTES
 
+    def metadata_bytes_per_block(self, block_size: int) -> int:
+        """Page-metadata bytes of one physical block over all layers: the key bounds of sparse
+        decode (0 without them; independent of ``block_size``)."""
+        validate.integer("block_size", block_size, minimum=1)
+        if not self.page_bounds:
+            return 0
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _dtype_of(self.dtype).itemsize
+
     def value_bytes_per_block(self, block_size: int) -> int:
         """KV value bytes of one physical block of ``block_size`` positions (no scales)."""
         return self.bytes_per_token * validate.integer("block_size", block_size, minimum=1)
 
     def bytes_per_block(self, block_size: int) -> int:
-        """Bytes of one physical block of ``block_size`` positions over all layers, scales
-        included: what the pool allocates per page."""
-        return self.value_bytes_per_block(block_size) + self.scale_bytes_per_block(block_size)
+        """Bytes of one physical block of ``block_size`` positions over all layers, scales and
+        page metadata included: what the pool allocates per page."""
+        return (self.value_bytes_per_block(block_size) + self.scale_bytes_per_block(block_size)
+                + self.metadata_bytes_per_block(block_size))
 
     def blocks_for_bytes(self, budget_bytes: int, block_size: int) -> int:
         """Physical blocks (null page included) a pool of ``budget_bytes`` affords: the page

@@ -6,6 +6,7 @@ import dataclasses
 import warnings
 
 from paged.config import support
+from paged.config.sparse_decode import SparseDecodeConfig
 from paged.config.speculative import SpeculativeConfig
 from paged.util import validate
 
@@ -132,6 +133,9 @@ class EngineConfig:
         (``paged.kv.blocks.host_tier``); as many whole blocks (all layers and KV heads, scales
         included) as fit. Separate from the swap slots of ``num_host_blocks``. Paged layout
         with prefix caching, single-process engines, full-attention models only; per replica.
+      sparse_decode: ``SparseDecodeConfig`` to read, at decode, only the pages Quest selects per
+        sequence and KV head (page key bounds kept beside the pages, counted as
+        ``page_metadata``; docs/sparse-decode.md), ``None`` (the default) to read every page.
     """
 
     model: str = "tiny"
@@ -166,6 +170,7 @@ class EngineConfig:
     cascade_attention: str = "off"
     prefill_replicas: int = 0
     host_kv_cache_bytes: int = 0
+    sparse_decode: SparseDecodeConfig | None = None
 
     def __new__(cls, *args, **kwargs):
         # A mistyped keyword gets "closest: ..." (as the studies' config keys do), not the
@@ -198,6 +203,10 @@ class EngineConfig:
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise TypeError(f"speculative={self.speculative!r:.80} must be None or a "
                             f"SpeculativeConfig")
+        if self.sparse_decode is not None and not isinstance(self.sparse_decode,
+                                                             SparseDecodeConfig):
+            raise TypeError(f"sparse_decode={self.sparse_decode!r:.80} must be None or a "
+                            f"SparseDecodeConfig")
         validate.string("model", self.model)
         validate.one_of("kv_layout", self.kv_layout, KV_LAYOUTS)
         validate.one_of("scheduling", self.scheduling, SCHEDULINGS)
