@@ -23,6 +23,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NULL_PAGE = 0
 
@@ -194,6 +195,24 @@ def _pool_dims(pages, layer) -> tuple[int, int, int]:
     return shape[0], shape[1], shape[2]
 
 
+def bytes_read(kv_lens, lengths, *, page_size: int, head_dim: int, itemsize: int) -> dict:
+    """K/V bytes one layer's decode step reads, counted in whole pages: ``dense`` (every page
+    of every KV head), ``selected_kv`` (the pages of :func:`select_pages`' ``lengths``),
+    ``bounds`` (the 2 bound rows of every page, which the scores read; same itemsize) and
+    ``sparse = selected_kv + bounds``.
+
+    Args:
+      kv_lens: i32[S] tokens per sequence; lengths: i32[S, Hkv] keys selected per KV head.
+    """
+    kv, sel = np.asarray(kv_lens, np.int64), np.asarray(lengths, np.int64)
+    pages = int((-(-kv // page_size)).sum()) * sel.shape[1]
+    page_bytes = 2 * page_size * head_dim * itemsize
+    selected = int((-(-sel // page_size)).sum()) * page_bytes
+    bounds = pages * 2 * head_dim * itemsize
+    return {"dense": pages * page_bytes, "selected_kv": selected, "bounds": bounds,
+            "sparse": selected + bounds}
+
+
 @functools.partial(jax.jit, static_argnames=("page_size", "budget"))
 def select_pages_jit(q, bounds, kv_lens, page_indices, active, *, page_size, budget):
     """:func:`select_pages`, jitted (the small function a study or a test calls directly)."""
@@ -201,5 +220,5 @@ def select_pages_jit(q, bounds, kv_lens, page_indices, active, *, page_size, bud
                         budget=budget)
 
 
-__all__ = ["flatten_selection", "heads_as_pages", "init_bounds", "page_scores", "select_pages",
+__all__ = ["bytes_read", "flatten_selection", "heads_as_pages", "init_bounds", "page_scores", "select_pages",
            "select_pages_jit", "sparse_paged_attention", "table_width", "update_bounds"]
