@@ -26,6 +26,13 @@
 #            (cascade vs ordinary paged decode, compiled GPU-style Pallas, bf16, groups 1-64 x
 #            prefix 256-8k; its JSON is rewritten after each point). Never run on a device yet;
 #            selecting it adds one file under $OUT and up to T_CASCADE (150 s) to the worst case.
+#   sparse   (opt-in: add it to STAGES) experiments.sparse_decode :h200 -> $OUT/sparse_decode_h200.json
+#            (Quest selected-page decode vs dense, compiled GPU-style Pallas, bf16, Hq=32 Hkv=8
+#            D=128, B=8 at 4k and 32k, budget 1/8: bytes counted, time, and each side's bytes /
+#            time as a fraction of the device's own streaming-read rate, measured in the same
+#            rounds). Never run on a device yet; up to T_SPARSE (150 s). CPU dry run:
+#              STAGES=sparse DEVICE_CHECK_SMOKE=1 OUT=/tmp/sd PYTHON=.venv/bin/python \
+#                bash experiments/device_check.sh
 #   simval   (opt-in: add it to STAGES) experiments.sim_gpu_check -> $OUT/sim_gpu_check.json: the
 #            real engine serves 60 s of the Azure conversation trace (minutes 20-21, real arrival
 #            times; random weights of a ~1B Llama shape, bf16 KV) on this GPU, then paged.sim runs
@@ -91,6 +98,7 @@ T_RAGGED=${T_RAGGED:-80}
 T_KVDTYPE=${T_KVDTYPE:-120}
 T_CASCADE=${T_CASCADE:-150}
 T_SIMVAL=${T_SIMVAL:-300}
+T_SPARSE=${T_SPARSE:-150}
 STAGES=${STAGES:-install env engine decode grid ragged}
 EB_FLAGS=${EB_FLAGS:-}
 KB_FLAGS=${KB_FLAGS:-}
@@ -214,6 +222,7 @@ KB_RAGGED="$OUT/kernel_bench_${KB_VARIANT}_ragged.json"
 KB_GRID="$OUT/kernel_bench_${KB_VARIANT}_grid.json"
 KB_KV="$OUT/kernel_bench_${KB_VARIANT}_kvdtype.json"
 CAS_JSON="$OUT/cascade_${KB_VARIANT}.json"
+SD_JSON="$OUT/sparse_decode_${KB_VARIANT}.json"
 echo "device_check: OUT=$OUT smoke=$SMOKE stages=[$STAGES] GIT_REV=${GIT_REV:-unset}"
 # .git does not travel: the results writer (experiments/provenance.py) takes the commit from
 # GIT_REV and records the source tree's sha256 beside it; without GIT_REV it would refuse to write.
@@ -260,6 +269,22 @@ if want cascade; then
   run_stage cascade "$T_CASCADE" "$KB_LOG" - "$PYTHON" -m experiments.cascade \
     "--config=experiments/configs/cascade.py:$KB_VARIANT" "--config.output_dir=$SITE/cascade"
   [ -f "$SITE/cascade/cascade.json" ] && cp "$SITE/cascade/cascade.json" "$CAS_JSON"
+fi
+if want sparse; then
+  # sparse_decode writes sparse_decode.json into its output_dir (after every point).
+  run_stage sparse "$T_SPARSE" "$KB_LOG" - "$PYTHON" -m experiments.sparse_decode \
+    "--config=experiments/configs/sparse_decode.py:$KB_VARIANT" "--config.output_dir=$SITE/sparse_decode"
+  if [ -f "$SITE/sparse_decode/sparse_decode.json" ]; then
+    cp "$SITE/sparse_decode/sparse_decode.json" "$SD_JSON"
+    timeout 15 "$PYTHON" - "$SD_JSON" >"$SITE/sparse_summary.txt" 2>&1 <<'PYEOF'
+import json, sys
+for p in json.load(open(sys.argv[1])).get("points", []):
+    f = p["frac_of_read_roofline"]
+    print(f"sparse_decode: ctx {p['context']} budget {p['fraction']}: bytes "
+          f"{p['bytes_ratio']:.3f}x dense, time {p['sparse_ms']:.3f} / {p['dense_ms']:.3f} ms, "
+          f"of the read roofline: sparse {100 * f['sparse']:.0f}%, dense {100 * f['dense']:.0f}%")
+PYEOF
+  fi
 fi
 
 if want kvdtype; then
@@ -444,6 +469,7 @@ if os.path.exists(sv):  # simval: the roofline simulator against this device's s
             print(f"  {k}: real {real or 0:.2f} | " + " | ".join(cells))
 EOF
   # Stages that timed out or crashed: where their logs ended.
+  [ -f "$SITE/sparse_summary.txt" ] && cat "$SITE/sparse_summary.txt"
   [ -f "$SITE/tails.txt" ] && cat "$SITE/tails.txt"
   echo "--- files in $OUT"
   ls -la "$OUT"

@@ -193,6 +193,7 @@ def test_ledger_hand_computed():
         "reserved": 256,
         "transfer": 0,  # no pages held for a hand-over between replicas
         "scales": 0,  # an unquantized pool has none
+        "page_metadata": 0,  # no page key bounds without sparse decode
     }
     assert ledger.pool_bytes == 2560 == sum(ledger.categories().values())
     assert ledger.shared_saved_bytes == 2 * 2 * 64
@@ -306,3 +307,13 @@ def test_ledger_always_sums_to_pool(pool, layers, heads, dtype):
             free=free,
             reserved=reserved,
         )
+
+
+def test_page_bounds_are_page_metadata_in_every_block():
+    # Sparse decode's key bounds: min and max rows of D values per layer and KV head, per block.
+    spec = dataclasses.replace(SPEC, page_bounds=True)
+    assert spec.metadata_bytes_per_block(4) == 2 * 2 * 2 * 2 * 4 == 64
+    assert spec.bytes_per_block(4) == SPEC.bytes_per_block(4) + 64
+    ledger = MemoryLedger.from_blocks(spec, 4, 5, used=[(1, 3)], cached_free=1, free=2)
+    assert ledger.categories()["page_metadata"] == 5 * 64
+    assert ledger.pool_bytes == sum(ledger.categories().values())

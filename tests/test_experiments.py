@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 STUDIES = ("ablate", "capacity", "cascade", "disagg_engine", "disaggregation", "engine_bench",
-           "kv_quant", "kv_tiers", "serve", "sliding_window_capacity", "spec_decode")
+           "kv_quant", "kv_tiers", "serve", "sliding_window_capacity", "sparse_decode",
+           "spec_decode")
 _CLI: list[ForkRunner] = []
 
 
@@ -286,6 +287,18 @@ def test_cascade_smoke(tmp_path):
         assert p["kv_bytes"]["cascade"] == (pages + n) * bytes_per_page
     assert set(payload["derived"]["crossovers"]) == {"1", "4"}
     assert (tmp_path / "cascade.png").stat().st_size > 0
+
+
+def test_sparse_decode_smoke(tmp_path):
+    _run("experiments.sparse_decode", "--config=experiments/configs/sparse_decode.py:smoke",
+         f"--config.output_dir={tmp_path}")
+    payload = json.loads((tmp_path / "sparse_decode.json").read_text())
+    assert [(p["context"], p["fraction"]) for p in payload["points"]] == [(256, 0.25), (512, 0.25)]
+    for p in payload["points"]:
+        # 1/4 of the pages (K and V), plus 2 bound rows per 16-token page: 1/4 + 1/16.
+        assert p["bytes"]["dense"] == 2 * 2 * p["context"] * 2 * 16 * 4  # B, Hkv, K+V, D, f32
+        assert p["bytes_ratio"] == pytest.approx(0.25 + 1 / 16)
+        assert p["sparse_ms"] > 0 and p["time_ratio"]["rounds"] == 2
 
 
 def test_disaggregation_smoke(tmp_path):

@@ -38,6 +38,7 @@ CASES = [
     ("sliding_window", "smoke", "window_fraction=(0.5,)", "window_fractions",
      "window_fractions=(0.05,)", "window_fractions"),
     ("cascade", "smoke", "group_size=2", "group_sizes", "group_sizes=abc", "group_sizes"),
+    ("sparse_decode", "smoke", "fraction=(0.5,)", "fractions", "fractions=(0,)", "fractions"),
 ]
 
 

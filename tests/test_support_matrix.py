@@ -11,6 +11,7 @@ import pytest
 
 from paged import Engine, EngineConfig, SpeculativeConfig
 from paged.config import support
+from paged.config.sparse_decode import SparseDecodeConfig
 from paged.config.support import MECHANISMS, REFUSED, check_supported, features
 
 
@@ -48,6 +49,7 @@ RECIPES = {
     "multi_process": ({}, None, {"processes": True}),
     "engine_processes": ({}, None, {"engine_processes": True}),
     "prefix_eviction": ({"prefix_eviction": "lfu"}, None, {}),
+    "sparse_decode": ({"sparse_decode": SparseDecodeConfig(pages=4)}, None, {}),
 }
 
 # Pairs whose recipes cannot both be on (by definition, not by refusal).

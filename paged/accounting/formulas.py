@@ -53,6 +53,7 @@ CATEGORIES = (
     "reserved",
     "transfer",
     "scales",
+    "page_metadata",
 )
 
 #: Bytes per stored value of each quantized ``kv_cache_dtype`` (``pallas_kernels.quant``'s formats)
@@ -283,6 +284,8 @@ class ModelSpec:
         :data:`PACKED_BITS`, plus one open page per running sequence in ``dtype``).
       scale_granularity: quantized only: "token" (a scale per (token, KV head)) or "page" (per
         (page, KV head)).
+      page_bounds: each page also holds its keys' element-wise minimum and maximum per KV head
+        (sparse decode): ``2 * L * h_kv * d_h`` values of ``dtype`` per block.
     """
 
     num_layers: int
@@ -291,6 +294,7 @@ class ModelSpec:
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"
     scale_granularity: str = "token"
+    page_bounds: bool = False
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -302,7 +306,7 @@ class ModelSpec:
 
     @classmethod
     def from_model_config(cls, cfg: Any, *, dtype: Any = None, kv_cache_dtype: str = "auto",
-                          scale_granularity: str = "token") -> ModelSpec:
+                          scale_granularity: str = "token", page_bounds: bool = False) -> ModelSpec:
         """Reads ``num_layers``, ``num_kv_heads``, ``head_dim`` and ``dtype`` from any object.
 
         Args:
@@ -323,6 +327,7 @@ class ModelSpec:
             dtype=cfg.dtype if dtype is None else dtype,
             kv_cache_dtype=kv_cache_dtype,
             scale_granularity=scale_granularity,
+            page_bounds=page_bounds,
         )
 
     @classmethod
@@ -377,6 +382,14 @@ class ModelSpec:
         width = block_size if self.scale_granularity == "token" else 1
         return 2 * self.num_layers * self.num_kv_heads * width * SCALE_BYTES
 
+    def metadata_bytes_per_block(self, block_size: int) -> int:
+        """Page-metadata bytes of one physical block over all layers: the key bounds of sparse
+        decode (0 without them; independent of ``block_size``)."""
+        validate.integer("block_size", block_size, minimum=1)
+        if not self.page_bounds:
+            return 0
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _dtype_of(self.dtype).itemsize
+
     def value_bytes_per_block(self, block_size: int) -> int:
         """KV value bytes of one physical block of ``block_size`` positions (no scales).
 
@@ -393,9 +406,10 @@ class ModelSpec:
         return self.bytes_per_token * validate.integer("block_size", block_size, minimum=1)
 
     def bytes_per_block(self, block_size: int) -> int:
-        """Bytes of one physical block of ``block_size`` positions over all layers, scales
-        included: what the pool allocates per page."""
-        return self.value_bytes_per_block(block_size) + self.scale_bytes_per_block(block_size)
+        """Bytes of one physical block of ``block_size`` positions over all layers, scales and
+        page metadata included: what the pool allocates per page."""
+        return (self.value_bytes_per_block(block_size) + self.scale_bytes_per_block(block_size)
+                + self.metadata_bytes_per_block(block_size))
 
     def open_page_bytes(self, block_size: int) -> int:
         """Bytes of one running sequence's open page over all layers: a page in the model

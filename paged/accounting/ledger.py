@@ -40,6 +40,8 @@ class MemoryLedger:
         disaggregation: a prefilled request's pages waiting for, or in, their transfer).
       scales: bytes of the scales of every block of the pool (quantized KV; 0 otherwise). The
         other categories count value bytes only, so scales are counted once, here.
+      page_metadata: bytes of every block's page metadata (the key bounds of sparse decode; 0
+        otherwise), counted once, here, like the scales.
     """
 
     spec: ModelSpec
@@ -61,6 +63,7 @@ class MemoryLedger:
     staged: int = 0
     scales: int = 0
     transfer: int = 0
+    page_metadata: int = 0
 
     def __post_init__(self):
         # The whole point of the ledger: no byte of the pool unaccounted for, none counted twice.
@@ -174,6 +177,7 @@ class MemoryLedger:
         return cls(
             staged=staged * per_token,
             scales=num_blocks * spec.scale_bytes_per_block(block_size),
+            page_metadata=num_blocks * spec.metadata_bytes_per_block(block_size),
             spec=spec,
             layout="paged",
             block_size=block_size,
@@ -231,6 +235,7 @@ class MemoryLedger:
         per_token = spec.bytes_per_token
         return cls(
             scales=num_slots * spec.scale_bytes_per_block(max_len),
+            page_metadata=num_slots * spec.metadata_bytes_per_block(max_len),
             spec=spec,
             layout="reservation",
             block_size=max_len,

@@ -7,6 +7,7 @@ import warnings
 
 from paged.config import support
 from paged.config.eviction import parse_eviction
+from paged.config.sparse_decode import SparseDecodeConfig
 from paged.config.speculative import SpeculativeConfig
 from paged.util import validate
 
@@ -141,6 +142,9 @@ class EngineConfig:
         ``"lfu"``, ``"slru"``, ``"priority"`` (per-request ``SamplingParams.cache_priority`` and
         retention), ``"cost"``, ``"waiting"``, ``"tail_first"``, with ``:key=value`` parameters
         (``paged.config.eviction``; ``paged.kv.blocks.eviction``). The host tier uses the same.
+      sparse_decode: ``SparseDecodeConfig`` to read, at decode, only the pages Quest selects per
+        sequence and KV head (page key bounds kept beside the pages, counted as
+        ``page_metadata``; docs/sparse-decode.md), ``None`` (the default) to read every page.
     """
 
     model: str = "tiny"
@@ -177,6 +181,7 @@ class EngineConfig:
     prefill_replicas: int = 0
     host_kv_cache_bytes: int = 0
     prefix_eviction: str = "lru"
+    sparse_decode: SparseDecodeConfig | None = None
 
     def __new__(cls, *args, **kwargs):
         # A mistyped keyword gets "closest: ..." (as the studies' config keys do), not the
@@ -209,6 +214,10 @@ class EngineConfig:
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise TypeError(f"speculative={self.speculative!r:.80} must be None or a "
                             f"SpeculativeConfig")
+        if self.sparse_decode is not None and not isinstance(self.sparse_decode,
+                                                             SparseDecodeConfig):
+            raise TypeError(f"sparse_decode={self.sparse_decode!r:.80} must be None or a "
+                            f"SparseDecodeConfig")
         validate.string("model", self.model)
         validate.one_of("kv_layout", self.kv_layout, KV_LAYOUTS)
         validate.one_of("scheduling", self.scheduling, SCHEDULINGS)

@@ -93,6 +93,8 @@ MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
        _model_windows),
     Mechanism("kv_groups", "a model with full and sliding layers, kv_layout='paged' (KV-cache groups)",
        "a model whose layers all slide or none does", _model_windows),
+    Mechanism("sparse_decode", "sparse_decode=SparseDecodeConfig(...)", "sparse_decode=None",
+       lambda c, m: f"sparse_decode={c.sparse_decode!r}"),
     Mechanism("multi_process", "the engine's devices span several processes (jax.distributed)",
        "the engine's devices in one process", lambda c, m: "devices spanning processes"),
     Mechanism("prefix_eviction", "prefix_eviction other than 'lru'", "prefix_eviction='lru'",
@@ -123,7 +125,18 @@ REFUSED: tuple[Refusal, ...] = (
             "cache's blocks; without the cache it would do nothing"),
     Refusal("prefix_eviction", "contiguous_layout", "the contiguous layout has no prefix cache "
             "to evict from"),
+    Refusal("sparse_decode", "quantized_kv", "the page key bounds are kept for unquantized pages "
+            "only so far"),
+    Refusal("sparse_decode", "contiguous_layout", "selection picks pages of a block table"),
+    Refusal("sparse_decode", "speculative", "verification rows are several tokens of one "
+            "sequence; selection serves one query row per sequence"),
+    Refusal("sparse_decode", "cascade", "cascade reads a shared prefix whole; a selection reads "
+            "pages per sequence and KV head"),
+    Refusal("sparse_decode", "tensor_parallel", "the selected pages are addressed in a one-head "
+            "view of the pool, which a KV-head-sharded pool does not have"),
     # With the model's windows.
+    Refusal("sparse_decode", "sliding_window", "windows already bound what a row reads; the "
+            "selection has no window mask"),
     Refusal("cascade", "sliding_window", "the cascade kernel reads the shared prefix whole: it "
             "has no window mask"),
     Refusal("draft", "window_recycling", "the draft's KV lives on the target's block tables and "
@@ -146,6 +159,8 @@ REFUSED: tuple[Refusal, ...] = (
             "second model"),
     Refusal("host_tier", "multi_process", "host-tier copies would have to be gathered from every "
             "process's devices"),
+    Refusal("sparse_decode", "multi_process", "the one-head view of the pool is not served "
+            "across processes yet"),
     Refusal("kv_groups", "multi_process", "a grouped pool is not served across processes yet"),
     Refusal("disaggregation", "multi_process", "the hand-over moves device arrays within one "
             "process"),
@@ -183,6 +198,7 @@ def features(config, model_config=None, *, processes: bool = False,
         "data_parallel": config.data_parallel_size > 1,
         "tensor_parallel": config.tensor_parallel_size > 1,
         "cascade": config.cascade_attention != "off",
+        "sparse_decode": getattr(config, "sparse_decode", None) is not None,
         "multi_process": processes,
         "engine_processes": engine_processes,
         "prefix_eviction": getattr(config, "prefix_eviction", "lru") != "lru",

@@ -126,7 +126,8 @@ class DataParallelEngine:
         if p:
             spec = ModelSpec.from_model_config(
                 model_config, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
-                scale_granularity=config.kv_scale_granularity)
+                scale_granularity=config.kv_scale_granularity,
+                page_bounds=config.sparse_decode is not None)
             self.handover = HandOver(self.replicas, self.roles,
                                      Router(config.router, config.router_load_threshold), spec)
         self._requests: dict[str, int] = {}  # unfinished or unreported request -> its replica

@@ -14,6 +14,7 @@ from paged.kv import cache as kc
 from paged.kv.cache import KVCache
 from paged.models.config import LlamaConfig
 from paged.models.llama import Llama
+from paged.models.sparse_attention import SparseDecode
 
 
 def device_cache(spec, num_pages: int, page_size: int, sharding=None) -> KVCache:
@@ -24,7 +25,8 @@ def device_cache(spec, num_pages: int, page_size: int, sharding=None) -> KVCache
     return KVCache.create(page.num_layers, page.num_kv_heads, num_pages, page_size,
                           page.head_dim, page.dtype, sharding=sharding,
                           kv_cache_dtype=page.kv_cache_dtype,
-                          scale_granularity=page.scale_granularity)
+                          scale_granularity=page.scale_granularity,
+                          page_bounds=page.page_bounds)
 
 
 def step_functions(model_config: LlamaConfig, config, placement, leader=None) -> tuple:
@@ -34,7 +36,9 @@ def step_functions(model_config: LlamaConfig, config, placement, leader=None) ->
     of traces so far (the page copy / read / write functions' included), and the tokens fed as
     "the previous step's" when no step is in flight."""
     out_size = kc.next_pow2(max(config.max_num_seqs, config.min_seq_bucket))
-    fns = {v: make_step_fn(model_config, config.attention_impl, out_size, *v)
+    sparse = config.sparse_decode
+    budget = None if sparse is None else sparse.budget(config.block_size)
+    fns = {v: make_step_fn(model_config, config.attention_impl, out_size, *v, sparse_budget=budget)
            for v in itertools.product((False, True), repeat=2)}
     variants = {v: f for v, (f, _) in fns.items()}
     no_prev = placement.put(np.zeros(out_size, np.int32))
@@ -45,7 +49,8 @@ def step_functions(model_config: LlamaConfig, config, placement, leader=None) ->
 
 @functools.lru_cache(maxsize=32)
 def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int = 1,
-                 with_logprobs: bool = False, with_verify: bool = False):
+                 with_logprobs: bool = False, with_verify: bool = False,
+                 sparse_budget: float | None = None):
     """Returns ``(step, trace_count)``, shared by every engine with the same model and attention.
 
     ``step(params, cache, batch, prev) -> (cache, tokens i32[N])`` is jitted with the cache
@@ -59,7 +64,10 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
     target is -1) and the slot's top ``MAX_LOGPROBS`` log-probabilities and ids
     (``sampling.logprobs``). With ``with_verify`` the tokens come from ``sampling.verify``
     (``batch.draft``: each slot's proposed token, -1 where none) and ``extras`` also holds each
-    slot's accept bit. ``trace_count()``
+    slot's accept bit. With ``sparse_budget`` (pages, or a fraction of each sequence's pages;
+    the cache then holds key bounds) decode rows read the pages Quest selects
+    (``paged.models.sparse_attention``) and the step folds its new keys into the bounds.
+    ``trace_count()``
     says how many shapes were traced so far (one XLA compilation each); engines sharing the
     function share its compilations, so an engine reports the difference since its creation.
     """
@@ -71,8 +79,11 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
         traces[0] += 1  # runs at trace time only
         feed = batch.feed
         ids = jnp.where(feed >= 0, prev[jnp.clip(feed, 0, prev.shape[0] - 1)], batch.tokens)
+        md = batch.md
+        if sparse_budget is not None:
+            md = md.replace(sparse=SparseDecode(cache.key_bounds, sparse_budget))
         logits, k_pages, v_pages = model.apply(
-            params, ids, batch.positions, cache.k_pages, cache.v_pages, batch.md,
+            params, ids, batch.positions, cache.k_pages, cache.v_pages, md,
             batch.sample_rows, attention_impl=attention_impl)
         args = (logits, batch.temperature, batch.top_k, batch.top_p, batch.seed,
                 batch.sample_index, batch.sample_pos)
@@ -86,7 +97,8 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
             extras["logprobs"] = sampling.logprobs(logits, target)
         if tokens.shape[0] < out_size:
             tokens = jnp.pad(tokens, (0, out_size - tokens.shape[0]))
-        new_cache = cache.replace(k_pages=k_pages, v_pages=v_pages)
+        new_cache = kc.update_bounds(cache.replace(k_pages=k_pages, v_pages=v_pages),
+                                     batch.md.slot_mapping)
         return (new_cache, tokens, extras) if extras else (new_cache, tokens)
 
     return step, lambda: traces[0]

@@ -10,6 +10,12 @@ With ``kv_cache_dtype`` int8 / fp8 each of ``k_pages`` and ``v_pages`` is a
 one array. Every page operation here maps the same page index over all leaves (the page axis is 2 in
 each), so copy-on-write, swap and poison move a page's scales with its values; the write quantizes.
 
+With ``page_bounds`` (sparse decode, ``pallas_kernels.page_select``) the cache also holds
+``key_bounds [num_layers, num_kv_heads, num_pages, 2, head_dim]``: each page's element-wise key
+minimum and maximum, updated by ``write`` / ``update_bounds``. The bounds travel with the keys:
+every page copy, read and write below moves ``key_side(cache)`` (the key pages and their
+bounds), so CoW, swap, the host tier and hand-overs keep them with their page.
+
 Page ``NULL_PAGE`` (0) is the null page: page-table padding points at it and padded tokens write
 into it. It is never handed to a sequence, so its content is garbage by design (debug mode even fills
 it with NaN) and no kernel may read it for a real position.
@@ -31,7 +37,7 @@ import numpy as np
 
 from paged.kv.paging import NULL_PAGE, next_pow2  # noqa: F401 (re-exported)
 from paged.util import validate
-from pallas_kernels import packed, quant
+from pallas_kernels import packed, page_select, quant
 from pallas_kernels.quant import QuantizedPages
 
 
@@ -47,6 +53,7 @@ class KVCache:
 
     k_pages: jax.Array | QuantizedPages  # [L, Hkv, P, page, D]
     v_pages: jax.Array | QuantizedPages  # [L, Hkv, P, page, D]
+    key_bounds: jax.Array | None = None  # [L, Hkv, P, 2, D]: per page key min (0) and max (1)
 
     @classmethod
     def create(
@@ -61,6 +68,7 @@ class KVCache:
         sharding: jax.sharding.Sharding | None = None,
         kv_cache_dtype: str = "auto",
         scale_granularity: str = "token",
+        page_bounds: bool = False,
     ) -> KVCache:
         """Allocates a zeroed cache; ``num_pages`` includes the null page.
 
@@ -71,6 +79,8 @@ class KVCache:
             "fp8_e5m2"; "int4", "int2": ``pallas_kernels.packed.PackedPages``, keys per channel
             and values per token, written page by page with ``packed.close_pages``).
           scale_granularity: "token" (per (token, KV head)) or "page" (per (page, KV head)).
+          page_bounds: also hold each page's key bounds (``key_bounds``, in ``dtype``; an
+            unquantized cache only).
 
         Raises:
           TypeError: a dimension is not an integer (``bool`` and floats included).
@@ -101,7 +111,13 @@ class KVCache:
         if sharding is not None:
             # The scales' KV-head axis is axis 1 like the pages': one sharding serves every leaf.
             zeros = jax.jit(zeros, out_shardings=sharding)
-        return cls(k_pages=zeros(), v_pages=zeros())
+        bounds = None
+        if page_bounds:
+            if kv_cache_dtype != "auto":
+                raise ValueError(f"page_bounds needs kv_cache_dtype='auto', got {kv_cache_dtype!r}")
+            make = functools.partial(jnp.zeros, shape[:3] + (2, head_dim), dtype)
+            bounds = (make if sharding is None else jax.jit(make, out_shardings=sharding))()
+        return cls(k_pages=zeros(), v_pages=zeros(), key_bounds=bounds)
 
     @property
     def num_layers(self) -> int:
@@ -129,7 +145,13 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return int(self.k_pages.nbytes + self.v_pages.nbytes)
+        """Bytes of the pool: pages, scales and page metadata."""
+        return int(self.k_pages.nbytes + self.v_pages.nbytes) + self.metadata_nbytes
+
+    @property
+    def metadata_nbytes(self) -> int:
+        """Bytes of the pages' key bounds (0 without sparse decode)."""
+        return 0 if self.key_bounds is None else int(self.key_bounds.nbytes)
 
     @property
     def scale_nbytes(self) -> int:
@@ -206,7 +228,28 @@ def _write(cache, k, v, slot_mapping):
         return write_layer(kp, vp, kl, vl, slot_mapping)
 
     k_pages, v_pages = jax.vmap(one)(cache.k_pages, cache.v_pages, k, v)
-    return cache.replace(k_pages=k_pages, v_pages=v_pages)
+    return update_bounds(cache.replace(k_pages=k_pages, v_pages=v_pages), slot_mapping)
+
+
+def update_bounds(cache: KVCache, slot_mapping: jax.Array) -> KVCache:
+    """The cache with the keys just written at ``slot_mapping`` folded into their pages' bounds
+    (traceable; a no-op without bounds). The jitted step calls it after the model's writes."""
+    if cache.key_bounds is None:
+        return cache
+    bounds = page_select.update_bounds(cache.key_bounds, cache.k_pages, slot_mapping)
+    return cache.replace(key_bounds=bounds)
+
+
+def key_side(cache: KVCache):
+    """What moves with a page's keys: ``k_pages``, or ``(k_pages, key_bounds)`` with bounds
+    (page axis 2 in every leaf)."""
+    return cache.k_pages if cache.key_bounds is None else (cache.k_pages, cache.key_bounds)
+
+
+def _with_key_side(cache: KVCache, k) -> KVCache:
+    if cache.key_bounds is None:
+        return cache.replace(k_pages=k)
+    return cache.replace(k_pages=k[0], key_bounds=k[1])
 
 
 def write(
@@ -270,7 +313,7 @@ def copy_pages(cache: KVCache, src, dst) -> KVCache:
 @jax.jit
 def _read_pages(cache, pages):
     _TRACES[0] += 1  # runs at trace time only
-    return jax.tree.map(lambda x: x[:, :, pages], (cache.k_pages, cache.v_pages))
+    return jax.tree.map(lambda x: x[:, :, pages], (key_side(cache), cache.v_pages))
 
 
 def read_pages(cache: KVCache, pages):
@@ -307,7 +350,8 @@ def host_buffers(cache: KVCache, num_blocks: int):
     if isinstance(cache.k_pages, packed.PackedPages):
         return (packed.host_zeros(cache.k_pages, num_blocks),
                 packed.host_zeros(cache.v_pages, num_blocks))
-    return (quant.host_zeros(cache.k_pages, num_blocks),
+    return (jax.tree.map(lambda x: quant.host_zeros(x, num_blocks), key_side(cache),
+                         is_leaf=lambda x: isinstance(x, QuantizedPages)),
             quant.host_zeros(cache.v_pages, num_blocks))
 
 
@@ -330,8 +374,8 @@ def _write_pages(cache, pages, k, v):
     def put(x, new):
         return x.at[:, :, pages].set(new)
 
-    return cache.replace(k_pages=jax.tree.map(put, cache.k_pages, k),
-                         v_pages=jax.tree.map(put, cache.v_pages, v))
+    cache = _with_key_side(cache, jax.tree.map(put, key_side(cache), k))
+    return cache.replace(v_pages=jax.tree.map(put, cache.v_pages, v))
 
 
 def swap_in(cache: KVCache, pages, k: np.ndarray, v: np.ndarray) -> KVCache:
@@ -345,7 +389,7 @@ def swap_in(cache: KVCache, pages, k: np.ndarray, v: np.ndarray) -> KVCache:
     """
     pages = _check_pages(cache, "pages", pages)
     n = pages.size
-    for name, x, like in (("k", k, cache.k_pages), ("v", v, cache.v_pages)):
+    for name, x, like in (("k", k, key_side(cache)), ("v", v, cache.v_pages)):
         if jax.tree.structure(x) != jax.tree.structure(like):
             raise ValueError(f"{name} must have the structure of the cache's pages "
                              f"({jax.tree.structure(like)}), got {jax.tree.structure(x)}")
@@ -361,7 +405,7 @@ def swap_in(cache: KVCache, pages, k: np.ndarray, v: np.ndarray) -> KVCache:
         x = np.pad(x, [(0, 0), (0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 3))
         return jnp.asarray(x, leaf.dtype)
 
-    k = jax.tree.map(prepare, k, cache.k_pages)
+    k = jax.tree.map(prepare, k, key_side(cache))
     v = jax.tree.map(prepare, v, cache.v_pages)
     return _write_pages(cache, jnp.asarray(padded), k, v)
 
@@ -401,7 +445,7 @@ def scatter_pages(cache: KVCache, pages, k, v) -> KVCache:
     """
     pages = _check_pages(cache, "pages", pages)
     padded = pad_pages(pages)
-    for name, x, like in (("k", k, cache.k_pages), ("v", v, cache.v_pages)):
+    for name, x, like in (("k", k, key_side(cache)), ("v", v, cache.v_pages)):
         if jax.tree.structure(x) != jax.tree.structure(like):
             raise ValueError(f"{name} must have the structure of the cache's pages")
         for got, leaf in zip(jax.tree.leaves(x), jax.tree.leaves(like)):
@@ -446,6 +490,8 @@ def gather(cache: KVCache, page_indices, length: int) -> tuple[np.ndarray, np.nd
         raise ValueError(f"length={length} needs more than the {pages.size} pages given "
                          f"(page_size={cache.page_size})")
     k, v = swap_out(cache, pages)  # [L, Hkv, n, page, D]
+    if cache.key_bounds is not None:
+        k = k[0]
 
     def flat(x):
         if isinstance(x, QuantizedPages):

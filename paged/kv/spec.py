@@ -94,7 +94,8 @@ class KVSpec:
         elif all(hasattr(model, n) for n in ("num_layers", "num_kv_heads", "head_dim")):
             fmt = ModelSpec.from_model_config(
                 model, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
-                scale_granularity=config.kv_scale_granularity)
+                scale_granularity=config.kv_scale_granularity,
+                page_bounds=getattr(config, "sparse_decode", None) is not None)
         else:
             fmt = None
         salt = (f"{config.model}|{model.to_dict()}|{config.dtype}"

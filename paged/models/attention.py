@@ -44,6 +44,9 @@ class AttentionMetadata:
     # groups' tables, i32[max_num_seqs, G * pages_per_seq] with group g's in columns g::G.
     # None: one table for every layer.
     group_slots: jax.Array | None = None
+    # Sparse decode (paged.models.sparse_attention.SparseDecode): decode rows read the pages
+    # Quest selects. None: every row reads all its pages.
+    sparse: object | None = None
 
     @property
     def num_groups(self) -> int:
@@ -265,7 +268,13 @@ class PagedAttention(nn.Module):
         # With `layer`, the kernel reads the stacked cache directly: slicing k_pages[layer] here
         # would copy the whole layer every step.
         q = q.astype(quant.query_dtype(k_pages, self.dtype))
-        if md.cascade is not None and self.sliding_window is None:
+        if md.sparse is not None:
+            from paged.models import sparse_attention
+
+            out = sparse_attention.attend(q, k_pages, v_pages, md, layer=layer,
+                                          sm_scale=self.head_dim**-0.5, soft_cap=self.soft_cap,
+                                          impl=attention_impl)
+        elif md.cascade is not None and self.sliding_window is None:
             out = self._cascade(q, k_pages, v_pages, md, layer, attention_impl)
         else:
             out = pk.ragged_paged_attention(

@@ -1,0 +1,171 @@
+"""Quest page selection (sparse decode) against dense paged decode: K/V bytes read per decode
+step, attention time, and needle retrieval on the real model.
+
+**Kernel points** (``config.contexts`` x ``config.fractions``): one decode step of ``batch``
+sequences of ``context`` tokens in a shuffled page pool (random K/V, `pallas_kernels.testing`).
+Dense is `pallas_kernels.paged_attention` over every page; sparse is
+`pallas_kernels.page_select.sparse_paged_attention` (the selection from the page key bounds,
+then the same decode op over the selected pages), both jitted, same ``impl``. Bytes are counted
+from the selection's output (`page_select.bytes_read`: whole pages of K and V, plus the bounds
+of every page the scores read), per layer. Timing is interleaved rounds (dense, sparse, read,
+...; `experiments.kernel_bench_lib`), headline = median over rounds of sparse / dense time. The
+``read`` run sums the whole pool once: the byte rate a plain streaming read reaches on this
+device (its own byte roofline); each op's bytes / time over it is ``frac_of_read_roofline``.
+
+**Retrieval** (``config.retrieval_lengths``): `experiments.quality`'s needle prompts on
+SmolLM2-135M through the engine, dense and with ``EngineConfig(sparse_decode=
+SparseDecodeConfig(fraction=f))`` per budget (prefill is dense in both; only decode rows select).
+
+Random keys have no structure for the selection to find: the kernel points measure bytes and
+time, not which pages matter; retrieval measures that.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import numpy as np
+
+from experiments import common
+
+
+def check(c) -> None:
+    import pallas_kernels as pk
+
+    common.check_positive(batch=c.batch, num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads,
+                          head_dim=c.head_dim, page_size=c.page_size, repeats=c.repeats,
+                          calls=c.calls, needles_per_cell=c.needles_per_cell,
+                          block_size=c.block_size)
+    if c.num_q_heads % c.num_kv_heads:
+        raise ValueError(f"num_q_heads={c.num_q_heads} must be a multiple of "
+                         f"num_kv_heads={c.num_kv_heads}")
+    if c.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype={c.dtype!r} must be float32 or bfloat16")
+    for f in c.fractions:
+        if not 0 < float(f) <= 1:
+            raise ValueError(f"fractions has {f}: each must be in (0, 1]")
+    for n in (*c.contexts, *c.retrieval_lengths):
+        common.check_positive(length=n)
+    pk.resolve_impl(c.impl)
+
+
+def _bounds(case, page: int) -> np.ndarray:
+    """[Hkv, P, 2, D] key bounds of the case's pages (the write path's result, in numpy)."""
+    k = np.asarray(case.k_pages, np.float32)  # NaN past each length
+    valid = ~np.isnan(k).all(axis=-1, keepdims=True)
+    lo = np.where(valid, k, np.inf).min(axis=2)
+    hi = np.where(valid, k, -np.inf).max(axis=2)
+    return np.stack([lo, hi], axis=2).astype(case.k_pages.dtype)
+
+
+def kernel_point(c, context: int, fraction: float, rng) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+    from experiments import kernel_bench_lib as kb
+    from pallas_kernels import page_select, testing
+
+    page = c.page_size
+    pps = -(-context // page)
+    case = testing.make_paged_case(rng, [context] * c.batch, num_kv_heads=c.num_kv_heads,
+                                   head_dim=c.head_dim, page_size=page, pages_per_seq=pps,
+                                   extra_pages=0, dtype=c.dtype)
+    bounds = _bounds(case, page)
+    q = testing.random_q(rng, (c.batch, c.num_q_heads, c.head_dim), c.dtype)
+    k_pages, v_pages = (np.nan_to_num(np.asarray(x, np.float32)).astype(x.dtype)
+                        for x in (case.k_pages, case.v_pages))  # NaN garbage: time real math
+    args = tuple(map(jnp.asarray, (q, k_pages, v_pages, case.lengths, case.page_indices)))
+    active = jnp.ones((c.batch,), bool)
+    sm = c.head_dim**-0.5
+    dense_fn = jax.jit(functools.partial(pk.paged_attention, sm_scale=sm, impl=c.impl))
+    sparse_fn = jax.jit(lambda q, k, v, b, n, t, a: page_select.sparse_paged_attention(
+        q, k, v, b, n, t, a, budget=float(fraction), sm_scale=sm, impl=c.impl))
+    read_fn = jax.jit(lambda k, v: jnp.sum(k, dtype=jnp.float32) + jnp.sum(v, dtype=jnp.float32))
+    sparse_args = (*args[:3], jnp.asarray(bounds), *args[3:], active)
+    qs = np.asarray(q, np.float32).reshape(c.batch, c.num_kv_heads, -1, c.head_dim)
+    _, sel = page_select.select_pages_jit(qs, bounds, case.lengths, case.page_indices,
+                                          np.asarray(active), page_size=page,
+                                          budget=float(fraction))
+    itemsize = 2 if c.dtype == "bfloat16" else 4
+    counted = page_select.bytes_read(case.lengths, np.asarray(sel), page_size=page,
+                                     head_dim=c.head_dim, itemsize=itemsize)
+    times = kb.interleaved_rounds(
+        {"dense": (dense_fn, args), "sparse": (sparse_fn, sparse_args),
+         "read": (read_fn, args[1:3])}, repeats=c.repeats, warmup=c.warmup, calls=c.calls)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    pool = int(k_pages.nbytes + v_pages.nbytes)
+    rate = pool / med["read"]
+    return {
+        "context": context, "fraction": float(fraction), "pages_per_seq": pps,
+        "selected_pages_per_head": float(np.mean(-(-np.asarray(sel) // page))),
+        "bytes": counted, "bytes_ratio": counted["sparse"] / counted["dense"],
+        "dense_ms": 1e3 * med["dense"], "sparse_ms": 1e3 * med["sparse"],
+        "time_ratio": kb.per_round_ratios(times["sparse"], times["dense"]),
+        "read_bytes_per_s": rate,
+        "frac_of_read_roofline": {"dense": counted["dense"] / med["dense"] / rate,
+                                  "sparse": counted["sparse"] / med["sparse"] / rate},
+    }
+
+
+def retrieval_rows(c) -> list[dict]:
+    from experiments import quality
+    from experiments import quality_tasks as tasks
+    from paged.config.sparse_decode import SparseDecodeConfig
+    from paged.models.registry import load_any
+
+    config, params, tok = load_any(c.model)
+    corpus = tok.encode(tasks.corpus_text(), add_bos=False)
+    rows = []
+    for length in c.retrieval_lengths:
+        needle_list = [n for d in c.retrieval_depths
+                       for n in tasks.needles(tok, corpus, length, d, c.needles_per_cell, c.seed)]
+        max_len = -(-(max(len(n.prompt_ids) for n in needle_list) + 32) // c.block_size)
+        qc = quality_config(c)
+        for fraction in (None, *c.fractions):
+            t = time.perf_counter()
+            sparse = None if fraction is None else SparseDecodeConfig(fraction=float(fraction))
+            engine = quality.make_engine(qc, quality.Arm("float32"), config, params,
+                                         max_len * c.block_size, sparse_decode=sparse)
+            acc, _ = quality.retrieval(engine, needle_list)
+            rows.append({"length": length, "fraction": fraction, "accuracy": acc,
+                         "needles": len(needle_list), "seconds": time.perf_counter() - t})
+            print(f"retrieval {length} budget {fraction or 'dense'}: {acc['all']:.3f}", flush=True)
+    return rows
+
+
+def quality_config(c):
+    import ml_collections
+
+    return ml_collections.ConfigDict({"model": c.model, "block_size": c.block_size,
+                                      "max_num_batched_tokens": c.max_num_batched_tokens})
+
+
+def main(c, _plan) -> None:
+    out_dir = common.output_dir(c, "sparse_decode")
+    rng = np.random.default_rng(c.seed)
+    grid = [(int(n), float(f)) for n in c.contexts for f in c.fractions]
+    payload = {"study": "sparse_decode", "config": c.to_dict(), "provenance": common.provenance(),
+               "evidence": {"kernel": "measured (random K/V)", "retrieval": "constructed"},
+               "load_before": os.getloadavg(), "points": [], "retrieval": []}
+    with common.Progress(len(grid), "sparse_decode", unit="points") as bar:
+        for n, f in grid:
+            rec = kernel_point(c, n, f, rng)
+            payload["points"].append(rec)
+            bar.update()
+            print(f"ctx={n:<5} budget={f:<7} bytes {rec['bytes_ratio']:.3f}x dense; time "
+                  f"{rec['sparse_ms']:.3f} / {rec['dense_ms']:.3f} ms = "
+                  f"{rec['time_ratio']['median']:.3f} [{rec['time_ratio']['q1']:.3f}, "
+                  f"{rec['time_ratio']['q3']:.3f}]", flush=True)
+            path = common.write_result(out_dir / "sparse_decode.json", payload)
+    if c.retrieval_lengths:
+        payload["retrieval"] = retrieval_rows(c)
+    payload["load_after"] = os.getloadavg()
+    path = common.write_result(out_dir / "sparse_decode.json", payload)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    common.run("sparse_decode", main, check)

@@ -1,0 +1,224 @@
+"""Query-aware page selection (Quest, Tang et al. 2024) over a paged KV cache.
+
+Each page keeps, per KV head, the element-wise minimum and maximum of its keys (its *bounds*,
+``[.., 2, D]``: row 0 the minimum, row 1 the maximum), updated by the KV write
+(:func:`update_bounds`). At decode, ``sum_d max(q_d * min_d, q_d * max_d)`` bounds from above
+the score ``q . k`` of every key of the page; :func:`select_pages` keeps the top pages of each
+(sequence, KV head) plus, always, the first (sink) and the last (open) page, and
+:func:`sparse_paged_attention` feeds the selected pages to the ordinary decode kernel.
+
+GQA: a KV head's query group reads one page list; its score is the maximum of the group's
+query heads' bounds (a page is read if any head of the group may attend to it strongly).
+
+Per-head page lists reach the unchanged kernels as pseudo-sequences: the pool
+``[Hkv, P, page, D]`` is viewed as one KV head of ``Hkv * P`` pages (a free reshape), and
+(sequence ``s``, KV head ``h``) becomes row ``s * Hkv + h`` with the ``G`` query heads of its
+group and the page ids ``h * P + p``. Every kernel style then reads exactly the selected pages.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NULL_PAGE = 0
+
+
+def init_bounds(shape, dtype):
+    """Empty bounds ``[.., 2, D]``: minimum +inf, maximum -inf."""
+    lo = jnp.full(shape[:-2] + (1, shape[-1]), jnp.inf, dtype)
+    return jnp.concatenate([lo, -lo], axis=-2)
+
+
+def update_bounds(
+    bounds: jax.Array,  # [L, Hkv, P, 2, D]
+    k_pages: jax.Array,  # [L, Hkv, P, page, D], this step's keys already written
+    slot_mapping: jax.Array,  # i32[T]: page * page_size + offset of each written token
+) -> jax.Array:  # [L, Hkv, P, 2, D]
+    """Folds the keys written at ``slot_mapping`` into their pages' bounds (traceable).
+
+    A token at offset 0 opens its page: that page's bounds restart from this step's tokens
+    (whatever the page held before, e.g. for another sequence, no longer counts). Tokens of a
+    sequence are written in order, so every later token of the page folds into bounds that
+    already cover the page's earlier tokens. Padding tokens (slots in the null page) change only
+    the null page's bounds, which nothing reads.
+    """
+    num_layers, num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    slots = slot_mapping.astype(jnp.int32)
+    flat = k_pages.reshape(num_layers, num_kv_heads, num_pages * page_size, head_dim)
+    keys = flat[:, :, slots].astype(bounds.dtype)  # [L, Hkv, T, D]
+    page, offset = slots // page_size, slots % page_size
+    opened = jnp.where(offset == 0, page, num_pages)  # out of range: dropped
+    empty = init_bounds((num_layers, num_kv_heads, slots.shape[0], 2, head_dim), bounds.dtype)
+    bounds = bounds.at[:, :, opened].set(empty, mode="drop")
+    bounds = bounds.at[:, :, page, 0].min(keys, mode="drop")
+    return bounds.at[:, :, page, 1].max(keys, mode="drop")
+
+
+def page_scores(
+    q: jax.Array,  # [S, Hkv, G, D]
+    bounds: jax.Array,  # [Hkv, P, 2, D]
+    page_indices: jax.Array,  # i32[S, W]
+) -> jax.Array:  # f32[S, Hkv, W]
+    """Upper bound of ``q . k`` over each page in the table: ``sum_d max(q_d min_d, q_d max_d)``,
+    maximised over the query group."""
+    b = bounds[:, page_indices].astype(jnp.float32)  # [Hkv, S, W, 2, D]
+    qf = q.astype(jnp.float32)
+    lo = jnp.einsum("shgd,hswd->shgwd", qf, b[..., 0, :])
+    hi = jnp.einsum("shgd,hswd->shgwd", qf, b[..., 1, :])
+    return jnp.max(jnp.sum(jnp.maximum(lo, hi), axis=-1), axis=2)
+
+
+def table_width(budget: float, width: int) -> int:
+    """Static width of the selected table: the most pages any row of a ``width``-page table
+    may read under ``budget`` (pages if an int, else a fraction)."""
+    if isinstance(budget, float):
+        return min(width, max(2, math.ceil(budget * width)))
+    return min(width, int(budget))
+
+
+def select_pages(
+    q: jax.Array,  # [S, Hkv, G, D] one decode query per sequence
+    bounds: jax.Array,  # [Hkv, P, 2, D]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, W]
+    active: jax.Array,  # bool[S]: rows that select (others get length 0)
+    *,
+    page_size: int,
+    budget: float,
+) -> tuple[jax.Array, jax.Array]:  # i32[S, Hkv, n], i32[S, Hkv]
+    """Each active row's pages to read, per KV head, in logical order.
+
+    Budget ``k`` pages (an int), or ``max(2, ceil(budget * pages))`` for a float fraction; the
+    first page and the last (the one the query's own token is in) are always kept, then the
+    highest :func:`page_scores`. A row with at most ``k`` pages keeps them all, in order: the
+    table is its dense one.
+
+    Returns:
+      ``(table, lengths)``: ``table[s, h, :c]`` the physical pages kept (logical order, the last
+      page last; ``NULL_PAGE`` past ``c``) and ``lengths[s, h]`` the keys they hold,
+      ``(c - 1) * page_size`` plus the last page's filled tokens (0 for inactive rows).
+    """
+    rows, width = page_indices.shape
+    n = table_width(budget, width)
+    num_pages = (kv_lens + page_size - 1) // page_size  # [S]
+    if isinstance(budget, float):
+        keep = jnp.maximum(2, jnp.ceil(budget * num_pages).astype(jnp.int32))
+    else:
+        keep = jnp.full_like(num_pages, int(budget))
+    keep = jnp.where(active, jnp.minimum(jnp.minimum(keep, n), num_pages), 0)  # [S]
+    j = jnp.arange(width, dtype=jnp.int32)
+    scores = page_scores(q, bounds, page_indices)
+    forced = (j == 0)[None, :] | (j[None, :] == num_pages[:, None] - 1)  # [S, W]
+    live = j[None, :] < num_pages[:, None]
+    scores = jnp.where(forced[:, None], jnp.inf, scores)
+    scores = jnp.where(live[:, None], scores, -jnp.inf)  # NaN bounds of dead pages: gone too
+    _, top = jax.lax.top_k(scores, n)  # [S, Hkv, n], best first
+    rank = jnp.arange(n, dtype=jnp.int32)
+    kept = rank[None, None, :] < keep[:, None, None]
+    logical = jnp.sort(jnp.where(kept, top, width), axis=-1)  # kept first, ascending
+    table = jnp.take_along_axis(page_indices[:, None, :], jnp.minimum(logical, width - 1), axis=2)
+    table = jnp.where(logical < width, table, NULL_PAGE)
+    last = kv_lens - (num_pages - 1) * page_size  # filled tokens of the last page
+    lengths = jnp.where(keep > 0, (keep - 1) * page_size + last, 0)
+    return table.astype(jnp.int32), jnp.broadcast_to(lengths[:, None], table.shape[:2])
+
+
+def heads_as_pages(pages, layer=None):
+    """A ``[(L,) Hkv, P, ...]`` pool (or a pytree of such leaves) viewed as one KV head of
+    ``Hkv * P`` pages: ``[(L,) 1, Hkv * P, ...]`` (a reshape, no copy)."""
+    axis = 0 if layer is None else 1
+
+    def one(x):
+        shape = x.shape
+        return x.reshape(*shape[:axis], 1, shape[axis] * shape[axis + 1], *shape[axis + 2:])
+
+    return jax.tree.map(one, pages)
+
+
+def flatten_selection(
+    q: jax.Array,  # [S, Hq, D]
+    table: jax.Array,  # i32[S, Hkv, n]
+    lengths: jax.Array,  # i32[S, Hkv]
+    num_pages: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The pseudo-sequences of the module docstring: ``(q [S * Hkv, G, D], table i32[S * Hkv,
+    n], lengths i32[S * Hkv])`` for the one-head view of :func:`heads_as_pages`."""
+    rows, num_kv_heads, n = table.shape
+    head = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
+    flat_table = (table + head * num_pages).reshape(rows * num_kv_heads, n)
+    qg = q.reshape(rows * num_kv_heads, q.shape[1] // num_kv_heads, q.shape[2])
+    return qg, flat_table, lengths.reshape(-1)
+
+
+def sparse_paged_attention(
+    q: jax.Array,  # [S, Hq, D]
+    k_pages,  # [Hkv, P, page, D], or [L, Hkv, ...] with `layer`
+    v_pages,  # same shape as k_pages
+    bounds: jax.Array,  # [Hkv, P, 2, D], or [L, Hkv, P, 2, D] with `layer`
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, W]
+    active: jax.Array,  # bool[S]
+    *,
+    budget: float,
+    sm_scale: float = 1.0,
+    soft_cap: float | None = None,
+    impl: str = "auto",
+    layer=None,
+    config=None,
+) -> jax.Array:  # [S, Hq, D]
+    """Decode attention over the selected pages only (:func:`select_pages`), through
+    ``pallas_kernels.paged_attention`` with any ``impl``. Inactive rows give zeros. Equal to
+    ``paged_attention`` (float rounding aside) when the budget covers every row's pages."""
+    from pallas_kernels import api
+
+    num_kv_heads, num_pages, page_size = _pool_dims(k_pages, layer)
+    if layer is not None:
+        bounds = bounds[layer]
+    qs = q.reshape(q.shape[0], num_kv_heads, -1, q.shape[-1])
+    table, lengths = select_pages(qs, bounds, kv_lens, page_indices, active,
+                                  page_size=page_size, budget=budget)
+    qf, flat_table, flat_lens = flatten_selection(q, table, lengths, num_pages)
+    out = api.paged_attention(qf, heads_as_pages(k_pages, layer), heads_as_pages(v_pages, layer),
+                              flat_lens, flat_table, sm_scale=sm_scale, soft_cap=soft_cap,
+                              impl=impl, layer=layer, config=config)
+    return out.reshape(q.shape)
+
+
+def _pool_dims(pages, layer) -> tuple[int, int, int]:
+    shape = jax.tree.leaves(pages)[0].shape
+    shape = shape if layer is None else shape[1:]
+    return shape[0], shape[1], shape[2]
+
+
+def bytes_read(kv_lens, lengths, *, page_size: int, head_dim: int, itemsize: int) -> dict:
+    """K/V bytes one layer's decode step reads, counted in whole pages: ``dense`` (every page
+    of every KV head), ``selected_kv`` (the pages of :func:`select_pages`' ``lengths``),
+    ``bounds`` (the 2 bound rows of every page, which the scores read; same itemsize) and
+    ``sparse = selected_kv + bounds``.
+
+    Args:
+      kv_lens: i32[S] tokens per sequence; lengths: i32[S, Hkv] keys selected per KV head.
+    """
+    kv, sel = np.asarray(kv_lens, np.int64), np.asarray(lengths, np.int64)
+    pages = int((-(-kv // page_size)).sum()) * sel.shape[1]
+    page_bytes = 2 * page_size * head_dim * itemsize
+    selected = int((-(-sel // page_size)).sum()) * page_bytes
+    bounds = pages * 2 * head_dim * itemsize
+    return {"dense": pages * page_bytes, "selected_kv": selected, "bounds": bounds,
+            "sparse": selected + bounds}
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "budget"))
+def select_pages_jit(q, bounds, kv_lens, page_indices, active, *, page_size, budget):
+    """:func:`select_pages`, jitted (the small function a study or a test calls directly)."""
+    return select_pages(q, bounds, kv_lens, page_indices, active, page_size=page_size,
+                        budget=budget)
+
+
+__all__ = ["bytes_read", "flatten_selection", "heads_as_pages", "init_bounds", "page_scores", "select_pages",
+           "select_pages_jit", "sparse_paged_attention", "table_width", "update_bounds"]

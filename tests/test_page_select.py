@@ -1,0 +1,152 @@
+"""Quest page selection (pallas_kernels.page_select) and the page key bounds of the KV cache.
+
+Selection against a hand-computed case; bounds maintained by the write (a reused page restarts)
+and moved by every page copy; the selected-page decode against float64 numpy on the same
+selection with every unselected page NaN-poisoned (a kernel that reads one spoils its output);
+identical to dense decode when the budget covers every page.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tolerances import tol
+
+import pallas_kernels as pk
+from paged.kv import cache as kc
+from pallas_kernels import page_select, testing
+
+
+def _bounds_np(k_pages, lengths, page_indices, page):
+    """[Hkv, P, 2, D] bounds of the valid keys of each sequence's pages (others +-inf)."""
+    k = np.asarray(k_pages, np.float32)
+    out = np.stack([np.full(k.shape[:2] + k.shape[3:], np.inf, np.float32),
+                    np.full(k.shape[:2] + k.shape[3:], -np.inf, np.float32)], axis=2)
+    for n, row in zip(lengths, page_indices):
+        for j in range(-(-int(n) // page)):
+            fill = min(page, int(n) - j * page)
+            keys = k[:, row[j], :fill]  # [Hkv, fill, D]
+            out[:, row[j], 0], out[:, row[j], 1] = keys.min(1), keys.max(1)
+    return out
+
+
+def test_selection_matches_a_hand_computed_case():
+    # One sequence, one KV head, two query heads (GQA max), D = 2, pages of 2, 5 logical pages.
+    bounds = np.zeros((1, 8, 2, 2), np.float32)
+    bounds[0, 3] = [[0, 0], [1, 1]]       # logical 1: q0 -> 1 + 0 = 1; q1 -> 0 + 0 = 0
+    bounds[0, 5] = [[-2, -3], [2, -1]]    # logical 2: q0 -> 2 + 3 = 5; q1 -> 2 + 0 = 2
+    bounds[0, 1] = [[0, 0], [0.5, 0.5]]   # logical 3: q0 -> 0.5 + 0 = 0.5; q1 -> 0 + 0 = 0
+    table = np.array([[7, 3, 5, 1, 6, 0]], np.int32)  # logical -> physical, NULL padded
+    q = np.array([[[[1.0, -1.0], [-1.0, 0.0]]]], np.float32)  # [S=1, Hkv=1, G=2, D=2]
+    scores = np.asarray(page_select.page_scores(q, bounds, table))
+    np.testing.assert_allclose(scores[0, 0, 1:4], [1.0, 5.0, 0.5])
+    kv = np.array([9])  # the last page holds 1 token
+    # 0.5 of 5 pages: max(2, ceil(2.5)) = 3 pages.
+    for budget, want in ((3, [7, 5, 6]), (4, [7, 3, 5, 6]), (5, [7, 3, 5, 1, 6]), (2, [7, 6]),
+                         (0.5, [7, 5, 6])):
+        t, n = page_select.select_pages_jit(q, bounds, kv, table, np.array([True]), page_size=2,
+                                            budget=budget)
+        c = len(want)
+        assert np.asarray(t)[0, 0, :c].tolist() == want, budget
+        assert np.all(np.asarray(t)[0, 0, c:] == 0)
+        assert int(n[0, 0]) == (c - 1) * 2 + 1  # full pages, then the open page's one token
+    t, n = page_select.select_pages_jit(q, bounds, kv, table, np.array([False]), page_size=2,
+                                        budget=3)
+    assert int(n[0, 0]) == 0
+
+
+def test_update_bounds_follows_the_writes_and_restarts_a_reused_page():
+    rng = np.random.default_rng(0)
+    cache = kc.KVCache.create(2, 2, 6, 4, 8, page_bounds=True)
+    written: dict[int, list] = {}
+
+    def write(slots):
+        nonlocal cache
+        k = rng.standard_normal((2, len(slots), 2, 8)).astype(np.float32)
+        cache = kc.write(cache, jnp.asarray(k), jnp.asarray(k), np.asarray(slots, np.int32))
+        for i, s in enumerate(slots):
+            page, off = divmod(s, 4)
+            if off == 0:
+                written[page] = []
+            written[page].append(k[:, i])  # [L, Hkv, D]
+
+    write([8, 9, 10, 20])    # page 2 offsets 0-2, page 5 offset 0
+    write([11, 12, 21])      # page 2 fills, page 3 opens, page 5 grows
+    write([20, 21, 22])      # page 5 reused from offset 0: its old keys no longer count
+    bounds = np.asarray(cache.key_bounds)
+    for page, keys in written.items():
+        keys = np.stack(keys, axis=2)  # [L, Hkv, n, D]
+        np.testing.assert_array_equal(bounds[:, :, page, 0], keys.min(2))
+        np.testing.assert_array_equal(bounds[:, :, page, 1], keys.max(2))
+
+
+def test_bounds_move_with_their_pages():
+    rng = np.random.default_rng(1)
+    cache = kc.KVCache.create(1, 2, 8, 4, 8, page_bounds=True)
+    k = rng.standard_normal((1, 12, 2, 8)).astype(np.float32)
+    cache = kc.write(cache, jnp.asarray(k), jnp.asarray(k), np.arange(4, 16, dtype=np.int32))
+    before = np.asarray(cache.key_bounds)
+    cache = kc.copy_pages(cache, [1, 2], [5, 6])  # copy-on-write
+    np.testing.assert_array_equal(np.asarray(cache.key_bounds)[:, :, [5, 6]], before[:, :, [1, 2]])
+    host_k, host_v = kc.host_buffers(cache, 4)  # swap space (and the host tier's slots)
+    hk, hv = kc.swap_out(cache, [3])
+    kc.host_set(host_k, [2], hk)
+    kc.host_set(host_v, [2], hv)
+    cache = kc.poison(cache, [3])
+    assert np.isnan(np.asarray(cache.key_bounds)[:, :, 3]).all()
+    cache = kc.swap_in(cache, [7], kc.host_get(host_k, [2]), kc.host_get(host_v, [2]))
+    np.testing.assert_array_equal(np.asarray(cache.key_bounds)[:, :, 7], before[:, :, 3])
+    gk, gv = kc.gather_pages(cache, [7])  # hand-over between replicas
+    other = kc.scatter_pages(kc.KVCache.create(1, 2, 8, 4, 8, page_bounds=True), [4], gk, gv)
+    np.testing.assert_array_equal(np.asarray(other.key_bounds)[:, :, 4], before[:, :, 3])
+    assert cache.metadata_nbytes == 1 * 2 * 8 * 2 * 8 * 4
+    assert cache.nbytes == 2 * 1 * 2 * 8 * 4 * 8 * 4 + cache.metadata_nbytes
+
+
+def _selected_case(seed, *, hq, hkv, page, budget, dtype="float32"):
+    rng = np.random.default_rng(seed)
+    lengths = [0, 1, page + 1, 3 * page, 7 * page - 1, 8 * page]
+    case = testing.make_paged_case(rng, lengths, num_kv_heads=hkv, head_dim=64, page_size=page,
+                                   pages_per_seq=8, dtype=dtype)
+    bounds = _bounds_np(case.k_pages, case.lengths, case.page_indices, page)
+    q = testing.random_q(rng, (len(lengths), hq, 64), dtype)
+    active = case.lengths > 0
+    qs = np.asarray(q, np.float32).reshape(len(lengths), hkv, hq // hkv, 64)
+    table, sel = page_select.select_pages_jit(qs, bounds, case.lengths, case.page_indices, active,
+                                              page_size=page, budget=budget)
+    return q, case, bounds, active, np.asarray(table), np.asarray(sel)
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret_gpu", "interpret_tpu"])
+@pytest.mark.parametrize("hq, hkv, page", [(4, 2, 8), (2, 2, 16)])  # GQA, MHA
+def test_selected_pages_against_float64_with_the_rest_poisoned(impl, hq, hkv, page):
+    q, case, bounds, active, table, sel = _selected_case(page + hq, hq=hq, hkv=hkv, page=page,
+                                                         budget=3)
+    k_pages, v_pages = np.array(case.k_pages), np.array(case.v_pages)
+    for h in range(hkv):  # NaN in every page the selection does not read, per KV head
+        keep = set(table[:, h].ravel().tolist())
+        drop = [p for p in range(1, k_pages.shape[1]) if p not in keep]
+        k_pages[h, drop] = np.nan
+        v_pages[h, drop] = np.nan
+    assert (sel[active] < case.lengths[active, None]).any()  # the budget drops pages
+    out = page_select.sparse_paged_attention(
+        q, k_pages, v_pages, bounds, case.lengths, case.page_indices, active, budget=3,
+        sm_scale=0.125, impl=impl)
+    qf, ft, fl = page_select.flatten_selection(jnp.asarray(q), table, sel, k_pages.shape[1])
+    flat = lambda x: np.asarray(page_select.heads_as_pages(x))  # noqa: E731
+    want = testing.paged_attention_np(qf, flat(k_pages), flat(v_pages), fl, ft, sm_scale=0.125)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want.reshape(q.shape),
+                               **tol("float32"))
+
+
+@pytest.mark.parametrize("budget", [8, 1.0])
+def test_covering_budget_is_dense_decode(budget):
+    q, case, bounds, active, table, sel = _selected_case(3, hq=4, hkv=2, page=8, budget=budget)
+    np.testing.assert_array_equal(sel, np.broadcast_to(case.lengths[:, None], sel.shape))
+    out = page_select.sparse_paged_attention(
+        q, case.k_pages, case.v_pages, bounds, case.lengths, case.page_indices, active,
+        budget=budget, sm_scale=0.125, impl="xla")
+    dense = pk.paged_attention(q, case.k_pages, case.v_pages, case.lengths, case.page_indices,
+                               sm_scale=0.125, impl="xla")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(dense), rtol=1e-6, atol=1e-6)

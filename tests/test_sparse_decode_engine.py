@@ -1,0 +1,125 @@
+"""Sparse decode (Quest) in the engine: a covering budget gives the dense engine's tokens; a small
+budget gives the same tokens whether the bounds lived through swap, recompute and the host tier
+or stayed put; the bounds of every cached block cover its keys; bad settings fail at
+construction; the ledger counts the bounds as ``page_metadata``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_utils import greedy_reference, prompts, small_model
+
+from paged import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from paged.config.sparse_decode import SparseDecodeConfig
+from paged.kv import cache as kc
+
+BASE = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+            attention_impl="xla", debug_checks=True, min_token_bucket=32, min_seq_bucket=4)
+
+
+def _engine(**kw) -> Engine:
+    cfg, params = small_model()
+    return Engine(EngineConfig(**{**BASE, **kw}), model_config=cfg, params=params)
+
+
+def _serve(engine, turns, sp):
+    return [[c.token_ids for c in o.outputs] for turn in turns for o in engine.generate(turn, sp)]
+
+
+def _turns(rounds: int = 2) -> list[list[list[int]]]:
+    """Six 20-token prefixes (30 blocks, more than a 20-block pool), each sent once per round with
+    a new suffix: later rounds hit prefixes the device evicted."""
+    pre = prompts(6, seed=1, min_len=19, max_len=20)
+    return [[p + [r + 1, i + 7, 3] for i, p in enumerate(pre)] for r in range(rounds)]
+
+
+def test_a_covering_budget_gives_the_dense_tokens():
+    cfg, params = small_model()
+    ps = prompts(4, seed=4, min_len=5, max_len=30)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    forked = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=2)
+    kw = dict(num_blocks=24, preemption_mode="swap")
+    engines = [_engine(sparse_decode=s, **kw) for s in (SparseDecodeConfig(pages=16), None)]
+    got, dense = ([*_serve(e, [ps[:2] + ps[:1]], greedy), *_serve(e, [ps[2:]], forked)]
+                  for e in engines)
+    assert got == dense
+    for i, p in enumerate(ps[:2]):
+        assert got[i] == [greedy_reference(cfg, params, p, 12, eos_id=-1)]
+    stats = engines[0].kv_stats()
+    assert stats["num_swap_outs"] > 0
+    ledger = stats["ledger"]
+    assert ledger["categories"]["page_metadata"] == engines[0].cache.metadata_nbytes > 0
+    assert ledger["pool_bytes"] == engines[0].cache.nbytes
+
+
+def _bounds_cover_keys(engine, exact: bool) -> int:
+    """Every block holding a prefix key (full, written by one sequence) has bounds that cover
+    its keys (equal to their min / max when ``exact``). Returns the blocks checked."""
+    bm = engine.block_manager
+    blocks = [b for b in range(1, bm.num_blocks) if bm.block_key(b) is not None]
+    (k, bounds), _ = kc.swap_out(engine.cache, blocks)  # [L, Hkv, n, page, D], [L, Hkv, n, 2, D]
+    lo, hi = k.min(axis=3), k.max(axis=3)
+    if exact:
+        np.testing.assert_array_equal(bounds[:, :, :, 0], lo)
+        np.testing.assert_array_equal(bounds[:, :, :, 1], hi)
+    assert (bounds[:, :, :, 0] <= lo).all() and (bounds[:, :, :, 1] >= hi).all()
+    return len(blocks)
+
+
+@pytest.mark.parametrize("moves", [
+    dict(num_blocks=20, preemption_mode="swap", max_num_seqs=6, num_host_blocks=64),
+    dict(num_blocks=20, max_num_seqs=2, host_kv_cache_bytes=1 << 20),
+])
+def test_bounds_survive_what_moves_pages(moves):
+    # Swapped and host-tier pages come back with their bounds: the same selections, the same
+    # tokens as a pool that moves nothing. (A recomputed sequence is not compared: the prefill
+    # recomputes its decoded tokens' KV with dense attention, a different computation.)
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    sparse = SparseDecodeConfig(pages=3)  # 3 of up to 9 pages: the selection matters
+    still = _serve(_engine(sparse_decode=sparse, num_blocks=120, max_num_seqs=6), _turns(), sp)
+    engine = _engine(sparse_decode=sparse, **moves)
+    assert _serve(engine, _turns(), sp) == still
+    stats = engine.kv_stats()
+    if "host_kv_cache_bytes" in moves:
+        assert stats["host_tier"]["hit_tokens"] > 0
+    else:
+        assert stats["num_swap_outs"] == stats["num_preemptions"] > 0
+    assert _bounds_cover_keys(engine, exact=True) >= 4
+
+
+def test_bounds_stay_exact_under_recompute_preemption_and_forks():
+    engine = _engine(sparse_decode=SparseDecodeConfig(fraction=0.25), num_blocks=20,
+                     max_num_seqs=6)
+    _serve(engine, _turns(), SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    _serve(engine, _turns(1), SamplingParams(max_tokens=10, temperature=1.0, n=2, seed=3))
+    assert engine.kv_stats()["num_preemptions"] > 0
+    assert _bounds_cover_keys(engine, exact=False) >= 4
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(sparse_decode=0.125), "SparseDecodeConfig"),
+    (dict(sparse_decode=SparseDecodeConfig(pages=4), kv_cache_dtype="int8"), "quantized_kv"),
+    (dict(sparse_decode=SparseDecodeConfig(pages=4), cascade_attention="on"), "cascade"),
+    (dict(sparse_decode=SparseDecodeConfig(pages=4), kv_layout="contiguous"), "contiguous"),
+    (dict(sparse_decode=SparseDecodeConfig(pages=4), speculative=SpeculativeConfig()),
+     "speculative"),
+    (dict(sparse_decode=SparseDecodeConfig(pages=4), tensor_parallel_size=2), "tensor_parallel"),
+])
+def test_bad_settings_fail_at_construction(kw, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        EngineConfig(**kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(), "exactly one"), (dict(pages=2, fraction=0.5), "exactly one"),
+    (dict(pages=1), "pages=1"), (dict(tokens=0), "tokens=0"), (dict(fraction=0.0), "fraction"),
+    (dict(fraction=1.5), "fraction"), (dict(pages=True), "pages"),
+])
+def test_bad_budgets_fail_at_construction(kw, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        SparseDecodeConfig(**kw)
+
+
+def test_a_sliding_model_is_refused_when_the_engine_is_built():
+    with pytest.raises(ValueError, match="sliding_window"):
+        Engine(EngineConfig(model="tiny-sliding", sparse_decode=SparseDecodeConfig(pages=4)))
