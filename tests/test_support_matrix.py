@@ -11,6 +11,7 @@ import pytest
 
 from paged import Engine, EngineConfig, SpeculativeConfig
 from paged.config import support
+from paged.config.kv_policy import KVPolicyConfig
 from paged.config.support import MECHANISMS, REFUSED, check_supported, features
 
 
@@ -46,6 +47,7 @@ RECIPES = {
     "kv_groups": ({}, (None, 32), {}),
     "multi_process": ({}, None, {"processes": True}),
     "engine_processes": ({}, None, {"engine_processes": True}),
+    "kv_policy": ({"kv_policy": KVPolicyConfig("knorm", budget=0.5)}, None, {}),
 }
 
 # Pairs whose recipes cannot both be on (by definition, not by refusal).

@@ -6,6 +6,7 @@ import dataclasses
 import warnings
 
 from paged.config import support
+from paged.config.kv_policy import KVPolicyConfig
 from paged.config.speculative import SpeculativeConfig
 from paged.util import validate
 
@@ -132,6 +133,10 @@ class EngineConfig:
         (``paged.kv.blocks.host_tier``); as many whole blocks (all layers and KV heads, scales
         included) as fit. Separate from the swap slots of ``num_host_blocks``. Paged layout
         with prefix caching, single-process engines, full-attention models only; per replica.
+      kv_policy: a KV eviction policy (``KVPolicyConfig``: method, budget, interval): each
+        sequence's KV is pruned to the budget when its prefill ends (and every ``interval``
+        decode steps), the survivors compacted into fewer pages (docs/kv-policies.md). None:
+        every token's KV is kept.
     """
 
     model: str = "tiny"
@@ -166,6 +171,7 @@ class EngineConfig:
     cascade_attention: str = "off"
     prefill_replicas: int = 0
     host_kv_cache_bytes: int = 0
+    kv_policy: KVPolicyConfig | None = None
 
     def __new__(cls, *args, **kwargs):
         # A mistyped keyword gets "closest: ..." (as the studies' config keys do), not the
@@ -198,6 +204,8 @@ class EngineConfig:
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise TypeError(f"speculative={self.speculative!r:.80} must be None or a "
                             f"SpeculativeConfig")
+        if self.kv_policy is not None and not isinstance(self.kv_policy, KVPolicyConfig):
+            raise TypeError(f"kv_policy={self.kv_policy!r:.80} must be None or a KVPolicyConfig")
         validate.string("model", self.model)
         validate.one_of("kv_layout", self.kv_layout, KV_LAYOUTS)
         validate.one_of("scheduling", self.scheduling, SCHEDULINGS)
