@@ -182,3 +182,25 @@ def test_random_traffic_with_hits_forks_preemption_and_aborts(pol):
     assert stats["kv_policy"]["compactions"] > 0 and stats["num_preemptions"] > 0
     assert stats["prefix_cache_hit_tokens"] > 0
     assert stats["num_used_blocks"] == 0
+
+
+def test_the_ledger_holds_exactly_the_surviving_slots():
+    """After every step, the pool's used blocks are the kept slots' blocks (the saving is real,
+    not a formula), and the ledger's held bytes are those blocks."""
+    [p] = prompts(1, seed=8, min_len=30, max_len=31)
+    engine = _engine(KVPolicyConfig("knorm", budget=8, interval=4), enable_prefix_caching=False,
+                     async_scheduling=False)
+    engine.add_request("a", p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    seen = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        if engine.batch.num_rows:
+            [seq] = engine.batch.seqs
+            slots = seq.num_computed_tokens - seq.num_dropped
+            stats = engine.kv_stats()
+            cats = stats["ledger"]["categories"]
+            assert stats["num_used_blocks"] == -(-slots // 4)
+            held = cats["effective_kv"] + cats["tail_fragmentation"] + cats["shared"]
+            assert held == stats["num_used_blocks"] * stats["ledger"]["bytes_per_block"]
+            seen += seq.num_dropped > 0
+    assert seen and engine.kv_stats()["kv_policy"]["tokens_dropped"] > 0
