@@ -204,3 +204,28 @@ def test_the_ledger_holds_exactly_the_surviving_slots():
             assert held == stats["num_used_blocks"] * stats["ledger"]["bytes_per_block"]
             seen += seq.num_dropped > 0
     assert seen and engine.kv_stats()["kv_policy"]["tokens_dropped"] > 0
+
+
+def test_scores_in_numpy_pick_what_each_method_names():
+    """The policy files run on numpy too: StreamingLLM ranks the sinks, then the most recent;
+    KNorm the smallest keys."""
+    keys = np.random.default_rng(0).normal(size=(1, 1, 10, 4)).astype(np.float32)
+    pos = np.arange(10)[None, None]
+    valid = np.ones(10, bool)
+    s = policies.build(KVPolicyConfig("streaming_llm", budget=5, sink_tokens=2)).scores(
+        np, keys, pos, valid)
+    assert sorted(np.argsort(-s[0, 0], kind="stable")[:5].tolist()) == [0, 1, 7, 8, 9]
+    k = policies.build(KVPolicyConfig("knorm", budget=3)).scores(np, keys, pos, valid)
+    norms = np.linalg.norm(keys[0, 0], axis=-1)
+    assert set(np.argsort(-k[0, 0])[:3].tolist()) == set(np.argsort(norms)[:3].tolist())
+
+
+def test_the_simulator_refuses_a_kv_policy():
+    from paged.sim import H200, LLAMA3_8B, RooflineStepModel
+    from paged.sim.replica import SimReplica
+
+    cfg = EngineConfig(model="sim", num_blocks=64, block_size=16, async_scheduling=False,
+                       kv_policy=KVPolicyConfig("knorm", budget=0.5))
+    with pytest.raises(ValueError, match="kv_policy"):
+        SimReplica(cfg, RooflineStepModel(H200, LLAMA3_8B, block_size=16),
+                   model_config=LLAMA3_8B, build_device=False)
