@@ -12,6 +12,7 @@ import pytest
 from paged import Engine, EngineConfig, SpeculativeConfig
 from paged.config import support
 from paged.config.sparse_decode import SparseDecodeConfig
+from paged.config.kv_policy import KVPolicyConfig
 from paged.config.support import MECHANISMS, REFUSED, check_supported, features
 
 
@@ -50,6 +51,7 @@ RECIPES = {
     "engine_processes": ({}, None, {"engine_processes": True}),
     "prefix_eviction": ({"prefix_eviction": "lfu"}, None, {}),
     "sparse_decode": ({"sparse_decode": SparseDecodeConfig(pages=4)}, None, {}),
+    "kv_policy": ({"kv_policy": KVPolicyConfig("knorm", budget=0.5)}, None, {}),
 }
 
 # Pairs whose recipes cannot both be on (by definition, not by refusal).

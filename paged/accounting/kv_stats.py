@@ -25,6 +25,10 @@ def kv_stats(engine, held_for_transfer=()) -> dict:
     # A flow beside the pool's categories (which are a snapshot and still sum to the pool): the
     # bytes of blocks that left a sliding window and went back to the pool since the start.
     ledger["recycled_bytes"] = stats["recycled_blocks"] * ledger["bytes_per_block"]
+    # Likewise the blocks a KV policy's compactions freed (docs/kv-policies.md).
+    runner = engine.core.kv_runner
+    policy = None if runner is None else runner.stats()
+    ledger["evicted_bytes"] = 0 if runner is None else runner.pages_freed * ledger["bytes_per_block"]
     tier = host_tier_stats(bm.host_tier_stats(), ledger["bytes_per_block"], sched)
     ledger["host_tier"] = tier.pop("ledger")
     return {
@@ -62,6 +66,9 @@ def kv_stats(engine, held_for_transfer=()) -> dict:
         # Block lifetime, idle time before eviction, reuse gap and distance, eviction regret
         # and token hit rate, per tier (paged.kv.blocks.residency).
         "residency": bm.residency_stats(),
+        # The KV policy's calls, tokens dropped (per layer and KV head) and pages freed; None
+        # without one.
+        "kv_policy": policy,
     }
 
 

@@ -8,6 +8,7 @@ import warnings
 from paged.config import support
 from paged.config.eviction import parse_eviction
 from paged.config.sparse_decode import SparseDecodeConfig
+from paged.config.kv_policy import KVPolicyConfig
 from paged.config.speculative import SpeculativeConfig
 from paged.util import validate
 
@@ -145,6 +146,10 @@ class EngineConfig:
       sparse_decode: ``SparseDecodeConfig`` to read, at decode, only the pages Quest selects per
         sequence and KV head (page key bounds kept beside the pages, counted as
         ``page_metadata``; docs/sparse-decode.md), ``None`` (the default) to read every page.
+      kv_policy: a KV eviction policy (``KVPolicyConfig``: method, budget, interval): each
+        sequence's KV is pruned to the budget when its prefill ends (and every ``interval``
+        decode steps), the survivors compacted into fewer pages (docs/kv-policies.md). None:
+        every token's KV is kept.
     """
 
     model: str = "tiny"
@@ -182,6 +187,7 @@ class EngineConfig:
     host_kv_cache_bytes: int = 0
     prefix_eviction: str = "lru"
     sparse_decode: SparseDecodeConfig | None = None
+    kv_policy: KVPolicyConfig | None = None
 
     def __new__(cls, *args, **kwargs):
         # A mistyped keyword gets "closest: ..." (as the studies' config keys do), not the
@@ -218,6 +224,8 @@ class EngineConfig:
                                                              SparseDecodeConfig):
             raise TypeError(f"sparse_decode={self.sparse_decode!r:.80} must be None or a "
                             f"SparseDecodeConfig")
+        if self.kv_policy is not None and not isinstance(self.kv_policy, KVPolicyConfig):
+            raise TypeError(f"kv_policy={self.kv_policy!r:.80} must be None or a KVPolicyConfig")
         validate.string("model", self.model)
         validate.one_of("kv_layout", self.kv_layout, KV_LAYOUTS)
         validate.one_of("scheduling", self.scheduling, SCHEDULINGS)

@@ -99,6 +99,9 @@ MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
        "the engine's devices in one process", lambda c, m: "devices spanning processes"),
     Mechanism("prefix_eviction", "prefix_eviction other than 'lru'", "prefix_eviction='lru'",
        lambda c, m: f"prefix_eviction={c.prefix_eviction!r}"),
+    Mechanism("kv_policy", "kv_policy=KVPolicyConfig(...)", "kv_policy=None",
+       lambda c, m: f"kv_policy method={c.kv_policy.method!r}" if c.kv_policy is not None
+       else "kv_policy=None"),
     Mechanism("engine_processes", "engine-core processes (the server's --engine_process)",
        "the replicas in one process: serve without engine-core processes",
        lambda c, m: "engine-core processes"),
@@ -137,6 +140,25 @@ REFUSED: tuple[Refusal, ...] = (
     # With the model's windows.
     Refusal("sparse_decode", "sliding_window", "windows already bound what a row reads; the "
             "selection has no window mask"),
+    # KV policies (paged.kv.policies): survivors are compacted inside a sequence's own pages.
+    Refusal("kv_policy", "sparse_decode", "compaction rewrites pages without recomputing their "
+            "key bounds yet"),
+    Refusal("kv_policy", "contiguous_layout", "compaction frees whole pages of a block table; "
+            "a contiguous buffer has none to free"),
+    Refusal("kv_policy", "quantized_kv", "compaction moves tokens between pages; page-scaled "
+            "values would need requantizing (not done yet)"),
+    Refusal("kv_policy", "speculative", "a rollback of rejected drafts counts slots from the "
+            "position; a compacted sequence's slots are fewer than its positions"),
+    Refusal("kv_policy", "cascade", "the cascade planner groups sequences by identical leading "
+            "pages and lengths; compacted tables break its prefix arithmetic"),
+    Refusal("kv_policy", "disaggregation", "the hand-over moves a request's pages by position; "
+            "the compacted slot offset is not part of it yet"),
+    Refusal("kv_policy", "tensor_parallel", "the compaction's gather is not placed per shard "
+            "yet (untested across devices)"),
+    Refusal("kv_policy", "multi_process", "the compaction would run on every process's devices"),
+    # With the model's windows.
+    Refusal("kv_policy", "sliding_window", "a sliding window recycles blocks by position; a "
+            "compacted block holds tokens of many positions"),
     Refusal("cascade", "sliding_window", "the cascade kernel reads the shared prefix whole: it "
             "has no window mask"),
     Refusal("draft", "window_recycling", "the draft's KV lives on the target's block tables and "
@@ -202,6 +224,7 @@ def features(config, model_config=None, *, processes: bool = False,
         "multi_process": processes,
         "engine_processes": engine_processes,
         "prefix_eviction": getattr(config, "prefix_eviction", "lru") != "lru",
+        "kv_policy": getattr(config, "kv_policy", None) is not None,
     }
     if model_config is not None:
         windows = _windows(model_config)

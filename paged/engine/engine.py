@@ -30,6 +30,7 @@ from paged.config.support import check_supported
 from paged.engine import multihost
 from paged.engine.device_step import apply_copies, compile_shapes, device_cache, step_functions
 from paged.engine.generate import generate, load_model
+from paged.engine.kv_compact import Compactor
 from paged.engine.placement import Placement
 from paged.engine.spec_decode import SpecStats, Speculator, load_draft
 from paged.kv import cache as kc
@@ -127,6 +128,7 @@ class Engine:
         self.host_tier = HostTierStore(self.cache, n, poison=config.debug_checks) if n else None
         self._draft_tier = HostTierStore(draft.cache, n) if n and draft is not None else None
         self.params = placement.put_params(params)
+        self._compactor = Compactor.build(core.kv_runner, self.cache, core.pages_per_seq * page_size)
         # (with_logprobs, with_verify) -> the jitted step, as a follower process runs it, and as
         # this process calls it (announced to the followers by a leader); the tokens fed as "the
         # previous step's" when no step is in flight.
@@ -275,6 +277,9 @@ class Engine:
         if self.step_record is not None:  # kept out of the step's timed phases
             self.step_record.append(step.record(self.core.batch))
             self._t = time.perf_counter()
+
+    def compact(self, ops) -> None:  # HostCore.begin's hook: a KV policy's compactions
+        self.cache = self._compactor.run(self.cache, ops)
 
     def prepare(self, sched: SchedulerOutput) -> None:
         """The step has begun: its device copies, then the draft model's proposals."""

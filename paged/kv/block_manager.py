@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 from paged.kv import events
 from paged.kv.blocks import decode_run
 from paged.kv.blocks.admission import Admission, as_salt
+from paged.kv.blocks.compact import Compaction, compact
 from paged.kv.blocks.host_tier import HostTier
 from paged.kv.blocks.invariants import check_invariants
 from paged.kv.blocks.eviction import make_order
@@ -126,6 +127,7 @@ class BlockManager(ManagerQueries, OffloadCalls, PolicyCalls):
             raise ValueError(f"{num_host_tier_blocks=}: the host tier does not serve a sliding-"
                              f"window model ({sliding_window=})")
         self.sliding_window = sliding_window
+        self.compacted_blocks = 0  # blocks freed by KV-policy compaction since construction
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
@@ -401,6 +403,16 @@ class BlockManager(ManagerQueries, OffloadCalls, PolicyCalls):
         if self._tier is not None:
             self._tier.forget(seq_id)
         self._end_call()
+
+    def compact(self, seq_id, keep: int) -> Compaction | None:
+        """A KV policy keeps ``keep`` slots of ``seq_id``: its private blocks shrink to hold
+        them, the rest go back to the pool (`paged.kv.blocks.compact`); the returned plan is what
+        the device must move (``None``: nothing changed)."""
+        plan = compact(self._tables, seq_id, count_arg(keep, "keep"))
+        if plan is not None:
+            self.compacted_blocks += plan.freed
+        self._end_call()
+        return plan
 
     def evict_cached(self, num_blocks: int | None = None) -> int:
         """Drops up to ``num_blocks`` (default all) cached blocks to the free list, in the eviction

@@ -43,7 +43,8 @@ class Sequence:
                  "first_scheduled_time",
                  "first_token_time", "finish_time", "finish_reason", "num_preemptions", "deadline",
                  "cache_salt", "out_state", "row", "batch", "_tokens", "_times", "_computed",
-                 "_slots", "logprobs", "prompt_logprobs", "stop_reason", "stop_text", "stop_watch")
+                 "_slots", "logprobs", "prompt_logprobs", "stop_reason", "stop_text", "stop_watch",
+                 "_dropped", "kv_next", "kv_pos_key")
 
     def __init__(self, seq_id: int, request_id: str, token_ids: list[int], num_prompt_tokens: int,
                  params: SamplingParams, seed: int, arrival_time: float, *, sample_index: int = 0,
@@ -79,6 +80,13 @@ class Sequence:
         self._times: list[float] = []  # arrival time of each output token
         self._computed = 0
         self._slots = 0
+        # KV policies (docs/kv-policies.md): positions dropped so far (slots = positions -
+        # dropped: what attention reads), the computed count at which the policy runs next (-1:
+        # at the prompt's end) and the record of its compacted slots' positions (a
+        # ``paged.step.kv_policy_runner.PosRecord``; None: slot i holds position i).
+        self._dropped = 0
+        self.kv_next = -1
+        self.kv_pos_key = None
         # Per output token, its log-probability dict (``SamplingParams.logprobs``), and per prompt
         # position (``prompt_logprobs``, ``None`` at 0); ``None`` when not asked for.
         self.logprobs: list | None = None if params.logprobs is None else []
@@ -102,6 +110,8 @@ class Sequence:
         child.first_token_time = self.first_token_time
         child.num_preemptions = self.num_preemptions
         child._computed = self.num_computed_tokens
+        child._dropped = self.num_dropped
+        child.kv_next, child.kv_pos_key = self.kv_next, self.kv_pos_key
         if self.logprobs is not None:
             child.logprobs = list(self.logprobs)
         if sampled is not None:
@@ -179,6 +189,25 @@ class Sequence:
             self.batch.num_slots[self.row] = value
         else:
             self._slots = value
+
+    @property
+    def num_dropped(self) -> int:
+        """Positions a KV policy dropped: the KV holds ``num_computed_tokens - num_dropped``
+        slots (a RoPE position is not a slot index once this is > 0)."""
+        if self.row >= 0:
+            return int(self.batch.dropped[self.row])
+        return self._dropped
+
+    @num_dropped.setter
+    def num_dropped(self, value: int) -> None:
+        if self.row >= 0:
+            self.batch.dropped[self.row] = value
+        else:
+            self._dropped = value
+
+    def forget_kv_policy(self) -> None:
+        """Its KV is gone (preempted by recompute): the policy starts over with the prompt."""
+        self.num_dropped, self.kv_next, self.kv_pos_key = 0, -1, None
 
     def tokens(self, start: int, end: int) -> list[int | None]:
         """Token ids ``start:end``, ``None`` where not known yet (for the block manager)."""

@@ -133,6 +133,10 @@ class SimReplica:
         # engine's rule: a window shorter than a block); the shape counts in-window reads under
         # any KV layout.
         check_supported(config, self.model_config, prefill_decode=role != "both")
+        if config.kv_policy is not None:
+            raise ValueError(f"kv_policy={config.kv_policy!r}: the simulator does not model KV "
+                             f"policies yet (its light batches and fast-forward count one slot "
+                             f"per position); run the engine")
         self.kv_spec = spec = KVSpec.build(self.model_config, config)
         self.window = spec.window
         self._tier = SimTier.build(config, spec, host_link)

@@ -158,8 +158,11 @@ class BatchBuilder:
 
     def __init__(self, batch: InputBatch, block_manager, page_size: int, *,
                  min_tokens: int = MIN_TOKENS, min_seqs: int = 1, debug: bool = False,
-                 cascade=None):
+                 cascade=None, kv_offsets: bool = False):
         self.ib = batch
+        # A KV policy compacts sequences: a token's slot is its position minus the row's
+        # ``dropped`` (RoPE still takes the position; attention reads the slots).
+        self.kv_offsets = kv_offsets
         self.cascade = cascade  # paged.step.cascade_plan.CascadePlanner, or None
         self.bm = block_manager
         # Tables per sequence (KV-cache groups), interleaved in a row; 1 without a manager (a
@@ -265,8 +268,9 @@ class BatchBuilder:
                     ib.num_blocks[r] = -1  # refreshed below if it runs
         nd = len(decode_rows)
         nc_d = ib.num_computed[decode_rows]
+        slots = nc_d - ib.dropped[decode_rows] if self.kv_offsets else nc_d
         stale = np.arange(nd) if copies else np.flatnonzero(
-            ib.num_blocks[decode_rows] != (nc_d // page_size + 1) * self.num_groups)
+            ib.num_blocks[decode_rows] != (slots // page_size + 1) * self.num_groups)
         for i in stale.tolist():
             r = int(decode_rows[i])
             ib.refresh(r, self.bm.block_table(ib.ids[r]))
@@ -344,6 +348,8 @@ class BatchBuilder:
                 casc = self.cascade.plan(pages[:s], kv_lens, s_pad)
                 if casc is not None:
                     device = device.replace(casc=casc)
+        if self.kv_offsets:  # attention reads the slots (sample_pos above kept the positions)
+            kv_lens -= np.take(self.ib.dropped, all_rows)
         return _Layout(device, all_rows, q_lens, starts, t, s, n_rows, cu, owner, pos, slot_rows)
 
     def _fill_tokens(self, lay: _Layout) -> tuple[list, np.ndarray | None, list]:
@@ -357,7 +363,8 @@ class BatchBuilder:
         tok[0, :t] = ids
         tok[1, :t] = pos
         G = self.num_groups
-        col, offset = pos // page_size * G, pos % page_size
+        slot = pos - np.take(ib.dropped, row_of) if self.kv_offsets else pos
+        col, offset = slot // page_size * G, slot % page_size
         tok[2, :t] = pages[owner, col] * page_size + offset
         for g in range(1, G):  # the other KV-cache groups' slots (their tables interleave)
             device.grp[g - 1, :t] = pages[owner, col + g] * page_size + offset

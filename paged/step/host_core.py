@@ -14,8 +14,9 @@ each data-parallel replica. A step is two calls (vLLM's ``schedule`` / ``update_
     outputs = core.finish(step, tokens, now)   # step completed, read back, outputs
 
 ``begin`` calls ``driver.planned(step)`` after scheduling (speculation plans, a simulator prices
-the step's shape), ``driver.prepare(sched)`` once the step has begun (the device copies: swap,
-copy-on-write, host tier; draft proposals) and ``driver.launch(batch)`` between the build and the
+the step's shape), ``driver.compact(ops)`` before scheduling when a KV policy compacted
+sequences (`paged.step.kv_policy_runner`), ``driver.prepare(sched)`` once the step has begun
+(the device copies: swap, copy-on-write, host tier; draft proposals) and ``driver.launch(batch)`` between the build and the
 commit (the device call, or a model of it); its result is ``step.out``. A step with nothing
 scheduled has no batch: its copies still get a step of their own (``begin_copies`` /
 ``finish_copies``) and ``idle_step`` guards against a stall. The owner of the device step orders
@@ -36,6 +37,7 @@ from paged.request.sequence import SeqStatus, Sequence
 from paged.step.batch import BatchBuilder, StepBatch
 from paged.step.cascade_plan import CascadePlanner
 from paged.step.input_batch import InputBatch
+from paged.step.kv_policy_runner import KVPolicyRunner
 from paged.step.readback import StepReader
 from paged.step.scheduler import Scheduler, SchedulerOutput
 
@@ -113,6 +115,7 @@ class HostCore:
         self.reader = StepReader(self.batch, self.block_manager, self.scheduler,
                                  tokenizer=tokenizer, max_model_len=config.max_model_len,
                                  new_seq_id=self.new_seq_id, add_sample=self.add_sample)
+        self.kv_runner = KVPolicyRunner.build(config.kv_policy, self)  # None: no KV policy
         self._requests: dict[str, list[Sequence]] = {}  # unfinished or finished-unreported
         self._num_deadlines = 0  # unfinished requests with a timeout (skip the scan when 0)
         self._aborted: set[str] = set()  # aborted since the last step, to report
@@ -290,7 +293,10 @@ class HostCore:
         (``build(sched)`` if given: a simulator's light batch; else ``BatchBuilder.build``), the
         driver's ``launch`` and the commit (rows advanced as if the step had run)."""
         self.block_manager.set_time(now)  # the residency figures' clock
-        step = HostStep(now, self.take_ended(now), self.schedule(now))
+        ended = self.take_ended(now)
+        if self.kv_runner is not None and (ops := self.kv_runner.plan()):
+            driver.compact(ops)  # before scheduling: the pages freed serve this step
+        step = HostStep(now, ended, self.schedule(now))
         driver.planned(step)
         sched = step.sched
         if sched.is_empty:

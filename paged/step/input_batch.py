@@ -55,6 +55,7 @@ class InputBatch:
         self.num_tokens = np.zeros(capacity, np.int32)
         self.num_computed = np.zeros(capacity, np.int32)
         self.num_slots = np.zeros(capacity, np.int32)
+        self.dropped = np.zeros(capacity, np.int32)  # positions a KV policy dropped
         self.num_prompt = np.zeros(capacity, np.int32)
         self.table = np.full((capacity, self.pages_per_seq), NULL_PAGE, np.int32)
         self.num_blocks = np.full(capacity, -1, np.int32)  # blocks in the row; -1 = refresh
@@ -82,6 +83,7 @@ class InputBatch:
         if self.num_rows == self.capacity:
             self._grow()
         r = self.num_rows
+        dropped = seq.num_dropped  # read before the row owns the token state
         ids, times, computed, slots = seq.give_token_state(self, r)
         n, p = len(ids), seq.num_prompt_tokens
         self.tokens[r, :n] = ids
@@ -89,6 +91,7 @@ class InputBatch:
         self.times[r, p:p + len(times)] = times
         self.num_tokens[r], self.num_computed[r], self.num_slots[r] = n, computed, slots
         self.num_prompt[r] = p
+        self.dropped[r] = dropped
         self.num_blocks[r] = -1
         self.hold[r] = bool(n) and ids[-1] == UNKNOWN
         prm = seq.params
@@ -112,6 +115,7 @@ class InputBatch:
         known = n - 1 if n and self.tokens[r, n - 1] == UNKNOWN else n
         seq.take_token_state(self.tokens[r, :n].tolist(), self.times[r, p:known].tolist(),
                              int(self.num_computed[r]), int(self.num_slots[r]))
+        seq.num_dropped = int(self.dropped[r])
         last = self.num_rows - 1
         if r != last:  # the last row fills the hole
             for name in _ROW_ARRAYS:
@@ -156,13 +160,15 @@ class InputBatch:
             seq = self.seqs[r]
             if seq.row != r or self.ids[r] != seq.seq_id:
                 raise AssertionError(f"row {r} holds {seq!r} (ids {self.ids[r]})")
-            if self.num_slots[r] != bm.num_tokens(seq.seq_id):
-                raise AssertionError(f"sequence {seq.seq_id}: num_slots={self.num_slots[r]} but the "
-                                     f"block manager holds {bm.num_tokens(seq.seq_id)}")
+            if self.num_slots[r] - self.dropped[r] != bm.num_tokens(seq.seq_id):
+                raise AssertionError(f"sequence {seq.seq_id}: num_slots={self.num_slots[r]} "
+                                     f"(dropped {self.dropped[r]}) but the block manager holds "
+                                     f"{bm.num_tokens(seq.seq_id)}")
             known = self.num_tokens[r] - (self.tokens[r, self.num_tokens[r] - 1] == UNKNOWN)
             if (self.tokens[r, :known] == UNKNOWN).any():
                 raise AssertionError(f"sequence {seq.seq_id}: an unknown token before its last")
 
 
-_ROW_ARRAYS = ("tokens", "times", "num_tokens", "num_computed", "num_slots", "num_prompt", "table",
+_ROW_ARRAYS = ("tokens", "times", "num_tokens", "num_computed", "num_slots", "dropped", "num_prompt",
+               "table",
                "num_blocks", "ints", "floats", "hold", "last_slot")

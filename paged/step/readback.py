@@ -53,6 +53,7 @@ class StepReader:
         self.new_seq_id, self.add_sample = new_seq_id, add_sample
         self.speculator = None
         self.make_outputs = True
+        self.kv_offsets = False  # a KV policy compacts rows: slot = position - dropped
 
     def read(self, batch: StepBatch, tokens: np.ndarray, now: float, nxt: StepBatch | None,
              extras: tuple | None = None) -> tuple[list[RequestOutput | None | bool], dict[str, None]]:
@@ -90,7 +91,10 @@ class StepReader:
         if nxt is not None and nxt.fed:  # the next step's input tokens that were unknown
             # Nothing came or went since ``nxt`` was built, so its rows hold.
             known = ib.tokens[nxt.fed_rows, nxt.fed_pos].tolist()
-            bm.set_tokens(nxt.fed, nxt.fed_pos, known)
+            fed_slots = nxt.fed_pos
+            if self.kv_offsets:  # a KV policy's compacted rows: slot = position - dropped
+                fed_slots = (np.asarray(fed_slots) - ib.dropped[nxt.fed_rows]).tolist()
+            bm.set_tokens(nxt.fed, fed_slots, known)
         self._mark_computed(batch, rows, live)
         lps = None if extras is None else extras.get("logprobs")
         if lps is not None:
@@ -124,6 +128,10 @@ class StepReader:
         (it hears of a decode only then), and every other item exactly."""
         bm = self.bm
         pos = batch.decode_pos
+        if self.kv_offsets:  # slots, by the rows' dropped counts now (a compaction since the
+            # step was built counted its slots computed already)
+            pos = pos - (self.ib.dropped[rows] if live else
+                         np.array([q.num_dropped for q in batch.decode], np.int64))
         full = np.flatnonzero(pos % self.page_size == 0)
         if len(full):
             if live:
@@ -138,7 +146,7 @@ class StepReader:
         for item, end in zip(batch.items, batch.item_ends):
             q = item.seq
             if q.row >= 0 and not item.num_draft:  # verify rows: ``Speculator.accept``
-                bm.mark_computed(q.seq_id, end)
+                bm.mark_computed(q.seq_id, end - q.num_dropped)
 
     def stops_and_outputs(self, batch: StepBatch, rows: np.ndarray, new: np.ndarray, now: float,
                           live: bool) -> list[RequestOutput | None | bool]:

@@ -212,7 +212,7 @@ class Scheduler:
                 continue
             if not budget.seqs or not budget.tokens:
                 break
-            n = min(seq.num_uncomputed, budget.tokens)
+            n = self._chunk(seq, budget.tokens)
             while True:
                 copies = self._grow(seq, n)
                 if copies is not None:
@@ -263,7 +263,7 @@ class Scheduler:
             out.swap_in.extend(pairs)
             seq.status = SeqStatus.RUNNING
             self._run(seq)
-            n = min(seq.num_uncomputed, budget.tokens)
+            n = self._chunk(seq, budget.tokens)
             copies = self._grow(seq, n)
             if copies is None:
                 break  # it stays running; the next step serves it
@@ -316,7 +316,7 @@ class Scheduler:
                 continue
             seq.status = SeqStatus.RUNNING
             self._run(seq)
-            n = min(seq.num_uncomputed, budget.tokens)
+            n = self._chunk(seq, budget.tokens)
             if n and budget.seqs:
                 self._schedule(out, budget, seq, n, now)
 
@@ -342,6 +342,18 @@ class Scheduler:
         if copies is not None:
             seq.num_slots += len(new)
         return copies
+
+    def _chunk(self, seq: Sequence, tokens: int) -> int:
+        """Tokens to compute for ``seq`` now: at most ``tokens``; with a KV policy, a chunk ends
+        where the policy runs next, so a recompute after preemption replays every call
+        (docs/kv-policies.md)."""
+        n = min(seq.num_uncomputed, tokens)
+        if self.config.kv_policy is not None:
+            c = seq.num_computed_tokens
+            at = seq.kv_next if seq.kv_next >= 0 else seq.num_prompt_tokens
+            if c < at < c + n:
+                n = at - c
+        return n
 
     def _schedule(self, out, budget, seq, n, now) -> None:
         out.scheduled.append(ScheduledSeq(seq, n))
@@ -373,6 +385,7 @@ class Scheduler:
         self.bm.free(seq.seq_id)
         seq.num_slots = 0
         seq.num_computed_tokens = 0
+        seq.forget_kv_policy()
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 

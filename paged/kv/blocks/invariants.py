@@ -62,7 +62,7 @@ def _check_seqs(pool: BlockPool, index: PrefixCacheIndex, tables: SeqTables) -> 
                     or index.key[seq.table[-1]] is not None)):
             fail(f"seq {sid!r} may append {seq.room} slots in place into a tail block that is "
                  f"shared, keyed or dirty, or has a different number of free slots")
-        if seq.key_at > (len(seq.keys) + 1) * B and tables.caching:
+        if seq.key_at > (len(seq.keys) + 1) * B and tables.caching and not seq.nokey:
             fail(f"seq {sid!r} skips keying up to {seq.key_at} tokens with {len(seq.keys)} keys")
         if seq.front and any(b != NULL_PAGE for b in seq.table[:seq.front]):
             fail(f"seq {sid!r} recycled {seq.front} leading blocks, table {seq.table}")

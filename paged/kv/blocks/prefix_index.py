@@ -388,7 +388,7 @@ class PrefixKeyer:
         for seq in seqs:
             keys = seq.keys
             i = len(keys)
-            upto = seq.num_computed // B
+            upto = seq.num_computed // B if not seq.nokey else 0  # compacted: never keyed
             if upto > i:
                 tokens, table, salt = seq.tokens, seq.table, seq.salt
                 parent = keys[-1] if i else None
@@ -406,4 +406,4 @@ class PrefixKeyer:
                     keys.append(parent)
                     i += 1
             if not self.debug:
-                seq.key_at = (i + 1) * B
+                seq.key_at = (i + 1) * B if not seq.nokey else 2**63

@@ -32,7 +32,8 @@ class Seq:
 
     # The decode step reads the first four: declared first, they share the object's cache lines.
     __slots__ = ("room", "tokens", "num_computed", "key_at", "table", "keys", "salt",  # noqa: RUF023
-                 "host_table", "dirty_tail", "swap_in_step", "swap_out_step", "unknown", "front")
+                 "host_table", "dirty_tail", "swap_in_step", "swap_out_step", "unknown", "front",
+                 "nokey")
 
     def __init__(self, table: list[int], tokens: list, num_computed: int, keys: list[BlockKey],
                  salt: bytes):
@@ -53,6 +54,9 @@ class Seq:
         self.key_at = -1
         self.unknown = 0  # slots whose token id is None
         self.front = 0  # leading table entries recycled (NULL_PAGE): behind the sliding window
+        # Compacted by a KV policy (`paged.kv.blocks.compact`): its slots no longer hold one
+        # position each, so none of its blocks is keyed from now on.
+        self.nokey = False
 
 
 def count_arg(n, what: str) -> int:
@@ -175,6 +179,7 @@ class SeqTables:
         child.unknown = parent.unknown
         child.swap_in_step = parent.swap_in_step
         child.front = parent.front
+        child.nokey = parent.nokey
         parent.room = None  # the tail block is shared now
         self.set_key_at(child)
         rc = self.pool.rc
@@ -243,7 +248,7 @@ class SeqTables:
     def set_key_at(self, seq: Seq) -> None:
         if self.debug or seq.host_table is not None:
             seq.key_at = -1
-        elif self.caching:
+        elif self.caching and not seq.nokey:
             seq.key_at = (len(seq.keys) + 1) * self.block_size
         else:
             seq.key_at = TOKEN_LIMIT

@@ -1,0 +1,49 @@
+"""The KV-policy interface: a policy scores, the engine decides.
+
+A policy sees one sequence's keys per layer and KV head (stored after RoPE, so each key already
+carries its position) and each slot's original position, and returns a score per slot; the
+engine keeps the ``keep_count`` highest-scoring slots of every (layer, KV head), compacts them
+into the sequence's first pages and frees the rest (``paged.kv.blocks.compact``,
+``paged.engine.kv_compact``). Scoring runs inside the jitted compaction on device: it is written
+against an array namespace ``xp`` (``jax.numpy`` there, ``numpy`` in tests), so a policy file
+imports no JAX and the host never reads KV back.
+"""
+
+from __future__ import annotations
+
+from paged.config.kv_policy import KVPolicyConfig
+
+
+class KVPolicy:
+    """One eviction method (subclass it in one file and register it in ``POLICIES``).
+
+    Args:
+      config: the method's settings (budget, interval, its own parameters).
+    """
+
+    name = "base"
+
+    def __init__(self, config: KVPolicyConfig):
+        self.config = config
+
+    def keep_count(self, num_tokens: int) -> int:
+        """Tokens kept per (layer, KV head) of a sequence holding ``num_tokens`` (host side; the
+        engine drops nothing when this is ``num_tokens``)."""
+        return self.config.keep_count(num_tokens)
+
+    def scores(self, xp, keys, positions, valid):
+        """Per-slot scores (higher: kept first); ties go to the earlier slot.
+
+        Args:
+          xp: the array namespace (``jax.numpy`` in the engine, ``numpy`` in references).
+          keys: f32[L, Hkv, R, D], the sequence's slots (padded to R), after RoPE.
+          positions: i32[L, Hkv, R], each slot's original position (RoPE position).
+          valid: bool[R], the real slots (padding scores are ignored).
+
+        Returns:
+          f32[L, Hkv, R].
+        """
+        raise NotImplementedError
+
+
+__all__ = ["KVPolicy"]

@@ -1,0 +1,99 @@
+"""A dense reference for KV policies: the full sequence recomputed with attention masked to
+exactly the positions a policy kept, per layer, KV head and query (tests/test_kv_policies.py).
+
+A query at position ``t`` sees the survivors of the last policy call at a point ``c <= t``
+(per layer and KV head) and every position in ``[c, t]``; before the first call it sees all of
+``[0, t]``. The calls are replayed on the reference's own keys (after RoPE, captured from the
+dense pass), with the same policy ``scores`` in numpy: a call at ``c`` depends only on queries
+before ``c``, so pass ``j`` of the dense model fixes call ``j``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged.models import attention
+from paged.models.llama import Llama
+
+
+class _Masked:
+    """Replaces ``causal_attention`` during one eager dense pass: per-layer masks, key capture."""
+
+    def __init__(self, masks):
+        self.masks, self.layer, self.keys = masks, 0, []
+
+    def __call__(self, q, k, v, *, sm_scale, soft_cap=None, sliding_window=None):
+        mask = self.masks[self.layer]  # bool[Hkv, T, S]
+        self.layer += 1
+        self.keys.append(np.asarray(k[0], np.float32))  # [S, Hkv, D]
+        b, t, n, h = q.shape
+        kh = k.shape[2]
+        qg = q.astype(jnp.float32).reshape(b, t, kh, n // kh, h)
+        logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32)) * sm_scale
+        logits = jnp.where(jnp.asarray(mask)[None, :, None], logits, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(logits, axis=-1)
+        out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v.astype(jnp.float32))
+        return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+@contextlib.contextmanager
+def _patched(fn):
+    old = attention.causal_attention
+    attention.causal_attention = fn
+    try:
+        yield
+    finally:
+        attention.causal_attention = old
+
+
+def _masks(num_layers, num_kv_heads, n, calls):
+    """bool[L][Hkv, n, n]: query t sees key s (see the module docstring)."""
+    causal = np.tril(np.ones((n, n), bool))
+    out = np.broadcast_to(causal, (num_layers, num_kv_heads, n, n)).copy()
+    for c, kept in calls:  # kept: bool[L, Hkv, c]; later calls override for t >= c
+        out[:, :, c:, :c] = kept[:, :, None, :]
+    return out
+
+
+def reference(config, params, tokens, policy, prompt_len):
+    """``(log-probs f64[n, V], calls)``: row i is the distribution of the token after position
+    i under ``policy`` (a ``KVPolicy``), with the calls it made (``(point, kept)``)."""
+    model, n = Llama(config), len(tokens)
+    L, H = config.num_layers, config.num_kv_heads
+    interval = policy.config.interval
+    points = [prompt_len] + (list(range(prompt_len + interval, n, interval)) if interval else [])
+    points = [c for c in points if c < n]
+    calls, kept_prev, c_prev = [], None, 0
+    for c in [*points, None]:
+        masked = _Masked(_masks(L, H, n, calls))
+        with _patched(masked):
+            logits = model.apply(params, jnp.asarray([tokens]), method="dense")
+        if c is None:
+            break
+        # The engine's slots at c: the last survivors, then every position since (in order).
+        cand = np.zeros((L, H, c), bool)
+        cand[:, :, c_prev:] = True
+        if kept_prev is not None:
+            cand[:, :, :c_prev] = kept_prev
+        slots = int(cand[0, 0].sum())
+        keep = max(policy.keep_count(c), 1)
+        if keep >= slots:
+            continue
+        keys = np.stack(masked.keys)  # [L, S, Hkv, D]
+        kept = np.zeros((L, H, c), bool)
+        for layer in range(L):
+            for h in range(H):
+                pos = np.flatnonzero(cand[layer, h])
+                k = keys[layer, pos, h][None, None]
+                score = policy.scores(np, k, pos[None, None], np.ones(len(pos), bool))[0, 0]
+                order = np.argsort(-np.asarray(score, np.float32), kind="stable")[:keep]
+                kept[layer, h, pos[order]] = True
+        calls.append((c, kept))
+        kept_prev, c_prev = kept, c
+    x = np.asarray(logits[0], np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True)), calls
