@@ -162,12 +162,10 @@ class Engine:
         Args:
           request_id: a non-empty str, unique among unfinished and finished-but-unreported
             requests.
-          prompt: text (encoded with BOS), a conversation (a list of ``{"role", "content"}``
-            dicts, rendered with the model's chat template as the server's chat endpoint renders
-            it: `paged.request.chat`) or token ids: a flat list/tuple of Python ints (not
-            ``bool``) or a 1-D numpy integer array, each in ``[0, vocab_size)``; nothing is
-            coerced (``1.5``, ``"7"``, ``True``, nested lists and 2-D arrays are refused). Prompt
-            plus output never exceed ``max_model_len``, so the prompt must be shorter than
+          prompt: text (encoded with BOS), a conversation (``{"role", "content"}`` dicts,
+            rendered with the model's chat template: `paged.request.chat`) or token ids (a flat
+            list/tuple of Python ints, not ``bool``, or a 1-D numpy integer array, each in
+            ``[0, vocab_size)``; nothing is coerced). Prompt plus output never exceed
             ``max_model_len``: at least one output token must fit.
           params: sampling parameters (default ``SamplingParams()``).
           arrival_time: ``time.perf_counter()`` of arrival (default now), for latency metrics and
@@ -385,13 +383,9 @@ class Engine:
     def generate(self, prompts: SequenceT[str | SequenceT[int]] | str,
                  params: SamplingParams | SequenceT[SamplingParams] | None = None,
                  *, progress: bool = False) -> list[RequestOutput]:
-        """Runs prompts to completion; returns their outputs in prompt order. A prompt is what
-        ``add_request`` takes (text, a conversation, token ids); a str or one conversation
-        alone is one prompt.
-
-        All or nothing: every prompt and params is checked (as ``add_request`` checks them)
-        before the first is added, so one bad prompt raises with the engine unchanged.
-        """
+        """Runs prompts (as ``add_request`` takes them; a str or one conversation alone is one
+        prompt) to completion; returns their outputs in prompt order. All or nothing: every
+        prompt and params is checked before the first is added (one bad prompt: no change)."""
         self._refuse_follower("add requests there")
         return generate(self, self.core, prompts, params, progress=progress)
 

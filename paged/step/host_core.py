@@ -128,15 +128,10 @@ class HostCore:
         self._feed_eviction = self.block_manager.eviction_feed  # None, or (now, waiting queue)
 
     # --- what request checks and routers read ------------------------------------------
-    @property
-    def cache_salt(self) -> bytes:
-        """The salt of every prefix-cache key (model, weights, dtype); tenants' salts extend it."""
-        return self.block_manager.cache_salt
-
-    @property
-    def num_requests(self) -> int:
-        """Requests ever added (the index of the next one: unseeded requests' seeds derive from it)."""
-        return self._num_requests
+    cache_salt = property(lambda self: self.block_manager.cache_salt, doc="The salt of every "
+                          "prefix-cache key (model, weights, dtype); tenants' salts extend it.")
+    num_requests = property(lambda self: self._num_requests, doc="Requests ever added (the index "
+                            "of the next one: unseeded requests' seeds derive from it).")
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` is unfinished, or finished and not reported yet."""
@@ -151,9 +146,7 @@ class HostCore:
         report. (A dispatched step not read back yet is the device step owner's to add.)"""
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
-    @property
-    def has_unreported_aborts(self) -> bool:
-        return bool(self._aborted)
+    has_unreported_aborts = property(lambda self: bool(self._aborted))
 
     num_waiting = property(lambda self: len(self.scheduler.waiting) + len(self.scheduler.swapped),
                            doc="Sequences not admitted now: waiting, or swapped out.")
