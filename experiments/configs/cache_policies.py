@@ -13,7 +13,8 @@ One simulated H200 (``paged.sim.RooflineStepModel``) serving Llama-3-8B dimensio
 block manager with ``prefix_eviction`` set per arm. The device pool holds ``fraction`` x the
 window's distinct prompt blocks (plus nothing else: running requests share it). Each trace is
 read in ``windows[trace]`` (seconds; ``()``: the whole trace) at its own arrival times.
-Variants: ``default``, ``smoke`` (what the test runs).
+Variants: ``default``, ``window`` (two minutes of conversation, one of synthetic, the goal's pool
+size only), ``smoke`` (what the test runs).
 """
 
 import ml_collections
@@ -35,7 +36,11 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.engine = engine_config_dict(block_size=512, max_model_len=196608, max_num_seqs=256,
                                   max_num_batched_tokens=8192, dtype="bfloat16",
                                   async_scheduling=False)
-    if arg == "smoke":
+    if arg == "window":  # what fits the 20 s a run may take without the shared lock
+        c.windows.conversation = (0.0, 120.0)
+        c.windows.synthetic = (0.0, 60.0)
+        c.pool_fractions = (0.25,)
+    elif arg == "smoke":
         c.traces = ("conversation",)
         c.windows.conversation = (0.0, 8.0)
         c.windows.synthetic = (0.0, 4.0)
@@ -43,5 +48,5 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.policies = ("lru", "lfu")
         c.plots = False
     elif arg != "default":
-        raise ValueError(f"unknown variant {arg!r}; known: default, smoke")
+        raise ValueError(f"unknown variant {arg!r}; known: default, window, smoke")
     return c
