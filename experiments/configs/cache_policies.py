@@ -40,6 +40,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.windows.conversation = (0.0, 120.0)
         c.windows.synthetic = (0.0, 60.0)
         c.pool_fractions = (0.25,)
+        c.engine.max_num_seqs = 32  # running sequences hold a small share of the small pool
     elif arg == "smoke":
         c.traces = ("conversation",)
         c.windows.conversation = (0.0, 8.0)
