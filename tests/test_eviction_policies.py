@@ -9,6 +9,7 @@ import random
 
 import hypothesis.strategies as st
 import pytest
+from hypothesis.stateful import rule
 from test_block_manager_stateful import BlockManagerMachine, _run
 
 from paged.config.engine_config import EngineConfig
@@ -209,6 +210,7 @@ class _PolicyMachine(BlockManagerMachine):
 
     now = 0.0
 
+    @rule(data=st.data())
     def step(self, data):
         if data.draw(st.integers(0, 7), label="feed") == 0:
             sid = self._seq_ids(data, lambda s: not self.bm.is_swapped(s))

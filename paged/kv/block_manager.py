@@ -50,9 +50,9 @@ from paged.kv import events
 from paged.kv.blocks import decode_run
 from paged.kv.blocks.admission import Admission, as_salt
 from paged.kv.blocks.compact import Compaction, compact
+from paged.kv.blocks.eviction import make_order
 from paged.kv.blocks.host_tier import HostTier
 from paged.kv.blocks.invariants import check_invariants
-from paged.kv.blocks.eviction import make_order
 from paged.kv.blocks.offload import OffloadCalls
 from paged.kv.blocks.policy_calls import PolicyCalls
 from paged.kv.blocks.prefix_index import HashFn, PrefixKeyer, xxh3_block_hash

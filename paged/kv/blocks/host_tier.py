@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Hashable
 
 from paged.kv.blocks.eviction.lru import LRUOrder
 from paged.kv.blocks.prefix_index import BlockKey, PrefixCacheIndex, PrefixKeyer

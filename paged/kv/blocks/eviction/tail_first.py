@@ -38,15 +38,27 @@ class TailFirstOrder(LRUOrder):
         super().__delitem__(b)
         self._left(b)
 
+    def _victim(self, keys, children):
+        for b in keys:
+            if self[b] not in children:
+                return b
+        return next(iter(keys))  # unreachable for a forest; stay total anyway
+
     def evict_one(self):
-        children = self.children
-        victim = None
-        for b, digest in self.items():
-            if digest not in children:
-                victim = b
-                break
-        if victim is None:  # unreachable for a forest; stay total anyway
-            victim = next(iter(self))
+        victim = self._victim(self.keys(), self.children)
         digest = self.pop(victim)
         self._left(victim)
         return victim, digest
+
+    def __iter__(self):
+        """Victim order (each victim's removal may make its parent a leaf): O(n^2), for queries."""
+        keys, children = dict.fromkeys(self.keys()), dict(self.children)
+        while keys:
+            b = self._victim(keys, children)
+            yield b
+            del keys[b]
+            p = self.parent_of.get(b)
+            if p is not None:
+                children[p] -= 1
+                if not children[p]:
+                    del children[p]

@@ -20,10 +20,17 @@ class WaitingAwareOrder(LRUOrder):
         """Replaces the protected set."""
         self.protected = set(blocks)
 
-    def evict_one(self):
+    def __iter__(self):
+        """Victim order: unprotected blocks (LRU), then protected ones (LRU)."""
         protected = self.protected
-        if protected:
-            for b in self:
-                if b not in protected:
-                    return b, self.pop(b)
-        return self.popitem(last=False)
+        if not protected:
+            yield from self.keys()
+            return
+        yield from (b for b in self.keys() if b not in protected)
+        yield from (b for b in self.keys() if b in protected)
+
+    def evict_one(self):
+        if not self.protected:
+            return self.popitem(last=False)
+        b = next(iter(self))
+        return b, self.pop(b)
