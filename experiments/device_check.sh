@@ -30,7 +30,8 @@
 #            (Quest selected-page decode vs dense, compiled GPU-style Pallas, bf16, Hq=32 Hkv=8
 #            D=128, B=8 at 4k and 32k, budget 1/8: bytes counted, time, and each side's bytes /
 #            time as a fraction of the device's own streaming-read rate, measured in the same
-#            rounds). Never run on a device yet; up to T_SPARSE (150 s). CPU dry run:
+#            rounds). Never run on a device yet; up to T_SPARSE (150 s). CPU dry run (7 s here on
+#            2026-12-06; smoke shapes, its numbers mean nothing):
 #              STAGES=sparse DEVICE_CHECK_SMOKE=1 OUT=/tmp/sd PYTHON=.venv/bin/python \
 #                bash experiments/device_check.sh
 #   simval   (opt-in: add it to STAGES) experiments.sim_gpu_check -> $OUT/sim_gpu_check.json: the
