@@ -30,7 +30,7 @@ def test_no_cross_backend_imports(style, other):
     backend-neutral modules (softmax, tiling, validation, compat)."""
     modules = [p for p in PKG.glob("*.py")
                if p.stem.endswith(f"_{style}") or p.stem == f"{style}_common"]  # fmt: skip
-    assert len(modules) == 4
+    assert len(modules) >= 4
     for path in modules:
         bad = [n for n in _imports(path) if n.split(".")[-1].endswith(f"_{other}")
                or f"{other}_common" in n]  # fmt: skip

@@ -447,7 +447,9 @@ class BlockManager(ManagerQueries, OffloadCalls, PolicyCalls):
             index.events = listeners([residency, None if sink is None else sink.medium(medium)])
 
     def set_time(self, now: float) -> None:
-        """The clock of the residency figures: the host step's ``now`` (HostCore.begin)."""
+        """The clock (the host step's ``now``, HostCore.begin) of the eviction order's retention
+        times (`PolicyCalls.set_time`) and of the residency figures."""
+        PolicyCalls.set_time(self, now)
         if self._residency is not None:
             for r in self._residency:
                 if r is not None:

@@ -119,29 +119,13 @@ class KVCache:
             bounds = (make if sharding is None else jax.jit(make, out_shardings=sharding))()
         return cls(k_pages=zeros(), v_pages=zeros(), key_bounds=bounds)
 
-    @property
-    def num_layers(self) -> int:
-        return self.k_pages.shape[0]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.k_pages.shape[1]
-
-    @property
-    def num_pages(self) -> int:
-        return self.k_pages.shape[2]
-
-    @property
-    def page_size(self) -> int:
-        return self.k_pages.shape[3]
-
-    @property
-    def head_dim(self) -> int:
-        return self.k_pages.shape[4]
-
-    @property
-    def dtype(self):
-        return self.k_pages.dtype
+    # The pool's dimensions (ints) and page dtype, read off the key pages.
+    num_layers = property(lambda self: self.k_pages.shape[0])
+    num_kv_heads = property(lambda self: self.k_pages.shape[1])
+    num_pages = property(lambda self: self.k_pages.shape[2])
+    page_size = property(lambda self: self.k_pages.shape[3])
+    head_dim = property(lambda self: self.k_pages.shape[4])
+    dtype = property(lambda self: self.k_pages.dtype)
 
     @property
     def nbytes(self) -> int:
