@@ -38,8 +38,8 @@ from paged.engine.device_step import stub_step
 
 def check(c) -> dict:
     common.check_model(c.model)
-    common.check_unset(c.engine, ["max_num_seqs", "max_num_batched_tokens",
-                                  "data_parallel_size"], "num_running / replicas")
+    common.check_unset(c.engine, ["max_num_seqs", "max_num_batched_tokens"],
+                       "num_running / replicas")
     for key in ("num_running", "prompt_len", "steps", "rounds"):
         if isinstance(c[key], bool) or not isinstance(c[key], int) or c[key] < 1:
             raise ValueError(f"{key}={c[key]!r} must be an integer >= 1")
