@@ -159,3 +159,49 @@ def test_kv_heads_must_divide_by_tensor_parallel_size():
 def test_bad_parallel_settings(kw, err):
     with pytest.raises(err):
         EngineConfig(**kw)
+
+
+# Run by test_forced_devices: replicas whose host half steps in a process of its own
+# (paged.server.replica_process) give the in-process engine's tokens, routes and batches.
+PROCESS_REPLICAS_SCRIPT = r"""
+import sys
+sys.path.insert(0, "tests")
+from engine_utils import prompts, small_model
+from paged import Engine, EngineConfig, SamplingParams
+from paged.engine.device_step import stub_step
+from paged.server.replica_process import process_replicas
+
+cfg, params = small_model()
+base = dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+            attention_impl="xla", debug_checks=True, min_token_bucket=32, min_seq_bucket=4,
+            data_parallel_size=2)
+shared = [256] + list(range(1, 25))
+batch = prompts(5, seed=2) + [shared + [40 + i] for i in range(3)]
+mixed = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=2),
+         SamplingParams(max_tokens=8, temperature=0.8, seed=3, n=2),
+         SamplingParams(max_tokens=8, temperature=0.8), SamplingParams(max_tokens=8)] * 2
+engines = [Engine(EngineConfig(**base), model_config=cfg, params=params),
+           process_replicas(EngineConfig(**base), model_config=cfg, params=params)]
+records = [e.record_steps() for e in engines]
+got = [[[c.token_ids for c in o.outputs] for o in e.generate(batch, mixed)] for e in engines]
+assert got[0] == got[1], got
+assert records[0] == records[1] and len(records[0]) > 1
+assert engines[0].routed == engines[1].routed and len(set(engines[1].routed.values())) == 2
+stats = [e.kv_stats() for e in engines]
+for key in ("num_requests_served", "prefix_cache_hit_tokens", "num_free_blocks"):
+    assert stats[0][key] == stats[1][key], (key, stats)
+engine = engines[1]
+engine.add_request("a", batch[0], SamplingParams(max_tokens=30, ignore_eos=True))
+engine.step(); engine.step()
+assert engine.abort("a") and not engine.abort("nope")
+outs = []
+while engine.has_unfinished_requests():
+    outs += engine.step()
+assert outs[-1].request_id == "a" and outs[-1].outputs[0].finish_reason == "abort", outs
+engine.set_device_step(stub_step)  # pickled by reference into each replica's process
+out = engine.generate([batch[1]], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+assert out.token_ids == [0] * 5, out.token_ids
+for r in engine.replicas:
+    r.close()
+print("PROCESS_REPLICAS_OK")
+"""

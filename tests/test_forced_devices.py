@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 from engine_utils import run_sections_on_host_devices
+from test_data_parallel import PROCESS_REPLICAS_SCRIPT as PROCESS_REPLICAS
 from test_data_parallel import SCRIPT as DATA_PARALLEL
 from test_disaggregation import SCRIPT as DISAGGREGATION
 from test_kv_quant_engine import MESH_SCRIPT as KV_QUANT_MESH
@@ -50,7 +51,8 @@ print("MESH_OK")
 """
 
 SECTIONS = {"mesh": MESH, "kv_quant_mesh": KV_QUANT_MESH, "data_parallel": DATA_PARALLEL,
-            "disaggregation": DISAGGREGATION, "replay_dp": REPLAY_DP}
+            "disaggregation": DISAGGREGATION, "replay_dp": REPLAY_DP,
+            "process_replicas": PROCESS_REPLICAS}
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +91,9 @@ def test_data_parallel_run_replays_in_lockstep(sections):
     caught at the request it sends elsewhere."""
     out = _passed(sections, "replay_dp", "DP REPLAY OK")
     assert "changed router caught: replay differs at step " in out
+
+
+def test_process_replicas_give_the_in_process_tokens_routes_and_batches(sections):
+    """`test_data_parallel.PROCESS_REPLICAS_SCRIPT`: each replica's host half in its own process
+    (``paged.server.replica_process``)."""
+    _passed(sections, "process_replicas", "PROCESS_REPLICAS_OK")

@@ -110,19 +110,19 @@ def test_recycled_blocks_wait_in_quarantine():
 
 
 def test_kv_stats_bound_on_long_outputs():
-    """tiny-sliding (W = 32): short prompts, 160 new tokens, blocks of 16: stepping serially, at
-    most ceil(32 / 16) + 1 = 3 blocks per sequence (overlapped, one more for the step in flight)
-    while the full-attention model needs 11."""
+    """tiny-sliding (W = 32): short prompts, 64 new tokens (past two windows), blocks of 16:
+    stepping serially, at most ceil(32 / 16) + 1 = 3 blocks per sequence (overlapped, one more
+    for the step in flight) while the full-attention model needs 5."""
     kw = dict(block_size=16, max_model_len=256, max_num_seqs=4, min_seq_bucket=4,
               max_num_batched_tokens=64, min_token_bucket=64)
-    params = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     prompts = ["def f(x):\n", "class A:\n", "import os\n"]
     sliding = Engine(EngineConfig(model="tiny-sliding", async_scheduling=False, **kw))
     sliding.generate(prompts, params)
     full = Engine(EngineConfig(model="tiny", async_scheduling=False, **kw))
     full.generate(prompts, params)
     assert sliding.kv_stats()["max_blocks_per_sequence"] == 3
-    assert full.kv_stats()["max_blocks_per_sequence"] == 11  # ceil((10 + 160) / 16)
+    assert full.kv_stats()["max_blocks_per_sequence"] == 5  # ceil((10 + 64) / 16)
     assert full.kv_stats()["recycled_blocks"] == 0
 
 

@@ -15,6 +15,9 @@ serialises: each replica's scheduling, batch build and dispatch, then each repli
 (sampled tokens, stops, outputs), one replica after the other on one Python thread. With
 ``async_scheduling`` a replica's read-back waits for the step dispatched in the previous call,
 which ran while the host served the other replicas; without it, for the step just dispatched.
+``paged.server.replica_process.process_replicas`` builds the same engine with each replica's host
+half in a process of its own (``ProcessReplica`` as the ``replica_factory``), so the host halves
+run at the same time on as many cores; in-process replicas stay the default.
 
 With ``prefill_replicas = P > 0`` the first P replicas only prefill and the other D - P only
 decode: a request is routed (prefix-aware by default) among the prefill replicas, computes its
@@ -121,7 +124,7 @@ class DataParallelEngine:
         self.router = Router(config.router, config.router_load_threshold)
         # New requests go to the prefill replicas (all replicas when there are no roles).
         self._entry = [i for i, r in enumerate(self.roles) if r != "decode"]
-        self._views = [EngineReplica(self.replicas[i]) for i in self._entry]
+        self._views = [_router_view(self.replicas[i]) for i in self._entry]
         self.handover = None
         if p:
             spec = ModelSpec.from_model_config(
@@ -323,6 +326,12 @@ class DataParallelEngine:
         merged["data_parallel_size"] = len(self.replicas)
         merged["replicas"] = per
         return merged
+
+
+def _router_view(replica):
+    """What the router reads of a replica: an in-process ``Engine`` through ``EngineReplica``; a
+    replica that answers the router itself (``paged.server.replica_process``) as it is."""
+    return replica if hasattr(replica, "cached_prefix_tokens") else EngineReplica(replica)
 
 
 def _number(x) -> bool:
