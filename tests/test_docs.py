@@ -165,3 +165,12 @@ def test_no_stale_facts():
         assert "config.engine.model=" not in text, name  # the model is config.model
         assert "num_compilations()" not in text, name  # a property
         assert not re.search(r"\b1,0\d\d tests", text), name  # say "about 1,300 tests"
+
+
+def test_combinations_page_lists_the_support_matrix():
+    """docs/combinations.md names every mechanism and every refused pair of paged/config/support.py."""
+    from paged.config import support
+
+    text = PAGES["docs/combinations.md"]
+    assert not [m for m in support.MECHANISMS if f"`{m}`" not in text]
+    assert not [(r.a, r.b) for r in support.REFUSED if f"| {r.a} | {r.b} |" not in text]
