@@ -11,8 +11,8 @@ import pytest
 
 from paged import Engine, EngineConfig, SpeculativeConfig
 from paged.config import support
-from paged.config.sparse_decode import SparseDecodeConfig
 from paged.config.kv_policy import KVPolicyConfig
+from paged.config.sparse_decode import SparseDecodeConfig
 from paged.config.support import MECHANISMS, REFUSED, check_supported, features
 
 

@@ -7,8 +7,8 @@ import warnings
 
 from paged.config import support
 from paged.config.eviction import parse_eviction
-from paged.config.sparse_decode import SparseDecodeConfig
 from paged.config.kv_policy import KVPolicyConfig
+from paged.config.sparse_decode import SparseDecodeConfig
 from paged.config.speculative import SpeculativeConfig
 from paged.util import validate
 

@@ -35,6 +35,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
+from paged.kv.blocks.probe import PrefixProbe
+
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 HOST_TIER_WEIGHT = 0.5  # a host-tier hit token, in device hit tokens, for routing
 
@@ -53,34 +55,6 @@ class Replica(Protocol):
 
 
 # --- the prefix query ------------------------------------------------------------------------
-class PrefixProbe:
-    """One prompt's block digests, computed once and shared by every replica probed.
-
-    The digests are kept for one (block size, digest function, salt); probing a replica whose
-    manager differs in any of them starts over.
-    """
-
-    __slots__ = ("conf", "digests", "tokens")
-
-    def __init__(self, token_ids: Sequence[int]):
-        self.tokens = token_ids
-        self.conf = None
-        self.digests: list = []
-
-    def digest(self, i: int, parent_digest, data: bytes, conf: tuple, digest_fn):
-        """Digest of block ``i`` (``data``: its packed token ids) under ``conf = (block_size,
-        hash_fn, salt)``, computed as ``digest_fn(parent_digest, data, salt)`` unless known."""
-        if conf != self.conf:
-            self.conf, self.digests = conf, []
-        ds = self.digests
-        if i < len(ds) and ds[i][0] == parent_digest:
-            return ds[i][1]
-        d = digest_fn(parent_digest, data, conf[2])
-        if i == len(ds):
-            ds.append((parent_digest, d))
-        return d
-
-
 def cached_prefix_tokens(bm, token_ids: Sequence[int], cache_salt: bytes | None = None,
                          probe: PrefixProbe | None = None) -> int:
     """A ``BlockManager``'s side-effect-free prefix query over both tiers: device hit tokens

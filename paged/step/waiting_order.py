@@ -19,7 +19,7 @@ starved before it take, whatever keeps arriving with longer hits.
 
 **Cost.** Only the first ``SCAN_LIMIT`` waiting requests by arrival are reordered (SGLang turns
 its order off above 128 waiting; here the rest keep arrival order behind them). Each request's
-block digests are computed once while it waits (``_Probe``); a step then costs a dict lookup per
+block digests are computed once while it waits (``PrefixProbe``); a step then costs a dict lookup per
 hit block. The order is host state only: it changes which requests are admitted when, never
 their tokens.
 """
@@ -29,31 +29,10 @@ from __future__ import annotations
 import collections
 
 from paged.kv.blocks.prefix_index import xxh3_block_hash
+from paged.kv.blocks.probe import PrefixProbe
 
 ORDERS = ("lpm", "dfs-weight")
 SCAN_LIMIT = 128
-
-
-class _Probe:
-    """A prompt's block digests, kept while it waits (the interface of
-    ``paged.fleet.routing.PrefixProbe``, which the step package may not import)."""
-
-    __slots__ = ("conf", "digests")
-
-    def __init__(self):
-        self.conf = None
-        self.digests: list = []
-
-    def digest(self, i: int, parent_digest, data: bytes, conf: tuple, digest_fn):
-        if conf != self.conf:
-            self.conf, self.digests = conf, []
-        ds = self.digests
-        if i < len(ds) and ds[i][0] == parent_digest:
-            return ds[i][1]
-        d = digest_fn(parent_digest, data, conf[2])
-        if i == len(ds):
-            ds.append((parent_digest, d))
-        return d
 
 
 class WaitingOrder:
@@ -74,7 +53,7 @@ class WaitingOrder:
         self.bm = block_manager
         self.block_size = block_size
         self.max_wait_s = max_wait_s
-        self._probes: dict[int, _Probe] = {}
+        self._probes: dict[int, PrefixProbe] = {}
         self._nodes: dict[int, list] = {}  # seq id -> node ids of its leading blocks
         self.num_starved = 0  # admissions forced by the guard (requests that hit the bound)
 
@@ -115,7 +94,7 @@ class WaitingOrder:
     def _hit(self, seq) -> tuple[int, int]:
         probe = self._probes.get(seq.seq_id)
         if probe is None:
-            probe = self._probes[seq.seq_id] = _Probe()
+            probe = self._probes[seq.seq_id] = PrefixProbe()
         return self.bm.tiered_prefix_tokens(seq.token_ids, cache_salt=seq.cache_salt,
                                             probe=probe)
 

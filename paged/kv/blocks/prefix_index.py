@@ -349,7 +349,7 @@ class PrefixKeyer:
         """(block, key) of the indexed blocks serving the longest prefix of full blocks of
         ``tokens``, never the block holding the final token. Read only.
 
-        ``probe`` (a ``paged.fleet.routing.PrefixProbe`` of the same tokens) shares the block digests
+        ``probe`` (a ``paged.kv.blocks.probe.PrefixProbe`` of the same tokens) shares the block digests
         across managers of the same block size, digest function and salt.
         """
         if not self.enabled:

@@ -162,7 +162,7 @@ class ManagerQueries:
         Args:
           token_ids: a prompt's token ids.
           cache_salt: the salt of the prompt's keys (``None``: the manager's own).
-          probe: a ``paged.fleet.routing.PrefixProbe`` of the same prompt, to hash it once across
+          probe: a ``paged.kv.blocks.probe.PrefixProbe`` of the same prompt, to hash it once across
             several managers.
         """
         salt = self.cache_salt if cache_salt is None else as_salt(cache_salt)

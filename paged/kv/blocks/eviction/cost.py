@@ -7,24 +7,15 @@ heap key can follow, so this uses the count (equal for blocks of the same age). 
 
 from __future__ import annotations
 
-from paged.kv.blocks.eviction.base import HeapOrder
+from paged.kv.blocks.eviction.lfu import LFUOrder
 
 
-class CostOrder(HeapOrder):
+class CostOrder(LFUOrder):  # LFU's use counts, weighted by the prefix's recompute cost
     name = "cost"
 
     def __init__(self, num_blocks: int, index, block_size: int, alpha: float):
         super().__init__(num_blocks)
         self.index, self.block_size, self.alpha = index, block_size, alpha
-        self.uses = [0] * num_blocks
-
-    def on_take(self, blocks) -> None:
-        uses = self.uses
-        for b in blocks:
-            uses[b] = 1
-
-    def on_hit(self, b: int) -> None:
-        self.uses[b] += 1
 
     def score(self, b: int) -> tuple:
         depth, key = 0, self.index.key[b]
