@@ -123,7 +123,7 @@ def main(c, policies: list) -> None:
         r["pareto"] = r["arm"] in pareto
     payload = {"study": "kv_policies", "model": c.model, "config": c.to_dict(),
                "provenance": common.provenance(),
-               "evidence": {"retrieval": "constructed", "kv_bytes": "measured (ledger)"},
+               "evidence": {"retrieval": "constructed", "kv_bytes": "constructed"},
                "needle": {"prompt_tokens": sorted({len(n.prompt_ids) for n in needle_list})},
                "rows": rows, "seconds": time.perf_counter() - t0}
     path = common.write_json(out_dir / "kv_policies.json", payload)
