@@ -47,10 +47,8 @@ def test_scanned_engine_equals_unrolled(tiny):
     config, params = tiny
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     prompts = ["hello world", "def f(x):\n    return", "The quick brown fox"]
-    # One token and one sequence bucket: two step shapes per engine (with and without logprobs).
-    conf = EngineConfig(model="tiny", max_num_batched_tokens=32, min_token_bucket=32,
-                        max_num_seqs=4, min_seq_bucket=4)
-    outs = [Engine(conf, model_config=config, params=p).generate(prompts, sp)
+    outs = [Engine(EngineConfig(model="tiny", max_num_batched_tokens=32, min_token_bucket=32),
+                   model_config=config, params=p).generate(prompts, sp)
             for p in (params, stack_layers(config, params))]
     for a, b in zip(*outs):
         assert a.token_ids == b.token_ids
