@@ -10,12 +10,27 @@ Prints, per test file, the seconds spent tracing, lowering and compiling (XLA co
 load from the persistent compilation cache when the entry was there) and the number of XLA
 compilations, then the jitted functions that cost most; ``--output`` writes the same as JSON.
 Subprocesses a test starts (forced-device runs, servers, study command lines) are not in the log.
+
+A timed run (the suite's own numbers, kept as a result with provenance)::
+
+    PAGED_TEST_JAX_CACHE=$(mktemp -d) PAGED_TEST_COMPILE_LOG=/tmp/log /usr/bin/time -v \
+        python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=0 tests \
+        > /tmp/pytest.txt 2>&1
+    python -m experiments.suite_profile --compile_log=/tmp/log --pytest_output=/tmp/pytest.txt \
+        --measured_revision=REV --result=experiments/results/suite_profile/NAME.json
+
+``--pytest_output`` (pytest's ``--durations=0`` report, with ``/usr/bin/time -v``'s lines after
+it) adds the tests passed, pytest's wall seconds, the process tree's wall and CPU seconds and
+the seconds per test file (setup + call + teardown) with the worker that ran it (from the
+compile log; files that compile nothing in-process have none); ``--result`` writes all of it
+with `experiments.common.write_result`.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -25,6 +40,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("compile_log", None, "directory holding the per-worker *.jsonl compile logs")
 flags.DEFINE_integer("top", 25, "how many files and functions to print")
 flags.DEFINE_string("output", None, "optional JSON path for the summary")
+flags.DEFINE_string("pytest_output", None, "pytest --durations=0 output (+ /usr/bin/time -v)")
+flags.DEFINE_string("measured_revision", None, "the revision the timed suite ran at")
+flags.DEFINE_string("result", None, "optional result JSON (with provenance) of a timed run")
 
 EVENTS = ("trace", "lower", "compile")
 
@@ -40,6 +58,8 @@ def summarize(log_dir: Path) -> dict:
     for path in files:
         for line in path.read_text().splitlines():
             r = json.loads(line)
+            if r["event"] not in EVENTS:  # "start": a test began (which worker ran it)
+                continue
             test_file = r["test"].split("::")[0]
             fun = r["fun"][4:-1] if r["fun"].startswith("jit(") else r["fun"]  # trace: bare name
             for row in (per_file[test_file], per_fun[fun]):
@@ -54,6 +74,40 @@ def summarize(log_dir: Path) -> dict:
 
     return {"totals": {k: round(v, 1) for k, v in totals.items()},
             "files": ranked(per_file), "functions": ranked(per_fun)}
+
+
+def timed_run(text: str, summary: dict, log_dir: Path) -> dict:
+    """The pytest report's totals and per-file seconds, the worker of each file (compile log)."""
+    per_file: dict = collections.defaultdict(float)
+    for m in re.finditer(r"^([\d.]+)s (?:setup|call|teardown)\s+([^:\s]+)::", text, re.M):
+        per_file[m.group(2)] += float(m.group(1))
+    worker = {}
+    for path in sorted(log_dir.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            worker.setdefault(json.loads(line)["test"].split("::")[0], path.stem)
+    passed = re.search(r"(\d+) passed.* in ([\d.]+)s", text)
+    time_v = dict(re.findall(r"^\s*(User time \(seconds\)|System time \(seconds\)|"
+                             r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\)): (\S+)", text,
+                             re.M))
+
+    def seconds(clock: str) -> float:
+        return sum(float(x) * 60**i for i, x in enumerate(reversed(clock.split(":"))))
+
+    run = {"passed": int(passed.group(1)) if passed else None,
+           "pytest_wall_s": float(passed.group(2)) if passed else None}
+    if time_v:
+        run["wall_s"] = round(seconds(time_v["Elapsed (wall clock) time (h:mm:ss or m:ss)"]), 2)
+        run["cpu_s"] = round(float(time_v["User time (seconds)"])
+                             + float(time_v["System time (seconds)"]), 2)
+    files = [{"name": k, "seconds": round(v, 2), "worker": worker.get(k)}
+             for k, v in sorted(per_file.items(), key=lambda kv: -kv[1])]
+    by_worker: dict = collections.defaultdict(float)
+    for f in files:
+        by_worker[f["worker"] or "unknown"] += f["seconds"]
+    return {**run, "test_seconds": round(sum(per_file.values()), 1),
+            "test_seconds_per_worker": {k: round(v, 1) for k, v in sorted(by_worker.items())},
+            "test_files": files,
+            "compile": {**summary, "functions": summary["functions"][:60]}}  # the costliest 60
 
 
 def main(argv):
@@ -72,6 +126,18 @@ def main(argv):
                   f"  {r['compiles']:5d}  {r['name']}")
     if FLAGS.output:
         Path(FLAGS.output).write_text(json.dumps(summary, indent=1))
+    if FLAGS.pytest_output:
+        run = timed_run(Path(FLAGS.pytest_output).read_text(), summary, Path(FLAGS.compile_log))
+        print(f"\n{run['passed']} passed, pytest {run['pytest_wall_s']} s, wall "
+              f"{run.get('wall_s')} s, CPU {run.get('cpu_s')} s; test seconds per worker "
+              f"{run['test_seconds_per_worker']}")
+        if FLAGS.result:
+            from experiments import common
+
+            common.write_result(FLAGS.result, {
+                "evidence": "real", "what": "the default test suite, timed (cold compile cache)",
+                "measured_revision": FLAGS.measured_revision, **run},
+                inputs=[FLAGS.pytest_output])
 
 
 if __name__ == "__main__":

@@ -89,8 +89,9 @@ def _drop_compiled_executables():
 # Where the suite's time goes (opt-in): ``PAGED_TEST_COMPILE_LOG=<dir>`` makes every test process
 # (each xdist worker; subprocesses a test starts are not covered) append one JSON line per JAX
 # compile event to ``<dir>/<worker>.jsonl``: the test's node id, the event (tracing, lowering to
-# MLIR, XLA compilation or persistent-cache load), the jitted function's name and the seconds.
-# ``python -m experiments.suite_profile --log_dir=<dir>`` sums them per file and per function.
+# MLIR, XLA compilation or persistent-cache load), the jitted function's name and the seconds,
+# and one "start" line per test (which worker ran it).
+# ``python -m experiments.suite_profile --compile_log=<dir>`` sums them per file and per function.
 _COMPILE_LOG = os.environ.get("PAGED_TEST_COMPILE_LOG")
 _COMPILE_EVENTS = {
     "/jax/core/compile/jaxpr_trace_duration": "trace",
@@ -120,6 +121,8 @@ if _COMPILE_LOG:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
         _current_test[0] = item.nodeid
+        _log_file.write(json.dumps({"test": item.nodeid, "event": "start", "fun": "",
+                                    "seconds": 0}) + "\n")  # which worker ran it
         yield
         _current_test[0] = "<between tests>"
 
@@ -130,15 +133,20 @@ if _COMPILE_LOG:
 # leaves the other worker idle, so the files that took longest in a cold `make test` (measured
 # with ``--durations=0``, summed per file) are collected first, in this order; the rest follow in
 # their usual order. Only the order changes: every test still runs.
-SLOW_FIRST = (
-    "test_experiments.py", "test_gguf_model.py", "test_forced_devices.py", "test_spec_decode.py",
-    "test_kv_quant_engine.py", "test_server.py", "test_kv_groups.py", "test_hf_checkpoints.py",
-    "test_engine.py", "test_core_process.py", "test_kernels_bench.py", "test_kernels_quant.py",
-    "test_reference.py", "test_sliding_window.py", "test_spec_decode_sched.py",
-    "test_server_start.py", "test_studies_memory.py", "test_models.py", "test_routing_study.py",
-    "test_kernels_cascade.py", "test_cascade_engine.py", "test_http_router.py",
-    "test_fragmentation.py", "test_kernels_sliding.py", "test_kernels_paged.py",
-    "test_sliding_window_study.py", "test_multihost.py",
+SLOW_FIRST = (  # the cold run of 2026-12-06 (experiments/results/suite_profile/)
+    "test_experiments.py", "test_kv_groups.py", "test_server.py", "test_spec_decode.py",
+    "test_hf_checkpoints.py", "test_kv_quant_engine.py", "test_kv_policies.py",
+    "test_forced_devices.py", "test_gguf_model.py", "test_kernels_bench.py", "test_kivi.py",
+    "test_kernels_quant.py", "test_reference.py", "test_engine.py", "test_sparse_decode_engine.py",
+    "test_spec_decode_sched.py", "test_sliding_window.py", "test_core_process.py", "test_trace.py",
+    "test_http_router.py", "test_studies_memory.py", "test_logprobs.py", "test_routing_study.py",
+    "test_quality.py", "test_cascade_engine.py", "test_server_start.py", "test_models.py",
+    "test_kernels_cascade.py", "test_docs.py", "test_multihost.py", "test_kernels_paged.py",
+    "test_kernels_sliding.py", "test_step_contract.py", "test_train_tiny.py",
+    "test_kv_quant_cache.py", "test_block_manager_stateful.py", "test_scan_layers.py",
+    "test_warmup.py", "test_study_cli.py", "test_overlap.py", "test_device_step.py",
+    "test_page_select.py", "test_sim.py", "test_sliding_window_study.py",
+    "test_host_tier_engine.py",
 )
 
 

@@ -44,13 +44,17 @@ def greedy_reference(config: LlamaConfig, params, prompt: list[int], max_tokens:
                      eos_id: int = 257, kv_quant=None) -> list[int]:
     """No-cache generation: the full sequence is recomputed densely for every token.
 
-    Tokens are right-padded to one length (causal attention ignores what comes after), so the
-    whole generation compiles once. ``kv_quant`` = ``(kv_cache_dtype, granularity, page_size)``
-    reproduces a quantized cache's quantize-on-write (``Llama.dense``).
+    Tokens are right-padded to one length (causal attention ignores what comes after), a power
+    of two (at least 32, at most the model's ``max_seq_len`` when that suffices), so the whole
+    generation compiles once and prompts of similar lengths share that compilation.
+    ``kv_quant`` = ``(kv_cache_dtype, granularity, page_size)`` reproduces a quantized cache's
+    quantize-on-write (``Llama.dense``).
     """
     dense = _dense_fn(config, kv_quant)
     tokens = list(prompt)
-    width = len(prompt) + max_tokens
+    need = len(prompt) + max_tokens
+    width = max(32, 1 << (need - 1).bit_length())
+    width = need if width > config.max_seq_len >= need else width
     out = []
     for _ in range(max_tokens):
         padded = np.zeros((1, width), np.int32)

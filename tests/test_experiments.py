@@ -26,7 +26,8 @@ def _cli():
     """The smokes run as ``python -m experiments.<study>`` forked from one warm helper
     (`cli_runner.ForkRunner`: Python, JAX and the studies imported once, each run in its own
     child process that starts its own JAX backend)."""
-    with ForkRunner(["experiments.common", *(f"experiments.{s}" for s in STUDIES)], ROOT) as r:
+    with ForkRunner(["experiments.common", "experiments.replay",
+                     *(f"experiments.{s}" for s in STUDIES)], ROOT) as r:
         _CLI.append(r)
         yield
         _CLI.clear()
@@ -139,10 +140,12 @@ def _replays_exactly(out: Path, arms: list[str], stdout: str, devices: int = 1) 
     how = f"reproduce: {rp.replay_command(out, devices=devices)}"
     assert f"replay: {rp.replay_command(out, devices=devices)}" in stdout
     assert [r["arm"] for r in rp.load_records(str(out))] == arms, how
-    env = dict(os.environ, **({} if devices == 1 else {  # the suite's XLA flags kept
-        "XLA_FLAGS": host_devices_flags(devices), "JAX_PLATFORMS": "cpu"}))
-    proc = subprocess.run([sys.executable, "-m", "experiments.replay", f"--from={out}"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    if devices == 1:  # forked from the warm helper (a fresh `python -m`, less the imports)
+        proc = _CLI[0].run("experiments.replay", f"--from={out}", timeout=600)
+    else:  # forced host devices: XLA_FLAGS must be set before JAX starts, so a new process
+        env = dict(os.environ, XLA_FLAGS=host_devices_flags(devices), JAX_PLATFORMS="cpu")
+        proc = subprocess.run([sys.executable, "-m", "experiments.replay", f"--from={out}"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}{proc.stderr[-2000:]}\n{how}"
     assert proc.stdout.count("] identical: ") == len(arms), proc.stdout
 

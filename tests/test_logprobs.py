@@ -27,7 +27,10 @@ def _engine(overlap: bool = True, **kw) -> Engine:
 def _dense_logprobs(tokens: list[int]) -> np.ndarray:
     """f64[len(tokens), V]: row i is the log-distribution of the token after position i."""
     cfg, params = small_model()
-    logits = np.asarray(_dense_fn(cfg)(params, jnp.asarray([tokens])))[0].astype(np.float64)
+    padded = np.zeros((1, 64), np.int32)  # one width (causal: padding after changes nothing)
+    padded[0, :len(tokens)] = tokens
+    logits = np.asarray(_dense_fn(cfg)(params, jnp.asarray(padded)))[0, :len(tokens)]
+    logits = logits.astype(np.float64)
     m = logits.max(-1, keepdims=True)
     return logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
 

@@ -168,27 +168,23 @@ BUNDLED = dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=64, max_mode
 TEXT = ["def main():\n    print(", "import os\nimport sys\n", "The quick brown fox"]
 
 
-@pytest.mark.parametrize("k", [3])
-def test_draft_model_greedy_output_is_identical(k):
-    """The bundled tiny target with tiny-draft proposing from its own cache (same tables)."""
+def test_draft_model_greedy_output_is_identical_under_swap_preemption():
+    """The bundled tiny target with tiny-draft (the default draft model) proposing from its own
+    cache (same tables), in a pool of 10 blocks, so sequences are swapped out and back: greedy
+    tokens equal plain decoding's in a roomy pool. One draft engine for both checks (a second one
+    in a roomy pool compiled its own step shapes for the same assertions)."""
+    ps = TEXT + TEXT[:1]
     want = [o.token_ids for o in Engine(EngineConfig(**BUNDLED, async_scheduling=False))
-            .generate(TEXT, GREEDY)]
-    spec = SpeculativeConfig(method="draft", model="tiny-draft", num_speculative_tokens=k)
-    engine = Engine(EngineConfig(**BUNDLED, speculative=spec))
-    assert [o.token_ids for o in engine.generate(TEXT, GREEDY)] == want
+            .generate(ps, GREEDY)]
+    spec = SpeculativeConfig(method="draft", num_speculative_tokens=3)
+    assert spec.model == "tiny-draft"
+    engine = Engine(EngineConfig(**BUNDLED, num_blocks=10, preemption_mode="swap",
+                                 debug_checks=True, speculative=spec))
+    assert [o.token_ids for o in engine.generate(ps, GREEDY)] == want
+    assert engine.kv_stats()["num_swap_outs"] > 0
     stats = engine.spec_decode_stats()
     assert stats["draft_acceptance_rate"] > 0.5  # the pair is trained on the same corpus
     assert engine.block_manager.num_used_blocks == 0 and engine.kv_stats()["num_staged_tokens"] == 0
-
-
-def test_draft_model_under_swap_preemption():
-    kw = dict(BUNDLED, num_blocks=10, preemption_mode="swap", debug_checks=True)
-    want = [o.token_ids for o in Engine(EngineConfig(**kw, async_scheduling=False))
-            .generate(TEXT + TEXT[:1], GREEDY)]
-    spec = SpeculativeConfig(method="draft", num_speculative_tokens=3)
-    engine = Engine(EngineConfig(**kw, speculative=spec))
-    assert [o.token_ids for o in engine.generate(TEXT + TEXT[:1], GREEDY)] == want
-    assert engine.kv_stats()["num_swap_outs"] > 0
 
 
 def test_rejection_rule_with_a_draft_distribution():
