@@ -213,6 +213,50 @@ def bytes_read(kv_lens, lengths, *, page_size: int, head_dim: int, itemsize: int
             "sparse": selected + bounds}
 
 
+def dense_selection_mask(
+    q: jax.Array,  # [B, T, Hq, D] every position's query (after RoPE)
+    k: jax.Array,  # [B, T, Hkv, D] the keys of the same positions
+    *,
+    page_size: int,
+    budget: float,
+) -> jax.Array:  # bool[B, Hkv, T, T]
+    """What each position would read if it were a decode row (the no-cache reference of
+    :func:`select_pages`, for teacher-forced perplexity): ``mask[b, h, t, s]`` is True where
+    key ``s <= t`` lies in a page that position ``t``'s selection keeps for KV head ``h``.
+
+    Position ``t`` holds ``t // page_size + 1`` pages; it keeps the first and its own (last)
+    page and the ``keep - 2`` highest-scoring pages between them (``keep`` as in
+    :func:`select_pages`), scored by :func:`page_scores`' bound on each full page. Ties go to
+    the lower page, as ``lax.top_k``."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    pages = -(-t // page_size)
+    kp = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, pages * page_size - t), (0, 0), (0, 0)),
+                 mode="edge").reshape(b, pages, page_size, hkv, d)  # edge: no new extremes
+    lo, hi = kp.min(axis=2), kp.max(axis=2)  # [B, P, Hkv, D]
+    qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
+    # sum_d max(q_d lo_d, q_d hi_d) = relu(q) . hi + min(q, 0) . lo  (hi >= lo)
+    score = (jnp.einsum("btkgd,bpkd->bkgtp", jnp.maximum(qg, 0), hi)
+             + jnp.einsum("btkgd,bpkd->bkgtp", jnp.minimum(qg, 0), lo)).max(axis=2)
+    pos = jnp.arange(t, dtype=jnp.int32)
+    last = pos // page_size  # [T]
+    num_pages = last + 1
+    if isinstance(budget, float):
+        keep = jnp.maximum(2, jnp.ceil(budget * num_pages).astype(jnp.int32))
+    else:
+        keep = jnp.full_like(num_pages, int(budget))
+    keep = jnp.minimum(keep, num_pages)
+    p = jnp.arange(pages, dtype=jnp.int32)
+    between = (p[None, :] >= 1) & (p[None, :] < last[:, None])  # [T, P]
+    score = jnp.where(between, score, -jnp.inf)
+    order = jnp.argsort(-score, axis=-1, stable=True)
+    rank = jnp.argsort(order, axis=-1, stable=True)  # a page's place in its row's order
+    kept = (between & (rank < (keep - 2)[:, None])) | (p[None, :] == 0) | (
+        p[None, :] == last[:, None])  # [B, Hkv, T, P]
+    mask = jnp.take(kept, pos // page_size, axis=-1)  # [B, Hkv, T, S]
+    return mask & (pos[None, :] <= pos[:, None])
+
+
 @functools.partial(jax.jit, static_argnames=("page_size", "budget"))
 def select_pages_jit(q, bounds, kv_lens, page_indices, active, *, page_size, budget):
     """:func:`select_pages`, jitted (the small function a study or a test calls directly)."""
@@ -220,5 +264,5 @@ def select_pages_jit(q, bounds, kv_lens, page_indices, active, *, page_size, bud
                         budget=budget)
 
 
-__all__ = ["bytes_read", "flatten_selection", "heads_as_pages", "init_bounds", "page_scores", "select_pages",
+__all__ = ["bytes_read", "dense_selection_mask", "flatten_selection", "heads_as_pages", "init_bounds", "page_scores", "select_pages",
            "select_pages_jit", "sparse_paged_attention", "table_width", "update_bounds"]
