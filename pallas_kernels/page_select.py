@@ -170,11 +170,17 @@ def sparse_paged_attention(
     impl: str = "auto",
     layer=None,
     config=None,
+    op: str = "paged",
 ) -> jax.Array:  # [S, Hq, D]
     """Decode attention over the selected pages only (:func:`select_pages`), through
-    ``pallas_kernels.paged_attention`` with any ``impl``. Inactive rows give zeros. Equal to
-    ``paged_attention`` (float rounding aside) when the budget covers every row's pages."""
+    ``pallas_kernels.paged_attention`` (``op="paged"``) or the ragged kernel
+    (``op="ragged"``: each pseudo-sequence one query row) with any ``impl``. Inactive rows give
+    zeros. Equal to ``paged_attention`` (float rounding aside) when the budget covers every
+    row's pages."""
     from pallas_kernels import api
+
+    if op not in ("paged", "ragged"):
+        raise ValueError(f"op={op!r} must be 'paged' or 'ragged'")
 
     num_kv_heads, num_pages, page_size = _pool_dims(k_pages, layer)
     if layer is not None:
@@ -183,10 +189,28 @@ def sparse_paged_attention(
     table, lengths = select_pages(qs, bounds, kv_lens, page_indices, active,
                                   page_size=page_size, budget=budget)
     qf, flat_table, flat_lens = flatten_selection(q, table, lengths, num_pages)
-    out = api.paged_attention(qf, heads_as_pages(k_pages, layer), heads_as_pages(v_pages, layer),
-                              flat_lens, flat_table, sm_scale=sm_scale, soft_cap=soft_cap,
-                              impl=impl, layer=layer, config=config)
+    kp, vp = heads_as_pages(k_pages, layer), heads_as_pages(v_pages, layer)
+    kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, impl=impl, layer=layer, config=config)
+    if op == "paged":
+        out = api.paged_attention(qf, kp, vp, flat_lens, flat_table, **kw)
+    else:
+        out = _ragged(qf, kp, vp, flat_lens, flat_table, kw)
     return out.reshape(q.shape)
+
+
+def _ragged(qf, kp, vp, lens, table, kw):
+    """The pseudo-sequences through ``ragged_paged_attention``, one query row each: the live
+    rows (``lens > 0``) packed first (a ragged sequence reads at least its query's key), the
+    rest padding rows, which give zeros; outputs back in row order."""
+    from pallas_kernels import api
+
+    live = lens > 0
+    order = jnp.argsort(~live, stable=True)  # live rows first, in order
+    n = jnp.sum(live, dtype=jnp.int32)
+    cu = jnp.minimum(jnp.arange(lens.shape[0] + 1, dtype=jnp.int32), n)
+    out = api.ragged_paged_attention(qf[order], kp, vp, lens[order], table[order], cu,
+                                     n.reshape(1), **kw)
+    return jnp.zeros_like(out).at[order].set(out)
 
 
 def _pool_dims(pages, layer) -> tuple[int, int, int]:

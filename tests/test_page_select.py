@@ -119,8 +119,11 @@ def _selected_case(seed, *, hq, hkv, page, budget, dtype="float32"):
 
 
 @pytest.mark.parametrize("impl", ["xla", "interpret_gpu", "interpret_tpu"])
-@pytest.mark.parametrize("hq, hkv, page", [(4, 2, 8), (2, 2, 16)])  # GQA, MHA
-def test_selected_pages_against_float64_with_the_rest_poisoned(impl, hq, hkv, page):
+@pytest.mark.parametrize("op, hq, hkv, page", [
+    ("paged", 4, 2, 8), ("paged", 2, 2, 16),  # the decode kernels: GQA, MHA
+    ("ragged", 4, 2, 16), ("ragged", 2, 2, 8),  # the ragged kernels: the other two pairs
+])
+def test_selected_pages_against_float64_with_the_rest_poisoned(impl, op, hq, hkv, page):
     q, case, bounds, active, table, sel = _selected_case(page + hq, hq=hq, hkv=hkv, page=page,
                                                          budget=3)
     k_pages, v_pages = np.array(case.k_pages), np.array(case.v_pages)
@@ -132,7 +135,7 @@ def test_selected_pages_against_float64_with_the_rest_poisoned(impl, hq, hkv, pa
     assert (sel[active] < case.lengths[active, None]).any()  # the budget drops pages
     out = page_select.sparse_paged_attention(
         q, k_pages, v_pages, bounds, case.lengths, case.page_indices, active, budget=3,
-        sm_scale=0.125, impl=impl)
+        sm_scale=0.125, impl=impl, op=op)
     qf, ft, fl = page_select.flatten_selection(jnp.asarray(q), table, sel, k_pages.shape[1])
     flat = lambda x: np.asarray(page_select.heads_as_pages(x))  # noqa: E731
     want = testing.paged_attention_np(qf, flat(k_pages), flat(v_pages), fl, ft, sm_scale=0.125)
