@@ -40,6 +40,9 @@ from experiments import common
 def check(c) -> None:
     import pallas_kernels as pk
 
+    unknown = set(c.sparse_ops) - {"paged", "ragged"}
+    if "paged" not in c.sparse_ops or unknown:
+        raise ValueError(f"sparse_ops={c.sparse_ops}: 'paged' plus optionally 'ragged'")
     common.check_positive(batch=c.batch, num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads,
                           head_dim=c.head_dim, page_size=c.page_size, repeats=c.repeats,
                           calls=c.calls, needles_per_cell=c.needles_per_cell,
@@ -91,8 +94,10 @@ def kernel_point(c, context: int, fraction: float, rng) -> dict:
     active = jnp.ones((c.batch,), bool)
     sm = c.head_dim**-0.5
     dense_fn = jax.jit(functools.partial(pk.paged_attention, sm_scale=sm, impl=c.impl))
-    sparse_fn = jax.jit(lambda q, k, v, b, n, t, a: page_select.sparse_paged_attention(
-        q, k, v, b, n, t, a, budget=float(fraction), sm_scale=sm, impl=c.impl))
+    def sparse_fn(op):
+        return jax.jit(lambda q, k, v, b, n, t, a: page_select.sparse_paged_attention(
+            q, k, v, b, n, t, a, budget=float(fraction), sm_scale=sm, impl=c.impl, op=op))
+
     read_fn = jax.jit(lambda k, v: jnp.sum(k, dtype=jnp.float32) + jnp.sum(v, dtype=jnp.float32))
     sparse_args = (*args[:3], jnp.asarray(bounds), *args[3:], active)
     qs = np.asarray(q, np.float32).reshape(c.batch, c.num_kv_heads, -1, c.head_dim)
@@ -102,13 +107,19 @@ def kernel_point(c, context: int, fraction: float, rng) -> dict:
     itemsize = 2 if c.dtype == "bfloat16" else 4
     counted = page_select.bytes_read(case.lengths, np.asarray(sel), page_size=page,
                                      head_dim=c.head_dim, itemsize=itemsize)
-    times = kb.interleaved_rounds(
-        {"dense": (dense_fn, args), "sparse": (sparse_fn, sparse_args),
-         "read": (read_fn, args[1:3])}, repeats=c.repeats, warmup=c.warmup, calls=c.calls)
+    arms = {"dense": (dense_fn, args), "sparse": (sparse_fn("paged"), sparse_args),
+            "read": (read_fn, args[1:3])}
+    if "ragged" in c.sparse_ops:  # the same selection through the ragged kernel
+        arms["sparse_ragged"] = (sparse_fn("ragged"), sparse_args)
+    times = kb.interleaved_rounds(arms, repeats=c.repeats, warmup=c.warmup, calls=c.calls)
     med = {k: float(np.median(v)) for k, v in times.items()}
     pool = int(k_pages.nbytes + v_pages.nbytes)
     rate = pool / med["read"]
-    return {
+    ragged = {} if "sparse_ragged" not in med else {
+        "sparse_ragged_ms": 1e3 * med["sparse_ragged"],
+        "time_ratio_ragged": kb.per_round_ratios(times["sparse_ragged"], times["dense"]),
+        "frac_of_read_roofline_ragged": counted["sparse"] / med["sparse_ragged"] / rate}
+    return {**ragged,
         "context": context, "fraction": float(fraction), "pages_per_seq": pps,
         "selected_pages_per_head": float(np.mean(-(-np.asarray(sel) // page))),
         "bytes": counted, "bytes_ratio": counted["sparse"] / counted["dense"],

@@ -36,10 +36,14 @@ def init_bounds(shape, dtype):
 
 def update_bounds(
     bounds: jax.Array,  # [L, Hkv, P, 2, D]
-    k_pages: jax.Array,  # [L, Hkv, P, page, D], this step's keys already written
+    k_pages,  # [L, Hkv, P, page, D] (or quant.QuantizedPages), this step's keys already written
     slot_mapping: jax.Array,  # i32[T]: page * page_size + offset of each written token
 ) -> jax.Array:  # [L, Hkv, P, 2, D]
     """Folds the keys written at ``slot_mapping`` into their pages' bounds (traceable).
+
+    Quantized pages (int8 / fp8 with scales): the bounds are of the keys as the kernels read
+    them back (values times their scale, ``quant.dequantize_tile``), so they bound the scores
+    the kernels compute.
 
     A token at offset 0 opens its page: that page's bounds restart from this step's tokens
     (whatever the page held before, e.g. for another sequence, no longer counts). Tokens of a
@@ -47,11 +51,18 @@ def update_bounds(
     already cover the page's earlier tokens. Padding tokens (slots in the null page) change only
     the null page's bounds, which nothing reads.
     """
-    num_layers, num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    from pallas_kernels import quant
+
+    values, scales = quant.split(k_pages)
+    num_layers, num_kv_heads, num_pages, page_size, head_dim = values.shape
     slots = slot_mapping.astype(jnp.int32)
-    flat = k_pages.reshape(num_layers, num_kv_heads, num_pages * page_size, head_dim)
-    keys = flat[:, :, slots].astype(bounds.dtype)  # [L, Hkv, T, D]
     page, offset = slots // page_size, slots % page_size
+    flat = values.reshape(num_layers, num_kv_heads, num_pages * page_size, head_dim)
+    keys = flat[:, :, slots]  # [L, Hkv, T, D]
+    if scales is not None:  # [L, Hkv, P, S]: S = page (per token) or 1 (per page)
+        at = offset if scales.shape[-1] == page_size else jnp.zeros_like(offset)
+        keys = quant.dequantize_tile(keys, scales[:, :, page, at])
+    keys = keys.astype(bounds.dtype)
     opened = jnp.where(offset == 0, page, num_pages)  # out of range: dropped
     empty = init_bounds((num_layers, num_kv_heads, slots.shape[0], 2, head_dim), bounds.dtype)
     bounds = bounds.at[:, :, opened].set(empty, mode="drop")

@@ -12,9 +12,10 @@ for budgets 1/4, 1/8, 1/16 of the pages; Hq=9, Hkv=3, D=64 as SmolLM2-135M, page
 timings meaningless), ``retrieval`` (no kernel points: needle retrieval of SmolLM2-135M through
 the engine at 2k / 4k for ``arms``: dense, the three budgets with the first two layers dense
 (Quest), 1/8 selecting in every layer), ``quality`` (teacher-forced perplexity, KL and top-1
-agreement vs dense at 1k / 2k, the three budgets with and without the two dense layers), ``h200`` (compiled GPU-style Pallas,
-bfloat16, Hq=32, Hkv=8, D=128, 32k: the ``sparse_decode`` stage of
-``experiments/device_check.sh``). Override any field, e.g. ``--config.contexts=4096``.
+agreement vs dense at 1k / 2k, the three budgets with and without the two dense layers),
+``h200`` (compiled GPU-style Pallas, bfloat16, Hq=32, Hkv=8, D=128, 32k, the selection through
+the decode and the ragged kernel: the ``sparse_decode`` stage of ``experiments/device_check.sh``).
+Override any field, e.g. ``--config.contexts=4096``.
 """
 
 import ml_collections
@@ -31,6 +32,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.head_dim = 64
     c.page_size = 16
     c.dtype = "float32"
+    c.sparse_ops = ("paged",)  # kernels fed the selected pages: "paged" (decode), "ragged"
     c.repeats = 9  # interleaved rounds per point
     c.warmup = 2
     c.calls = 3
@@ -53,6 +55,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.batch = 2
         c.num_q_heads, c.num_kv_heads, c.head_dim = 4, 2, 16
         c.repeats, c.warmup, c.calls = 2, 1, 1
+        c.sparse_ops = ("paged", "ragged")
     elif arg == "retrieval":
         c.contexts = ()
         c.retrieval_lengths = (2048, 4096)
@@ -68,6 +71,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.batch = 8
         c.num_q_heads, c.num_kv_heads, c.head_dim = 32, 8, 128
         c.repeats, c.calls = 5, 10
+        c.sparse_ops = ("paged", "ragged")
     elif arg != "default":
         raise ValueError(f"unknown variant {arg!r}; known: default, smoke, retrieval, quality, "
                          "h200")
