@@ -30,8 +30,9 @@
 #            (Quest selected-page decode vs dense, compiled GPU-style Pallas, bf16, Hq=32 Hkv=8
 #            D=128, B=8 at 4k and 32k, budget 1/8: bytes counted, time, and each side's bytes /
 #            time as a fraction of the device's own streaming-read rate, measured in the same
-#            rounds). Never run on a device yet; up to T_SPARSE (150 s). CPU dry run (7 s here on
-#            2026-12-06; smoke shapes, its numbers mean nothing):
+#            rounds; the selected pages through the decode kernel and through the ragged one).
+#            Never run on a device yet; up to T_SPARSE (150 s). CPU dry run (10 s here on
+#            2026-12-06 with both kernels; smoke shapes, its numbers mean nothing):
 #              STAGES=sparse DEVICE_CHECK_SMOKE=1 OUT=/tmp/sd PYTHON=.venv/bin/python \
 #                bash experiments/device_check.sh
 #   simval   (opt-in: add it to STAGES) experiments.sim_gpu_check -> $OUT/sim_gpu_check.json: the
@@ -284,6 +285,9 @@ for p in json.load(open(sys.argv[1])).get("points", []):
     print(f"sparse_decode: ctx {p['context']} budget {p['fraction']}: bytes "
           f"{p['bytes_ratio']:.3f}x dense, time {p['sparse_ms']:.3f} / {p['dense_ms']:.3f} ms, "
           f"of the read roofline: sparse {100 * f['sparse']:.0f}%, dense {100 * f['dense']:.0f}%")
+    if "sparse_ragged_ms" in p:
+        print(f"  via the ragged kernel: {p['sparse_ragged_ms']:.3f} ms, "
+              f"{100 * p['frac_of_read_roofline_ragged']:.0f}% of the read roofline")
 PYEOF
   fi
 fi

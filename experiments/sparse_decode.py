@@ -13,8 +13,14 @@ of every page the scores read), per layer. Timing is interleaved rounds (dense, 
 device (its own byte roofline); each op's bytes / time over it is ``frac_of_read_roofline``.
 
 **Retrieval** (``config.retrieval_lengths``): `experiments.quality`'s needle prompts on
-SmolLM2-135M through the engine, dense and with ``EngineConfig(sparse_decode=
-SparseDecodeConfig(fraction=f))`` per budget (prefill is dense in both; only decode rows select).
+SmolLM2-135M through the engine, per arm of ``config.arms``: dense, or ``"F:L"`` =
+``EngineConfig(sparse_decode=SparseDecodeConfig(fraction=F, dense_layers=L))`` (prefill is dense
+in both; only decode rows select; the first L layers read every page).
+
+**Fidelity** (``config.fidelity_lengths``): perplexity of corpus chunks, KL(p_dense || p_arm)
+and top-1 agreement with dense, teacher-forced with every token decoded through the selection
+(the no-cache forward ``Llama.dense(sparse=...)``, equal to the engine's one-token rows), as
+Quest's own perplexity evaluation feeds tokens one at a time.
 
 Random keys have no structure for the selection to find: the kernel points measure bytes and
 time, not which pages matter; retrieval measures that.
@@ -34,6 +40,9 @@ from experiments import common
 def check(c) -> None:
     import pallas_kernels as pk
 
+    unknown = set(c.sparse_ops) - {"paged", "ragged"}
+    if "paged" not in c.sparse_ops or unknown:
+        raise ValueError(f"sparse_ops={c.sparse_ops}: 'paged' plus optionally 'ragged'")
     common.check_positive(batch=c.batch, num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads,
                           head_dim=c.head_dim, page_size=c.page_size, repeats=c.repeats,
                           calls=c.calls, needles_per_cell=c.needles_per_cell,
@@ -46,8 +55,12 @@ def check(c) -> None:
     for f in c.fractions:
         if not 0 < float(f) <= 1:
             raise ValueError(f"fractions has {f}: each must be in (0, 1]")
-    for n in (*c.contexts, *c.retrieval_lengths):
+    for n in (*c.contexts, *c.retrieval_lengths, *c.fidelity_lengths):
         common.check_positive(length=n)
+    for a in c.arms:
+        parse_arm(a)
+    if c.fidelity_lengths and "dense" not in c.arms:
+        raise ValueError(f"arms={c.arms}: fidelity compares with 'dense'; add it")
     pk.resolve_impl(c.impl)
 
 
@@ -81,8 +94,10 @@ def kernel_point(c, context: int, fraction: float, rng) -> dict:
     active = jnp.ones((c.batch,), bool)
     sm = c.head_dim**-0.5
     dense_fn = jax.jit(functools.partial(pk.paged_attention, sm_scale=sm, impl=c.impl))
-    sparse_fn = jax.jit(lambda q, k, v, b, n, t, a: page_select.sparse_paged_attention(
-        q, k, v, b, n, t, a, budget=float(fraction), sm_scale=sm, impl=c.impl))
+    def sparse_fn(op):
+        return jax.jit(lambda q, k, v, b, n, t, a: page_select.sparse_paged_attention(
+            q, k, v, b, n, t, a, budget=float(fraction), sm_scale=sm, impl=c.impl, op=op))
+
     read_fn = jax.jit(lambda k, v: jnp.sum(k, dtype=jnp.float32) + jnp.sum(v, dtype=jnp.float32))
     sparse_args = (*args[:3], jnp.asarray(bounds), *args[3:], active)
     qs = np.asarray(q, np.float32).reshape(c.batch, c.num_kv_heads, -1, c.head_dim)
@@ -92,13 +107,19 @@ def kernel_point(c, context: int, fraction: float, rng) -> dict:
     itemsize = 2 if c.dtype == "bfloat16" else 4
     counted = page_select.bytes_read(case.lengths, np.asarray(sel), page_size=page,
                                      head_dim=c.head_dim, itemsize=itemsize)
-    times = kb.interleaved_rounds(
-        {"dense": (dense_fn, args), "sparse": (sparse_fn, sparse_args),
-         "read": (read_fn, args[1:3])}, repeats=c.repeats, warmup=c.warmup, calls=c.calls)
+    arms = {"dense": (dense_fn, args), "sparse": (sparse_fn("paged"), sparse_args),
+            "read": (read_fn, args[1:3])}
+    if "ragged" in c.sparse_ops:  # the same selection through the ragged kernel
+        arms["sparse_ragged"] = (sparse_fn("ragged"), sparse_args)
+    times = kb.interleaved_rounds(arms, repeats=c.repeats, warmup=c.warmup, calls=c.calls)
     med = {k: float(np.median(v)) for k, v in times.items()}
     pool = int(k_pages.nbytes + v_pages.nbytes)
     rate = pool / med["read"]
-    return {
+    ragged = {} if "sparse_ragged" not in med else {
+        "sparse_ragged_ms": 1e3 * med["sparse_ragged"],
+        "time_ratio_ragged": kb.per_round_ratios(times["sparse_ragged"], times["dense"]),
+        "frac_of_read_roofline_ragged": counted["sparse"] / med["sparse_ragged"] / rate}
+    return {**ragged,
         "context": context, "fraction": float(fraction), "pages_per_seq": pps,
         "selected_pages_per_head": float(np.mean(-(-np.asarray(sel) // page))),
         "bytes": counted, "bytes_ratio": counted["sparse"] / counted["dense"],
@@ -110,8 +131,30 @@ def kernel_point(c, context: int, fraction: float, rng) -> dict:
     }
 
 
+def parse_arm(text: str) -> tuple[float | None, int]:
+    """An arm of ``config.arms``: ``"dense"`` -> ``(None, 0)``, ``"F:L"`` -> ``(F, L)``: budget
+    fraction F of each sequence's pages, selection skipped in the first L layers."""
+    text = str(text)
+    if text == "dense":
+        return None, 0
+    frac, sep, layers = text.partition(":")
+    try:
+        f, n = float(frac), int(layers)
+    except ValueError:
+        f, n = -1.0, -1
+    if not sep or not 0 < f <= 1 or n < 0:
+        raise ValueError(f"arm {text!r}: 'dense' or 'F:L' with F in (0, 1] (a fraction of the "
+                         "pages) and L >= 0 (layers that read every page)")
+    return f, n
+
+
+def _arm_row(arm: str) -> dict:
+    f, n = parse_arm(arm)
+    return {"arm": arm, "fraction": f, "dense_layers": None if f is None else n}
+
+
 def retrieval_rows(c, rows: list, save) -> list[dict]:
-    """Appends one row per (length, budget) to ``rows``, calling ``save()`` after each (a run
+    """Appends one row per (length, arm) to ``rows``, calling ``save()`` after each (a run
     stopped by its time limit keeps what it measured)."""
     from experiments import quality
     from experiments import quality_tasks as tasks
@@ -125,15 +168,62 @@ def retrieval_rows(c, rows: list, save) -> list[dict]:
                        for n in tasks.needles(tok, corpus, length, d, c.needles_per_cell, c.seed)]
         max_len = -(-(max(len(n.prompt_ids) for n in needle_list) + 32) // c.block_size)
         qc = quality_config(c)
-        for fraction in (None, *c.fractions):
+        for arm in c.arms:
             t = time.perf_counter()
-            sparse = None if fraction is None else SparseDecodeConfig(fraction=float(fraction))
+            f, n = parse_arm(arm)
+            sparse = None if f is None else SparseDecodeConfig(fraction=f, dense_layers=n)
             engine = quality.make_engine(qc, quality.Arm("float32"), config, params,
                                          max_len * c.block_size, sparse_decode=sparse)
-            acc, _ = quality.retrieval(engine, needle_list)
-            rows.append({"length": length, "fraction": fraction, "accuracy": acc,
-                         "needles": len(needle_list), "seconds": time.perf_counter() - t})
-            print(f"retrieval {length} budget {fraction or 'dense'}: {acc['all']:.3f}", flush=True)
+            acc, outs = quality.retrieval(engine, needle_list)
+            rows.append({"length": length, **_arm_row(arm), "accuracy": acc,
+                         "needles": len(needle_list),
+                         "answers": [o.text for o in outs], "seconds": time.perf_counter() - t})
+            print(f"retrieval {length} {arm}: {acc['all']:.3f}", flush=True)
+            save()
+    return rows
+
+
+def fidelity_rows(c, rows: list, save) -> list[dict]:
+    """Teacher-forced perplexity, KL(p_dense || p_arm) and top-1 agreement per (length, arm)
+    over ``fidelity_chunks`` corpus chunks: the no-cache forward with every position reading
+    what its decode row would select (``Llama.dense(sparse=...)``; equal to the engine's
+    one-token rows, ``tests/test_sparse_decode_engine.py``), i.e. every token decoded."""
+    import jax
+    import jax.numpy as jnp
+
+    from experiments import quality
+    from experiments import quality_tasks as tasks
+    from paged.models.llama import Llama
+    from paged.models.registry import load_any
+
+    config, params, tok = load_any(c.model)
+    corpus = tok.encode(tasks.corpus_text(), add_bos=False)
+    model = Llama(config)
+    fwd = jax.jit(lambda p, t, sparse: jax.nn.log_softmax(
+        model.apply(p, t, method="dense", sparse=sparse), -1), static_argnums=2)
+    for length in c.fidelity_lengths:
+        chunk_list = tasks.chunks(corpus, length, c.fidelity_chunks)
+        ref = None
+        for arm in ("dense", *[a for a in c.arms if a != "dense"]):
+            t = time.perf_counter()
+            f, n = parse_arm(arm)
+            sparse = None if f is None else (f, c.block_size, n)
+            lps = [np.asarray(fwd(params, jnp.asarray([ids], jnp.int32), sparse)[0], np.float64)
+                   for ids in chunk_list]
+            nll = np.array([[-lp[i, ids[i + 1]] for i in range(len(ids) - 1)]
+                            for lp, ids in zip(lps, chunk_list, strict=True)])
+            ref = lps if ref is None else ref
+            tail = (3 * length) // 4  # positions whose context is >= 3/4 of the chunk
+            rows.append({"length": length, **_arm_row(arm), "chunks": len(chunk_list),
+                         "perplexity": float(np.exp(nll.mean())), "nll_mean": float(nll.mean()),
+                         **quality.fidelity(ref, lps),
+                         "tail_from": tail, "tail_perplexity": float(np.exp(nll[:, tail:].mean())),
+                         "tail": quality.fidelity([r[tail:] for r in ref], [x[tail:] for x in lps]),
+                         "seconds": time.perf_counter() - t})
+            r = rows[-1]
+            print(f"fidelity {length} {arm}: ppl {r['perplexity']:.3f} KL {r['kl_mean']:.4f} "
+                  f"top1 {r['top1_agreement']:.3f}; last quarter: ppl {r['tail_perplexity']:.3f} "
+                  f"KL {r['tail']['kl_mean']:.4f}", flush=True)
             save()
     return rows
 
@@ -162,9 +252,13 @@ def main(c, _plan) -> None:
                   f"{rec['time_ratio']['median']:.3f} [{rec['time_ratio']['q1']:.3f}, "
                   f"{rec['time_ratio']['q3']:.3f}]", flush=True)
             path = common.write_result(out_dir / "sparse_decode.json", payload)
+    save = lambda: common.write_result(out_dir / "sparse_decode.json", payload)  # noqa: E731
+    if c.fidelity_lengths:
+        payload["evidence"]["fidelity"] = "real"  # corpus text, teacher-forced
+        payload["fidelity"] = []
+        fidelity_rows(c, payload["fidelity"], save)
     if c.retrieval_lengths:
-        retrieval_rows(c, payload["retrieval"],
-                       lambda: common.write_result(out_dir / "sparse_decode.json", payload))
+        retrieval_rows(c, payload["retrieval"], save)
     payload["load_after"] = os.getloadavg()
     path = common.write_result(out_dir / "sparse_decode.json", payload)
     print(f"wrote {path}")

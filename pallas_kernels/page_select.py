@@ -36,10 +36,14 @@ def init_bounds(shape, dtype):
 
 def update_bounds(
     bounds: jax.Array,  # [L, Hkv, P, 2, D]
-    k_pages: jax.Array,  # [L, Hkv, P, page, D], this step's keys already written
+    k_pages,  # [L, Hkv, P, page, D] (or quant.QuantizedPages), this step's keys already written
     slot_mapping: jax.Array,  # i32[T]: page * page_size + offset of each written token
 ) -> jax.Array:  # [L, Hkv, P, 2, D]
     """Folds the keys written at ``slot_mapping`` into their pages' bounds (traceable).
+
+    Quantized pages (int8 / fp8 with scales): the bounds are of the keys as the kernels read
+    them back (values times their scale, ``quant.dequantize_tile``), so they bound the scores
+    the kernels compute.
 
     A token at offset 0 opens its page: that page's bounds restart from this step's tokens
     (whatever the page held before, e.g. for another sequence, no longer counts). Tokens of a
@@ -47,11 +51,18 @@ def update_bounds(
     already cover the page's earlier tokens. Padding tokens (slots in the null page) change only
     the null page's bounds, which nothing reads.
     """
-    num_layers, num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    from pallas_kernels import quant
+
+    values, scales = quant.split(k_pages)
+    num_layers, num_kv_heads, num_pages, page_size, head_dim = values.shape
     slots = slot_mapping.astype(jnp.int32)
-    flat = k_pages.reshape(num_layers, num_kv_heads, num_pages * page_size, head_dim)
-    keys = flat[:, :, slots].astype(bounds.dtype)  # [L, Hkv, T, D]
     page, offset = slots // page_size, slots % page_size
+    flat = values.reshape(num_layers, num_kv_heads, num_pages * page_size, head_dim)
+    keys = flat[:, :, slots]  # [L, Hkv, T, D]
+    if scales is not None:  # [L, Hkv, P, S]: S = page (per token) or 1 (per page)
+        at = offset if scales.shape[-1] == page_size else jnp.zeros_like(offset)
+        keys = quant.dequantize_tile(keys, scales[:, :, page, at])
+    keys = keys.astype(bounds.dtype)
     opened = jnp.where(offset == 0, page, num_pages)  # out of range: dropped
     empty = init_bounds((num_layers, num_kv_heads, slots.shape[0], 2, head_dim), bounds.dtype)
     bounds = bounds.at[:, :, opened].set(empty, mode="drop")
@@ -170,11 +181,17 @@ def sparse_paged_attention(
     impl: str = "auto",
     layer=None,
     config=None,
+    op: str = "paged",
 ) -> jax.Array:  # [S, Hq, D]
     """Decode attention over the selected pages only (:func:`select_pages`), through
-    ``pallas_kernels.paged_attention`` with any ``impl``. Inactive rows give zeros. Equal to
-    ``paged_attention`` (float rounding aside) when the budget covers every row's pages."""
+    ``pallas_kernels.paged_attention`` (``op="paged"``) or the ragged kernel
+    (``op="ragged"``: each pseudo-sequence one query row) with any ``impl``. Inactive rows give
+    zeros. Equal to ``paged_attention`` (float rounding aside) when the budget covers every
+    row's pages."""
     from pallas_kernels import api
+
+    if op not in ("paged", "ragged"):
+        raise ValueError(f"op={op!r} must be 'paged' or 'ragged'")
 
     num_kv_heads, num_pages, page_size = _pool_dims(k_pages, layer)
     if layer is not None:
@@ -183,10 +200,28 @@ def sparse_paged_attention(
     table, lengths = select_pages(qs, bounds, kv_lens, page_indices, active,
                                   page_size=page_size, budget=budget)
     qf, flat_table, flat_lens = flatten_selection(q, table, lengths, num_pages)
-    out = api.paged_attention(qf, heads_as_pages(k_pages, layer), heads_as_pages(v_pages, layer),
-                              flat_lens, flat_table, sm_scale=sm_scale, soft_cap=soft_cap,
-                              impl=impl, layer=layer, config=config)
+    kp, vp = heads_as_pages(k_pages, layer), heads_as_pages(v_pages, layer)
+    kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, impl=impl, layer=layer, config=config)
+    if op == "paged":
+        out = api.paged_attention(qf, kp, vp, flat_lens, flat_table, **kw)
+    else:
+        out = _ragged(qf, kp, vp, flat_lens, flat_table, kw)
     return out.reshape(q.shape)
+
+
+def _ragged(qf, kp, vp, lens, table, kw):
+    """The pseudo-sequences through ``ragged_paged_attention``, one query row each: the live
+    rows (``lens > 0``) packed first (a ragged sequence reads at least its query's key), the
+    rest padding rows, which give zeros; outputs back in row order."""
+    from pallas_kernels import api
+
+    live = lens > 0
+    order = jnp.argsort(~live, stable=True)  # live rows first, in order
+    n = jnp.sum(live, dtype=jnp.int32)
+    cu = jnp.minimum(jnp.arange(lens.shape[0] + 1, dtype=jnp.int32), n)
+    out = api.ragged_paged_attention(qf[order], kp, vp, lens[order], table[order], cu,
+                                     n.reshape(1), **kw)
+    return jnp.zeros_like(out).at[order].set(out)
 
 
 def _pool_dims(pages, layer) -> tuple[int, int, int]:
@@ -213,6 +248,50 @@ def bytes_read(kv_lens, lengths, *, page_size: int, head_dim: int, itemsize: int
             "sparse": selected + bounds}
 
 
+def dense_selection_mask(
+    q: jax.Array,  # [B, T, Hq, D] every position's query (after RoPE)
+    k: jax.Array,  # [B, T, Hkv, D] the keys of the same positions
+    *,
+    page_size: int,
+    budget: float,
+) -> jax.Array:  # bool[B, Hkv, T, T]
+    """What each position would read if it were a decode row (the no-cache reference of
+    :func:`select_pages`, for teacher-forced perplexity): ``mask[b, h, t, s]`` is True where
+    key ``s <= t`` lies in a page that position ``t``'s selection keeps for KV head ``h``.
+
+    Position ``t`` holds ``t // page_size + 1`` pages; it keeps the first and its own (last)
+    page and the ``keep - 2`` highest-scoring pages between them (``keep`` as in
+    :func:`select_pages`), scored by :func:`page_scores`' bound on each full page. Ties go to
+    the lower page, as ``lax.top_k``."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    pages = -(-t // page_size)
+    kp = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, pages * page_size - t), (0, 0), (0, 0)),
+                 mode="edge").reshape(b, pages, page_size, hkv, d)  # edge: no new extremes
+    lo, hi = kp.min(axis=2), kp.max(axis=2)  # [B, P, Hkv, D]
+    qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
+    # sum_d max(q_d lo_d, q_d hi_d) = relu(q) . hi + min(q, 0) . lo  (hi >= lo)
+    score = (jnp.einsum("btkgd,bpkd->bkgtp", jnp.maximum(qg, 0), hi)
+             + jnp.einsum("btkgd,bpkd->bkgtp", jnp.minimum(qg, 0), lo)).max(axis=2)
+    pos = jnp.arange(t, dtype=jnp.int32)
+    last = pos // page_size  # [T]
+    num_pages = last + 1
+    if isinstance(budget, float):
+        keep = jnp.maximum(2, jnp.ceil(budget * num_pages).astype(jnp.int32))
+    else:
+        keep = jnp.full_like(num_pages, int(budget))
+    keep = jnp.minimum(keep, num_pages)
+    p = jnp.arange(pages, dtype=jnp.int32)
+    between = (p[None, :] >= 1) & (p[None, :] < last[:, None])  # [T, P]
+    score = jnp.where(between, score, -jnp.inf)
+    order = jnp.argsort(-score, axis=-1, stable=True)
+    rank = jnp.argsort(order, axis=-1, stable=True)  # a page's place in its row's order
+    kept = (between & (rank < (keep - 2)[:, None])) | (p[None, :] == 0) | (
+        p[None, :] == last[:, None])  # [B, Hkv, T, P]
+    mask = jnp.take(kept, pos // page_size, axis=-1)  # [B, Hkv, T, S]
+    return mask & (pos[None, :] <= pos[:, None])
+
+
 @functools.partial(jax.jit, static_argnames=("page_size", "budget"))
 def select_pages_jit(q, bounds, kv_lens, page_indices, active, *, page_size, budget):
     """:func:`select_pages`, jitted (the small function a study or a test calls directly)."""
@@ -220,5 +299,5 @@ def select_pages_jit(q, bounds, kv_lens, page_indices, active, *, page_size, bud
                         budget=budget)
 
 
-__all__ = ["bytes_read", "flatten_selection", "heads_as_pages", "init_bounds", "page_scores", "select_pages",
+__all__ = ["bytes_read", "dense_selection_mask", "flatten_selection", "heads_as_pages", "init_bounds", "page_scores", "select_pages",
            "select_pages_jit", "sparse_paged_attention", "table_width", "update_bounds"]

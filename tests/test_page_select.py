@@ -119,8 +119,11 @@ def _selected_case(seed, *, hq, hkv, page, budget, dtype="float32"):
 
 
 @pytest.mark.parametrize("impl", ["xla", "interpret_gpu", "interpret_tpu"])
-@pytest.mark.parametrize("hq, hkv, page", [(4, 2, 8), (2, 2, 16)])  # GQA, MHA
-def test_selected_pages_against_float64_with_the_rest_poisoned(impl, hq, hkv, page):
+@pytest.mark.parametrize("op, hq, hkv, page", [
+    ("paged", 4, 2, 8), ("paged", 2, 2, 16),  # the decode kernels: GQA, MHA
+    ("ragged", 4, 2, 16), ("ragged", 2, 2, 8),  # the ragged kernels: the other two pairs
+])
+def test_selected_pages_against_float64_with_the_rest_poisoned(impl, op, hq, hkv, page):
     q, case, bounds, active, table, sel = _selected_case(page + hq, hq=hq, hkv=hkv, page=page,
                                                          budget=3)
     k_pages, v_pages = np.array(case.k_pages), np.array(case.v_pages)
@@ -132,7 +135,7 @@ def test_selected_pages_against_float64_with_the_rest_poisoned(impl, hq, hkv, pa
     assert (sel[active] < case.lengths[active, None]).any()  # the budget drops pages
     out = page_select.sparse_paged_attention(
         q, k_pages, v_pages, bounds, case.lengths, case.page_indices, active, budget=3,
-        sm_scale=0.125, impl=impl)
+        sm_scale=0.125, impl=impl, op=op)
     qf, ft, fl = page_select.flatten_selection(jnp.asarray(q), table, sel, k_pages.shape[1])
     flat = lambda x: np.asarray(page_select.heads_as_pages(x))  # noqa: E731
     want = testing.paged_attention_np(qf, flat(k_pages), flat(v_pages), fl, ft, sm_scale=0.125)
@@ -150,3 +153,46 @@ def test_covering_budget_is_dense_decode(budget):
     dense = pk.paged_attention(q, case.k_pages, case.v_pages, case.lengths, case.page_indices,
                                sm_scale=0.125, impl="xla")
     np.testing.assert_allclose(np.asarray(out), np.asarray(dense), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl, granularity", [("xla", "token"), ("interpret_gpu", "page")])
+def test_quantized_pages_bounds_and_selected_decode(impl, granularity):
+    """int8 pages: the write path's bounds are the min / max of the dequantized keys (what the
+    kernels read), and the selected-page decode over a quantized pool matches float64 on the
+    dequantized pages, with the scales of every unselected page NaN (a read spoils the output)."""
+    from pallas_kernels import quant
+
+    q, case, _, active, _, _ = _selected_case(5, hq=4, hkv=2, page=8, budget=3)
+    x = jnp.asarray(np.nan_to_num(np.asarray(case.k_pages)))
+    pool = quant.quantize_pool(x, jnp.int8, granularity)
+    deq = np.asarray(quant.dequantize(pool))
+    slots = np.concatenate([row[j // 8] * 8 + j % 8 + np.zeros(1, np.int32)
+                            for n, row in zip(case.lengths, case.page_indices) for j in range(n)])
+    empty = page_select.init_bounds((1, 2, pool.shape[1], 2, 64), jnp.float32)
+    layered = quant.QuantizedPages(pool.values[None], pool.scales[None])
+    got = np.asarray(page_select.update_bounds(empty, layered, jnp.asarray(slots)))[0]
+    want = _bounds_np(deq, case.lengths, case.page_indices, 8)
+    used = np.isfinite(want[:, :, 0, 0])
+    np.testing.assert_array_equal(got[used], want[used])
+    v = quant.quantize_pool(jnp.asarray(np.nan_to_num(np.asarray(case.v_pages))), jnp.int8,
+                            granularity)
+    qs = np.asarray(q, np.float32).reshape(len(case.lengths), 2, 2, 64)
+    table, sel = page_select.select_pages_jit(qs, got, case.lengths, case.page_indices, active,
+                                              page_size=8, budget=3)
+    table, sel = np.asarray(table), np.asarray(sel)
+    assert (sel[active] < case.lengths[active, None]).any()  # the budget drops pages
+    k_scales, v_scales = np.array(pool.scales), np.array(v.scales)
+    for h in range(2):
+        drop = [p for p in range(1, pool.shape[1]) if p not in set(table[:, h].ravel().tolist())]
+        k_scales[h, drop] = np.nan
+        v_scales[h, drop] = np.nan
+    out = page_select.sparse_paged_attention(
+        q, quant.QuantizedPages(pool.values, jnp.asarray(k_scales)),
+        quant.QuantizedPages(v.values, jnp.asarray(v_scales)), got, case.lengths,
+        case.page_indices, active, budget=3, sm_scale=0.125, impl=impl)
+    qf, ft, fl = page_select.flatten_selection(jnp.asarray(q), table, sel, pool.shape[1])
+    flat = lambda x: np.asarray(page_select.heads_as_pages(x))  # noqa: E731
+    want_out = testing.paged_attention_np(qf, flat(deq), flat(np.asarray(quant.dequantize(v))),
+                                          fl, ft, sm_scale=0.125)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want_out.reshape(q.shape),
+                               **tol("float32"))

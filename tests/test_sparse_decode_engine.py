@@ -12,6 +12,7 @@ from engine_utils import greedy_reference, prompts, small_model
 from paged import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from paged.config.sparse_decode import SparseDecodeConfig
 from paged.kv import cache as kc
+from pallas_kernels import quant
 
 BASE = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
             attention_impl="xla", debug_checks=True, min_token_bucket=32, min_seq_bucket=4)
@@ -52,12 +53,27 @@ def test_a_covering_budget_gives_the_dense_tokens():
     assert ledger["pool_bytes"] == engines[0].cache.nbytes
 
 
+@pytest.mark.parametrize("granularity", ["token", "page"])
+def test_quantized_pages_a_covering_budget_gives_their_dense_tokens(granularity):
+    # int8 pages keep bounds of their dequantized keys (checked exactly below), moved by swap.
+    ps = prompts(4, seed=5, min_len=5, max_len=30)
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    kw = dict(kv_cache_dtype="int8", kv_scale_granularity=granularity, num_blocks=24,
+              preemption_mode="swap")
+    engines = [_engine(sparse_decode=s, **kw) for s in (SparseDecodeConfig(pages=16), None)]
+    got, dense = (_serve(e, [ps], sp) for e in engines)
+    assert got == dense
+    assert engines[0].kv_stats()["num_swap_outs"] > 0
+    assert _bounds_cover_keys(engines[0], exact=True) >= 1
+
+
 def _bounds_cover_keys(engine, exact: bool) -> int:
     """Every block holding a prefix key (full, written by one sequence) has bounds that cover
     its keys (equal to their min / max when ``exact``). Returns the blocks checked."""
     bm = engine.block_manager
     blocks = [b for b in range(1, bm.num_blocks) if bm.block_key(b) is not None]
     (k, bounds), _ = kc.swap_out(engine.cache, blocks)  # [L, Hkv, n, page, D], [L, Hkv, n, 2, D]
+    k = np.asarray(quant.dequantize(k)).astype(bounds.dtype)  # int8 pages: as the kernels read
     lo, hi = k.min(axis=3), k.max(axis=3)
     if exact:
         np.testing.assert_array_equal(bounds[:, :, :, 0], lo)
@@ -98,7 +114,6 @@ def test_bounds_stay_exact_under_recompute_preemption_and_forks():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(sparse_decode=0.125), "SparseDecodeConfig"),
-    (dict(sparse_decode=SparseDecodeConfig(pages=4), kv_cache_dtype="int8"), "quantized_kv"),
     (dict(sparse_decode=SparseDecodeConfig(pages=4), cascade_attention="on"), "cascade"),
     (dict(sparse_decode=SparseDecodeConfig(pages=4), kv_layout="contiguous"), "contiguous"),
     (dict(sparse_decode=SparseDecodeConfig(pages=4), speculative=SpeculativeConfig()),
@@ -114,10 +129,38 @@ def test_bad_settings_fail_at_construction(kw, match):
     (dict(), "exactly one"), (dict(pages=2, fraction=0.5), "exactly one"),
     (dict(pages=1), "pages=1"), (dict(tokens=0), "tokens=0"), (dict(fraction=0.0), "fraction"),
     (dict(fraction=1.5), "fraction"), (dict(pages=True), "pages"),
+    (dict(pages=4, dense_layers=-1), "dense_layers"),
 ])
 def test_bad_budgets_fail_at_construction(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
         SparseDecodeConfig(**kw)
+
+
+@pytest.mark.parametrize("dense_layers", [0, 1])
+def test_one_token_rows_equal_the_no_cache_reference(dense_layers):
+    """Every prompt token a one-token row (``max_num_batched_tokens=1``) selects as a decode row
+    does: the prompt log-probabilities are the no-cache forward with every position reading
+    what its selection keeps (``Llama.dense(sparse=...)``, the teacher-forced perplexity of
+    ``experiments.sparse_decode``), and with ``dense_layers`` layers reading every page."""
+    import jax
+    import jax.numpy as jnp
+
+    from paged.models.llama import Llama
+
+    cfg, params = small_model()
+    ids = prompts(1, seed=3, min_len=40, max_len=41)[0]
+    sparse = SparseDecodeConfig(fraction=0.25, dense_layers=dense_layers)
+    engine = _engine(max_num_batched_tokens=1, max_num_seqs=1, min_token_bucket=1,
+                     min_seq_bucket=1, sparse_decode=sparse)
+    out = engine.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    got = np.array([out.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))])
+    lps = {}
+    for key, arg in (("sparse", (0.25, 4, dense_layers)), ("dense", None)):
+        logits = Llama(cfg).apply(params, jnp.asarray([ids]), method="dense", sparse=arg)[0]
+        lp = np.asarray(jax.nn.log_softmax(logits, -1))
+        lps[key] = lp[np.arange(len(ids) - 1), ids[1:]]
+    np.testing.assert_allclose(got, lps["sparse"], atol=5e-5)
+    assert np.abs(got - lps["dense"]).max() > 0.1  # the selection dropped pages that mattered
 
 
 def test_a_sliding_model_is_refused_when_the_engine_is_built():

@@ -10,9 +10,12 @@ Variants: ``default`` (bytes read per decode step and CPU-XLA attention time at 
 for budgets 1/4, 1/8, 1/16 of the pages; Hq=9, Hkv=3, D=64 as SmolLM2-135M, page 16, float32,
 4 sequences; minutes on 2 CPU cores), ``smoke`` (tiny shapes, 2 rounds: what the test runs;
 timings meaningless), ``retrieval`` (no kernel points: needle retrieval of SmolLM2-135M through
-the engine at 2k / 4k for dense and the three budgets), ``h200`` (compiled GPU-style Pallas,
-bfloat16, Hq=32, Hkv=8, D=128, 32k: the ``sparse_decode`` stage of
-``experiments/device_check.sh``). Override any field, e.g. ``--config.contexts=4096``.
+the engine at 2k / 4k for ``arms``: dense, the three budgets with the first two layers dense
+(Quest), 1/8 selecting in every layer), ``quality`` (teacher-forced perplexity, KL and top-1
+agreement vs dense at 1k / 2k, the three budgets with and without the two dense layers),
+``h200`` (compiled GPU-style Pallas, bfloat16, Hq=32, Hkv=8, D=128, 32k, the selection through
+the decode and the ragged kernel: the ``sparse_decode`` stage of ``experiments/device_check.sh``).
+Override any field, e.g. ``--config.contexts=4096``.
 """
 
 import ml_collections
@@ -29,6 +32,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.head_dim = 64
     c.page_size = 16
     c.dtype = "float32"
+    c.sparse_ops = ("paged",)  # kernels fed the selected pages: "paged" (decode), "ragged"
     c.repeats = 9  # interleaved rounds per point
     c.warmup = 2
     c.calls = 3
@@ -36,6 +40,10 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     # Retrieval on the real model (empty: skipped).
     c.model = "smollm2-135m"
     c.retrieval_lengths = ()
+    c.arms = ("dense", "0.25:2", "0.125:2", "0.0625:2", "0.125:0")  # "dense" or "F:L" (fraction
+    # F of the pages, the first L layers dense; Quest's default L = 2)
+    c.fidelity_lengths = ()  # teacher-forced perplexity / KL vs dense (empty: skipped)
+    c.fidelity_chunks = 4
     c.retrieval_depths = (0.1, 0.5, 0.9)
     c.needles_per_cell = 2
     c.block_size = 16
@@ -47,9 +55,14 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.batch = 2
         c.num_q_heads, c.num_kv_heads, c.head_dim = 4, 2, 16
         c.repeats, c.warmup, c.calls = 2, 1, 1
+        c.sparse_ops = ("paged", "ragged")
     elif arg == "retrieval":
         c.contexts = ()
         c.retrieval_lengths = (2048, 4096)
+    elif arg == "quality":
+        c.contexts = ()
+        c.fidelity_lengths = (1024, 2048)
+        c.arms = ("dense", "0.25:2", "0.125:2", "0.0625:2", "0.25:0", "0.125:0", "0.0625:0")
     elif arg == "h200":
         c.impl = "pallas_gpu"
         c.dtype = "bfloat16"
@@ -58,6 +71,8 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.batch = 8
         c.num_q_heads, c.num_kv_heads, c.head_dim = 32, 8, 128
         c.repeats, c.calls = 5, 10
+        c.sparse_ops = ("paged", "ragged")
     elif arg != "default":
-        raise ValueError(f"unknown variant {arg!r}; known: default, smoke, retrieval, h200")
+        raise ValueError(f"unknown variant {arg!r}; known: default, smoke, retrieval, quality, "
+                         "h200")
     return c

@@ -10,6 +10,7 @@ import math
 from paged.util import validate
 
 MIN_PAGES = 2  # the first (sink) page and the last (open) page are always read
+QUEST_DENSE_LAYERS = 2  # Quest's evaluation reads every page in its first two layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,11 +22,15 @@ class SparseDecodeConfig:
         last page are always among them).
       tokens: the same budget in tokens: ``ceil(tokens / block_size)`` pages.
       fraction: in ``(0, 1]``: each sequence reads ``max(2, ceil(fraction * its pages))``.
+      dense_layers: the first ``dense_layers`` layers read every page (no selection). The
+        default, 2, is what Quest does (its evaluation skips selection in layers 0 and 1, whose
+        attention is not sparse); 0 selects in every layer.
     """
 
     pages: int | None = None
     tokens: int | None = None
     fraction: float | None = None
+    dense_layers: int = QUEST_DENSE_LAYERS
 
     def __post_init__(self):
         given = [n for n in ("pages", "tokens", "fraction") if getattr(self, n) is not None]
@@ -38,6 +43,8 @@ class SparseDecodeConfig:
                          allow_none=True)
         validate.real("fraction", self.fraction, minimum=0, maximum=1, exclusive=True,
                       allow_none=True)
+        validate.integer("dense_layers", self.dense_layers, minimum=0,
+                         maximum=validate.INT32_MAX)
 
     @property
     def kind(self) -> str:
@@ -53,4 +60,4 @@ class SparseDecodeConfig:
         return int(self.pages)
 
 
-__all__ = ["MIN_PAGES", "SparseDecodeConfig"]
+__all__ = ["MIN_PAGES", "QUEST_DENSE_LAYERS", "SparseDecodeConfig"]

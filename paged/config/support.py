@@ -128,8 +128,6 @@ REFUSED: tuple[Refusal, ...] = (
             "cache's blocks; without the cache it would do nothing"),
     Refusal("prefix_eviction", "contiguous_layout", "the contiguous layout has no prefix cache "
             "to evict from"),
-    Refusal("sparse_decode", "quantized_kv", "the page key bounds are kept for unquantized pages "
-            "only so far"),
     Refusal("sparse_decode", "contiguous_layout", "selection picks pages of a block table"),
     Refusal("sparse_decode", "speculative", "verification rows are several tokens of one "
             "sequence; selection serves one query row per sequence"),

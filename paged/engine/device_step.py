@@ -38,7 +38,9 @@ def step_functions(model_config: LlamaConfig, config, placement, leader=None) ->
     out_size = kc.next_pow2(max(config.max_num_seqs, config.min_seq_bucket))
     sparse = config.sparse_decode
     budget = None if sparse is None else sparse.budget(config.block_size)
-    fns = {v: make_step_fn(model_config, config.attention_impl, out_size, *v, sparse_budget=budget)
+    dense_layers = 0 if sparse is None else sparse.dense_layers
+    fns = {v: make_step_fn(model_config, config.attention_impl, out_size, *v, sparse_budget=budget,
+                           sparse_dense_layers=dense_layers)
            for v in itertools.product((False, True), repeat=2)}
     variants = {v: f for v, (f, _) in fns.items()}
     no_prev = placement.put(np.zeros(out_size, np.int32))
@@ -50,7 +52,7 @@ def step_functions(model_config: LlamaConfig, config, placement, leader=None) ->
 @functools.lru_cache(maxsize=32)
 def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int = 1,
                  with_logprobs: bool = False, with_verify: bool = False,
-                 sparse_budget: float | None = None):
+                 sparse_budget: float | None = None, sparse_dense_layers: int = 0):
     """Returns ``(step, trace_count)``, shared by every engine with the same model and attention.
 
     ``step(params, cache, batch, prev) -> (cache, tokens i32[N])`` is jitted with the cache
@@ -66,8 +68,8 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
     (``batch.draft``: each slot's proposed token, -1 where none) and ``extras`` also holds each
     slot's accept bit. With ``sparse_budget`` (pages, or a fraction of each sequence's pages;
     the cache then holds key bounds) decode rows read the pages Quest selects
-    (``paged.models.sparse_attention``) and the step folds its new keys into the bounds.
-    ``trace_count()``
+    (``paged.models.sparse_attention``; every page in the first ``sparse_dense_layers``
+    layers) and the step folds its new keys into the bounds. ``trace_count()``
     says how many shapes were traced so far (one XLA compilation each); engines sharing the
     function share its compilations, so an engine reports the difference since its creation.
     """
@@ -81,7 +83,8 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
         ids = jnp.where(feed >= 0, prev[jnp.clip(feed, 0, prev.shape[0] - 1)], batch.tokens)
         md = batch.md
         if sparse_budget is not None:
-            md = md.replace(sparse=SparseDecode(cache.key_bounds, sparse_budget))
+            md = md.replace(sparse=SparseDecode(cache.key_bounds, sparse_budget,
+                                                   sparse_dense_layers))
         logits, k_pages, v_pages = model.apply(
             params, ids, batch.positions, cache.k_pages, cache.v_pages, md,
             batch.sample_rows, attention_impl=attention_impl)

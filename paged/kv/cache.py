@@ -79,8 +79,8 @@ class KVCache:
             "fp8_e5m2"; "int4", "int2": ``pallas_kernels.packed.PackedPages``, keys per channel
             and values per token, written page by page with ``packed.close_pages``).
           scale_granularity: "token" (per (token, KV head)) or "page" (per (page, KV head)).
-          page_bounds: also hold each page's key bounds (``key_bounds``, in ``dtype``; an
-            unquantized cache only).
+          page_bounds: also hold each page's key bounds (``key_bounds``, in ``dtype``; of the
+            dequantized keys for int8 / fp8 pages; not for packed int4 / int2 pages).
 
         Raises:
           TypeError: a dimension is not an integer (``bool`` and floats included).
@@ -97,6 +97,8 @@ class KVCache:
         if kv_cache_dtype == "auto":
             zeros = functools.partial(jnp.zeros, shape, dtype)
         elif kv_cache_dtype in packed.PACKED_BITS:  # keys per channel, values per token (KIVI)
+            if page_bounds:
+                raise ValueError(f"page_bounds: not kept for packed {kv_cache_dtype} pages")
             packed.check_dims(kv_cache_dtype, page_size, head_dim)
             bits = packed.bits_of(kv_cache_dtype)
             k_zeros, v_zeros = (functools.partial(packed.zeros, shape, bits, per)
@@ -113,8 +115,6 @@ class KVCache:
             zeros = jax.jit(zeros, out_shardings=sharding)
         bounds = None
         if page_bounds:
-            if kv_cache_dtype != "auto":
-                raise ValueError(f"page_bounds needs kv_cache_dtype='auto', got {kv_cache_dtype!r}")
             make = functools.partial(jnp.zeros, shape[:3] + (2, head_dim), dtype)
             bounds = (make if sharding is None else jax.jit(make, out_shardings=sharding))()
         return cls(k_pages=zeros(), v_pages=zeros(), key_bounds=bounds)

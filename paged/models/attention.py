@@ -147,9 +147,11 @@ def causal_attention(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    mask: jax.Array | None = None,  # bool[B, K, T, S]: keys each query may also see
 ) -> jax.Array:  # [B, T, N, H]
     """Dense causal GQA attention in float32; the T queries are the last T of the S keys (with
-    ``sliding_window`` W, the query at position p sees keys ``[p - W + 1, p]`` only)."""
+    ``sliding_window`` W, the query at position p sees keys ``[p - W + 1, p]`` only; with
+    ``mask``, only the keys it marks, per KV head)."""
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     qg = q.astype(jnp.float32).reshape(b, t, kh, n // kh, h)
@@ -157,10 +159,12 @@ def causal_attention(
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
     pos = (jnp.arange(t) + (s - t))[:, None]
-    mask = jnp.arange(s)[None, :] <= pos  # [T, S]
+    allowed = jnp.arange(s)[None, :] <= pos  # [T, S]
     if sliding_window is not None:
-        mask &= jnp.arange(s)[None, :] > pos - sliding_window
-    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+        allowed &= jnp.arange(s)[None, :] > pos - sliding_window
+    if mask is not None:
+        allowed = allowed[None, None, None] & mask[:, :, None]
+    logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v.astype(jnp.float32))
     return out.reshape(b, t, n, h).astype(q.dtype)
@@ -307,6 +311,8 @@ class PagedAttention(nn.Module):
         *,
         attention_impl: str = "jnp",
         kv_quant: tuple[str, str, int] | None = None,
+        sparse: tuple[float, int, int] | None = None,
+        layer=0,
     ) -> jax.Array:  # [B, T, D]
         """Dense causal path over contiguous sequences (training; the no-cache reference).
 
@@ -320,6 +326,9 @@ class PagedAttention(nn.Module):
             the reference of a quantized engine. For "int4" / "int2" (KIVI pages; the
             granularity is ignored) each query reads the pages full at its position quantized
             and its open page exact (`pallas_kernels.kivi.dense_on_fill`). None: exact.
+          sparse: ``(budget, page_size, dense_layers)`` of sparse decode: every position reads
+            the pages its decode row would select (`page_select.dense_selection_mask`), unless
+            ``layer < dense_layers`` ("jnp" only). ``layer``: this layer's index (maybe traced).
 
         Returns:
           Attention output projected back to ``D``.
@@ -335,9 +344,19 @@ class PagedAttention(nn.Module):
             k, v = (quant.fake_quantize_sequence(t, dtype, granularity, page_size).astype(t.dtype)
                     for t in (k, v))
         sm_scale = self.head_dim**-0.5
+        mask = None
+        if sparse is not None:
+            from pallas_kernels import page_select
+
+            if attention_impl != "jnp" or kv_quant is not None or self.sliding_window is not None:
+                raise ValueError("sparse (the Quest reference) takes attention_impl='jnp', no "
+                                 "kv_quant and no sliding window")
+            budget, page_size, dense_layers = sparse
+            mask = page_select.dense_selection_mask(q, k, page_size=page_size, budget=budget)
+            mask = mask | (layer < dense_layers)
         if attention_impl == "jnp":
             out = causal_attention(q, k, v, sm_scale=sm_scale, soft_cap=self.soft_cap,
-                                   sliding_window=self.sliding_window)
+                                   sliding_window=self.sliding_window, mask=mask)
         elif self.sliding_window is not None:
             raise ValueError(f"attention_impl={attention_impl!r} (flash_attention) has no sliding "
                              "window; the dense path of a sliding layer takes 'jnp'")

@@ -58,9 +58,9 @@ class DecoderBlock(nn.Module):
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), k_pages, v_pages
 
-    def dense(self, x, positions, *, attention_impl="jnp", kv_quant=None):
+    def dense(self, x, positions, *, attention_impl="jnp", kv_quant=None, sparse=None, layer=0):
         x = x + self.attn.dense(self.attn_norm(x), positions, attention_impl=attention_impl,
-                                kv_quant=kv_quant)
+                                kv_quant=kv_quant, sparse=sparse, layer=layer)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -193,6 +193,7 @@ class Llama(nn.Module):
         *,
         attention_impl: str = "jnp",
         kv_quant: tuple[str, str, int] | None = None,
+        sparse: tuple[float, int, int] | None = None,
     ) -> jax.Array:  # f32[B, T, V]
         """Full causal forward over contiguous sequences starting at position 0 (no cache).
 
@@ -202,6 +203,8 @@ class Llama(nn.Module):
             `pallas_kernels.flash_attention`.
           kv_quant: ``(kv_cache_dtype, scale_granularity, page_size)`` of a quantized cache to
             reproduce (quantize-on-write, see `PagedAttention.dense`); None: exact.
+          sparse: ``(budget, page_size, dense_layers)``: every position attends as a sparse
+            decode row would (`PagedAttention.dense`); None: every key.
 
         Returns:
           Next-token logits at every position.
@@ -211,11 +214,15 @@ class Llama(nn.Module):
         if self.stacked is not None:
             block = self._unbound_block()
 
-            def body(x, p):
+            def body(x, xs):
+                p, i = xs
                 return block.apply({"params": p}, x, positions, method="dense",
-                                   attention_impl=attention_impl, kv_quant=kv_quant), None
+                                   attention_impl=attention_impl, kv_quant=kv_quant,
+                                   sparse=sparse, layer=i), None
 
-            return self._logits(jax.lax.scan(body, x, self.stacked)[0])
-        for layer in self.layers:
-            x = layer.dense(x, positions, attention_impl=attention_impl, kv_quant=kv_quant)
+            layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+            return self._logits(jax.lax.scan(body, x, (self.stacked, layers))[0])
+        for i, layer in enumerate(self.layers):
+            x = layer.dense(x, positions, attention_impl=attention_impl, kv_quant=kv_quant,
+                            sparse=sparse, layer=i)
         return self._logits(x)

@@ -5,6 +5,7 @@ budget). In a step, a row that is its sequence's only new token (a decode, or a 
 prefill chunk) attends through ``pallas_kernels.page_select.sparse_paged_attention``; every
 other row (prefill chunks) through the ordinary ragged kernel, which then reads one token of
 each decode sequence (its own row is replaced) and is skipped when the step has no prefill row.
+The first ``dense_layers`` layers select nothing: every row reads every page there (Quest).
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ class SparseDecode:
         row's own page is the last one, always read, so bounds missing this step's token do not
         change any selection.
       budget: pages per row (an int) or a fraction of each row's pages (a float); static.
+      dense_layers: layers ``< dense_layers`` read every page (the ordinary ragged kernel).
     """
 
     bounds: jax.Array  # [L, Hkv, P, 2, D]
     budget: float = flax.struct.field(pytree_node=False)
+    dense_layers: int = flax.struct.field(pytree_node=False, default=0)
 
 
 def decode_rows(md):
@@ -41,7 +44,29 @@ def decode_rows(md):
 
 
 def attend(q, k_pages, v_pages, md, *, layer, sm_scale, soft_cap, impl):
-    """Attention of a step's rows ``q [T, Hq, D]`` with sparse decode rows (module docstring)."""
+    """Attention of a step's rows ``q [T, Hq, D]`` with sparse decode rows (module docstring).
+    ``layer``: an int, or traced (stacked layers): then a ``lax.cond`` picks the dense path in
+    the first ``dense_layers`` layers."""
+    import pallas_kernels as pk
+
+    def every_page(_):
+        return pk.ragged_paged_attention(
+            q, k_pages, v_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+            sm_scale=sm_scale, soft_cap=soft_cap, impl=impl, layer=layer)
+
+    def selected(_):
+        return _selected(q, k_pages, v_pages, md, layer=layer, sm_scale=sm_scale,
+                         soft_cap=soft_cap, impl=impl)
+
+    n = md.sparse.dense_layers
+    if n == 0 or layer is None:  # layer None: one layer's pages, no index to compare
+        return selected(None)
+    if isinstance(layer, int):
+        return every_page(None) if layer < n else selected(None)
+    return jax.lax.cond(layer < n, every_page, selected, None)
+
+
+def _selected(q, k_pages, v_pages, md, *, layer, sm_scale, soft_cap, impl):
     import pallas_kernels as pk
 
     num_tokens = q.shape[0]
