@@ -12,21 +12,37 @@ import numpy as np
 from paged.engine import sampler as sampling
 from paged.kv import cache as kc
 from paged.kv.cache import KVCache
+from paged.kv.open_pages import OpenPages
 from paged.models.config import LlamaConfig
+from paged.models.kivi_attention import KiviPages
 from paged.models.llama import Llama
 from paged.models.sparse_attention import SparseDecode
 
 
-def device_cache(spec, num_pages: int, page_size: int, sharding=None) -> KVCache:
+def device_cache(spec, num_pages: int, page_size: int, sharding=None,
+                 open_slots: int = 0) -> KVCache:
     """The device pool of a ``paged.kv.spec.KVSpec``: ``num_pages`` pages of ``page_size``
     tokens in its page format (``spec.page``: every layer, or one KV-cache group's ``L / G``),
-    sharded by ``sharding``."""
+    sharded by ``sharding``; a packed format (int4 / int2) also gets ``open_slots`` open pages
+    in the model dtype (``paged.kv.open_pages``)."""
     page = spec.page
     return KVCache.create(page.num_layers, page.num_kv_heads, num_pages, page_size,
                           page.head_dim, page.dtype, sharding=sharding,
                           kv_cache_dtype=page.kv_cache_dtype,
                           scale_granularity=page.scale_granularity,
-                          page_bounds=page.page_bounds)
+                          page_bounds=page.page_bounds,
+                          open_slots=open_slots if page.packed_bits else 0)
+
+
+def open_pages(core, config, spec) -> OpenPages | None:
+    """Packed pages (int4 / int2): the open-page slots, one per running sequence, wired into
+    ``core``'s batch builder (which plans each step's ``KiviMeta``); None for other formats."""
+    if not spec.page.packed_bits:
+        return None
+    bm = core.block_manager
+    slots = OpenPages(config.max_num_seqs, core.page_size, lambda page: bm.refcount(page) > 0)
+    core.builder.open_pages = slots
+    return slots
 
 
 def step_functions(model_config: LlamaConfig, config, placement, leader=None) -> tuple:
@@ -82,9 +98,15 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
         md = batch.md
         if sparse_budget is not None:
             md = md.replace(sparse=SparseDecode(cache.key_bounds, sparse_budget))
+        k_pages, v_pages = cache.k_pages, cache.v_pages
+        if cache.open_k is not None:  # packed pages travel with their open pages
+            k_pages, v_pages = KiviPages(k_pages, cache.open_k), KiviPages(v_pages, cache.open_v)
         logits, k_pages, v_pages = model.apply(
-            params, ids, batch.positions, cache.k_pages, cache.v_pages, md,
+            params, ids, batch.positions, k_pages, v_pages, md,
             batch.sample_rows, attention_impl=attention_impl)
+        if cache.open_k is not None:
+            cache = cache.replace(open_k=k_pages.open, open_v=v_pages.open)
+            k_pages, v_pages = k_pages.pool, v_pages.pool
         args = (logits, batch.temperature, batch.top_k, batch.top_p, batch.seed,
                 batch.sample_index, batch.sample_pos)
         extras = {}

@@ -54,6 +54,10 @@ class KVCache:
     k_pages: jax.Array | QuantizedPages  # [L, Hkv, P, page, D]
     v_pages: jax.Array | QuantizedPages  # [L, Hkv, P, page, D]
     key_bounds: jax.Array | None = None  # [L, Hkv, P, 2, D]: per page key min (0) and max (1)
+    # Packed (int4 / int2) pages: the open pages in the model dtype, one per slot
+    # (paged.kv.open_pages: a slot is owned by the physical page that is open).
+    open_k: jax.Array | None = None  # [L, Hkv, num_slots, page, D]
+    open_v: jax.Array | None = None  # [L, Hkv, num_slots, page, D]
 
     @classmethod
     def create(
@@ -69,6 +73,7 @@ class KVCache:
         kv_cache_dtype: str = "auto",
         scale_granularity: str = "token",
         page_bounds: bool = False,
+        open_slots: int = 0,
     ) -> KVCache:
         """Allocates a zeroed cache; ``num_pages`` includes the null page.
 
@@ -81,6 +86,8 @@ class KVCache:
           scale_granularity: "token" (per (token, KV head)) or "page" (per (page, KV head)).
           page_bounds: also hold each page's key bounds (``key_bounds``, in ``dtype``; an
             unquantized cache only).
+          open_slots: packed formats: slots of the open-page buffers ``open_k`` / ``open_v``
+            (``[L, Hkv, open_slots, page, D]`` in ``dtype``; 0: none, the ops-only pool).
 
         Raises:
           TypeError: a dimension is not an integer (``bool`` and floats included).
@@ -101,9 +108,13 @@ class KVCache:
             bits = packed.bits_of(kv_cache_dtype)
             k_zeros, v_zeros = (functools.partial(packed.zeros, shape, bits, per)
                                 for per in ("channel", "token"))
+            open_zeros = functools.partial(
+                jnp.zeros, (num_layers, num_kv_heads, open_slots, page_size, head_dim), dtype)
             if sharding is not None:  # every leaf has the KV heads on axis 1
-                k_zeros, v_zeros = (jax.jit(z, out_shardings=sharding) for z in (k_zeros, v_zeros))
-            return cls(k_pages=k_zeros(), v_pages=v_zeros())
+                k_zeros, v_zeros, open_zeros = (jax.jit(z, out_shardings=sharding)
+                                                for z in (k_zeros, v_zeros, open_zeros))
+            opened = (open_zeros(), open_zeros()) if open_slots else (None, None)
+            return cls(k_pages=k_zeros(), v_pages=v_zeros(), open_k=opened[0], open_v=opened[1])
         else:
             qdtype = quant.storage_dtype(kv_cache_dtype)
             quant.scale_width(scale_granularity, page_size)
@@ -131,6 +142,11 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes of the pool: pages, scales and page metadata."""
         return int(self.k_pages.nbytes + self.v_pages.nbytes) + self.metadata_nbytes
+
+    @property
+    def open_nbytes(self) -> int:
+        """Bytes of the open-page buffers of packed pages (outside the pool; 0 otherwise)."""
+        return 0 if self.open_k is None else int(self.open_k.nbytes + self.open_v.nbytes)
 
     @property
     def metadata_nbytes(self) -> int:
@@ -269,10 +285,37 @@ def _check_pages(cache: KVCache, name: str, pages) -> np.ndarray:
     return arr.astype(np.int32)
 
 
+def _map_pages(fn, cache: KVCache) -> KVCache:
+    """``fn`` applied to every leaf with a page axis (pages, scales, bounds; not the open-page
+    buffers, whose axis 2 is a slot)."""
+    k, v, b = jax.tree.map(fn, (cache.k_pages, cache.v_pages, cache.key_bounds))
+    return cache.replace(k_pages=k, v_pages=v, key_bounds=b)
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _copy_pages(cache, src, dst):
     _TRACES[0] += 1  # runs at trace time only
-    return jax.tree.map(lambda x: x.at[:, :, dst].set(x[:, :, src]), cache)
+    return _map_pages(lambda x: x.at[:, :, dst].set(x[:, :, src]), cache)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _copy_slots(cache, src, dst):
+    _TRACES[0] += 1  # runs at trace time only
+    put = lambda x: x.at[:, :, dst].set(x[:, :, src], mode="drop")
+    return cache.replace(open_k=put(cache.open_k), open_v=put(cache.open_v))
+
+
+def copy_open_slots(cache: KVCache, pairs) -> KVCache:
+    """Open-page slot ``dst`` becomes a copy of slot ``src`` for each ``(src, dst)`` (the slots
+    of a copy-on-write of an open packed page, ``paged.kv.open_pages.OpenPages.copy``). DONATES
+    ``cache``; padded to a power of two with pairs whose ``dst`` is out of range (dropped)."""
+    if not pairs:
+        return cache
+    src, dst = (np.asarray(x, np.int32) for x in zip(*pairs))
+    pad = next_pow2(src.size) - src.size
+    src = np.pad(src, (0, pad))
+    dst = np.pad(dst, (0, pad), constant_values=cache.open_k.shape[2])
+    return _copy_slots(cache, jnp.asarray(src), jnp.asarray(dst))
 
 
 def copy_pages(cache: KVCache, src, dst) -> KVCache:
@@ -448,7 +491,7 @@ def _poison(cache, pages):
             return x
         return x.at[:, :, pages].set(jnp.array(jnp.nan, x.dtype))
 
-    return jax.tree.map(nan, cache)
+    return _map_pages(nan, cache)
 
 
 def poison(cache: KVCache, pages) -> KVCache:
