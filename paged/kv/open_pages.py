@@ -54,9 +54,9 @@ class OpenPages:
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property
-    def num_used(self) -> int:
-        """Slots holding an open page now."""
-        return len(self.slot_of)
+    def num_held(self) -> int:
+        """Slots mapped to a page in use (the open pages of the running sequences)."""
+        return sum(1 for page in self.slot_of if self.in_use(page))
 
     def _take(self, page: int) -> int:
         if not self._free:
@@ -130,8 +130,7 @@ class OpenPages:
                 out["close_dst"][nc] = table[j]
                 out["close_src"][nc] = src(j * p + np.arange(p))
                 nc += 1
-            if old % p and old // p < new // p:
-                self._release(int(table[old // p]))
+                self._release(int(table[j]))  # read above from this step's snapshot: reusable
             if new % p:
                 page = int(table[new // p])
                 slot = self.slot_of.get(page)  # a stale slot of a page started here: harmless
