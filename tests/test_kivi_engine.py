@@ -88,3 +88,106 @@ def test_the_reference_is_not_the_unquantized_model():
         got = [greedy_reference(cfg, params, p, 12, eos_id=-1, kv_quant=(dt, "token", BLOCK))
                for p in ps]
         assert got != exact, dt
+
+
+_attend = jax.jit(kivi_attention.attend, static_argnames=("layer", "sm_scale", "soft_cap",
+                                                          "impl"))
+_dense_on_fill = jax.jit(kivi.dense_on_fill, static_argnames=("bits", "page_size", "sm_scale"))
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_one_layer_closes_pages_bit_exact_and_keeps_the_open_page_exact(bits):
+    # Two sequences over two steps: A prefills 6 then 5 tokens (pages close mid-chunk), B
+    # prefills 3 then decodes 1 (its page closes on the decode). Outputs equal dense_on_fill's;
+    # closed pages are bit-equal to quantizing the exact page; the open page holds exact K/V.
+    p, hkv, hq, d, slots = BLOCK, 2, 4, 16, 2
+    rng = np.random.default_rng(bits)
+    lens = {"A": 11, "B": 4}
+    qkv = {s: [rng.standard_normal((n, h, d)).astype(np.float32) for h in (hq, hkv, hkv)]
+           for s, n in lens.items()}
+    tables = {"A": [3, 5, 1, 0], "B": [2, 4, 0, 0]}
+    shape = (1, hkv, 8, p, d)
+    pools = [packed.zeros(shape, bits, per) for per in ("channel", "token")]
+    opens = [jnp.zeros((1, hkv, slots, p, d), jnp.float32) for _ in range(2)]
+    owner = OpenPages(slots, p, lambda page: True)
+    sm = d**-0.5
+    for starts, q_lens in (((0, 0), (6, 3)), ((6, 3), (5, 1))):
+        kv_lens = [a + b for a, b in zip(starts, q_lens)]
+        md, _, _ = build_metadata(kv_lens, q_lens, [tables["A"], tables["B"]], page_size=p,
+                                  num_tokens=16, max_num_seqs=2, pages_per_seq=4)
+        md = md.replace(kivi=kivi_attention.KiviMeta(**owner.plan(
+            md.kv_lens, md.cu_q_lens, md.page_indices, 2, 16)))
+        rows = [np.concatenate([qkv[s][i][a:a + n] for s, a, n in zip("AB", starts, q_lens)])
+                for i in range(3)]
+        rows = [jnp.asarray(np.pad(x, ((0, 16 - len(x)), (0, 0), (0, 0)))) for x in rows]
+        out, kp, vp = _attend(
+            *rows, *(kivi_attention.KiviPages(pl, op) for pl, op in zip(pools, opens)), md,
+            layer=0, sm_scale=sm, soft_cap=None, impl="xla")
+        pools, opens = [kp.pool, vp.pool], [kp.open, vp.open]
+        r = 0
+        for s, a, n in zip("AB", starts, q_lens):
+            q, k, v = (jnp.asarray(x[None, :a + n]) for x in qkv[s])
+            want = _dense_on_fill(q, k, v, bits=bits, page_size=p, sm_scale=sm)[0, a:]
+            np.testing.assert_allclose(np.asarray(out[r:r + n]), np.asarray(want), atol=2e-5)
+            r += n
+    for s, n in lens.items():
+        for side, (pool, per, x) in enumerate(zip(pools, ("channel", "token"), qkv[s][1:])):
+            for j in range(n // p):  # closed pages: exactly the quantized exact page
+                want = packed.quantize_pages(jnp.swapaxes(jnp.asarray(x[j * p:(j + 1) * p]), 0, 1),
+                                             bits, per)
+                page = tables[s][j]
+                for got, w in ((pool.values, want.values), (pool.scale, want.scale),
+                               (pool.zero, want.zero)):
+                    np.testing.assert_array_equal(np.asarray(got[0, :, page]), np.asarray(w))
+            if n % p:  # the open page: exact, in its page's slot
+                slot = owner.slot_of[tables[s][n // p]]
+                got = np.asarray(opens[side][0, :, slot, :n % p])
+                np.testing.assert_array_equal(got, np.swapaxes(x[n // p * p:], 0, 1))
+
+
+def test_kv_stats_bytes_match_the_accounting_formulas():
+    cfg, _ = _model()
+    engine = _engine("int4", max_num_batched_tokens=16, debug_checks=False)
+    spec = ModelSpec.from_model_config(cfg, dtype="float32", kv_cache_dtype="int4")
+    lens = (5, 7)  # both end in an open page
+    for i, n in enumerate(lens):
+        engine.add_request(f"r{i}", list(range(1, n + 1)),
+                           SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.step()  # both prompts prefilled: KV of 5 and 7 tokens
+    stats = engine.kv_stats()
+    ledger = stats["ledger"]
+    assert ledger["pool_bytes"] == engine.cache.nbytes == 20 * spec.bytes_per_block(BLOCK)
+    assert ledger["categories"]["scales"] == engine.cache.scale_nbytes > 0
+    assert ledger["side_costs"]["open_page_bytes"] == engine.cache.open_nbytes \
+        == 6 * spec.open_page_bytes(BLOCK)
+    assert stats["num_used_blocks"] == 4 and ledger["open_pages"]["held"] == 2
+    held = stats["num_used_blocks"] * ledger["bytes_per_block"] + ledger["open_pages"]["held_bytes"]
+    assert held == sum(spec.sequence_bytes(n, BLOCK) for n in lens)
+    per_token = spec.value_bytes_per_block(BLOCK) // BLOCK  # 2 * L * Hkv * D * 4 bits / 8
+    assert ledger["categories"]["effective_kv"] == sum(lens) * per_token
+    assert ledger["categories"]["tail_fragmentation"] == (4 * BLOCK - sum(lens)) * per_token
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(kv_cache_dtype="int4", attention_impl="pallas"), "attention_impl"),
+    (dict(kv_cache_dtype="int2", attention_impl="interpret_tpu"), "attention_impl"),
+    (dict(kv_cache_dtype="int4", preemption_mode="swap"), r"packed_kv \+ swap"),
+    (dict(kv_cache_dtype="int2", cascade_attention="on"), r"packed_kv \+ cascade"),
+    (dict(kv_cache_dtype="int4", kv_layout="contiguous"), r"packed_kv \+ contiguous_layout"),
+])
+def test_bad_settings_are_refused_by_the_config(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kw)
+
+
+@pytest.mark.parametrize("dt, head_dim, block_size, match", [
+    ("int2", 6, 4, "head_dim=6 must be a multiple of 4"),
+    ("int4", 16, 1, "block_size=1 must be >= 2"),
+])
+def test_pages_that_do_not_pack_are_refused_at_construction(dt, head_dim, block_size, match):
+    cfg = LlamaConfig(vocab_size=258, d_model=24, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=head_dim, ffn_dim=32, max_seq_len=64)
+    config = EngineConfig(kv_cache_dtype=dt, block_size=block_size, num_blocks=80,
+                          max_model_len=64, max_num_seqs=2, attention_impl="xla")
+    with pytest.raises(ValueError, match=match):
+        Engine(config, model_config=cfg, params=init_params(cfg, 0))
