@@ -11,6 +11,7 @@ import numpy as np
 
 from paged.engine import sampler as sampling
 from paged.kv import cache as kc
+from paged.kv import packed_cache
 from paged.kv.cache import KVCache
 from paged.kv.open_pages import OpenPages
 from paged.models.config import LlamaConfig
@@ -134,12 +135,13 @@ def stub_step(params, cache, batch, prev):
 
 
 def apply_copies(cache: KVCache, sched, host_k, host_v, freed_pages: list[int], tier=None,
-                 tier_copies=None) -> KVCache:
+                 tier_copies=None, open_pages: OpenPages | None = None) -> KVCache:
     """The device-side effects of scheduling, in an order that never loses live KV: swap-out
     and host-tier offload (read before anything can overwrite the freed or evicted pages), NaN
     poison of ``freed_pages`` (debug; the list is emptied), swap-in and host-tier loads (into
     fresh pages), copy-on-write. ``tier``: a ``paged.kv.host_store.HostTierStore`` with the
-    step's ``tier_copies`` (``BlockManager.take_tier_copies``), or ``None``."""
+    step's ``tier_copies`` (``BlockManager.take_tier_copies``), or ``None``. ``open_pages``:
+    packed pages' open-page slots; a copy-on-write of an open page copies its slot too."""
     if sched.swap_out:
         pages, slots = map(list, zip(*sched.swap_out))
         k, v = kc.swap_out(cache, pages)
@@ -158,6 +160,8 @@ def apply_copies(cache: KVCache, sched, host_k, host_v, freed_pages: list[int], 
     if sched.copies:
         src, dst = map(list, zip(*sched.copies))
         cache = kc.copy_pages(cache, src, dst)
+        if open_pages is not None:
+            cache = packed_cache.copy_open_slots(cache, open_pages.copy(sched.copies))
     return cache
 
 

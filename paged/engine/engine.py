@@ -28,8 +28,13 @@ from paged.accounting.kv_stats import kv_stats
 from paged.config.engine_config import EngineConfig, engine_config, warn_long_window
 from paged.config.support import check_supported
 from paged.engine import multihost
-from paged.engine.device_step import (apply_copies, compile_shapes, device_cache, open_pages,
-                                      step_functions)
+from paged.engine.device_step import (
+    apply_copies,
+    compile_shapes,
+    device_cache,
+    open_pages,
+    step_functions,
+)
 from paged.engine.generate import generate, load_model
 from paged.engine.kv_compact import Compactor
 from paged.engine.placement import Placement
@@ -380,9 +385,7 @@ class Engine:
             draft.cache = apply_copies(draft.cache, sched, draft.host_k, draft.host_v, [],
                                        self._draft_tier, tier)
         self.cache = apply_copies(self.cache, sched, self._host_k, self._host_v, self._freed_pages,
-                                  self.host_tier, tier)
-        if self.open_pages is not None and sched.copies:  # CoW of open packed pages
-            self.cache = kc.copy_open_slots(self.cache, self.open_pages.copy(sched.copies))
+                                  self.host_tier, tier, self.open_pages)
 
     # --- outputs ------------------------------------------------------------------------
     def generate(self, prompts: SequenceT[str | SequenceT[int]] | str,

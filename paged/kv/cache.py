@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged.kv import packed_cache
 from paged.kv.paging import NULL_PAGE, next_pow2  # noqa: F401 (re-exported)
 from paged.util import validate
 from pallas_kernels import packed, page_select, quant
@@ -54,8 +55,7 @@ class KVCache:
     k_pages: jax.Array | QuantizedPages  # [L, Hkv, P, page, D]
     v_pages: jax.Array | QuantizedPages  # [L, Hkv, P, page, D]
     key_bounds: jax.Array | None = None  # [L, Hkv, P, 2, D]: per page key min (0) and max (1)
-    # Packed (int4 / int2) pages: the open pages in the model dtype, one per slot
-    # (paged.kv.open_pages: a slot is owned by the physical page that is open).
+    # Packed (int4 / int2) pages: open pages in the model dtype by slot (paged.kv.open_pages).
     open_k: jax.Array | None = None  # [L, Hkv, num_slots, page, D]
     open_v: jax.Array | None = None  # [L, Hkv, num_slots, page, D]
 
@@ -86,8 +86,7 @@ class KVCache:
           scale_granularity: "token" (per (token, KV head)) or "page" (per (page, KV head)).
           page_bounds: also hold each page's key bounds (``key_bounds``, in ``dtype``; an
             unquantized cache only).
-          open_slots: packed formats: slots of the open-page buffers ``open_k`` / ``open_v``
-            (``[L, Hkv, open_slots, page, D]`` in ``dtype``; 0: none, the ops-only pool).
+          open_slots: packed formats: slots of ``open_k`` / ``open_v`` (0: none, ops only).
 
         Raises:
           TypeError: a dimension is not an integer (``bool`` and floats included).
@@ -104,17 +103,8 @@ class KVCache:
         if kv_cache_dtype == "auto":
             zeros = functools.partial(jnp.zeros, shape, dtype)
         elif kv_cache_dtype in packed.PACKED_BITS:  # keys per channel, values per token (KIVI)
-            packed.check_dims(kv_cache_dtype, page_size, head_dim)
-            bits = packed.bits_of(kv_cache_dtype)
-            k_zeros, v_zeros = (functools.partial(packed.zeros, shape, bits, per)
-                                for per in ("channel", "token"))
-            open_zeros = functools.partial(
-                jnp.zeros, (num_layers, num_kv_heads, open_slots, page_size, head_dim), dtype)
-            if sharding is not None:  # every leaf has the KV heads on axis 1
-                k_zeros, v_zeros, open_zeros = (jax.jit(z, out_shardings=sharding)
-                                                for z in (k_zeros, v_zeros, open_zeros))
-            opened = (open_zeros(), open_zeros()) if open_slots else (None, None)
-            return cls(k_pages=k_zeros(), v_pages=v_zeros(), open_k=opened[0], open_v=opened[1])
+            k, v, ok, ov = packed_cache.zeros(kv_cache_dtype, shape, dtype, open_slots, sharding)
+            return cls(k_pages=k, v_pages=v, open_k=ok, open_v=ov)
         else:
             qdtype = quant.storage_dtype(kv_cache_dtype)
             quant.scale_width(scale_granularity, page_size)
@@ -273,7 +263,7 @@ _TRACES = [0]  # traces of the page functions below (copy, read, write, poison):
 def trace_count() -> int:
     """How many shapes the page copy / read / write / poison functions traced so far in this
     process (one XLA compilation each; the engine adds them to its ``num_compilations``)."""
-    return _TRACES[0]
+    return _TRACES[0] + packed_cache.trace_count()
 
 
 def _check_pages(cache: KVCache, name: str, pages) -> np.ndarray:
@@ -286,8 +276,7 @@ def _check_pages(cache: KVCache, name: str, pages) -> np.ndarray:
 
 
 def _map_pages(fn, cache: KVCache) -> KVCache:
-    """``fn`` applied to every leaf with a page axis (pages, scales, bounds; not the open-page
-    buffers, whose axis 2 is a slot)."""
+    """``fn`` on every leaf with a page axis 2 (not the open pages: their axis 2 is a slot)."""
     k, v, b = jax.tree.map(fn, (cache.k_pages, cache.v_pages, cache.key_bounds))
     return cache.replace(k_pages=k, v_pages=v, key_bounds=b)
 
@@ -296,26 +285,6 @@ def _map_pages(fn, cache: KVCache) -> KVCache:
 def _copy_pages(cache, src, dst):
     _TRACES[0] += 1  # runs at trace time only
     return _map_pages(lambda x: x.at[:, :, dst].set(x[:, :, src]), cache)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _copy_slots(cache, src, dst):
-    _TRACES[0] += 1  # runs at trace time only
-    put = lambda x: x.at[:, :, dst].set(x[:, :, src], mode="drop")
-    return cache.replace(open_k=put(cache.open_k), open_v=put(cache.open_v))
-
-
-def copy_open_slots(cache: KVCache, pairs) -> KVCache:
-    """Open-page slot ``dst`` becomes a copy of slot ``src`` for each ``(src, dst)`` (the slots
-    of a copy-on-write of an open packed page, ``paged.kv.open_pages.OpenPages.copy``). DONATES
-    ``cache``; padded to a power of two with pairs whose ``dst`` is out of range (dropped)."""
-    if not pairs:
-        return cache
-    src, dst = (np.asarray(x, np.int32) for x in zip(*pairs))
-    pad = next_pow2(src.size) - src.size
-    src = np.pad(src, (0, pad))
-    dst = np.pad(dst, (0, pad), constant_values=cache.open_k.shape[2])
-    return _copy_slots(cache, jnp.asarray(src), jnp.asarray(dst))
 
 
 def copy_pages(cache: KVCache, src, dst) -> KVCache:
@@ -438,20 +407,11 @@ def swap_in(cache: KVCache, pages, k: np.ndarray, v: np.ndarray) -> KVCache:
 
 
 def gather_pages(cache: KVCache, pages):
-    """Reads pages into new device arrays on the cache's devices (the cache is not donated): the
-    sending half of a hand-over between replicas (``paged.fleet.handover``).
-
-    Args:
-      cache: the cache (not donated; a later step that donates it is ordered after this read by
-        the runtime).
-      pages: i32[n] pages; padded here with ``NULL_PAGE`` to a power of two (bounded
-        recompilation).
-
-    Returns:
-      ``(k, v)``: ``[num_layers, num_kv_heads, pad(n), page_size, head_dim]`` device arrays
-      sharded as the cache (KV heads stay on their shard), or ``QuantizedPages`` of values and
-      scales for a quantized cache.
-    """
+    """Reads ``pages`` (i32[n], padded with ``NULL_PAGE`` to a power of two) into new device
+    arrays on the cache's devices, the cache not donated (a later step that donates it is ordered
+    after this read): the sending half of a hand-over (``paged.fleet.handover``). Returns
+    ``(k, v)``: ``[num_layers, num_kv_heads, pad(n), page_size, head_dim]`` sharded as the cache
+    (``QuantizedPages`` of values and scales for a quantized cache)."""
     pages = _check_pages(cache, "pages", pages)
     return _read_pages(cache, jnp.asarray(pad_pages(pages)))
 

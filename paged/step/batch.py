@@ -246,13 +246,13 @@ class BatchBuilder:
         fed, fed_rows, fed_pos = self._fill_tokens(lay)
         ints = self._fill_sampling(lay, plan.slot_j, nd)
         verify, prompt_lp = self._fill_extra_slots(lay, plan)
+        device = lay.device
         if self.open_pages is not None:  # packed pages: which open pages this step reads/closes
             from paged.models.kivi_attention import KiviMeta
 
-            dev = lay.device
-            meta = self.open_pages.plan(dev.seq[0], dev.seq[1], dev.page_indices, lay.s,
-                                        dev.tok.shape[1])
-            lay = lay._replace(device=dev.replace(kivi=KiviMeta(**meta)))
+            meta = self.open_pages.plan(device.seq[0], device.seq[1], device.page_indices, lay.s,
+                                        device.tok.shape[1])
+            device = device.replace(kivi=KiviMeta(**meta))
         if self.debug:
             self._check(lay.all_rows, lay.device.page_indices)
         decode_pos = ib.num_tokens[decode_rows].astype(np.int64)
@@ -263,7 +263,7 @@ class BatchBuilder:
         lp_decodes = np.flatnonzero(d_ints[:, LOGPROBS] >= 0)
         samples = plan.samples
         lp_samples = [j for j, x in enumerate(samples) if x[0].params.logprobs is not None]
-        return StepBatch(device=lay.device, num_tokens=lay.t, num_seqs=lay.s, decode=decode,
+        return StepBatch(device=device, num_tokens=lay.t, num_seqs=lay.s, decode=decode,
                          lp_decodes=lp_decodes, lp_samples=lp_samples, prompt_lp=prompt_lp,
                          with_logprobs=bool(len(lp_decodes) or lp_samples or prompt_lp),
                          verify=verify,
