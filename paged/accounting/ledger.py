@@ -99,7 +99,7 @@ class MemoryLedger:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready summary: categories, pool bytes, side costs and position utilization."""
-        return {
+        out = {
             "layout": self.layout,
             "dtype": self.spec.dtype,
             "kv_cache_dtype": self.spec.kv_cache_dtype,
@@ -113,18 +113,20 @@ class MemoryLedger:
             "side_costs": {
                 "block_table_bytes": self.block_table_bytes,
                 "workspace_bytes": self.workspace_bytes,
-                "open_page_bytes": self.open_page_bytes,
             },
-            "open_pages": {
-                "held": self.open_pages_held,
-                "held_bytes": self.open_pages_held * self.spec.open_page_bytes(self.block_size),
-                "note": "packed pages: each running sequence's open page is held in the model "
-                        "dtype beside the pool (side cost open_page_bytes) until it fills",
-            } if self.spec.packed_bits else None,
             "total_bytes": self.pool_bytes + self.block_table_bytes + self.workspace_bytes
             + self.open_page_bytes,
             "position_utilization": self.position_utilization,
         }
+        if self.spec.packed_bits:  # the open pages beside a packed pool
+            out["side_costs"]["open_page_bytes"] = self.open_page_bytes
+            out["open_pages"] = {
+                "held": self.open_pages_held,
+                "held_bytes": self.open_pages_held * self.spec.open_page_bytes(self.block_size),
+                "note": "packed pages: each running sequence's open page is held in the model "
+                        "dtype beside the pool (side cost open_page_bytes) until it fills",
+            }
+        return out
 
     @classmethod
     def from_blocks(
