@@ -1,6 +1,7 @@
 """The engine serving packed KV (int4 / int2, KIVI): tokens equal a dense no-cache run over the
 same quantize-on-fill semantics (``pallas_kernels.kivi.dense_on_fill``) with chunked prefill,
-prefix caching, copy-on-write (n=4), recompute preemption, async scheduling and NaN poisoning on;
+prefix caching, copy-on-write (n=4), preemption by recompute and by swap, async scheduling and
+NaN poisoning on;
 one layer's step against the exact K/V (closed pages bit-equal to quantizing the exact page, the
 open page exact); the ledger's bytes against ``paged.accounting``; bad settings at
 construction."""
@@ -59,10 +60,11 @@ def _run(engine, ps, params):
     return done, stats
 
 
-@pytest.mark.parametrize("dt, async_scheduling", [("int4", False), ("int2", True)])
-def test_tokens_equal_the_quantize_on_fill_reference(dt, async_scheduling):
+@pytest.mark.parametrize("dt, async_scheduling, preemption_mode", [
+    ("int4", False, "recompute"), ("int2", True, "swap")])
+def test_tokens_equal_the_quantize_on_fill_reference(dt, async_scheduling, preemption_mode):
     cfg, params = _model()
-    engine = _engine(dt, async_scheduling=async_scheduling)
+    engine = _engine(dt, async_scheduling=async_scheduling, preemption_mode=preemption_mode)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     forked = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=4)
     ps = prompts(4, seed=4, min_len=5, max_len=22)
@@ -75,6 +77,7 @@ def test_tokens_equal_the_quantize_on_fill_reference(dt, async_scheduling):
         assert done[f"q{i}"] == [want] * (4 if i == 1 else 1), i
     stats = engine.kv_stats()
     assert stats["num_preemptions"] > 0
+    assert (stats["num_swap_outs"] > 0) == (preemption_mode == "swap")
     assert stats["prefix_cache_hit_tokens"] > 0
 
 
@@ -171,7 +174,7 @@ def test_kv_stats_bytes_match_the_accounting_formulas():
 @pytest.mark.parametrize("kw, match", [
     (dict(kv_cache_dtype="int4", attention_impl="pallas"), "attention_impl"),
     (dict(kv_cache_dtype="int2", attention_impl="interpret_tpu"), "attention_impl"),
-    (dict(kv_cache_dtype="int4", preemption_mode="swap"), r"packed_kv \+ swap"),
+    (dict(kv_cache_dtype="int4", host_kv_cache_bytes=1 << 20), r"packed_kv \+ host_tier"),
     (dict(kv_cache_dtype="int2", cascade_attention="on"), r"packed_kv \+ cascade"),
     (dict(kv_cache_dtype="int4", kv_layout="contiguous"), r"packed_kv \+ contiguous_layout"),
 ])

@@ -141,9 +141,7 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("sparse_decode", "tensor_parallel", "the selected pages are addressed in a one-head "
             "view of the pool, which a KV-head-sharded pool does not have"),
     # Packed (int4 / int2, KIVI) pages: an open page lives in a slot beside the pool
-    # (paged.kv.open_pages) that only copy-on-write moves so far.
-    Refusal("packed_kv", "swap", "a swapped sequence's open page lives in a full-precision slot "
-            "beside the pool, which the swap does not move yet"),
+    # (paged.kv.open_pages) that copy-on-write and swap move, nothing else yet.
     Refusal("packed_kv", "host_tier", "the host tier's loads and offloads are not tested with "
             "packed pages yet"),
     Refusal("packed_kv", "speculative", "a rejected draft may fill a page, which is then "

@@ -141,12 +141,15 @@ def apply_copies(cache: KVCache, sched, host_k, host_v, freed_pages: list[int], 
     poison of ``freed_pages`` (debug; the list is emptied), swap-in and host-tier loads (into
     fresh pages), copy-on-write. ``tier``: a ``paged.kv.host_store.HostTierStore`` with the
     step's ``tier_copies`` (``BlockManager.take_tier_copies``), or ``None``. ``open_pages``:
-    packed pages' open-page slots; a copy-on-write of an open page copies its slot too."""
+    packed pages' open-page slots: a copy-on-write of an open page copies its slot too, swap
+    takes it to the host and back."""
     if sched.swap_out:
         pages, slots = map(list, zip(*sched.swap_out))
         k, v = kc.swap_out(cache, pages)
         kc.host_set(host_k, slots, k)
         kc.host_set(host_v, slots, v)
+        if open_pages is not None:
+            packed_cache.save_swapped(cache, open_pages, sched.swap_out)
     if tier is not None:
         cache = tier.apply(cache, tier_copies, phase="offload")
     if freed_pages:
@@ -155,6 +158,8 @@ def apply_copies(cache: KVCache, sched, host_k, host_v, freed_pages: list[int], 
     if sched.swap_in:
         slots, pages = map(list, zip(*sched.swap_in))
         cache = kc.swap_in(cache, pages, kc.host_get(host_k, slots), kc.host_get(host_v, slots))
+        if open_pages is not None:
+            cache = packed_cache.load_swapped(cache, open_pages, sched.swap_in)
     if tier is not None:
         cache = tier.apply(cache, tier_copies, phase="load")
     if sched.copies:

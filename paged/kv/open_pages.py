@@ -7,7 +7,8 @@ side buffer of ``num_slots`` page-sized slots beside the packed pool (``KVCache.
 page id in the sequence's block table, so every mechanism that moves a page by id moves its slot
 with it the same way. Copy-on-write of a shared open page (``copy``) copies its slot to a fresh
 slot of the destination page; two sequences sharing an open page (forked samples, before either
-writes) share its slot. A slot is released when its page closes (``plan``) or when its page is
+writes) share its slot. Swap moves a swapped page's slot content to the host with it
+(``swap_out`` / ``keep``, by host slot) and back into a fresh slot (``swap_in``). A slot is released when its page closes (``plan``) or when its page is
 no longer in use (``in_use(page)`` false: the sequence finished or was preempted; checked when
 slots run short). A stale mapping is harmless: a page is written from offset 0 whenever a
 sequence starts it, and only offsets written since then are read.
@@ -51,6 +52,7 @@ class OpenPages:
         self.page_size = page_size
         self.in_use = in_use
         self.slot_of: dict[int, int] = {}
+        self.swapped: dict[int, tuple] = {}  # host slot -> (k, v) of a swapped-out open page
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property
@@ -84,6 +86,35 @@ class OpenPages:
                 self._release(dst)
                 out.append((s, self._take(dst)))
         return out
+
+    def swap_out(self, pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Swap-out ``(page, host_slot)`` pairs: the ``(slot, host_slot)`` of each page with an
+        open slot, whose content the caller saves (:meth:`keep`); the page's slot is released."""
+        out = []
+        for page, host in pairs:
+            self.swapped.pop(host, None)
+            if page in self.slot_of:
+                out.append((self.slot_of[page], host))
+                self._release(page)
+        return out
+
+    def keep(self, host_slots: list[int], k: np.ndarray, v: np.ndarray) -> None:
+        """Holds swapped-out open pages (``k``, ``v``: ``[L, Hkv, n, page, D]``) by host slot."""
+        for i, host in enumerate(host_slots):
+            self.swapped[host] = (k[:, :, i], v[:, :, i])
+
+    def swap_in(self, pairs: Iterable[tuple[int, int]]) -> tuple[list[int], list, list]:
+        """Swap-in ``(host_slot, page)`` pairs: ``(slots, ks, vs)``, a fresh slot for each page
+        whose host slot held an open page, and that page's content to write there."""
+        slots, ks, vs = [], [], []
+        for host, page in pairs:
+            if host in self.swapped:
+                k, v = self.swapped.pop(host)
+                self._release(page)
+                slots.append(self._take(page))
+                ks.append(k)
+                vs.append(v)
+        return slots, ks, vs
 
     def empty(self, t_pad: int, s_pad: int) -> dict[str, np.ndarray]:
         """The index arrays of an all-padding step (nothing read, written or closed)."""

@@ -1,5 +1,6 @@
 """The device side of packed (int4 / int2, KIVI) caches: the packed pool with its open-page
-buffers, and the copy of open-page slots that copy-on-write of an open page needs.
+buffers, the copy of open-page slots that copy-on-write of an open page needs, and the open
+pages' trip to the host and back with a swapped sequence.
 
 ``KVCache.create`` builds a packed cache with :func:`zeros`; the engine copies slots with
 :func:`copy_open_slots` (slots planned by ``paged.kv.open_pages.OpenPages.copy``).
@@ -64,3 +65,25 @@ def copy_open_slots(cache, pairs):
     src = np.pad(src, (0, pad))
     dst = np.pad(dst, (0, pad), constant_values=cache.open_k.shape[2])
     return _copy_slots(cache, jnp.asarray(src), jnp.asarray(dst))
+
+
+def save_swapped(cache, open_pages, swap_out) -> None:
+    """The open pages among ``swap_out`` ``(page, host_slot)`` pairs go to the host with their
+    pages (held by ``open_pages``, a ``paged.kv.open_pages.OpenPages``, by host slot)."""
+    pairs = open_pages.swap_out(swap_out)
+    if pairs:
+        slots, hosts = (list(x) for x in zip(*pairs))
+        idx = jnp.asarray(slots, jnp.int32)
+        open_pages.keep(hosts, np.asarray(cache.open_k[:, :, idx]),
+                        np.asarray(cache.open_v[:, :, idx]))
+
+
+def load_swapped(cache, open_pages, swap_in):
+    """Writes the open pages among ``swap_in`` ``(host_slot, page)`` pairs back into fresh slots
+    (``cache`` replaced, not donated)."""
+    slots, ks, vs = open_pages.swap_in(swap_in)
+    if not slots:
+        return cache
+    idx = jnp.asarray(slots, jnp.int32)
+    put = lambda x, new: x.at[:, :, idx].set(jnp.asarray(np.stack(new, axis=2), x.dtype))
+    return cache.replace(open_k=put(cache.open_k, ks), open_v=put(cache.open_v, vs))
