@@ -174,7 +174,7 @@ def test_kv_stats_bytes_match_the_accounting_formulas():
 @pytest.mark.parametrize("kw, match", [
     (dict(kv_cache_dtype="int4", attention_impl="pallas"), "attention_impl"),
     (dict(kv_cache_dtype="int2", attention_impl="interpret_tpu"), "attention_impl"),
-    (dict(kv_cache_dtype="int4", host_kv_cache_bytes=1 << 20), r"packed_kv \+ host_tier"),
+    (dict(kv_cache_dtype="int4", tensor_parallel_size=2), r"packed_kv \+ tensor_parallel"),
     (dict(kv_cache_dtype="int2", cascade_attention="on"), r"packed_kv \+ cascade"),
     (dict(kv_cache_dtype="int4", kv_layout="contiguous"), r"packed_kv \+ contiguous_layout"),
 ])
@@ -194,3 +194,20 @@ def test_pages_that_do_not_pack_are_refused_at_construction(dt, head_dim, block_
                           max_model_len=64, max_num_seqs=2, attention_impl="xla")
     with pytest.raises(ValueError, match=match):
         Engine(config, model_config=cfg, params=init_params(cfg, 0))
+
+
+def test_the_host_tier_moves_packed_pages():
+    # Six 20-token prefixes (30 pages of 4: more than the pool) sent in three rounds with new
+    # suffixes: later rounds load evicted prefixes from the host tier. Tokens equal the run
+    # without the tier (which equals the reference, above); the tier moved packed pages.
+    pre = prompts(6, seed=1, min_len=19, max_len=20)
+    turns = [[p + [r + 1, i + 7, 3] for i, p in enumerate(pre)] for r in range(3)]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    out = {}
+    for host in (0, 1 << 20):
+        engine = _engine("int4", num_blocks=20, max_num_seqs=3, max_num_batched_tokens=32,
+                         min_token_bucket=32, min_seq_bucket=4, host_kv_cache_bytes=host)
+        out[host] = [o.outputs[0].token_ids for t in turns for o in engine.generate(t, sp)]
+    tier = engine.kv_stats()["host_tier"]
+    assert tier["loaded_blocks"] > 0 and tier["offloaded_blocks"] > 0
+    assert out[1 << 20] == out[0]

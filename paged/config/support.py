@@ -142,8 +142,6 @@ REFUSED: tuple[Refusal, ...] = (
             "view of the pool, which a KV-head-sharded pool does not have"),
     # Packed (int4 / int2, KIVI) pages: an open page lives in a slot beside the pool
     # (paged.kv.open_pages) that copy-on-write and swap move, nothing else yet.
-    Refusal("packed_kv", "host_tier", "the host tier's loads and offloads are not tested with "
-            "packed pages yet"),
     Refusal("packed_kv", "speculative", "a rejected draft may fill a page, which is then "
             "quantized with tokens that a rollback cannot take back"),
     Refusal("packed_kv", "cascade", "the cascade kernel reads unpacked pages"),

@@ -89,13 +89,15 @@ class OpenPages:
 
     def swap_out(self, pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
         """Swap-out ``(page, host_slot)`` pairs: the ``(slot, host_slot)`` of each page with an
-        open slot, whose content the caller saves (:meth:`keep`); the page's slot is released."""
+        open slot, whose content the caller saves (:meth:`keep`); the page's slot is released
+        unless a sequence that stays still holds the page."""
         out = []
         for page, host in pairs:
             self.swapped.pop(host, None)
             if page in self.slot_of:
                 out.append((self.slot_of[page], host))
-                self._release(page)
+                if not self.in_use(page):  # else a sequence that stays still reads it
+                    self._release(page)
         return out
 
     def keep(self, host_slots: list[int], k: np.ndarray, v: np.ndarray) -> None:
