@@ -22,7 +22,8 @@ With ``arms=()`` only the checks run.
 
 Arms "int4:kivi" / "int2:kivi" (KIVI pages) take perplexity and retrieval from the no-cache
 forward with their quantize-on-fill semantics (`experiments.quality_dense`; the row says
-``"source": "dense (no cache)"``).
+``"source": "dense (no cache)"``); "int4:engine" / "int2:engine" serve the same pages through
+the engine (``kv_cache_dtype="int4"``: packed pool, open page in the model dtype).
 
 Writes ``quality.json`` (config, provenance, corpus, per-arm rows) and ``quality.png``.
 """
@@ -62,7 +63,7 @@ def parse_arm(text: str) -> Arm:
         if not arg.isdigit() or int(arg) < 16:
             raise ValueError(f"arm {text!r}: window:<W> needs an integer W >= 16")
         return Arm(text, window=int(arg))
-    if kind in ("int4", "int2") and arg == "kivi":  # experiments.quality_dense
+    if kind in ("int4", "int2") and arg in ("kivi", "engine"):  # dense forward, or the engine
         return Arm(text, kv_cache_dtype=kind, granularity=arg)
     quant.storage_dtype(kind)
     if arg not in QUANT_GRANULARITIES:
@@ -113,8 +114,9 @@ def arm_model(arm: Arm, config, params):
 def make_engine(c, arm: Arm, config, params, max_model_len: int | None = None, **overrides):
     from paged import Engine, EngineConfig
 
+    granularity = arm.granularity if arm.granularity in QUANT_GRANULARITIES else "token"
     fields = dict(model=c.model, dtype=arm.dtype, kv_cache_dtype=arm.kv_cache_dtype,
-                  kv_scale_granularity=arm.granularity, block_size=c.block_size,
+                  kv_scale_granularity=granularity, block_size=c.block_size,
                   max_model_len=max_model_len, max_num_seqs=4,
                   max_num_batched_tokens=c.max_num_batched_tokens)
     ec = EngineConfig(**{**fields, **overrides})

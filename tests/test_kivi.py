@@ -9,7 +9,6 @@ import pytest
 from tolerances import tol
 
 from paged.accounting.formulas import ModelSpec, kv_bytes
-from paged.config.engine_config import EngineConfig
 from paged.kv import cache as kvc
 from pallas_kernels import kivi, packed
 
@@ -208,12 +207,6 @@ def test_issue_arithmetic_at_page_64():
 def test_bad_cache_settings_refused(dtype, head_dim, page, match):
     with pytest.raises(ValueError, match=match):
         kvc.KVCache.create(1, 1, 4, page, head_dim, kv_cache_dtype=dtype)
-
-
-def test_engine_refuses_packed_pages_at_construction():
-    for dtype in ("int4", "int2"):
-        with pytest.raises(ValueError, match="open-page buffer is not built"):
-            EngineConfig(kv_cache_dtype=dtype)
 
 
 def test_packed_pages_are_not_written_token_by_token():

@@ -71,7 +71,7 @@ def test_the_reference_is_not_the_unquantized_model():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(kv_cache_dtype="int4"), "kv_cache_dtype"),
+    (dict(kv_cache_dtype="int3"), "kv_cache_dtype"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
     (dict(kv_cache_dtype="int8", kv_scale_granularity="channel"), "kv_scale_granularity"),
 ])

@@ -30,6 +30,7 @@ DRAFT = SpeculativeConfig(method="draft", model="tiny-draft", num_speculative_to
 # check_supported's keywords).
 RECIPES = {
     "quantized_kv": ({"kv_cache_dtype": "int8"}, None, {}),
+    "packed_kv": ({"kv_cache_dtype": "int4"}, None, {}),
     "contiguous_layout": ({"kv_layout": "contiguous"}, None, {}),
     "static_scheduling": ({"scheduling": "static"}, None, {}),
     "no_prefix_caching": ({"enable_prefix_caching": False}, None, {}),
@@ -61,6 +62,7 @@ EXCLUSIVE = {
         ("window_recycling", "kv_groups"),  # every layer slides, or not
         ("contiguous_layout", "window_recycling"),  # recycling and groups are paged-only
         ("contiguous_layout", "kv_groups"),
+        ("packed_kv", "quantized_kv"),  # one kv_cache_dtype per recipe (int4 turns on both)
     )
 }
 REFUSED_PAIRS = {frozenset((r.a, r.b)) for r in REFUSED}
@@ -123,7 +125,7 @@ def test_every_refused_pair_is_refused_naming_both(row):
 # Mechanisms that one turns on with another (a refusal of the implied one covers the pair).
 IMPLIES = {"draft": {"speculative"}, "ngram": {"speculative"}, "disaggregation": {"data_parallel"},
            "window_recycling": {"sliding_window"}, "kv_groups": {"sliding_window"},
-           "sliding_window": {"window_recycling"}}  # the recipe's model: every layer slides
+           "sliding_window": {"window_recycling"}, "packed_kv": {"quantized_kv"}}  # the recipe's model: every layer slides
 
 
 def test_every_other_pair_is_accepted():

@@ -20,7 +20,9 @@ Arms: "float32" (the reference), "bfloat16" (weights, activations and KV in bflo
 "<int8|fp8_e4m3|fp8_e5m2>:<token|page>" (quantized pages, `EngineConfig.kv_cache_dtype` with
 its scale granularity), "<int4|int2>:kivi" (KIVI pages of ``block_size`` tokens, from the no-cache
 forward: `experiments/quality_dense.py`; variant ``kivi``: short, 512-token chunks and three 1k
-needles, since the dense greedy decode re-runs the whole sequence per token), "window:<W>" (a sliding window of W tokens on every layer of this
+needles, since the dense greedy decode re-runs the whole sequence per token), "<int4|int2>:engine"
+(the same pages served by the engine; variant ``kivi_engine``: against bfloat16 and int8:token,
+512-token chunks, one 1k needle; ``kivi_engine_smoke``: one 128-token chunk), "window:<W>" (a sliding window of W tokens on every layer of this
 full-attention model). Exact mechanisms (``exact_checks``, `experiments/quality_exact.py`) must
 change nothing: a check each, not a figure; ``arms=()`` runs only the checks (the ``exact``
 variant).
@@ -69,6 +71,20 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.needle_lengths = (1024,)
         c.needles_per_cell = 1
         c.exact_checks = ()
+    elif arg in ("kivi_engine", "kivi_engine_smoke"):  # int4 / int2 served by the engine
+        c.arms = ("float32", "bfloat16", "int8:token", "int4:engine", "int2:engine")
+        c.chunk_lengths = (512,)
+        c.num_chunks = 4
+        c.needle_lengths = (1024,)
+        c.needle_depths = (0.5,)
+        c.needles_per_cell = 1
+        c.exact_checks = ()
+        if arg == "kivi_engine_smoke":
+            c.arms = ("float32", "int4:engine")
+            c.chunk_lengths = (128,)
+            c.num_chunks = 1
+            c.fidelity_length = 128
+            c.fidelity_chunks = 1
     elif arg in ("long", "long_smoke"):
         c.chunk_lengths = (512, 2048, 8192)
         c.num_chunks = 4

@@ -19,7 +19,10 @@ def kv_stats(engine, held_for_transfer=()) -> dict:
         reserved=bm.num_quarantined_blocks,
         block_table_bytes=accounting.block_table_bytes(config.max_num_seqs, engine.pages_per_seq),
         workspace_bytes=workspace_bytes(engine.model_config, config),
-        staged_positions=0 if engine.speculator is None else engine.speculator.num_staged)
+        staged_positions=0 if engine.speculator is None else engine.speculator.num_staged,
+        open_page_bytes=engine.cache.open_nbytes,
+        open_pages_held=0 if engine.open_pages is None
+        else engine.open_pages.num_held)
     sched = engine.scheduler
     ledger = ledger.as_dict()
     # A flow beside the pool's categories (which are a snapshot and still sum to the pool): the

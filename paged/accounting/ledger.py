@@ -42,6 +42,12 @@ class MemoryLedger:
         other categories count value bytes only, so scales are counted once, here.
       page_metadata: bytes of every block's page metadata (the key bounds of sparse decode; 0
         otherwise), counted once, here, like the scales.
+      open_page_bytes: packed (int4 / int2) pages: bytes of the open-page buffer beside the pool
+        (one page per slot in the model dtype, ``paged.kv.open_pages``): a side cost, outside
+        the pool's categories. The pool counts every page, the open ones included, at packed
+        bytes; the saving is realized for closed pages only, since each running sequence's
+        open page is also held here in full precision.
+      open_pages_held: open-page slots held by a page in use.
     """
 
     spec: ModelSpec
@@ -64,6 +70,8 @@ class MemoryLedger:
     scales: int = 0
     transfer: int = 0
     page_metadata: int = 0
+    open_page_bytes: int = 0
+    open_pages_held: int = 0
 
     def __post_init__(self):
         # The whole point of the ledger: no byte of the pool unaccounted for, none counted twice.
@@ -91,7 +99,7 @@ class MemoryLedger:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready summary: categories, pool bytes, side costs and position utilization."""
-        return {
+        out = {
             "layout": self.layout,
             "dtype": self.spec.dtype,
             "kv_cache_dtype": self.spec.kv_cache_dtype,
@@ -106,9 +114,19 @@ class MemoryLedger:
                 "block_table_bytes": self.block_table_bytes,
                 "workspace_bytes": self.workspace_bytes,
             },
-            "total_bytes": self.pool_bytes + self.block_table_bytes + self.workspace_bytes,
+            "total_bytes": self.pool_bytes + self.block_table_bytes + self.workspace_bytes
+            + self.open_page_bytes,
             "position_utilization": self.position_utilization,
         }
+        if self.spec.packed_bits:  # the open pages beside a packed pool
+            out["side_costs"]["open_page_bytes"] = self.open_page_bytes
+            out["open_pages"] = {
+                "held": self.open_pages_held,
+                "held_bytes": self.open_pages_held * self.spec.open_page_bytes(self.block_size),
+                "note": "packed pages: each running sequence's open page is held in the model "
+                        "dtype beside the pool (side cost open_page_bytes) until it fills",
+            }
+        return out
 
     @classmethod
     def from_blocks(
@@ -125,6 +143,8 @@ class MemoryLedger:
         workspace_bytes: int = 0,
         staged_positions: int = 0,
         transfer: int = 0,
+        open_page_bytes: int = 0,
+        open_pages_held: int = 0,
     ) -> MemoryLedger:
         """Ledger of a paged pool from per-block counts.
 
@@ -142,6 +162,7 @@ class MemoryLedger:
           staged_positions: filled positions of blocks owned by one sequence that hold
             speculative tokens not verified yet (counted as ``staged``, not ``effective_kv``).
           transfer: blocks held for a hand-over to another replica (not in ``used``).
+          open_page_bytes, open_pages_held: packed pages' open-page buffer (see the class).
 
         Raises:
           TypeError: a count is not an integer or ``used`` holds a non-pair.
@@ -168,8 +189,8 @@ class MemoryLedger:
                 f"num_blocks={num_blocks} but used={len(blocks)} + {parts} + 1 null page"
                 f" = {accounted}"
             )
-        per_token = spec.bytes_per_token
         per_block = spec.value_bytes_per_block(block_size)
+        per_token = per_block // block_size  # exact: packed pages too (whole bytes per token)
         own = sum(filled for ref, filled in blocks if ref == 1)
         shared = sum(filled for ref, filled in blocks if ref > 1)
         filled = own + shared
@@ -195,6 +216,8 @@ class MemoryLedger:
             workspace_bytes=validate.integer("workspace_bytes", workspace_bytes, minimum=0),
             filled_positions=filled,
             in_use_positions=len(blocks) * block_size,
+            open_page_bytes=validate.integer("open_page_bytes", open_page_bytes, minimum=0),
+            open_pages_held=validate.integer("open_pages_held", open_pages_held, minimum=0),
         )
 
     @classmethod

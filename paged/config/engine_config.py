@@ -23,6 +23,11 @@ DTYPES = ("float32", "bfloat16")
 # they agree), spelled here so that reading settings imports no JAX.
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")  # "auto" = ``dtype``
 KV_SCALE_GRANULARITIES = ("page", "token")
+# Packed sub-byte pages (KIVI layout, pallas_kernels.packed): keys per channel, values per token,
+# each sequence's open page in ``dtype`` until it fills (paged.kv.open_pages). ``kv_scale_
+# granularity`` does not apply. Read by these attention impls (pallas_kernels.kivi.check_impl).
+PACKED_KV_CACHE_DTYPES = ("int4", "int2")
+PACKED_ATTENTION_IMPLS = ("auto", "xla", "reference", "interpret_gpu", "pallas_gpu")
 CASCADE_MODES = ("auto", "on", "off")  # paged.step.cascade_plan.MODES
 ROUTERS = ("prefix_aware", "round_robin", "least_loaded")  # paged.fleet.routing.POLICIES
 
@@ -94,7 +99,10 @@ class EngineConfig:
       dtype: KV cache and activation dtype.
       kv_cache_dtype: "auto" (pages in ``dtype``) or a quantized page format: "int8",
         "fp8_e4m3" or "fp8_e5m2" (symmetric, float32 scales; see ``pallas_kernels.quant``). The
-        KV write quantizes; every kernel dequantizes the tiles it reads.
+        KV write quantizes; every kernel dequantizes the tiles it reads. "int4" / "int2": packed
+        KIVI pages (keys per channel, values per token, asymmetric float16 scales and zeros),
+        each running sequence's open page held in ``dtype`` until it fills
+        (docs/quantized-kv.md).
       kv_scale_granularity: quantized pages only: "token" (a scale per (token, KV head)) or "page"
         (a scale per (page, KV head), fixed by the page's first token with 2x headroom; later
         tokens clip to it).
@@ -234,13 +242,16 @@ class EngineConfig:
         validate.one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         validate.one_of("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         validate.one_of("dtype", self.dtype, DTYPES)
-        if self.kv_cache_dtype in ("int4", "int2"):  # pallas_kernels.packed / kivi (issue #42)
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: packed KIVI pages exist as "
-                             "ops (pallas_kernels.kivi) and a no-cache reference, but the engine's "
-                             "open-page buffer is not built: serve 'int8' or 'fp8_e4m3'")
-        validate.one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        validate.one_of("kv_cache_dtype", self.kv_cache_dtype,
+                        KV_CACHE_DTYPES + PACKED_KV_CACHE_DTYPES)
         validate.one_of("kv_scale_granularity", self.kv_scale_granularity, KV_SCALE_GRANULARITIES)
-        if self.kv_cache_dtype != "auto":
+        if self.kv_cache_dtype in PACKED_KV_CACHE_DTYPES and self.attention_impl not in \
+                PACKED_ATTENTION_IMPLS:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} (packed KIVI pages) is read "
+                             f"by attention_impl in {PACKED_ATTENTION_IMPLS} only, got "
+                             f"{self.attention_impl!r}: the TPU-style and ragged Pallas kernels "
+                             f"do not unpack sub-byte pages")
+        if self.kv_cache_dtype not in ("auto", *PACKED_KV_CACHE_DTYPES):
             from pallas_kernels import quant
             quant.storage_dtype(self.kv_cache_dtype)  # fp8 this JAX lacks: ValueError now
         validate.real("request_timeout_s", self.request_timeout_s, minimum=0, exclusive=True,
@@ -309,7 +320,7 @@ def engine_config(config: EngineConfig | None, backend: str) -> EngineConfig:
         raise TypeError(f"config must be an EngineConfig (or None for the defaults), got "
                         f"{type(config).__name__}: {config!r:.80}")
     check_attention_impl(config.attention_impl, backend)
-    if config.kv_cache_dtype != "auto":
+    if config.kv_cache_dtype not in ("auto", *PACKED_KV_CACHE_DTYPES):
         from pallas_kernels import quant
         quant.check_backend(config.kv_cache_dtype, backend)
     return config

@@ -55,7 +55,10 @@ def _model_windows(config, model) -> str:
 
 
 MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
-    Mechanism("quantized_kv", "kv_cache_dtype='int8' / 'fp8_e4m3' / 'fp8_e5m2'", "kv_cache_dtype='auto'",
+    Mechanism("quantized_kv", "kv_cache_dtype='int8' / 'fp8_e4m3' / 'fp8_e5m2' / 'int4' / 'int2'",
+       "kv_cache_dtype='auto'", lambda c, m: f"kv_cache_dtype={c.kv_cache_dtype!r}"),
+    Mechanism("packed_kv", "kv_cache_dtype='int4' / 'int2' (KIVI pages, open page in dtype)",
+       "kv_cache_dtype='auto', 'int8' or 'fp8_*'",
        lambda c, m: f"kv_cache_dtype={c.kv_cache_dtype!r}"),
     Mechanism("contiguous_layout", "kv_layout='contiguous'", "kv_layout='paged'",
        lambda c, m: f"kv_layout={c.kv_layout!r}"),
@@ -135,7 +138,25 @@ REFUSED: tuple[Refusal, ...] = (
             "pages per sequence and KV head"),
     Refusal("sparse_decode", "tensor_parallel", "the selected pages are addressed in a one-head "
             "view of the pool, which a KV-head-sharded pool does not have"),
+    # Packed (int4 / int2, KIVI) pages: an open page lives in a slot beside the pool
+    # (paged.kv.open_pages) that copy-on-write and swap move, nothing else yet.
+    Refusal("packed_kv", "speculative", "a rejected draft may fill a page, which is then "
+            "quantized with tokens that a rollback cannot take back"),
+    Refusal("packed_kv", "cascade", "the cascade kernel reads unpacked pages"),
+    Refusal("packed_kv", "contiguous_layout", "a contiguous buffer is one page of max_model_len: "
+            "the whole sequence would be its open page"),
+    Refusal("packed_kv", "disaggregation", "the hand-over moves pool pages, not the open page's "
+            "slot"),
+    Refusal("packed_kv", "tensor_parallel", "the open-page buffer is not placed per KV-head "
+            "shard yet (untested across devices)"),
+    Refusal("packed_kv", "multi_process", "the open-page slots are host state of one process"),
+    Refusal("packed_kv", "data_parallel", "each replica would plan its own open pages; not "
+            "tested across replicas yet"),
     # With the model's windows.
+    Refusal("packed_kv", "sparse_decode", "packed pages keep no key bounds: the open page's "
+            "keys are not yet quantized and a closed page's bounds are not written on close"),
+    Refusal("packed_kv", "sliding_window", "a sliding layer has no quantize-on-fill reference "
+            "and its window mask is not in the packed kernel"),
     Refusal("sparse_decode", "sliding_window", "windows already bound what a row reads; the "
             "selection has no window mask"),
     # KV policies (paged.kv.policies): survivors are compacted inside a sequence's own pages.
@@ -204,6 +225,7 @@ def features(config, model_config=None, *, processes: bool = False,
     spec, paged = config.speculative, config.kv_layout == "paged"
     on = {
         "quantized_kv": config.kv_cache_dtype != "auto",
+        "packed_kv": config.kv_cache_dtype in ("int4", "int2"),
         "contiguous_layout": not paged,
         "static_scheduling": config.scheduling == "static",
         "no_prefix_caching": not config.enable_prefix_caching,

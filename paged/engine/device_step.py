@@ -11,22 +11,39 @@ import numpy as np
 
 from paged.engine import sampler as sampling
 from paged.kv import cache as kc
+from paged.kv import packed_cache
 from paged.kv.cache import KVCache
+from paged.kv.open_pages import OpenPages
 from paged.models.config import LlamaConfig
+from paged.models.kivi_attention import KiviPages
 from paged.models.llama import Llama
 from paged.models.sparse_attention import SparseDecode
 
 
-def device_cache(spec, num_pages: int, page_size: int, sharding=None) -> KVCache:
+def device_cache(spec, num_pages: int, page_size: int, sharding=None,
+                 open_slots: int = 0) -> KVCache:
     """The device pool of a ``paged.kv.spec.KVSpec``: ``num_pages`` pages of ``page_size``
     tokens in its page format (``spec.page``: every layer, or one KV-cache group's ``L / G``),
-    sharded by ``sharding``."""
+    sharded by ``sharding``; a packed format (int4 / int2) also gets ``open_slots`` open pages
+    in the model dtype (``paged.kv.open_pages``)."""
     page = spec.page
     return KVCache.create(page.num_layers, page.num_kv_heads, num_pages, page_size,
                           page.head_dim, page.dtype, sharding=sharding,
                           kv_cache_dtype=page.kv_cache_dtype,
                           scale_granularity=page.scale_granularity,
-                          page_bounds=page.page_bounds)
+                          page_bounds=page.page_bounds,
+                          open_slots=open_slots if page.packed_bits else 0)
+
+
+def open_pages(core, config, spec) -> OpenPages | None:
+    """Packed pages (int4 / int2): the open-page slots, one per running sequence, wired into
+    ``core``'s batch builder (which plans each step's ``KiviMeta``); None for other formats."""
+    if not spec.page.packed_bits:
+        return None
+    bm = core.block_manager
+    slots = OpenPages(config.max_num_seqs, core.page_size, lambda page: bm.refcount(page) > 0)
+    core.builder.open_pages = slots
+    return slots
 
 
 def step_functions(model_config: LlamaConfig, config, placement, leader=None) -> tuple:
@@ -85,9 +102,15 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
         if sparse_budget is not None:
             md = md.replace(sparse=SparseDecode(cache.key_bounds, sparse_budget,
                                                    sparse_dense_layers))
+        k_pages, v_pages = cache.k_pages, cache.v_pages
+        if cache.open_k is not None:  # packed pages travel with their open pages
+            k_pages, v_pages = KiviPages(k_pages, cache.open_k), KiviPages(v_pages, cache.open_v)
         logits, k_pages, v_pages = model.apply(
-            params, ids, batch.positions, cache.k_pages, cache.v_pages, md,
+            params, ids, batch.positions, k_pages, v_pages, md,
             batch.sample_rows, attention_impl=attention_impl)
+        if cache.open_k is not None:
+            cache = cache.replace(open_k=k_pages.open, open_v=v_pages.open)
+            k_pages, v_pages = k_pages.pool, v_pages.pool
         args = (logits, batch.temperature, batch.top_k, batch.top_p, batch.seed,
                 batch.sample_index, batch.sample_pos)
         extras = {}
@@ -115,17 +138,21 @@ def stub_step(params, cache, batch, prev):
 
 
 def apply_copies(cache: KVCache, sched, host_k, host_v, freed_pages: list[int], tier=None,
-                 tier_copies=None) -> KVCache:
+                 tier_copies=None, open_pages: OpenPages | None = None) -> KVCache:
     """The device-side effects of scheduling, in an order that never loses live KV: swap-out
     and host-tier offload (read before anything can overwrite the freed or evicted pages), NaN
     poison of ``freed_pages`` (debug; the list is emptied), swap-in and host-tier loads (into
     fresh pages), copy-on-write. ``tier``: a ``paged.kv.host_store.HostTierStore`` with the
-    step's ``tier_copies`` (``BlockManager.take_tier_copies``), or ``None``."""
+    step's ``tier_copies`` (``BlockManager.take_tier_copies``), or ``None``. ``open_pages``:
+    packed pages' open-page slots: a copy-on-write of an open page copies its slot too, swap
+    takes it to the host and back."""
     if sched.swap_out:
         pages, slots = map(list, zip(*sched.swap_out))
         k, v = kc.swap_out(cache, pages)
         kc.host_set(host_k, slots, k)
         kc.host_set(host_v, slots, v)
+        if open_pages is not None:
+            packed_cache.save_swapped(cache, open_pages, sched.swap_out)
     if tier is not None:
         cache = tier.apply(cache, tier_copies, phase="offload")
     if freed_pages:
@@ -134,11 +161,15 @@ def apply_copies(cache: KVCache, sched, host_k, host_v, freed_pages: list[int], 
     if sched.swap_in:
         slots, pages = map(list, zip(*sched.swap_in))
         cache = kc.swap_in(cache, pages, kc.host_get(host_k, slots), kc.host_get(host_v, slots))
+        if open_pages is not None:
+            cache = packed_cache.load_swapped(cache, open_pages, sched.swap_in)
     if tier is not None:
         cache = tier.apply(cache, tier_copies, phase="load")
     if sched.copies:
         src, dst = map(list, zip(*sched.copies))
         cache = kc.copy_pages(cache, src, dst)
+        if open_pages is not None:
+            cache = packed_cache.copy_open_slots(cache, open_pages.copy(sched.copies))
     return cache
 
 

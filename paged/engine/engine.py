@@ -28,7 +28,13 @@ from paged.accounting.kv_stats import kv_stats
 from paged.config.engine_config import EngineConfig, engine_config, warn_long_window
 from paged.config.support import check_supported
 from paged.engine import multihost
-from paged.engine.device_step import apply_copies, compile_shapes, device_cache, step_functions
+from paged.engine.device_step import (
+    apply_copies,
+    compile_shapes,
+    device_cache,
+    open_pages,
+    step_functions,
+)
 from paged.engine.generate import generate, load_model
 from paged.engine.kv_compact import Compactor
 from paged.engine.placement import Placement
@@ -120,7 +126,9 @@ class Engine:
             load_draft(config, model_config, num_pages, page_size, host_blocks, placement),
             core.builder)
         core.reader.speculator = self.speculator
-        self.cache = device_cache(spec, num_pages, page_size, placement.kv)
+        self.open_pages = open_pages(core, config, self.kv_spec)
+        self.cache = device_cache(spec, num_pages, page_size, placement.kv,
+                                  open_slots=config.max_num_seqs)
         self._host_k, self._host_v = kc.host_buffers(self.cache, host_blocks) if host_blocks \
             else (None, None)
         # The host tier's slots (one store per cache: a draft model's gets the same copies).
@@ -377,7 +385,7 @@ class Engine:
             draft.cache = apply_copies(draft.cache, sched, draft.host_k, draft.host_v, [],
                                        self._draft_tier, tier)
         self.cache = apply_copies(self.cache, sched, self._host_k, self._host_v, self._freed_pages,
-                                  self.host_tier, tier)
+                                  self.host_tier, tier, self.open_pages)
 
     # --- outputs ------------------------------------------------------------------------
     def generate(self, prompts: SequenceT[str | SequenceT[int]] | str,

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged.kv import packed_cache
 from paged.kv.paging import NULL_PAGE, next_pow2  # noqa: F401 (re-exported)
 from paged.util import validate
 from pallas_kernels import packed, page_select, quant
@@ -54,6 +55,9 @@ class KVCache:
     k_pages: jax.Array | QuantizedPages  # [L, Hkv, P, page, D]
     v_pages: jax.Array | QuantizedPages  # [L, Hkv, P, page, D]
     key_bounds: jax.Array | None = None  # [L, Hkv, P, 2, D]: per page key min (0) and max (1)
+    # Packed (int4 / int2) pages: open pages in the model dtype by slot (paged.kv.open_pages).
+    open_k: jax.Array | None = None  # [L, Hkv, num_slots, page, D]
+    open_v: jax.Array | None = None  # [L, Hkv, num_slots, page, D]
 
     @classmethod
     def create(
@@ -69,6 +73,7 @@ class KVCache:
         kv_cache_dtype: str = "auto",
         scale_granularity: str = "token",
         page_bounds: bool = False,
+        open_slots: int = 0,
     ) -> KVCache:
         """Allocates a zeroed cache; ``num_pages`` includes the null page.
 
@@ -81,6 +86,7 @@ class KVCache:
           scale_granularity: "token" (per (token, KV head)) or "page" (per (page, KV head)).
           page_bounds: also hold each page's key bounds (``key_bounds``, in ``dtype``; of the
             dequantized keys for int8 / fp8 pages; not for packed int4 / int2 pages).
+          open_slots: packed formats: slots of ``open_k`` / ``open_v`` (0: none, ops only).
 
         Raises:
           TypeError: a dimension is not an integer (``bool`` and floats included).
@@ -99,13 +105,8 @@ class KVCache:
         elif kv_cache_dtype in packed.PACKED_BITS:  # keys per channel, values per token (KIVI)
             if page_bounds:
                 raise ValueError(f"page_bounds: not kept for packed {kv_cache_dtype} pages")
-            packed.check_dims(kv_cache_dtype, page_size, head_dim)
-            bits = packed.bits_of(kv_cache_dtype)
-            k_zeros, v_zeros = (functools.partial(packed.zeros, shape, bits, per)
-                                for per in ("channel", "token"))
-            if sharding is not None:  # every leaf has the KV heads on axis 1
-                k_zeros, v_zeros = (jax.jit(z, out_shardings=sharding) for z in (k_zeros, v_zeros))
-            return cls(k_pages=k_zeros(), v_pages=v_zeros())
+            k, v, ok, ov = packed_cache.zeros(kv_cache_dtype, shape, dtype, open_slots, sharding)
+            return cls(k_pages=k, v_pages=v, open_k=ok, open_v=ov)
         else:
             qdtype = quant.storage_dtype(kv_cache_dtype)
             quant.scale_width(scale_granularity, page_size)
@@ -131,6 +132,11 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes of the pool: pages, scales and page metadata."""
         return int(self.k_pages.nbytes + self.v_pages.nbytes) + self.metadata_nbytes
+
+    @property
+    def open_nbytes(self) -> int:
+        """Bytes of the open-page buffers of packed pages (outside the pool; 0 otherwise)."""
+        return 0 if self.open_k is None else int(self.open_k.nbytes + self.open_v.nbytes)
 
     @property
     def metadata_nbytes(self) -> int:
@@ -257,7 +263,7 @@ _TRACES = [0]  # traces of the page functions below (copy, read, write, poison):
 def trace_count() -> int:
     """How many shapes the page copy / read / write / poison functions traced so far in this
     process (one XLA compilation each; the engine adds them to its ``num_compilations``)."""
-    return _TRACES[0]
+    return _TRACES[0] + packed_cache.trace_count()
 
 
 def _check_pages(cache: KVCache, name: str, pages) -> np.ndarray:
@@ -269,10 +275,16 @@ def _check_pages(cache: KVCache, name: str, pages) -> np.ndarray:
     return arr.astype(np.int32)
 
 
+def _map_pages(fn, cache: KVCache) -> KVCache:
+    """``fn`` on every leaf with a page axis 2 (not the open pages: their axis 2 is a slot)."""
+    k, v, b = jax.tree.map(fn, (cache.k_pages, cache.v_pages, cache.key_bounds))
+    return cache.replace(k_pages=k, v_pages=v, key_bounds=b)
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _copy_pages(cache, src, dst):
     _TRACES[0] += 1  # runs at trace time only
-    return jax.tree.map(lambda x: x.at[:, :, dst].set(x[:, :, src]), cache)
+    return _map_pages(lambda x: x.at[:, :, dst].set(x[:, :, src]), cache)
 
 
 def copy_pages(cache: KVCache, src, dst) -> KVCache:
@@ -395,20 +407,11 @@ def swap_in(cache: KVCache, pages, k: np.ndarray, v: np.ndarray) -> KVCache:
 
 
 def gather_pages(cache: KVCache, pages):
-    """Reads pages into new device arrays on the cache's devices (the cache is not donated): the
-    sending half of a hand-over between replicas (``paged.fleet.handover``).
-
-    Args:
-      cache: the cache (not donated; a later step that donates it is ordered after this read by
-        the runtime).
-      pages: i32[n] pages; padded here with ``NULL_PAGE`` to a power of two (bounded
-        recompilation).
-
-    Returns:
-      ``(k, v)``: ``[num_layers, num_kv_heads, pad(n), page_size, head_dim]`` device arrays
-      sharded as the cache (KV heads stay on their shard), or ``QuantizedPages`` of values and
-      scales for a quantized cache.
-    """
+    """Reads ``pages`` (i32[n], padded with ``NULL_PAGE`` to a power of two) into new device
+    arrays on the cache's devices, the cache not donated (a later step that donates it is ordered
+    after this read): the sending half of a hand-over (``paged.fleet.handover``). Returns
+    ``(k, v)``: ``[num_layers, num_kv_heads, pad(n), page_size, head_dim]`` sharded as the cache
+    (``QuantizedPages`` of values and scales for a quantized cache)."""
     pages = _check_pages(cache, "pages", pages)
     return _read_pages(cache, jnp.asarray(pad_pages(pages)))
 
@@ -448,7 +451,7 @@ def _poison(cache, pages):
             return x
         return x.at[:, :, pages].set(jnp.array(jnp.nan, x.dtype))
 
-    return jax.tree.map(nan, cache)
+    return _map_pages(nan, cache)
 
 
 def poison(cache: KVCache, pages) -> KVCache:

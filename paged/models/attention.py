@@ -47,6 +47,9 @@ class AttentionMetadata:
     # Sparse decode (paged.models.sparse_attention.SparseDecode): decode rows read the pages
     # Quest selects. None: every row reads all its pages.
     sparse: object | None = None
+    # Packed (int4 / int2, KIVI) pages: the step's open-page and closing indices
+    # (paged.models.kivi_attention.KiviMeta). None: any other cache.
+    kivi: object | None = None
 
     @property
     def num_groups(self) -> int:
@@ -267,6 +270,13 @@ class PagedAttention(nn.Module):
         from pallas_kernels import quant
 
         q, k, v, wo = self._qkv(x, positions, "TD")
+        if md.kivi is not None:  # packed pages: quantize-on-fill (paged.models.kivi_attention)
+            from paged.models import kivi_attention
+
+            out, k_pages, v_pages = kivi_attention.attend(
+                q, k, v, k_pages, v_pages, md, layer=layer, sm_scale=self.head_dim**-0.5,
+                soft_cap=self.soft_cap, impl=attention_impl)
+            return jnp.einsum("TNH,NHD->TD", out.astype(self.dtype), wo), k_pages, v_pages
         k_pages, v_pages = kv_cache.write_layer(k_pages, v_pages, k, v, md.slot_mapping,
                                                 layer=layer)
         # With `layer`, the kernel reads the stacked cache directly: slicing k_pages[layer] here

@@ -44,6 +44,9 @@ class DeviceBatch:
     # i32[G - 1, T] slot mappings of KV-cache groups 1 .. G-1 (``page_indices`` then
     # interleaves the groups' tables, see paged.kv.group_manager), or None: one group.
     grp: jax.Array | None = None
+    # Packed (int4 / int2) pages: the step's open-page indices
+    # (paged.models.kivi_attention.KiviMeta), or None.
+    kivi: object | None = None
 
     tokens = property(lambda self: self.tok[0])  # i32[T]
     positions = property(lambda self: self.tok[1])  # i32[T]
@@ -64,7 +67,7 @@ class DeviceBatch:
         return AttentionMetadata(slot_mapping=self.tok[2], page_indices=self.page_indices,
                                  kv_lens=self.seq[0, :s], cu_q_lens=self.seq[1],
                                  num_seqs=self.seq[0, s:], cascade=self.casc,
-                                 group_slots=self.grp)
+                                 group_slots=self.grp, kivi=self.kivi)
 
 
 @dataclasses.dataclass
@@ -172,6 +175,9 @@ class BatchBuilder:
         self.min_tokens = min_tokens
         self.min_seqs = min_seqs
         self.debug = debug
+        # Packed (int4 / int2) pages: the open-page slots (paged.kv.open_pages.OpenPages) that
+        # plan each step's KiviMeta; set by the engine, None otherwise.
+        self.open_pages = None
 
     def buckets(self, num_tokens: int, num_seqs: int, num_samples: int) -> tuple[int, int, int]:
         """Padded (tokens, sequences, sample slots) of a step."""
@@ -214,10 +220,15 @@ class BatchBuilder:
         grp = None
         if self.num_groups > 1:
             grp = np.full((self.num_groups - 1, t_pad), NULL_PAGE * self.page_size, np.int32)
+        kivi = None
+        if self.open_pages is not None:
+            from paged.models.kivi_attention import KiviMeta
+
+            kivi = KiviMeta(**self.open_pages.empty(t_pad, s_pad))
         return DeviceBatch(tok=tok,
                            seq=np.zeros((2, s_pad + 1), np.int32),
                            page_indices=np.full((s_pad, self.ib.pages_per_seq), NULL_PAGE, np.int32),
-                           smp=smp, smp_f=smp_f, casc=casc, grp=grp)
+                           smp=smp, smp_f=smp_f, casc=casc, grp=grp, kivi=kivi)
 
     def build(self, decode_rows: np.ndarray, items, copies: bool, *,
               cascade: bool = True) -> StepBatch:
@@ -235,6 +246,13 @@ class BatchBuilder:
         fed, fed_rows, fed_pos = self._fill_tokens(lay)
         ints = self._fill_sampling(lay, plan.slot_j, nd)
         verify, prompt_lp = self._fill_extra_slots(lay, plan)
+        device = lay.device
+        if self.open_pages is not None:  # packed pages: which open pages this step reads/closes
+            from paged.models.kivi_attention import KiviMeta
+
+            meta = self.open_pages.plan(device.seq[0], device.seq[1], device.page_indices, lay.s,
+                                        device.tok.shape[1])
+            device = device.replace(kivi=KiviMeta(**meta))
         if self.debug:
             self._check(lay.all_rows, lay.device.page_indices)
         decode_pos = ib.num_tokens[decode_rows].astype(np.int64)
@@ -245,7 +263,7 @@ class BatchBuilder:
         lp_decodes = np.flatnonzero(d_ints[:, LOGPROBS] >= 0)
         samples = plan.samples
         lp_samples = [j for j, x in enumerate(samples) if x[0].params.logprobs is not None]
-        return StepBatch(device=lay.device, num_tokens=lay.t, num_seqs=lay.s, decode=decode,
+        return StepBatch(device=device, num_tokens=lay.t, num_seqs=lay.s, decode=decode,
                          lp_decodes=lp_decodes, lp_samples=lp_samples, prompt_lp=prompt_lp,
                          with_logprobs=bool(len(lp_decodes) or lp_samples or prompt_lp),
                          verify=verify,

@@ -1,0 +1,213 @@
+"""The engine serving packed KV (int4 / int2, KIVI): tokens equal a dense no-cache run over the
+same quantize-on-fill semantics (``pallas_kernels.kivi.dense_on_fill``) with chunked prefill,
+prefix caching, copy-on-write (n=4), preemption by recompute and by swap, async scheduling and
+NaN poisoning on;
+one layer's step against the exact K/V (closed pages bit-equal to quantizing the exact page, the
+open page exact); the ledger's bytes against ``paged.accounting``; bad settings at
+construction."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from engine_utils import greedy_reference, prompts, small_model
+
+from paged import Engine, EngineConfig, SamplingParams
+from paged.accounting.formulas import ModelSpec
+from paged.kv.open_pages import OpenPages
+from paged.models import kivi_attention
+from paged.models.attention import build_metadata
+from paged.models.config import LlamaConfig
+from paged.models.registry import init_params
+from pallas_kernels import kivi, packed
+
+BLOCK = 4
+
+
+@functools.cache
+def _model():
+    """The small model with its embedding x5 (not x20): greedy tokens that quantize-on-fill
+    changes at int4 as well as int2 (the x20 model's int4 tokens equal the exact ones)."""
+    cfg, params = small_model()
+    return cfg, jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 0.25 if "embedding" in jax.tree_util.keystr(path) else x, params)
+
+
+def _engine(dt: str, **kw) -> Engine:
+    cfg, params = _model()
+    base = dict(block_size=BLOCK, num_blocks=20, max_num_seqs=6, max_num_batched_tokens=10,
+                max_model_len=64, attention_impl="xla", debug_checks=True,
+                enable_prefix_caching=True, min_token_bucket=16, min_seq_bucket=8,
+                kv_cache_dtype=dt)
+    base.update(kw)
+    return Engine(EngineConfig(**base), model_config=cfg, params=params)
+
+
+def _run(engine, ps, params):
+    for i, (p, sp) in enumerate(zip(ps, params)):
+        engine.add_request(f"q{i}", p, sp)
+    done, stats = {}, None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = [c.token_ids for c in o.outputs]
+        if stats is None and engine.kv_stats()["num_running"] >= 3:
+            stats = engine.kv_stats()  # mid-run: open pages held
+    return done, stats
+
+
+@pytest.mark.parametrize("dt, async_scheduling, preemption_mode", [
+    ("int4", False, "recompute"), ("int2", True, "swap")])
+def test_tokens_equal_the_quantize_on_fill_reference(dt, async_scheduling, preemption_mode):
+    cfg, params = _model()
+    engine = _engine(dt, async_scheduling=async_scheduling, preemption_mode=preemption_mode)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    forked = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=4)
+    ps = prompts(4, seed=4, min_len=5, max_len=22)
+    ps = ps + ps[:2]  # repeated prompts hit the prefix cache
+    sps = [forked if i == 1 else greedy for i in range(len(ps))]
+    done, _ = _run(engine, ps, sps)
+    kv_quant = (dt, "token", BLOCK)
+    for i, p in enumerate(ps):
+        want = greedy_reference(cfg, params, p, 12, eos_id=-1, kv_quant=kv_quant)
+        assert done[f"q{i}"] == [want] * (4 if i == 1 else 1), i
+    stats = engine.kv_stats()
+    assert stats["num_preemptions"] > 0
+    assert (stats["num_swap_outs"] > 0) == (preemption_mode == "swap")
+    assert stats["prefix_cache_hit_tokens"] > 0
+
+
+def test_the_reference_is_not_the_unquantized_model():
+    # Quantize-on-fill must change some greedy token, or the test above could not tell packed
+    # pages from exact ones.
+    cfg, params = _model()
+    ps = prompts(4, seed=4, min_len=5, max_len=22)
+    exact = [greedy_reference(cfg, params, p, 12, eos_id=-1) for p in ps]
+    for dt in ("int4", "int2"):
+        got = [greedy_reference(cfg, params, p, 12, eos_id=-1, kv_quant=(dt, "token", BLOCK))
+               for p in ps]
+        assert got != exact, dt
+
+
+_attend = jax.jit(kivi_attention.attend, static_argnames=("layer", "sm_scale", "soft_cap",
+                                                          "impl"))
+_dense_on_fill = jax.jit(kivi.dense_on_fill, static_argnames=("bits", "page_size", "sm_scale"))
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_one_layer_closes_pages_bit_exact_and_keeps_the_open_page_exact(bits):
+    # Two sequences over two steps: A prefills 6 then 5 tokens (pages close mid-chunk), B
+    # prefills 3 then decodes 1 (its page closes on the decode). Outputs equal dense_on_fill's;
+    # closed pages are bit-equal to quantizing the exact page; the open page holds exact K/V.
+    p, hkv, hq, d, slots = BLOCK, 2, 4, 16, 2
+    rng = np.random.default_rng(bits)
+    lens = {"A": 11, "B": 4}
+    qkv = {s: [rng.standard_normal((n, h, d)).astype(np.float32) for h in (hq, hkv, hkv)]
+           for s, n in lens.items()}
+    tables = {"A": [3, 5, 1, 0], "B": [2, 4, 0, 0]}
+    shape = (1, hkv, 8, p, d)
+    pools = [packed.zeros(shape, bits, per) for per in ("channel", "token")]
+    opens = [jnp.zeros((1, hkv, slots, p, d), jnp.float32) for _ in range(2)]
+    owner = OpenPages(slots, p, lambda page: True)
+    sm = d**-0.5
+    for starts, q_lens in (((0, 0), (6, 3)), ((6, 3), (5, 1))):
+        kv_lens = [a + b for a, b in zip(starts, q_lens)]
+        md, _, _ = build_metadata(kv_lens, q_lens, [tables["A"], tables["B"]], page_size=p,
+                                  num_tokens=16, max_num_seqs=2, pages_per_seq=4)
+        md = md.replace(kivi=kivi_attention.KiviMeta(**owner.plan(
+            md.kv_lens, md.cu_q_lens, md.page_indices, 2, 16)))
+        rows = [np.concatenate([qkv[s][i][a:a + n] for s, a, n in zip("AB", starts, q_lens)])
+                for i in range(3)]
+        rows = [jnp.asarray(np.pad(x, ((0, 16 - len(x)), (0, 0), (0, 0)))) for x in rows]
+        out, kp, vp = _attend(
+            *rows, *(kivi_attention.KiviPages(pl, op) for pl, op in zip(pools, opens)), md,
+            layer=0, sm_scale=sm, soft_cap=None, impl="xla")
+        pools, opens = [kp.pool, vp.pool], [kp.open, vp.open]
+        r = 0
+        for s, a, n in zip("AB", starts, q_lens):
+            q, k, v = (jnp.asarray(x[None, :a + n]) for x in qkv[s])
+            want = _dense_on_fill(q, k, v, bits=bits, page_size=p, sm_scale=sm)[0, a:]
+            np.testing.assert_allclose(np.asarray(out[r:r + n]), np.asarray(want), atol=2e-5)
+            r += n
+    for s, n in lens.items():
+        for side, (pool, per, x) in enumerate(zip(pools, ("channel", "token"), qkv[s][1:])):
+            for j in range(n // p):  # closed pages: exactly the quantized exact page
+                want = packed.quantize_pages(jnp.swapaxes(jnp.asarray(x[j * p:(j + 1) * p]), 0, 1),
+                                             bits, per)
+                page = tables[s][j]
+                for got, w in ((pool.values, want.values), (pool.scale, want.scale),
+                               (pool.zero, want.zero)):
+                    np.testing.assert_array_equal(np.asarray(got[0, :, page]), np.asarray(w))
+            if n % p:  # the open page: exact, in its page's slot
+                slot = owner.slot_of[tables[s][n // p]]
+                got = np.asarray(opens[side][0, :, slot, :n % p])
+                np.testing.assert_array_equal(got, np.swapaxes(x[n // p * p:], 0, 1))
+
+
+def test_kv_stats_bytes_match_the_accounting_formulas():
+    cfg, _ = _model()
+    engine = _engine("int4", max_num_batched_tokens=16, debug_checks=False)
+    spec = ModelSpec.from_model_config(cfg, dtype="float32", kv_cache_dtype="int4")
+    lens = (5, 7)  # both end in an open page
+    for i, n in enumerate(lens):
+        engine.add_request(f"r{i}", list(range(1, n + 1)),
+                           SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.step()  # both prompts prefilled: KV of 5 and 7 tokens
+    stats = engine.kv_stats()
+    ledger = stats["ledger"]
+    assert ledger["pool_bytes"] == engine.cache.nbytes == 20 * spec.bytes_per_block(BLOCK)
+    assert ledger["categories"]["scales"] == engine.cache.scale_nbytes > 0
+    assert ledger["side_costs"]["open_page_bytes"] == engine.cache.open_nbytes \
+        == 6 * spec.open_page_bytes(BLOCK)
+    assert stats["num_used_blocks"] == 4 and ledger["open_pages"]["held"] == 2
+    held = stats["num_used_blocks"] * ledger["bytes_per_block"] + ledger["open_pages"]["held_bytes"]
+    assert held == sum(spec.sequence_bytes(n, BLOCK) for n in lens)
+    per_token = spec.value_bytes_per_block(BLOCK) // BLOCK  # 2 * L * Hkv * D * 4 bits / 8
+    assert ledger["categories"]["effective_kv"] == sum(lens) * per_token
+    assert ledger["categories"]["tail_fragmentation"] == (4 * BLOCK - sum(lens)) * per_token
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(kv_cache_dtype="int4", attention_impl="pallas"), "attention_impl"),
+    (dict(kv_cache_dtype="int2", attention_impl="interpret_tpu"), "attention_impl"),
+    (dict(kv_cache_dtype="int4", tensor_parallel_size=2), r"packed_kv \+ tensor_parallel"),
+    (dict(kv_cache_dtype="int2", cascade_attention="on"), r"packed_kv \+ cascade"),
+    (dict(kv_cache_dtype="int4", kv_layout="contiguous"), r"packed_kv \+ contiguous_layout"),
+])
+def test_bad_settings_are_refused_by_the_config(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kw)
+
+
+@pytest.mark.parametrize("dt, head_dim, block_size, match", [
+    ("int2", 6, 4, "head_dim=6 must be a multiple of 4"),
+    ("int4", 16, 1, "block_size=1 must be >= 2"),
+])
+def test_pages_that_do_not_pack_are_refused_at_construction(dt, head_dim, block_size, match):
+    cfg = LlamaConfig(vocab_size=258, d_model=24, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=head_dim, ffn_dim=32, max_seq_len=64)
+    config = EngineConfig(kv_cache_dtype=dt, block_size=block_size, num_blocks=80,
+                          max_model_len=64, max_num_seqs=2, attention_impl="xla")
+    with pytest.raises(ValueError, match=match):
+        Engine(config, model_config=cfg, params=init_params(cfg, 0))
+
+
+def test_the_host_tier_moves_packed_pages():
+    # Six 20-token prefixes (30 pages of 4: more than the pool) sent in three rounds with new
+    # suffixes: later rounds load evicted prefixes from the host tier. Tokens equal the run
+    # without the tier (which equals the reference, above); the tier moved packed pages.
+    pre = prompts(6, seed=1, min_len=19, max_len=20)
+    turns = [[p + [r + 1, i + 7, 3] for i, p in enumerate(pre)] for r in range(3)]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    out = {}
+    for host in (0, 1 << 20):
+        engine = _engine("int4", num_blocks=20, max_num_seqs=3, max_num_batched_tokens=32,
+                         min_token_bucket=32, min_seq_bucket=4, host_kv_cache_bytes=host)
+        out[host] = [o.outputs[0].token_ids for t in turns for o in engine.generate(t, sp)]
+    tier = engine.kv_stats()["host_tier"]
+    assert tier["loaded_blocks"] > 0 and tier["offloaded_blocks"] > 0
+    assert out[1 << 20] == out[0]
