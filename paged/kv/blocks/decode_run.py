@@ -96,17 +96,32 @@ def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, ba
     m = len(rows[0]) if rows else 0
     if m == 0:
         return
-    if any(seq.room is None for seq in batch):  # off the fast path (debug, fork, rollback, swap)
+    rooms = [seq.room for seq in batch]
+    if None in rooms:  # off the fast path (debug, fork, rollback, swap)
         _stepwise(tables, progress, fence, batch, rows)
         return
     B = tables.block_size
     pool, keyer = tables.pool, progress.keyer
+    quiet = not (fence.held or fence.host_held) and fence.copy_step <= fence.last_completed
+    if m <= B and quiet:
+        # Each row starts and fills at most one block: one take, one keying call, over arrays.
+        room = np.array(rooms)
+        starts = _in_step_order(room, m)  # rows whose slot starts a block, (step, row) order
+        fill_at = (room - 1) % B  # the step that fills each row's tail (room 0: the next block)
+        fills = _in_step_order(fill_at, m)
+        if len(pool.free) >= len(starts):
+            filled = [(batch[r], len(batch[r].tokens) + int(fill_at[r]) + 1) for r in fills]
+            for seq, row, r in zip(batch, rows, rooms):
+                seq.tokens.extend(row)
+                seq.room = (r - m) % B
+            _run_quiet_short(fence, pool, keyer, batch, m, starts, filled)
+            return
     starts: dict[int, list[int]] = {}  # step -> rows whose slot starts a block (row order)
     fills: dict[int, list[int]] = {}  # step -> rows whose slot completes a block
     n0 = []
     need = 0
     for r, seq in enumerate(batch):
-        room = seq.room
+        room = rooms[r]
         for j in range(room, m, B):
             starts.setdefault(j, []).append(r)
             need += 1
@@ -116,8 +131,7 @@ def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, ba
         n0.append(len(tokens))
         tokens.extend(rows[r])
         seq.room = (room - m) % B
-    if not (fence.held or fence.host_held) and fence.copy_step <= fence.last_completed \
-            and len(pool.free) >= need:
+    if quiet and len(pool.free) >= need:
         _run_quiet(fence, pool, keyer, batch, m, starts, fills, n0, need)
         return
     owed = 0  # steps up to here not begun / completed yet (nothing happened in them)
@@ -140,6 +154,35 @@ def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, ba
             _key_filled(keyer, batch, f, n0, e)
         j = e + 1
     _steps(fence, pool, owed + m - j)
+
+
+def _in_step_order(step: np.ndarray, m: int) -> list[int]:
+    """The rows whose ``step`` is below ``m``, ordered by step, then by row."""
+    rows = np.flatnonzero(step < m)
+    if len(rows) > 1:
+        rows = rows[np.argsort(step[rows], kind="stable")]
+    return rows.tolist()
+
+
+def _run_quiet_short(fence: StepFence, pool, keyer, batch: list[Seq], m: int, starts: list[int],
+                     filled: list[tuple[Seq, int]]) -> None:
+    """``_run_quiet`` when each row starts at most one block and fills at most one (``m`` <= the
+    block size): the blocks dealt out in (step, row) order, then every filled row keyed in one
+    call in the same order (each row once, so the index sees the interns of the steps' own
+    calls, in their order)."""
+    if starts:
+        for r, b in zip(starts, pool.take(len(starts))):
+            batch[r].table.append(b)
+        if pool.died:
+            pool.flush()
+    keying = []
+    for seq, c in filled:
+        if c >= seq.key_at:
+            keying.append(seq)
+        seq.num_computed = c
+    if keying:
+        keyer.key_computed(keying)
+    _steps(fence, pool, m)
 
 
 def _run_quiet(fence: StepFence, pool, keyer, batch: list[Seq], m: int, starts: dict,
