@@ -146,10 +146,10 @@ def test_bad_calls_raise_before_any_change():
     assert _state(bm, []) == before
 
 
-def test_short_quiet_runs_equal_their_steps():
-    # m <= B with no quarantine window: each row starts and fills at most one block, the blocks
-    # are taken at once and every filled row keyed in one call; equal rows make equal keys
-    # (shared prompts), whose first-wins order must be the steps' own.
+def test_quiet_runs_equal_their_steps():
+    # No quarantine window: the blocks are taken at once and the filled rows keyed in one call
+    # per round of B steps; equal rows make equal keys (shared prompts), whose first-wins order
+    # must be the steps' own.
     checked = 0
     for seed in range(120):
         fork = seed % 6 == 0
@@ -158,7 +158,7 @@ def test_short_quiet_runs_equal_their_steps():
         if not ids:
             continue
         rng = random.Random(2000 + seed)
-        m = rng.randint(1, B)
+        m = rng.randint(1, B) if seed % 3 else rng.randint(B + 1, 3 * B + 2)
         rows = [[rng.randrange(50) for _ in range(m)] for _ in ids]
         if seed % 2:
             rows = [list(rows[0]) for _ in ids]
@@ -174,7 +174,7 @@ def test_equal_keys_keep_the_steps_first_wins_order():
     # Equal prompts and equal decoded tokens: blocks filled in one step by several rows, and in
     # later steps by others, get equal keys; the first keyed (step order, then row order) is
     # indexed, the others adopt its key.
-    for m in range(1, B + 1):
+    for m in range(1, 3 * B + 2):
         for lens in ([3, 3, 2, 3], [2, 3, 3, 1], [1, 2, 3, 3]):
             mgrs = []
             for _ in range(2):
@@ -188,7 +188,7 @@ def test_equal_keys_keep_the_steps_first_wins_order():
                     ids.append(sid)
                 mgrs.append((bm, ids))
             (a, ids), (b, _) = mgrs
-            full = [7, 8, 9] + [5] * B
+            full = [7, 8, 9] + [5] * (4 * B)
             rows = [full[n:n + m] for n in lens]
             assert a.run_decode_steps(ids, np.array(rows))
             for j in range(m):

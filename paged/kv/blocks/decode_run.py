@@ -36,7 +36,13 @@ def run(tables: SeqTables, progress: Progress, fence: StepFence, seq_ids: Sequen
         before any state change.
     """
     batch, rows = check_run(tables, seq_ids, token_ids)
-    need = blocks_needed(tables, batch, len(rows[0]) if rows else 0)
+    m = len(rows[0]) if rows else 0
+    rooms = [seq.room for seq in batch]
+    if None in rooms:
+        need = blocks_needed(tables, batch, m)
+    else:  # every tail exclusive (``Seq.room``): the blocks each row starts, from its room
+        B = tables.block_size
+        need = sum([-(-(m - r) // B) for r in rooms if r < m])
     if need is None:
         raise ValueError("a sequence's partly filled tail block is shared: its next append "
                          "copies it (use append_decode_slots)")
@@ -50,7 +56,14 @@ def check_run(tables: SeqTables, seq_ids: Sequence, token_ids: Sequence) -> tupl
     """The Seqs and the token rows as lists, or ValueError (no state touched)."""
     if not isinstance(seq_ids, list | tuple):
         raise ValueError(f"seq_ids must be a list of sequence ids, got {type(seq_ids).__name__}")
-    batch = [tables.resident(s) for s in seq_ids]  # raises for unknown or swapped-out ids
+    try:
+        batch = list(map(tables.seqs.__getitem__, seq_ids))
+    except (KeyError, TypeError):
+        batch = [tables.get(s) for s in seq_ids]  # raises for the first unknown id
+        raise
+    if any(seq.host_table is not None for seq in batch):
+        for s in seq_ids:
+            tables.resident(s)  # raises for the first swapped-out id
     if len(set(map(id, batch))) != len(batch):
         raise ValueError(f"repeated sequence ids in {list(seq_ids)!r}")
     if isinstance(token_ids, np.ndarray) and token_ids.ndim == 2 \
@@ -102,38 +115,24 @@ def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, ba
         return
     B = tables.block_size
     pool, keyer = tables.pool, progress.keyer
-    quiet = not (fence.held or fence.host_held) and fence.copy_step <= fence.last_completed
-    if m <= B and quiet:
-        # Each row starts and fills at most one block: one take, one keying call, over arrays.
-        room = np.array(rooms)
-        starts = _in_step_order(room, m)  # rows whose slot starts a block, (step, row) order
-        fill_at = (room - 1) % B  # the step that fills each row's tail (room 0: the next block)
-        fills = _in_step_order(fill_at, m)
-        if len(pool.free) >= len(starts):
-            filled = [(batch[r], len(batch[r].tokens) + int(fill_at[r]) + 1) for r in fills]
-            for seq, row, r in zip(batch, rows, rooms):
-                seq.tokens.extend(row)
-                seq.room = (r - m) % B
-            _run_quiet_short(fence, pool, keyer, batch, m, starts, filled)
+    if not (fence.held or fence.host_held) and fence.copy_step <= fence.last_completed:
+        need = sum([-(-(m - r) // B) for r in rooms if r < m])
+        if len(pool.free) >= need:
+            _run_quiet(fence, pool, keyer, batch, rows, rooms, B, need)
             return
     starts: dict[int, list[int]] = {}  # step -> rows whose slot starts a block (row order)
     fills: dict[int, list[int]] = {}  # step -> rows whose slot completes a block
     n0 = []
-    need = 0
     for r, seq in enumerate(batch):
         room = rooms[r]
         for j in range(room, m, B):
             starts.setdefault(j, []).append(r)
-            need += 1
         for j in range((room - 1) % B, m, B):
             fills.setdefault(j, []).append(r)
         tokens = seq.tokens
         n0.append(len(tokens))
         tokens.extend(rows[r])
         seq.room = (room - m) % B
-    if quiet and len(pool.free) >= need:
-        _run_quiet(fence, pool, keyer, batch, m, starts, fills, n0, need)
-        return
     owed = 0  # steps up to here not begun / completed yet (nothing happened in them)
     j = 0
     for e in sorted(starts.keys() | fills.keys()):
@@ -156,50 +155,49 @@ def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, ba
     _steps(fence, pool, owed + m - j)
 
 
-def _in_step_order(step: np.ndarray, m: int) -> list[int]:
-    """The rows whose ``step`` is below ``m``, ordered by step, then by row."""
-    rows = np.flatnonzero(step < m)
-    if len(rows) > 1:
-        rows = rows[np.argsort(step[rows], kind="stable")]
-    return rows.tolist()
-
-
-def _run_quiet_short(fence: StepFence, pool, keyer, batch: list[Seq], m: int, starts: list[int],
-                     filled: list[tuple[Seq, int]]) -> None:
-    """``_run_quiet`` when each row starts at most one block and fills at most one (``m`` <= the
-    block size): the blocks dealt out in (step, row) order, then every filled row keyed in one
-    call in the same order (each row once, so the index sees the interns of the steps' own
-    calls, in their order)."""
-    if starts:
-        for r, b in zip(starts, pool.take(len(starts))):
-            batch[r].table.append(b)
-        if pool.died:
-            pool.flush()
-    keying = []
-    for seq, c in filled:
-        if c >= seq.key_at:
-            keying.append(seq)
-        seq.num_computed = c
-    if keying:
-        keyer.key_computed(keying)
-    _steps(fence, pool, m)
-
-
-def _run_quiet(fence: StepFence, pool, keyer, batch: list[Seq], m: int, starts: dict,
-               fills: dict, n0: list[int], need: int) -> None:
+def _run_quiet(fence: StepFence, pool, keyer, batch: list[Seq], rows: list[list[int]],
+               rooms: list[int], B: int, need: int) -> None:
     """The steps when nothing waits on a step (no quarantine, no pending copy) and the free
     queue holds every block they start: each step's ``take`` pops the queue's head and nothing
     else touches the queue, so one ``take`` of all of them, dealt out in step order, leaves the
-    same tables; keying reads no step id (no copy pends), so only the ids move, once."""
+    same tables; keying reads no step id (no copy pends), so only the ids move, once.
+
+    A row starts a block at steps ``room + k * B`` and fills one at ``(room - 1) % B + k * B``
+    (``room`` < ``B``), so the (step, row) order of either is round ``k`` after round ``k``, each
+    round ordered by (``room``, row) (stable argsort over the batch's arrays). A round keys each
+    of its rows once, so one ``key_computed`` call per round makes the steps' interns in their
+    order (equal keys: the first wins)."""
+    m = len(rows[0])
+    room = np.array(rooms)
+    fill = (room - 1) % B
+    n0 = [len(seq.tokens) for seq in batch]
+    for seq, row, r in zip(batch, rows, rooms):
+        seq.tokens.extend(row)
+        seq.room = (r - m) % B
     if need:
+        by_room = np.argsort(room, kind="stable")
+        sorted_room = room[by_room]
+        by_room = by_room.tolist()
         taken = iter(pool.take(need))
-        for e in sorted(starts):
-            for r in starts[e]:
+        for k in range(0, m, B):  # round k: the rows with room + k < m, in (room, row) order
+            for r in by_room[:int(np.searchsorted(sorted_room, m - k))]:
                 batch[r].table.append(next(taken))
         if pool.died:
             pool.flush()
-    for e in sorted(fills):  # each step's readback keys in step order (equal keys: first wins)
-        _key_filled(keyer, batch, fills[e], n0, e)
+    by_fill = np.argsort(fill, kind="stable")
+    sorted_fill = fill[by_fill]
+    by_fill = by_fill.tolist()
+    fill = fill.tolist()
+    for k in range(0, m, B):  # each round's readbacks key in step order, then row order
+        keying = []
+        for r in by_fill[:int(np.searchsorted(sorted_fill, m - k))]:
+            seq = batch[r]
+            c = n0[r] + fill[r] + k + 1
+            if c >= seq.key_at:
+                keying.append(seq)
+            seq.num_computed = c
+        if keying:
+            keyer.key_computed(keying)
     _steps(fence, pool, m)
 
 
