@@ -75,37 +75,15 @@ def plan_stretch(ib, sched, bm, config, builder, step_model, *, now: float, max_
     clock = np.add.accumulate(clock)
     times = clock.tolist()
     starts, ends = times[:-1], times[1:]
-    toks = _Tokens(first, ints[:, SEED].copy(), ints[:, SAMPLE_INDEX].copy(),
-                   nt.astype(np.int64), token_salt)
-    return Stretch(n, k, toks.nt0, starts, ends, durs, toks, evict_from, k == last, clock[1:])
+    toks = np.empty((n, k + 1), np.int64)
+    toks[:, 0] = first
+    toks[:, 1:] = pseudo_token_steps(ints[:, SEED], ints[:, SAMPLE_INDEX], nt, k,
+                                     token_salt)
+    return Stretch(n, k, nt.astype(np.int64), starts, ends, durs, toks, evict_from, k == last,
+                   clock[1:])
 
 
 _FLAGS, _PLAIN = [HAS_STOP_IDS, NUM_SAMPLES], np.array([0, 1], np.int32)
-
-
-class _Tokens:
-    """A stretch's token columns, drawn when applied: column 0 is each row's last token (step 0
-    appends it), column ``j`` >= 1 the pseudo-token step ``j - 1`` samples (position
-    ``nt0 + j - 1``). The same integers as drawing all of them at planning (``pseudo_token_steps``
-    of a later start position: int64 sums wrap, so the shift regroups exactly)."""
-
-    __slots__ = ("first", "nt0", "salt", "sample_index", "seeds")
-
-    def __init__(self, first, seeds, sample_index, nt0, salt):
-        self.first, self.seeds, self.sample_index = first, seeds, sample_index
-        self.nt0, self.salt = nt0, salt
-
-    def columns(self, a: int, b: int) -> np.ndarray:
-        """Columns ``a .. b - 1``: i64[n, b - a]."""
-        if a >= 1:
-            return pseudo_token_steps(self.seeds, self.sample_index, self.nt0 + (a - 1), b - a,
-                                      self.salt)
-        out = np.empty((len(self.first), b), np.int64)
-        out[:, 0] = self.first
-        if b > 1:
-            out[:, 1:] = pseudo_token_steps(self.seeds, self.sample_index, self.nt0, b - 1,
-                                            self.salt)
-        return out
 
 
 class Stretch:
@@ -119,7 +97,7 @@ class Stretch:
         self.finishes = finishes  # its last step samples some sequence's last token
         self.starts, self.ends, self.durs = starts, ends, durs
         self.end_times = end_times  # ``ends`` as f64[k]
-        self.toks = toks  # ``_Tokens``: drawn when applied
+        self.toks = toks
         self.evict_from = evict_from
         self.firsts = None  # (prompt length, first sampled token) per row, when first needed
         self.done = 0
@@ -141,8 +119,7 @@ def apply_stretch(st: Stretch, upto: int, ib, sched, bm, reader, *, busy_s: floa
     """
     j0, n, nt0 = st.done, st.n, st.nt0
     m = upto - j0
-    toks = st.toks.columns(j0, upto + 1)  # the tokens steps j0 .. upto - 1 append and sample
-    if not bm.run_decode_steps(ib.ids[:n], toks[:, :m]):
+    if not bm.run_decode_steps(ib.ids[:n], st.toks[:, j0:upto]):
         raise RuntimeError(f"{name}: a fast-forwarded decode run needed more blocks than the "
                            "pool had")
     if log is not None:
@@ -156,7 +133,7 @@ def apply_stretch(st: Stretch, upto: int, ib, sched, bm, reader, *, busy_s: floa
     # Row r's slots nt0[r] + j0 .. nt0[r] + upto - 1, as flat indices (row-major): the sampled
     # tokens, and the step end times (the same m times in every row).
     flat = (rows * ib.tokens.shape[1] + nt0)[:, None] + np.arange(j0, upto)
-    np.put(ib.tokens, flat, toks[:, 1:])
+    np.put(ib.tokens, flat, st.toks[:, j0 + 1:upto + 1])
     np.put(ib.times, flat, st.end_times[j0:upto])
     ib.num_slots[:n] += m
     ib.num_computed[:n] += m
@@ -170,5 +147,5 @@ def apply_stretch(st: Stretch, upto: int, ib, sched, bm, reader, *, busy_s: floa
     batch = StepBatch(device=None, num_tokens=n, num_seqs=n, decode=ib.seqs[:n], decode_pos=pos,
                       samples=[], items=[], item_ends=[], decode_rows=rows, epoch=ib.epoch,
                       stop_any=np.flatnonzero(pos + 1 >= ib.ints[:n, LIMIT]))
-    made = reader.stops_and_outputs(batch, rows, toks[:, -1], st.ends[k - 1], True)
+    made = reader.stops_and_outputs(batch, rows, st.toks[:, k], st.ends[k - 1], True)
     return busy_s, (batch.decode, made)
