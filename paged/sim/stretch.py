@@ -16,7 +16,7 @@ import numpy as np
 from paged.request.sequence import UNKNOWN
 from paged.sim.batches import pseudo_token_steps
 from paged.step.batch import StepBatch
-from paged.step.input_batch import HAS_STOP_IDS, LIMIT, NUM_SAMPLES, SAMPLE_INDEX, SEED
+from paged.step.input_batch import HAS_STOP_IDS, LIMIT, SAMPLE_INDEX, SEED
 
 
 def plan_stretch(ib, sched, bm, config, builder, step_model, *, now: float, max_steps: int,
@@ -40,7 +40,10 @@ def plan_stretch(ib, sched, bm, config, builder, step_model, *, now: float, max_
         return None
     nc, ns = ib.num_computed[:n], ib.num_slots[:n]
     if not ((nt - nc == 1) & (nc >= ib.num_prompt[:n]) & (ns == nc) & ~ib.hold[:n]).all() \
-            or (ints[:, _FLAGS] != _PLAIN).any():  # stop ids, or n > 1 samples
+            or ints[:, HAS_STOP_IDS].any():
+        return None
+    seqs = ib.seqs[:n]
+    if any(q.params.n != 1 for q in seqs):
         return None
     first = ib.tokens[np.arange(n), nc]
     if (first == UNKNOWN).any():
@@ -81,9 +84,6 @@ def plan_stretch(ib, sched, bm, config, builder, step_model, *, now: float, max_
                                      token_salt)
     return Stretch(n, k, nt.astype(np.int64), starts, ends, durs, toks, evict_from, k == last,
                    clock[1:])
-
-
-_FLAGS, _PLAIN = [HAS_STOP_IDS, NUM_SAMPLES], np.array([0, 1], np.int32)
 
 
 class Stretch:

@@ -24,9 +24,8 @@ from paged.kv.paging import NULL_PAGE
 from paged.request.sequence import UNKNOWN, Sequence
 
 _I32_MAX = 2**31 - 1
-# Columns of a row's integer sampling parameters (the first three in DeviceBatch.smp's order;
-# NUM_SAMPLES: its request's ``n``).
-TOP_K, SEED, SAMPLE_INDEX, LIMIT, STOPS_ON_EOS, HAS_STOP_IDS, LOGPROBS, NUM_SAMPLES = range(8)
+# Columns of a row's integer sampling parameters (the first three in DeviceBatch.smp's order).
+TOP_K, SEED, SAMPLE_INDEX, LIMIT, STOPS_ON_EOS, HAS_STOP_IDS, LOGPROBS = range(7)
 
 
 class InputBatch:
@@ -60,7 +59,7 @@ class InputBatch:
         self.num_prompt = np.zeros(capacity, np.int32)
         self.table = np.full((capacity, self.pages_per_seq), NULL_PAGE, np.int32)
         self.num_blocks = np.full(capacity, -1, np.int32)  # blocks in the row; -1 = refresh
-        self.ints = np.zeros((capacity, 8), np.int32)
+        self.ints = np.zeros((capacity, 7), np.int32)
         self.floats = np.zeros((capacity, 2), np.float32)  # temperature, top_p
         self.hold = np.zeros(capacity, bool)
         self.last_slot = np.full(capacity, -1, np.int32)  # its sample slot in the newest step
@@ -99,7 +98,7 @@ class InputBatch:
         limit = min(p + prm.max_tokens, self.max_model_len, _I32_MAX)
         self.ints[r] = (min(prm.top_k, _I32_MAX), seq.seed, seq.sample_index, limit,
                         not prm.ignore_eos, bool(prm.stop_token_ids or prm.stop),
-                        -1 if prm.logprobs is None else prm.logprobs, min(prm.n, _I32_MAX))
+                        -1 if prm.logprobs is None else prm.logprobs)
         self.floats[r] = (prm.temperature, prm.top_p)
         self.seqs.append(seq)
         self.ids.append(seq.seq_id)

@@ -36,13 +36,7 @@ def run(tables: SeqTables, progress: Progress, fence: StepFence, seq_ids: Sequen
         before any state change.
     """
     batch, rows = check_run(tables, seq_ids, token_ids)
-    m = len(rows[0]) if rows else 0
-    rooms = [seq.room for seq in batch]
-    if None in rooms:
-        need = blocks_needed(tables, batch, m)
-    else:  # every tail exclusive (``Seq.room``): the blocks each row starts, from its room
-        B = tables.block_size
-        need = sum([-(-(m - r) // B) for r in rooms if r < m])
+    need = blocks_needed(tables, batch, len(rows[0]) if rows else 0)
     if need is None:
         raise ValueError("a sequence's partly filled tail block is shared: its next append "
                          "copies it (use append_decode_slots)")
@@ -56,14 +50,7 @@ def check_run(tables: SeqTables, seq_ids: Sequence, token_ids: Sequence) -> tupl
     """The Seqs and the token rows as lists, or ValueError (no state touched)."""
     if not isinstance(seq_ids, list | tuple):
         raise ValueError(f"seq_ids must be a list of sequence ids, got {type(seq_ids).__name__}")
-    try:
-        batch = list(map(tables.seqs.__getitem__, seq_ids))
-    except (KeyError, TypeError):
-        batch = [tables.get(s) for s in seq_ids]  # raises for the first unknown id
-        raise
-    if any(seq.host_table is not None for seq in batch):
-        for s in seq_ids:
-            tables.resident(s)  # raises for the first swapped-out id
+    batch = [tables.resident(s) for s in seq_ids]  # raises for unknown or swapped-out ids
     if len(set(map(id, batch))) != len(batch):
         raise ValueError(f"repeated sequence ids in {list(seq_ids)!r}")
     if isinstance(token_ids, np.ndarray) and token_ids.ndim == 2 \
@@ -109,30 +96,30 @@ def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, ba
     m = len(rows[0]) if rows else 0
     if m == 0:
         return
-    rooms = [seq.room for seq in batch]
-    if None in rooms:  # off the fast path (debug, fork, rollback, swap)
+    if any(seq.room is None for seq in batch):  # off the fast path (debug, fork, rollback, swap)
         _stepwise(tables, progress, fence, batch, rows)
         return
     B = tables.block_size
     pool, keyer = tables.pool, progress.keyer
-    if not (fence.held or fence.host_held) and fence.copy_step <= fence.last_completed:
-        need = sum([-(-(m - r) // B) for r in rooms if r < m])
-        if len(pool.free) >= need:
-            _run_quiet(fence, pool, keyer, batch, rows, rooms, B, need)
-            return
     starts: dict[int, list[int]] = {}  # step -> rows whose slot starts a block (row order)
     fills: dict[int, list[int]] = {}  # step -> rows whose slot completes a block
     n0 = []
+    need = 0
     for r, seq in enumerate(batch):
-        room = rooms[r]
+        room = seq.room
         for j in range(room, m, B):
             starts.setdefault(j, []).append(r)
+            need += 1
         for j in range((room - 1) % B, m, B):
             fills.setdefault(j, []).append(r)
         tokens = seq.tokens
         n0.append(len(tokens))
         tokens.extend(rows[r])
         seq.room = (room - m) % B
+    if not (fence.held or fence.host_held) and fence.copy_step <= fence.last_completed \
+            and len(pool.free) >= need:
+        _run_quiet(fence, pool, keyer, batch, m, starts, fills, n0, need)
+        return
     owed = 0  # steps up to here not begun / completed yet (nothing happened in them)
     j = 0
     for e in sorted(starts.keys() | fills.keys()):
@@ -155,49 +142,21 @@ def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, ba
     _steps(fence, pool, owed + m - j)
 
 
-def _run_quiet(fence: StepFence, pool, keyer, batch: list[Seq], rows: list[list[int]],
-               rooms: list[int], B: int, need: int) -> None:
+def _run_quiet(fence: StepFence, pool, keyer, batch: list[Seq], m: int, starts: dict,
+               fills: dict, n0: list[int], need: int) -> None:
     """The steps when nothing waits on a step (no quarantine, no pending copy) and the free
     queue holds every block they start: each step's ``take`` pops the queue's head and nothing
     else touches the queue, so one ``take`` of all of them, dealt out in step order, leaves the
-    same tables; keying reads no step id (no copy pends), so only the ids move, once.
-
-    A row starts a block at steps ``room + k * B`` and fills one at ``(room - 1) % B + k * B``
-    (``room`` < ``B``), so the (step, row) order of either is round ``k`` after round ``k``, each
-    round ordered by (``room``, row) (stable argsort over the batch's arrays). A round keys each
-    of its rows once, so one ``key_computed`` call per round makes the steps' interns in their
-    order (equal keys: the first wins)."""
-    m = len(rows[0])
-    room = np.array(rooms)
-    fill = (room - 1) % B
-    n0 = [len(seq.tokens) for seq in batch]
-    for seq, row, r in zip(batch, rows, rooms):
-        seq.tokens.extend(row)
-        seq.room = (r - m) % B
+    same tables; keying reads no step id (no copy pends), so only the ids move, once."""
     if need:
-        by_room = np.argsort(room, kind="stable")
-        sorted_room = room[by_room]
-        by_room = by_room.tolist()
         taken = iter(pool.take(need))
-        for k in range(0, m, B):  # round k: the rows with room + k < m, in (room, row) order
-            for r in by_room[:int(np.searchsorted(sorted_room, m - k))]:
+        for e in sorted(starts):
+            for r in starts[e]:
                 batch[r].table.append(next(taken))
         if pool.died:
             pool.flush()
-    by_fill = np.argsort(fill, kind="stable")
-    sorted_fill = fill[by_fill]
-    by_fill = by_fill.tolist()
-    fill = fill.tolist()
-    for k in range(0, m, B):  # each round's readbacks key in step order, then row order
-        keying = []
-        for r in by_fill[:int(np.searchsorted(sorted_fill, m - k))]:
-            seq = batch[r]
-            c = n0[r] + fill[r] + k + 1
-            if c >= seq.key_at:
-                keying.append(seq)
-            seq.num_computed = c
-        if keying:
-            keyer.key_computed(keying)
+    for e in sorted(fills):  # each step's readback keys in step order (equal keys: first wins)
+        _key_filled(keyer, batch, fills[e], n0, e)
     _steps(fence, pool, m)
 
 
