@@ -70,8 +70,10 @@ class Residency:
 
     def __init__(self):
         self.now = 0.0
-        self._birth: dict[Hashable, float] = {}
-        self._last: dict[Hashable, tuple[float, int]] = {}  # digest -> (time, access number)
+        # digest -> (store time or None, last access time, its access number): one entry per
+        # key, so a store and a removal touch one dict each (the decode step stores and evicts
+        # about a dozen keys).
+        self._keys: dict[Hashable, tuple[float | None, float, int]] = {}
         self._accesses = 0
         self.removed_keys: collections.OrderedDict = collections.OrderedDict()  # digest -> time
         self.lifetime = Histogram(SECONDS_BUCKETS)
@@ -84,31 +86,38 @@ class Residency:
 
     # --- the index's listener ----------------------------------------------------------------
     def stored(self, key) -> None:
-        d = key.digest
-        self._birth[d] = self.now
-        self._touch(d)
+        d, now = key.digest, self.now
+        self._keys[d] = (now, now, self._accesses)
+        self._accesses += 1
         if self.removed_keys.pop(d, None) is not None:  # needed again after its removal
             self.regret_blocks += 1
 
     def removed(self, digest: Hashable) -> None:
-        born = self._birth.pop(digest, None)
-        last = self._last.pop(digest, None)
-        if born is None or last is None:
+        entry = self._keys.pop(digest, None)
+        if entry is None or entry[0] is None:
             return
-        self.lifetime.observe(self.now - born)
-        self.idle.observe(self.now - last[0])
+        now = self.now
+        h, x = self.lifetime, now - entry[0]  # ``Histogram.observe`` twice, inline
+        h.counts[bisect_left(h.bounds, x)] += 1
+        h.sum += x
+        h.count += 1
+        h, x = self.idle, now - entry[1]
+        h.counts[bisect_left(h.bounds, x)] += 1
+        h.sum += x
+        h.count += 1
         rk = self.removed_keys
-        rk[digest] = self.now
+        rk[digest] = now
         if len(rk) > REMEMBER:
             rk.popitem(last=False)
 
     # --- admission -----------------------------------------------------------------------------
     def hit(self, digest: Hashable) -> None:
-        last = self._last.get(digest)
-        if last is not None:
-            self.reuse_gap.observe(self.now - last[0])
-            self.reuse_distance.observe(self._accesses - last[1] - 1)
-        self._touch(digest)
+        entry = self._keys.get(digest)
+        if entry is not None:
+            self.reuse_gap.observe(self.now - entry[1])
+            self.reuse_distance.observe(self._accesses - entry[2] - 1)
+        self._keys[digest] = (None if entry is None else entry[0], self.now, self._accesses)
+        self._accesses += 1
 
     def queried(self, query_tokens: int, hit_tokens: int) -> None:
         self.query_tokens += query_tokens
@@ -117,10 +126,6 @@ class Residency:
     def forgive(self, digest: Hashable) -> None:
         """``digest`` comes back from another tier, not by recompute: no regret when stored."""
         self.removed_keys.pop(digest, None)
-
-    def _touch(self, d: Hashable) -> None:
-        self._last[d] = (self.now, self._accesses)
-        self._accesses += 1
 
     def as_dict(self) -> dict:
         q = self.query_tokens
