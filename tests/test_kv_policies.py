@@ -218,14 +218,3 @@ def test_scores_in_numpy_pick_what_each_method_names():
     k = policies.build(KVPolicyConfig("knorm", budget=3)).scores(np, keys, pos, valid)
     norms = np.linalg.norm(keys[0, 0], axis=-1)
     assert set(np.argsort(-k[0, 0])[:3].tolist()) == set(np.argsort(norms)[:3].tolist())
-
-
-def test_the_simulator_refuses_a_kv_policy():
-    from paged.sim import H200, LLAMA3_8B, RooflineStepModel
-    from paged.sim.replica import SimReplica
-
-    cfg = EngineConfig(model="sim", num_blocks=64, block_size=16, async_scheduling=False,
-                       kv_policy=KVPolicyConfig("knorm", budget=0.5))
-    with pytest.raises(ValueError, match="kv_policy"):
-        SimReplica(cfg, RooflineStepModel(H200, LLAMA3_8B, block_size=16),
-                   model_config=LLAMA3_8B, build_device=False)
