@@ -20,8 +20,10 @@ from paged.models import attention
 from paged.models.llama import Llama
 
 
-class _Masked:
-    """Replaces ``causal_attention`` during one eager dense pass: per-layer masks, key capture."""
+class MaskedAttention:
+    """Replaces ``causal_attention`` during one dense pass (eager, or traced by ``jax.jit`` with
+    ``masks`` an argument: ``experiments/kv_policies_fidelity.py``): per-layer masks, key
+    capture (``keys``: one f32[S, Hkv, D] per layer)."""
 
     def __init__(self, masks):
         self.masks, self.layer, self.keys = masks, 0, []
@@ -29,7 +31,7 @@ class _Masked:
     def __call__(self, q, k, v, *, sm_scale, soft_cap=None, sliding_window=None):
         mask = self.masks[self.layer]  # bool[Hkv, T, S]
         self.layer += 1
-        self.keys.append(np.asarray(k[0], np.float32))  # [S, Hkv, D]
+        self.keys.append(k[0].astype(jnp.float32))  # [S, Hkv, D]
         b, t, n, h = q.shape
         kh = k.shape[2]
         qg = q.astype(jnp.float32).reshape(b, t, kh, n // kh, h)
@@ -41,7 +43,7 @@ class _Masked:
 
 
 @contextlib.contextmanager
-def _patched(fn):
+def patched(fn):
     old = attention.causal_attention
     attention.causal_attention = fn
     try:
@@ -59,19 +61,32 @@ def _masks(num_layers, num_kv_heads, n, calls):
     return out
 
 
-def reference(config, params, tokens, policy, prompt_len):
+def eager_pass(config, params):
+    """``run(tokens, masks) -> (logits [n, V], keys [L, n, Hkv, D])``: one eager masked pass."""
+    model = Llama(config)
+
+    def run(tokens, masks):
+        masked = MaskedAttention(masks)
+        with patched(masked):
+            logits = model.apply(params, jnp.asarray([tokens]), method="dense")
+        return logits[0], np.stack([np.asarray(k) for k in masked.keys])
+
+    return run
+
+
+def reference(config, params, tokens, policy, prompt_len, run=None):
     """``(log-probs f64[n, V], calls)``: row i is the distribution of the token after position
-    i under ``policy`` (a ``KVPolicy``), with the calls it made (``(point, kept)``)."""
-    model, n = Llama(config), len(tokens)
+    i under ``policy`` (a ``KVPolicy``), with the calls it made (``(point, kept)``). ``run``:
+    the masked pass (default ``eager_pass``; a study passes a jitted one)."""
+    run = run or eager_pass(config, params)
+    n = len(tokens)
     L, H = config.num_layers, config.num_kv_heads
     interval = policy.config.interval
     points = [prompt_len] + (list(range(prompt_len + interval, n, interval)) if interval else [])
     points = [c for c in points if c < n]
     calls, kept_prev, c_prev = [], None, 0
     for c in [*points, None]:
-        masked = _Masked(_masks(L, H, n, calls))
-        with _patched(masked):
-            logits = model.apply(params, jnp.asarray([tokens]), method="dense")
+        logits, keys = run(tokens, _masks(L, H, n, calls))
         if c is None:
             break
         # The engine's slots at c: the last survivors, then every position since (in order).
@@ -83,7 +98,6 @@ def reference(config, params, tokens, policy, prompt_len):
         keep = max(policy.keep_count(c), 1)
         if keep >= slots:
             continue
-        keys = np.stack(masked.keys)  # [L, S, Hkv, D]
         kept = np.zeros((L, H, c), bool)
         for layer in range(L):
             for h in range(H):
@@ -94,6 +108,6 @@ def reference(config, params, tokens, policy, prompt_len):
                 kept[layer, h, pos[order]] = True
         calls.append((c, kept))
         kept_prev, c_prev = kept, c
-    x = np.asarray(logits[0], np.float64)
+    x = np.asarray(logits, np.float64)
     m = x.max(-1, keepdims=True)
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True)), calls
