@@ -18,6 +18,12 @@ capacity to the second's is the headline (paged + continuous over contiguous + s
 lengths scaled by ``workload.length_scale`` to ``max_model_len``) time-scaled to the point's rate
 (``duration_s`` unused; ``workload.time_scale`` must stay 1).
 
+``kv_policy`` (and ``kv_policy_smoke``; ``kv_policy/full+h2o`` runs those arms only, a piece
+of the grid) makes the KV policy the factor on SmolLM2-135M (`experiments/kv_policies.py`'s
+engine-capacity column): fixed prompts of 512 tokens and 128 output tokens, a pool of 120
+blocks of 16 (three full-KV requests at their end), each method at a budget of 25 % compacting
+once when the prompt ends, so a policy's freed pages let more sequences decode at once.
+
 ``kv_dtype`` (and ``kv_dtype_smoke``) makes the KV format the factor: every arm is paged +
 continuous and sized from one KV byte budget (``kv_budget_bytes``) in its own format, values plus
 scales, so an int8 or fp8 arm gets about twice the blocks of a bfloat16 one. The budget, 2 MiB,
@@ -52,11 +58,19 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     # num_seqs > 0: time each arm's decode step at this batch and prompt length first.
     c.probe = ml_collections.ConfigDict(dict(num_seqs=0, prompt_len=96, steps=24))
     if arg.startswith("kv_policy"):
+        arg, _, only = arg.partition("/")  # "kv_policy/full+h2o": those arms only (a piece)
         arg = arg.removeprefix("kv_policy").removeprefix("_") or "default"
         if arg not in ("default", "smoke"):
             raise ValueError(f"unknown variant kv_policy_{arg!r}; known: kv_policy, "
-                             "kv_policy_smoke")
+                             "kv_policy_smoke (each optionally /<method>+<method>...)")
         kv_policy(c, smoke=arg == "smoke")
+        if only:
+            names = only.split("+")
+            unknown = sorted(set(names) - {a[0] for a in c.arms})
+            if unknown:
+                raise ValueError(f"kv_policy arms {unknown} unknown; known: "
+                                 f"{[a[0] for a in c.arms]}")
+            c.arms = tuple(a for a in c.arms if a[0] in names)
         return c
     if arg.startswith("kv_dtype"):
         arg = arg.removeprefix("kv_dtype").removeprefix("_") or "default"
