@@ -54,8 +54,9 @@ def check(c) -> list:
         missing = [d for d in c.join if not (Path(d) / "kv_policies.json").is_file()]
         if missing:
             raise ValueError(f"join={tuple(c.join)}: no kv_policies.json in {missing}")
-        if c.join_capacity and not Path(c.join_capacity).is_file():
-            raise ValueError(f"join_capacity={c.join_capacity!r}: no such file")
+        missing = [p for p in c.join_capacity if not Path(p).is_file()]
+        if missing:
+            raise ValueError(f"join_capacity: no such file {missing}")
         return []
     if not c.arms or c.arms[0] != "full":
         raise ValueError(f"arms={c.arms}: the first arm must be 'full' (the reference)")
@@ -104,7 +105,7 @@ def join(c) -> None:
     out_dir = common.output_dir(c, "kv_policies")
     rows, pieces = board.load_pieces(c.join)
     cap = board.engine_capacity(c.join_capacity)
-    inputs = [p["path"] for p in pieces] + ([c.join_capacity] if c.join_capacity else [])
+    inputs = [p["path"] for p in pieces] + list(c.join_capacity)
     text = board.table(rows) + ("\n\n" + board.capacity_table(cap) if cap else "")
     (out_dir / "board.md").write_text(text + "\n")
     common.write_result(out_dir / "board.json", {

@@ -44,12 +44,10 @@ def load_pieces(dirs) -> tuple[list[dict], list[dict]]:
     return rows, pieces
 
 
-def engine_capacity(path) -> list[dict]:
-    """Per arm of a capacity.json: capacity (req/s) and what its point at capacity served."""
-    if not path:
-        return []
+def engine_capacity(paths) -> list[dict]:
+    """Per arm of some capacity.json files: capacity (req/s) and its point at capacity."""
     out = []
-    for a in json.loads(Path(path).read_text())["arms"]:
+    for a in (a for p in paths for a in json.loads(Path(p).read_text())["arms"]):
         at = [p for p in a["points"] if p["rate"] == a["capacity_rps"]]
         s = at[0]["summary"] if at else {}
         out.append({"arm": a["name"], "capacity_rps": a["capacity_rps"],

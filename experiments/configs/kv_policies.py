@@ -11,7 +11,8 @@ Arms: "full" (the reference) or "<method>:<budget>" with a method of
 ``paged.config.kv_policy.METHODS`` and a budget as ``KVPolicyConfig.budget`` (a fraction
 ``0.25`` or a token count ``256``). The policy runs once, when the prompt's prefill ends
 (kvpress's setting: compress the context, then answer). Variants: ``default`` (1k and 2k
-retrieval at three depths, budgets 10 / 25 / 50 % and 128 / 256 tokens), ``smoke`` (1k, one
+retrieval at three depths, every method of ``METHODS`` at budgets 10 / 25 / 50 % and 256
+tokens), ``smoke`` (1k, one
 depth, two needles, 25 / 50 %; a short fidelity chunk; a short fleet search). ``--config.arms``
 runs a piece of the grid (the first arm must be "full"); `experiments/kv_policies_board.py`
 joins pieces into one table and one plot.
@@ -19,12 +20,14 @@ joins pieces into one table and one plot.
 
 import ml_collections
 
+from paged.config.kv_policy import METHODS
+
 
 def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = "smollm2-135m"
-    c.arms = ("full", *(f"{m}:{b}" for m in ("streaming_llm", "knorm")
-                        for b in ("0.1", "0.25", "0.5", "128", "256")))
+    c.arms = ("full", *(f"{m}:{b}" for m in METHODS if m != "full"
+                        for b in ("0.1", "0.25", "0.5", "256")))
     c.needle_lengths = (1024, 2048)
     c.needle_depths = (0.1, 0.5, 0.9)
     c.needles_per_cell = 2
@@ -37,7 +40,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     # Join pieces instead of running (`experiments/kv_policies_board.py`): their folders, and
     # optionally the engine capacity of `experiments/capacity.py`'s kv_policy variant.
     c.join = ()
-    c.join_capacity = ""
+    c.join_capacity = ()
     # Perplexity and KL against full KV (`experiments/kv_policies_fidelity.py`): corpus chunks of
     # a prefix (the prompt; the policy runs when it ends) and a teacher-forced continuation.
     c.fidelity_prefix = 1024
