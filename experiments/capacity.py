@@ -175,7 +175,7 @@ def main(c, plan):
         pool = a.get("pool")
         pool = f"  ({pool['num_blocks']} blocks of {pool['kv_format']})" if pool else ""
         print(f"capacity {a['name']:20s} {a['capacity_rps']} req/s{pool}")
-    print(f"ratio {arms[0]['name']} / {arms[1]['name']}: {ratio if ratio is None else round(ratio, 2)}"
+    print(f"ratio {arms[0]['name']} / {arms[-1]['name']}: {ratio if ratio is None else round(ratio, 2)}"
           f"  (SLO: p99 TTFT <= {c.ttft_slo_ms} ms, p99 TPOT <= {c.tpot_slo_ms} ms)")
     common.write_result(out_dir / "capacity.json", {
         "study": "capacity", "evidence": label, "config": c.to_dict(), "arms": arms,
