@@ -45,16 +45,22 @@ def load_pieces(dirs) -> tuple[list[dict], list[dict]]:
 
 
 def engine_capacity(paths) -> list[dict]:
-    """Per arm of some capacity.json files: capacity (req/s) and its point at capacity."""
-    out = []
+    """Per arm of some capacity.json files (an arm's points from several files pooled, its
+    capacity recomputed by `experiments.capacity.capacity`): capacity (req/s) and its point."""
+    from experiments.capacity import capacity
+
+    points: dict[str, list] = {}
     for a in (a for p in paths for a in json.loads(Path(p).read_text())["arms"]):
-        at = [p for p in a["points"] if p["rate"] == a["capacity_rps"]]
-        s = at[0]["summary"] if at else {}
-        out.append({"arm": a["name"], "capacity_rps": a["capacity_rps"],
-                    "output_tok_s": s.get("output_throughput"),
+        points.setdefault(a["name"], []).extend(a["points"])
+    out = []
+    for name, pts in points.items():
+        pts = sorted(pts, key=lambda p: p["rate"])
+        cap = capacity(pts)
+        s = next((p["summary"] for p in pts if p["rate"] == cap), {})
+        out.append({"arm": name, "capacity_rps": cap, "output_tok_s": s.get("output_throughput"),
                     "p99_ttft_ms": s.get("p99_ttft_ms"), "p99_tpot_ms": s.get("p99_tpot_ms"),
                     "preemptions": s.get("engine_preemptions"),
-                    "rates": [(p["rate"], p["meets_slo"]) for p in a["points"]]})
+                    "rates": [(p["rate"], p["meets_slo"]) for p in pts]})
     return out
 
 
