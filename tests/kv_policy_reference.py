@@ -24,7 +24,7 @@ class _Masked:
     """Replaces ``causal_attention`` during one eager dense pass: per-layer masks, key capture."""
 
     def __init__(self, masks):
-        self.masks, self.layer, self.keys = masks, 0, []
+        self.masks, self.layer, self.keys, self.probs = masks, 0, [], []
 
     def __call__(self, q, k, v, *, sm_scale, soft_cap=None, sliding_window=None):
         mask = self.masks[self.layer]  # bool[Hkv, T, S]
@@ -36,6 +36,7 @@ class _Masked:
         logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32)) * sm_scale
         logits = jnp.where(jnp.asarray(mask)[None, :, None], logits, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(logits, axis=-1)
+        self.probs.append(np.asarray(probs[0], np.float32).sum(axis=1))  # [Hkv, T, S]
         out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v.astype(jnp.float32))
         return out.reshape(b, t, n, h).astype(q.dtype)
 
@@ -59,9 +60,25 @@ def _masks(num_layers, num_kv_heads, n, calls):
     return out
 
 
+def _mass(policy, probs, c, prompt_len):
+    """f32[L, Hkv, S] each key's attention mass from the queries before ``c`` that the policy's
+    ``mass_window`` counts (every one, or the prompt's last w), under the masks in force
+    (``probs``: per layer [Hkv, T, S], summed over the group's query heads); None: no mass."""
+    if policy.mass_window is None:
+        return None
+    t = np.arange(probs[0].shape[1])
+    w = t < c
+    if policy.mass_window:
+        w &= (t >= prompt_len - policy.mass_window) & (t < prompt_len)
+    return np.stack([np.einsum("ht,hts->hs", np.broadcast_to(w, p.shape[:2]).astype(np.float32),
+                               p) for p in probs])
+
+
 def reference(config, params, tokens, policy, prompt_len):
     """``(log-probs f64[n, V], calls)``: row i is the distribution of the token after position
-    i under ``policy`` (a ``KVPolicy``), with the calls it made (``(point, kept)``)."""
+    i under ``policy`` (a ``KVPolicy``), with the calls it made (``(point, kept)``). A policy
+    with a ``mass_window`` gets each key's attention mass from the dense pass's probabilities
+    (`_mass`); per-layer budgets (``layer_keep``) apply."""
     model, n = Llama(config), len(tokens)
     L, H = config.num_layers, config.num_kv_heads
     interval = policy.config.interval
@@ -80,17 +97,19 @@ def reference(config, params, tokens, policy, prompt_len):
         if kept_prev is not None:
             cand[:, :, :c_prev] = kept_prev
         slots = int(cand[0, 0].sum())
-        keep = max(policy.keep_count(c), 1)
-        if keep >= slots:
+        keeps = [max(k, 1) for k in policy.layer_keep(c, L)]
+        if max(keeps) >= slots:
             continue
         keys = np.stack(masked.keys)  # [L, S, Hkv, D]
+        mass = _mass(policy, masked.probs, c, prompt_len)
         kept = np.zeros((L, H, c), bool)
         for layer in range(L):
             for h in range(H):
                 pos = np.flatnonzero(cand[layer, h])
                 k = keys[layer, pos, h][None, None]
-                score = policy.scores(np, k, pos[None, None], np.ones(len(pos), bool))[0, 0]
-                order = np.argsort(-np.asarray(score, np.float32), kind="stable")[:keep]
+                m = None if mass is None else mass[layer, h, pos][None, None]
+                score = policy.scores(np, k, pos[None, None], np.ones(len(pos), bool), mass=m)[0, 0]
+                order = np.argsort(-np.asarray(score, np.float32), kind="stable")[:keeps[layer]]
                 kept[layer, h, pos[order]] = True
         calls.append((c, kept))
         kept_prev, c_prev = kept, c
