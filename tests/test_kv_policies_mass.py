@@ -165,3 +165,29 @@ def test_pyramid_budgets_follow_kvpress():
     assert pol.layer_keep(24, 2) == [18, 6] and pol.per_layer
     # Every other method keeps its one count in every layer.
     assert policies.build(KVPolicyConfig("h2o", budget=5)).layer_keep(30, 3) == [5, 5, 5]
+
+
+def test_stacked_layers_accumulate_the_same_mass():
+    """A model whose layers run as one scan (stacked params, as the packaged GGUF models load)
+    sows its mass per layer from the scan: H2O and PyramidKV give the tokens and log-probs of
+    the per-layer model."""
+    import jax
+    from engine_utils import prompts, small_model
+
+    from paged import Engine, EngineConfig, SamplingParams
+    from paged.models.scan_layers import stack_layers
+
+    cfg, params = small_model()
+    stacked = stack_layers(cfg, jax.tree.map(np.asarray, params))
+    ps = prompts(2, seed=9, min_len=18, max_len=30)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    for pol in (KVPolicyConfig("h2o", budget=10, recent_tokens=3, interval=4),
+                KVPolicyConfig("pyramidkv", budget=10, window=2, kernel=3, beta=2.0)):
+        outs = [Engine(EngineConfig(block_size=4, max_num_seqs=2, max_model_len=64,
+                                    max_num_batched_tokens=32, kv_policy=pol),
+                       model_config=cfg, params=p).generate(ps, sp) for p in (params, stacked)]
+        for a, b in zip(*outs):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            np.testing.assert_allclose([next(iter(d.values())) for d in a.outputs[0].logprobs],
+                                       [next(iter(d.values())) for d in b.outputs[0].logprobs],
+                                       atol=1e-4)
