@@ -169,8 +169,8 @@ def test_pyramid_budgets_follow_kvpress():
 
 def test_stacked_layers_accumulate_the_same_mass():
     """A model whose layers run as one scan (stacked params, as the packaged GGUF models load)
-    sows its mass per layer from the scan: H2O and PyramidKV give the tokens and log-probs of
-    the per-layer model."""
+    sows its mass per layer from the scan and reads its holes by the traced layer index:
+    PyramidKV (mass and holes) gives the tokens and log-probs of the per-layer model."""
     import jax
     from engine_utils import prompts, small_model
 
@@ -180,14 +180,18 @@ def test_stacked_layers_accumulate_the_same_mass():
     cfg, params = small_model()
     stacked = stack_layers(cfg, jax.tree.map(np.asarray, params))
     ps = prompts(2, seed=9, min_len=18, max_len=30)
-    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
-    for pol in (KVPolicyConfig("h2o", budget=10, recent_tokens=3, interval=4),
-                KVPolicyConfig("pyramidkv", budget=10, window=2, kernel=3, beta=2.0)):
-        outs = [Engine(EngineConfig(block_size=4, max_num_seqs=2, max_model_len=64,
-                                    max_num_batched_tokens=32, kv_policy=pol),
-                       model_config=cfg, params=p).generate(ps, sp) for p in (params, stacked)]
-        for a, b in zip(*outs):
-            assert a.outputs[0].token_ids == b.outputs[0].token_ids
-            np.testing.assert_allclose([next(iter(d.values())) for d in a.outputs[0].logprobs],
-                                       [next(iter(d.values())) for d in b.outputs[0].logprobs],
-                                       atol=1e-4)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    pol = KVPolicyConfig("pyramidkv", budget=10, window=2, kernel=3, beta=2.0)
+    outs, stats = [], []
+    for p in (params, stacked):
+        engine = Engine(EngineConfig(block_size=4, max_num_seqs=2, max_model_len=64,
+                                     max_num_batched_tokens=32, kv_policy=pol),
+                        model_config=cfg, params=p)
+        outs.append(engine.generate(ps, sp))
+        stats.append(engine.kv_stats()["kv_policy"])
+    assert stats[0] == stats[1] and stats[0]["slots_hidden"] > 0
+    for a, b in zip(*outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose([next(iter(d.values())) for d in a.outputs[0].logprobs],
+                                   [next(iter(d.values())) for d in b.outputs[0].logprobs],
+                                   atol=1e-4)
