@@ -23,8 +23,12 @@ from experiments import quality_tasks as tasks
 
 
 def jit_pass(config, params):
-    """The reference's masked pass, jitted: ``run(tokens, masks) -> (logits, keys)`` (numpy).
-    Stacked (scanned) parameters are unstacked: the masks are per layer."""
+    """The reference's masked pass, jitted: ``run(tokens, masks, probs) -> (logits, keys,
+    probs)`` (numpy; ``probs`` the per-layer attention probabilities a mass-based policy's
+    replay needs, else None). Stacked (scanned) parameters are unstacked: the masks are per
+    layer."""
+    import functools
+
     import jax
     import jax.numpy as jnp
 
@@ -35,16 +39,17 @@ def jit_pass(config, params):
     params = unstack_layers(config, params) if is_stacked(params) else params
     model = Llama(config)
 
-    @jax.jit
-    def f(p, tokens, masks):
-        masked = MaskedAttention(masks)
+    @functools.partial(jax.jit, static_argnames=("probs",))
+    def f(p, tokens, masks, probs):
+        masked = MaskedAttention(masks, probs)
         with patched(masked):
             logits = model.apply(p, tokens[None], method="dense")
-        return logits[0], jnp.stack(masked.keys)
+        return logits[0], jnp.stack(masked.keys), jnp.stack(masked.probs) if probs else None
 
-    def run(tokens, masks):
-        logits, keys = f(params, jnp.asarray(tokens, jnp.int32), jnp.asarray(masks))
-        return np.asarray(logits), np.asarray(keys)
+    def run(tokens, masks, probs=False):
+        logits, keys, pr = f(params, jnp.asarray(tokens, jnp.int32), jnp.asarray(masks),
+                             probs=bool(probs))
+        return np.asarray(logits), np.asarray(keys), None if pr is None else np.asarray(pr)
 
     return run
 

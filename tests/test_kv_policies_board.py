@@ -5,6 +5,7 @@ fleet simulation; a policy given as a mapping in a study's config."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from engine_utils import small_model
 from kv_policy_reference import reference
 
@@ -16,11 +17,16 @@ from paged.config.kv_policy import KVPolicyConfig
 from paged.kv import policies
 
 
-def test_jitted_pass_equals_the_eager_reference():
+@pytest.mark.parametrize("pol", [KVPolicyConfig("knorm", budget=0.5, interval=6),
+                                 KVPolicyConfig("h2o", budget=0.5, recent_tokens=2, interval=6)],
+                         ids=lambda p: p.method)
+def test_jitted_pass_equals_the_eager_reference(pol):
+    """The same calls (kept positions) and log-probabilities; H2O's mass goes through the
+    jitted pass's probabilities."""
     cfg, params = small_model()
     rng = np.random.default_rng(0)
     tokens = [256] + rng.integers(0, 256, 29).tolist()
-    pol = policies.build(KVPolicyConfig("knorm", budget=0.5, interval=6))
+    pol = policies.build(pol)
     want, calls = reference(cfg, params, tokens, pol, 20)
     got, calls_j = reference(cfg, params, tokens, pol, 20, run=fid.jit_pass(cfg, params))
     assert len(calls) == len(calls_j) == 2

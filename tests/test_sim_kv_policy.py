@@ -18,7 +18,10 @@ BASE = dict(block_size=4, max_num_seqs=6, max_model_len=64, max_num_batched_toke
 SP = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 POLICIES = [KVPolicyConfig("streaming_llm", budget=12, sink_tokens=2, interval=4),
             KVPolicyConfig("knorm", budget=0.5, interval=3),
-            KVPolicyConfig("knorm", budget=9)]
+            KVPolicyConfig("knorm", budget=9),
+            KVPolicyConfig("h2o", budget=12, recent_tokens=4, interval=4),
+            KVPolicyConfig("snapkv", budget=0.5, window=4),
+            KVPolicyConfig("pyramidkv", budget=10, window=4)]
 
 
 def _engine_run(cfg, ps):
@@ -58,7 +61,7 @@ def test_engine_and_simulator_free_the_same_blocks(pol):
     got = rep.stats()
     assert got["kv_policy"] == stats["kv_policy"]
     assert got["kv_policy"]["pages_freed"] > 0
-    assert got["num_preemptions"] > 0 or pol.method == "streaming_llm"  # the pool binds
+    assert got["num_preemptions"] > 0 or pol.method != "knorm"  # the pool binds
     assert sim_sched == eng_sched  # freed after the same step, step by step
     assert got["num_preemptions"] == stats["num_preemptions"]
     assert got["peak_used_blocks"] == stats["block_manager"]["peak_used_blocks"]

@@ -11,22 +11,24 @@ import numpy as np
 
 from paged.engine import sampler as sampling
 from paged.kv import cache as kc
+from paged.kv import mass as kv_mass
 from paged.kv.cache import KVCache
 from paged.models.config import LlamaConfig
-from paged.models.llama import Llama
+from paged.models.llama import Llama, attention_mass
 from paged.models.sparse_attention import SparseDecode
 
 
-def device_cache(spec, num_pages: int, page_size: int, sharding=None) -> KVCache:
+def device_cache(spec, num_pages: int, page_size: int, sharding=None,
+                 attn_mass: bool = False) -> KVCache:
     """The device pool of a ``paged.kv.spec.KVSpec``: ``num_pages`` pages of ``page_size``
     tokens in its page format (``spec.page``: every layer, or one KV-cache group's ``L / G``),
-    sharded by ``sharding``."""
+    sharded by ``sharding``; ``attn_mass``: with each slot's attention mass (`paged.kv.mass`)."""
     page = spec.page
     return KVCache.create(page.num_layers, page.num_kv_heads, num_pages, page_size,
                           page.head_dim, page.dtype, sharding=sharding,
                           kv_cache_dtype=page.kv_cache_dtype,
                           scale_granularity=page.scale_granularity,
-                          page_bounds=page.page_bounds)
+                          page_bounds=page.page_bounds, attn_mass=attn_mass)
 
 
 def step_functions(model_config: LlamaConfig, config, placement, leader=None) -> tuple:
@@ -82,9 +84,17 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
         md = batch.md
         if sparse_budget is not None:
             md = md.replace(sparse=SparseDecode(cache.key_bounds, sparse_budget))
-        logits, k_pages, v_pages = model.apply(
-            params, ids, batch.positions, cache.k_pages, cache.v_pages, md,
-            batch.sample_rows, attention_impl=attention_impl)
+        mass = None
+        if batch.mw is not None and cache.attn_mass is not None:  # a KV policy's mass
+            (logits, k_pages, v_pages), state = model.apply(
+                params, ids, batch.positions, cache.k_pages, cache.v_pages,
+                md.replace(mass_weight=batch.mw), batch.sample_rows,
+                attention_impl=attention_impl, mutable=["intermediates"])
+            mass = attention_mass(state["intermediates"], model_config.num_layers)
+        else:
+            logits, k_pages, v_pages = model.apply(
+                params, ids, batch.positions, cache.k_pages, cache.v_pages, md,
+                batch.sample_rows, attention_impl=attention_impl)
         args = (logits, batch.temperature, batch.top_k, batch.top_p, batch.seed,
                 batch.sample_index, batch.sample_pos)
         extras = {}
@@ -99,6 +109,9 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
             tokens = jnp.pad(tokens, (0, out_size - tokens.shape[0]))
         new_cache = kc.update_bounds(cache.replace(k_pages=k_pages, v_pages=v_pages),
                                      batch.md.slot_mapping)
+        if mass is not None:
+            new_cache = kv_mass.accumulate(new_cache, mass, md.page_indices, md.kv_lens,
+                                           md.slot_mapping)
         return (new_cache, tokens, extras) if extras else (new_cache, tokens)
 
     return step, lambda: traces[0]

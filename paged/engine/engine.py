@@ -120,7 +120,8 @@ class Engine:
             load_draft(config, model_config, num_pages, page_size, host_blocks, placement),
             core.builder)
         core.reader.speculator = self.speculator
-        self.cache = device_cache(spec, num_pages, page_size, placement.kv)
+        self.cache = device_cache(spec, num_pages, page_size, placement.kv,
+                                  attn_mass=core.kv_runner is not None and core.kv_runner.mass)
         self._host_k, self._host_v = kc.host_buffers(self.cache, host_blocks) if host_blocks \
             else (None, None)
         # The host tier's slots (one store per cache: a draft model's gets the same copies).

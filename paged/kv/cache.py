@@ -12,9 +12,10 @@ each), so copy-on-write, swap and poison move a page's scales with its values; t
 
 With ``page_bounds`` (sparse decode, ``pallas_kernels.page_select``) the cache also holds
 ``key_bounds [num_layers, num_kv_heads, num_pages, 2, head_dim]``: each page's element-wise key
-minimum and maximum, updated by ``write`` / ``update_bounds``. The bounds travel with the keys:
-every page copy, read and write below moves ``key_side(cache)`` (the key pages and their
-bounds), so CoW, swap, the host tier and hand-overs keep them with their page.
+minimum and maximum, updated by ``write`` / ``update_bounds``. With ``attn_mass`` (KV policies
+scoring by attention, `paged.kv.mass`) it holds each slot's accumulated attention mass ``f32[L,
+Hkv, P, page, 1]``. Both travel with the keys: every page copy, read and write below moves
+``key_side(cache)``, so CoW, swap, the host tier and hand-overs keep them with their page.
 
 Page ``NULL_PAGE`` (0) is the null page: page-table padding points at it and padded tokens write
 into it. It is never handed to a sequence, so its content is garbage by design (debug mode even fills
@@ -54,6 +55,7 @@ class KVCache:
     k_pages: jax.Array | QuantizedPages  # [L, Hkv, P, page, D]
     v_pages: jax.Array | QuantizedPages  # [L, Hkv, P, page, D]
     key_bounds: jax.Array | None = None  # [L, Hkv, P, 2, D]: per page key min (0) and max (1)
+    attn_mass: jax.Array | None = None  # f32[L, Hkv, P, page, 1]: per slot accumulated mass
 
     @classmethod
     def create(
@@ -69,6 +71,7 @@ class KVCache:
         kv_cache_dtype: str = "auto",
         scale_granularity: str = "token",
         page_bounds: bool = False,
+        attn_mass: bool = False,
     ) -> KVCache:
         """Allocates a zeroed cache; ``num_pages`` includes the null page.
 
@@ -79,8 +82,8 @@ class KVCache:
             "fp8_e5m2"; "int4", "int2": ``pallas_kernels.packed.PackedPages``, keys per channel
             and values per token, written page by page with ``packed.close_pages``).
           scale_granularity: "token" (per (token, KV head)) or "page" (per (page, KV head)).
-          page_bounds: also hold each page's key bounds (``key_bounds``, in ``dtype``; an
-            unquantized cache only).
+          page_bounds, attn_mass: also hold each page's key bounds (``key_bounds``, in ``dtype``;
+            unquantized only), each slot's attention mass (``attn_mass``, f32).
 
         Raises:
           TypeError: a dimension is not an integer (``bool`` and floats included).
@@ -111,13 +114,12 @@ class KVCache:
         if sharding is not None:
             # The scales' KV-head axis is axis 1 like the pages': one sharding serves every leaf.
             zeros = jax.jit(zeros, out_shardings=sharding)
-        bounds = None
-        if page_bounds:
-            if kv_cache_dtype != "auto":
-                raise ValueError(f"page_bounds needs kv_cache_dtype='auto', got {kv_cache_dtype!r}")
-            make = functools.partial(jnp.zeros, shape[:3] + (2, head_dim), dtype)
-            bounds = (make if sharding is None else jax.jit(make, out_shardings=sharding))()
-        return cls(k_pages=zeros(), v_pages=zeros(), key_bounds=bounds)
+        if page_bounds and kv_cache_dtype != "auto":
+            raise ValueError(f"page_bounds needs kv_cache_dtype='auto', got {kv_cache_dtype!r}")
+        side = lambda on, tail, dt: jax.jit(functools.partial(  # noqa: E731 (sharded zeros)
+            jnp.zeros, shape[:3] + tail, dt), out_shardings=sharding)() if on else None
+        return cls(k_pages=zeros(), v_pages=zeros(), key_bounds=side(page_bounds, (2, head_dim),
+                   dtype), attn_mass=side(attn_mass, (page_size, 1), jnp.float32))
 
     # The pool's dimensions (ints) and page dtype, read off the key pages.
     num_layers = property(lambda self: self.k_pages.shape[0])
@@ -134,8 +136,8 @@ class KVCache:
 
     @property
     def metadata_nbytes(self) -> int:
-        """Bytes of the pages' key bounds (0 without sparse decode)."""
-        return 0 if self.key_bounds is None else int(self.key_bounds.nbytes)
+        """Bytes of the pages' key bounds and slots' attention mass (0 without them)."""
+        return sum(int(x.nbytes) for x in (self.key_bounds, self.attn_mass) if x is not None)
 
     @property
     def scale_nbytes(self) -> int:
@@ -225,15 +227,17 @@ def update_bounds(cache: KVCache, slot_mapping: jax.Array) -> KVCache:
 
 
 def key_side(cache: KVCache):
-    """What moves with a page's keys: ``k_pages``, or ``(k_pages, key_bounds)`` with bounds
-    (page axis 2 in every leaf)."""
+    """What moves with a page's keys: ``k_pages``, ``(k_pages, key_bounds)`` with bounds, or
+    ``(k_pages, key_bounds or None, attn_mass)`` with mass (page axis 2 in every leaf)."""
+    if cache.attn_mass is not None:
+        return cache.k_pages, cache.key_bounds, cache.attn_mass
     return cache.k_pages if cache.key_bounds is None else (cache.k_pages, cache.key_bounds)
 
 
 def _with_key_side(cache: KVCache, k) -> KVCache:
-    if cache.key_bounds is None:
+    if cache.attn_mass is None and cache.key_bounds is None:
         return cache.replace(k_pages=k)
-    return cache.replace(k_pages=k[0], key_bounds=k[1])
+    return cache.replace(**dict(zip(("k_pages", "key_bounds", "attn_mass"), k)))
 
 
 def write(
@@ -290,8 +294,7 @@ def copy_pages(cache: KVCache, src, dst) -> KVCache:
     real = dst != NULL_PAGE
     if len(set(dst[real].tolist())) != int(real.sum()) or set(dst[real].tolist()) & set(src.tolist()):
         raise ValueError(f"dst pages must be distinct and disjoint from src: src={src.tolist()} dst={dst.tolist()}")
-    src, dst = pad_pages(src), pad_pages(dst)
-    return _copy_pages(cache, jnp.asarray(src), jnp.asarray(dst))
+    return _copy_pages(cache, jnp.asarray(pad_pages(src)), jnp.asarray(pad_pages(dst)))
 
 
 @jax.jit
@@ -474,7 +477,7 @@ def gather(cache: KVCache, page_indices, length: int) -> tuple[np.ndarray, np.nd
         raise ValueError(f"length={length} needs more than the {pages.size} pages given "
                          f"(page_size={cache.page_size})")
     k, v = swap_out(cache, pages)  # [L, Hkv, n, page, D]
-    if cache.key_bounds is not None:
+    if cache.key_bounds is not None or cache.attn_mass is not None:
         k = k[0]
 
     def flat(x):

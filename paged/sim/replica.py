@@ -134,6 +134,10 @@ class SimReplica:
         # any KV layout.
         check_supported(config, self.model_config, prefill_decode=role != "both")
         self.kv_spec = spec = KVSpec.build(self.model_config, config)
+        if config.kv_policy is not None and spec.model is None:
+            raise ValueError(f"kv_policy={config.kv_policy!r}: the simulator runs the policy's "
+                             f"bookkeeping per layer; pass model_config with the model's "
+                             f"dimensions (a ModelDims or LlamaConfig)")
         self.window = spec.window
         self._tier = SimTier.build(config, spec, host_link)
         self.core = core = HostCore(config, tokenizer=self.tokenizer,
