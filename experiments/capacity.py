@@ -60,9 +60,8 @@ def check(c) -> dict:
     """Checks every setting; builds every arm's EngineConfig and every point's workload."""
     serving.check_serving(c)
     engines = serving.check_arms(c)
-    if len(engines) < 2:
-        raise ValueError(f"config.arms has {len(engines)} arm; capacity needs two (the ratio is "
-                         "the first's capacity over the second's)")
+    if not engines:
+        raise ValueError("config.arms names no arm")  # one arm: no ratio (a piece of a grid)
     if c.workload.trace:
         raise ValueError(f"workload.trace={c.workload.trace!r}: capacity sweeps the arrival rate "
                          "of a constructed workload; serve a trace with experiments.serve")
@@ -169,13 +168,14 @@ def main(c, plan):
     label = check_same_evidence([{"evidence": p["evidence"], "derived": p["derived"],
                                   "name": f"{a['name']}@{p['rate']}"}
                                  for a in arms for p in a["points"]], swept=("time_scale",))
-    first, second = arms[0]["capacity_rps"], arms[1]["capacity_rps"]
+    first = arms[0]["capacity_rps"]
+    second = arms[1]["capacity_rps"] if len(arms) > 1 else None
     ratio = first / second if first and second else None
     for a in arms:
         pool = a.get("pool")
         pool = f"  ({pool['num_blocks']} blocks of {pool['kv_format']})" if pool else ""
         print(f"capacity {a['name']:20s} {a['capacity_rps']} req/s{pool}")
-    print(f"ratio {arms[0]['name']} / {arms[1]['name']}: {ratio if ratio is None else round(ratio, 2)}"
+    print(f"ratio {arms[0]['name']} / {arms[-1]['name']}: {ratio if ratio is None else round(ratio, 2)}"
           f"  (SLO: p99 TTFT <= {c.ttft_slo_ms} ms, p99 TPOT <= {c.tpot_slo_ms} ms)")
     common.write_result(out_dir / "capacity.json", {
         "study": "capacity", "evidence": label, "config": c.to_dict(), "arms": arms,

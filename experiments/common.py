@@ -237,8 +237,10 @@ def _type_name(parent, leaf: str) -> str:
 
 # --- checks shared by the studies ----------------------------------------------------------------
 def check_model(name: str) -> str:
-    """``name`` if it is a bundled model, ``"random-small"`` or a Hugging Face checkpoint
-    directory (its ``config.json`` checked); ValueError otherwise."""
+    """``name`` if it is a bundled model, ``"random-small"``, a packaged GGUF model or ``.gguf``
+    file, or a Hugging Face checkpoint directory (its ``config.json`` checked); ValueError
+    otherwise."""
+    from paged.models.gguf import is_gguf_path
     from paged.models.hf import is_checkpoint_dir
     from paged.models.hf_config import read_hf_config
     from paged.models.registry import KNOWN_MODELS
@@ -246,6 +248,8 @@ def check_model(name: str) -> str:
     known = ("random-small", *KNOWN_MODELS)
     if is_checkpoint_dir(name):
         read_hf_config(name)
+    elif is_gguf_path(name):  # a packaged model ("smollm2-135m") or a .gguf file
+        return name
     elif name not in known:
         raise ValueError(f"model={name!r} must be one of {known} or a checkpoint directory "
                          "(config.json + safetensors)")
@@ -340,12 +344,15 @@ def load_model(name: str):
     """``(config, params)`` of a bundled model, of "random-small" (random weights, for smoke runs)
     or of a Hugging Face checkpoint directory (float32, `paged.models.load_checkpoint`)."""
     from paged.models.config import LlamaConfig
+    from paged.models.gguf import is_gguf_path
     from paged.models.hf import is_checkpoint_dir, load_checkpoint
-    from paged.models.registry import init_params
+    from paged.models.registry import init_params, load_any
     from paged.models.registry import load_model as load_bundled
 
     if is_checkpoint_dir(name):
         return load_checkpoint(name)
+    if is_gguf_path(name):  # a packaged model or a .gguf file (`load_any`: layers stacked)
+        return load_any(name)[:2]
     if name == "random-small":
         cfg = LlamaConfig(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                           ffn_dim=128)

@@ -7,6 +7,12 @@ on SmolLM2-135M through the engine (the policy compacts each prompt's KV when it
   study's task); ``evidence: constructed``;
 * **agreement**: the fraction of generated tokens equal to the full-KV arm's, position by
   position up to the first difference (greedy);
+* **perplexity and KL against full KV** (``fidelity``): a corpus prefix plays the prompt, the
+  policy runs when it ends, and a teacher-forced continuation is scored
+  (`experiments.kv_policies_fidelity`: the masked dense reference the engine is tested equal
+  to); ``evidence: real``;
+* **fleet capacity** (``fleet``): the simulator running the same policy bookkeeping, priced
+  (`experiments.kv_policies_fleet`); ``evidence: simulated``;
 * **realized KV bytes per sequence**: each needle runs alone; after every step its held bytes
   are read from the engine's ledger (``kv_stats()["ledger"]``: effective KV + tail
   fragmentation + shared), and the row reports the median over the second half of its steps
@@ -19,6 +25,7 @@ Pareto front marked).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -43,6 +50,14 @@ def parse_arm(text: str):
 
 
 def check(c) -> list:
+    if c.join:
+        missing = [d for d in c.join if not (Path(d) / "kv_policies.json").is_file()]
+        if missing:
+            raise ValueError(f"join={tuple(c.join)}: no kv_policies.json in {missing}")
+        missing = [p for p in c.join_capacity if not Path(p).is_file()]
+        if missing:
+            raise ValueError(f"join_capacity: no such file {missing}")
+        return []
     if not c.arms or c.arms[0] != "full":
         raise ValueError(f"arms={c.arms}: the first arm must be 'full' (the reference)")
     return [parse_arm(a) for a in c.arms]
@@ -83,9 +98,31 @@ def agreement(ref: list[int], got: list[int]) -> float:
     return same / max(len(ref), 1)
 
 
+def join(c) -> None:
+    """The pieces' rows in one table and one plot (`experiments.kv_policies_board`)."""
+    from experiments import kv_policies_board as board
+
+    out_dir = common.output_dir(c, "kv_policies")
+    rows, pieces = board.load_pieces(c.join)
+    cap = board.engine_capacity(c.join_capacity)
+    inputs = [p["path"] for p in pieces] + list(c.join_capacity)
+    text = board.table(rows) + ("\n\n" + board.capacity_table(cap) if cap else "")
+    (out_dir / "board.md").write_text(text + "\n")
+    common.write_result(out_dir / "board.json", {
+        "study": "kv_policies", "joined": pieces, "config": c.to_dict(),
+        "evidence": {"retrieval": "constructed", "kv_bytes": "constructed", "fidelity": "real",
+                     "fleet": "simulated", **({"engine_capacity": "constructed"} if cap else {})},
+        "rows": rows, "engine_capacity": cap}, inputs=inputs)
+    board.plot(rows, out_dir / "board.png")
+    print(text)
+    print(f"wrote {out_dir}/board.json, board.md, board.png")
+
+
 def main(c, policies: list) -> None:
     from paged.models.registry import load_any
 
+    if c.join:
+        return join(c)
     out_dir = common.output_dir(c, "kv_policies")
     t0 = time.perf_counter()
     config, params, tok = load_any(c.model)
@@ -94,11 +131,24 @@ def main(c, policies: list) -> None:
                    for n in tasks.needles(tok, corpus, length, d, c.needles_per_cell, c.seed)]
     max_len = max(len(n.prompt_ids) for n in needle_list) + c.max_tokens + c.block_size
     max_len = -(-max_len // c.block_size) * c.block_size
+    from experiments import kv_policies_fidelity as fid
+    from experiments import kv_policies_fleet as fleet
+
+    fid_chunks = fid.chunks(c, corpus)
+    fid_run = fid.jit_pass(config, params)
+    fid_ref, fleets = None, {}
     rows, ref = [], None
     with common.Progress(len(policies), "kv_policies", unit="arms") as bar:
         for name, policy in zip(c.arms, policies, strict=True):
             t = time.perf_counter()
             per, stats = run_arm(c, policy, config, params, needle_list, max_len)
+            got = [fid.continuation_logprobs(config, params, fid_run, ch, policy,
+                                             c.fidelity_prefix) for ch in fid_chunks]
+            fid_ref = got if fid_ref is None else fid_ref
+            fidelity = fid.score(fid_ref, got, fid_chunks, c.fidelity_prefix)
+            k = fleet.key(policy)
+            if c.fleet.enabled and k not in fleets:
+                fleets[k] = {**fleet.capacity(c.fleet, policy), "key": repr(k)}
             ref = per if ref is None else ref
             # The decode phase: the second half of the steps (24 decodes against a few prefill
             # chunks), the policy's call behind it.
@@ -112,18 +162,26 @@ def main(c, policies: list) -> None:
                    "kv_bytes_peak": float(np.mean([max(h) for _, _, h in per])),
                    "kv_policy": stats["kv_policy"],
                    "evicted_bytes": stats["ledger"]["evicted_bytes"],
+                   "fidelity": fidelity, "fleet": fleets.get(k),
                    "seconds": time.perf_counter() - t}
             rows.append(row)
+            cap = (row["fleet"] or {}).get("capacity_rps")
             print(f"{name:<20} retrieval {row['retrieval']:.2f} agreement "
                   f"{row['agreement']:.2f} KV/seq {row['kv_bytes_decode_mean'] / 1e6:.2f} MB "
-                  f"(peak {row['kv_bytes_peak'] / 1e6:.2f} MB)", flush=True)
+                  f"(peak {row['kv_bytes_peak'] / 1e6:.2f} MB) ppl {fidelity['perplexity']:.2f} "
+                  f"KL {fidelity['kl_mean']:.3f} fleet {cap} req/s", flush=True)
             bar.update()
     pareto = pareto_front(rows)
     for r in rows:
         r["pareto"] = r["arm"] in pareto
     payload = {"study": "kv_policies", "model": c.model, "config": c.to_dict(),
                "provenance": common.provenance(),
-               "evidence": {"retrieval": "constructed", "kv_bytes": "constructed"},
+               "evidence": {"retrieval": "constructed", "kv_bytes": "constructed",
+                            "fidelity": "real", "fleet": "simulated"},
+               "fidelity": {"corpus": tasks.corpus_info(tasks.corpus_text(), len(corpus)),
+                            "prefix": c.fidelity_prefix,
+                            "continuation": c.fidelity_continuation,
+                            "chunks": c.fidelity_chunks},
                "needle": {"prompt_tokens": sorted({len(n.prompt_ids) for n in needle_list})},
                "rows": rows, "seconds": time.perf_counter() - t0}
     path = common.write_json(out_dir / "kv_policies.json", payload)

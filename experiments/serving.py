@@ -319,8 +319,9 @@ def build_workload(w, max_model_len: int, *, time_scale: bool = True) -> Workloa
         raise ValueError(f"workload.evidence={evidence!r} labels a trace (workload.trace); a "
                          f"workload made here (workload.kind={w.kind!r}) is 'constructed'")
     try:
+        fixed = {k: w.get(k) for k in ("prompt_len", "output_len")} if w.kind == "fixed" else {}
         return make_workload(w.kind, w.num_requests, w.rate, burstiness=w.burstiness,
-                             max_model_len=max_model_len, seed=w.seed)
+                             max_model_len=max_model_len, seed=w.seed, **fixed)
     except (ValueError, TypeError) as e:
         raise type(e)(f"workload.{e}") from None
 

@@ -114,6 +114,27 @@ def auto_fits(style: str, shp: validation.PagedShape, dtype, config=None) -> boo
     return True
 
 
+MASS = """The attention mass (``mass_weight``, KV policies such as H2O and SnapKV): per
+sequence, KV head and key slot (in table order, ``j`` at page ``page_indices[.., j // page]``),
+the sum over the call's query rows ``t`` of that sequence and the query heads of the KV head's
+group of ``mass_weight[t]`` x the softmax probability of the key (0 for slots no query sees). The
+"xla" path reads the keys a second time (the probabilities need each query's final max and sum:
+keys only, about the score half of the attention's work); "reference" materialises them. The
+Pallas styles do not return it: their one pass keeps only the running max and sum per query
+(split-K partitions merged after the kernel on GPU), so the mass would be a second kernel over
+the same pages (computed separately it costs one more ``q . k`` pass over every key a query
+sees, the K pages read again, no V). Without ``mass_weight`` every path is unchanged."""
+
+
+def _check_mass(kind: str, weight, rows: int) -> None:
+    if kind == "pallas":
+        raise ValueError("mass_weight: the Pallas kernels do not return the attention mass "
+                         "(pallas_kernels.api.MASS); use impl='xla' or 'reference'")
+    if getattr(weight, "shape", None) != (rows,):
+        raise ValueError(f"mass_weight must be f32[{rows}] (one weight per query row), got "
+                         f"shape {getattr(weight, 'shape', None)}")
+
+
 def _kernel(op: str, style: str):
     module, name = _KERNELS[op][style]
     return getattr(importlib.import_module(module), name)
@@ -132,6 +153,7 @@ def paged_attention(
     config=None,
     layer=None,
     sliding_window: int | None = None,
+    mass_weight: jax.Array | None = None,  # f32[B]
 ) -> jax.Array:  # [B, Hq, D]
     """Decode attention: one query token per sequence over its paged KV cache.
 
@@ -160,8 +182,12 @@ def paged_attention(
         on every call (measured: the step time then grows with the pool size). Pallas impls take
         the slice.
 
+      mass_weight: if given (f32[B], a weight per query token), also return the attention
+        mass (see :data:`MASS`).
+
     Returns:
-      ``[B, Hq, D]`` in ``q.dtype``, accumulated in float32.
+      ``[B, Hq, D]`` in ``q.dtype``, accumulated in float32; with ``mass_weight``
+      ``(out, mass f32[B, Hkv, pages_per_seq * page])``.
 
     Raises:
       ValueError / TypeError: bad shapes, dtypes, knobs or ``impl`` (message names the value).
@@ -175,6 +201,11 @@ def paged_attention(
         kind, config = "xla", None
     validation.check_sliding_window(sliding_window)
     kw = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
+    if mass_weight is not None:
+        if impl == "auto":  # the Pallas styles do not return the mass (MASS)
+            kind, config = "xla", None
+        _check_mass(kind, mass_weight, q.shape[0])
+        kw["mass_weight"] = mass_weight
     if kind == "xla":
         return xla.paged_attention(q, k_pages, v_pages, lengths, page_indices, **kw, config=config,
                                    layer=layer)
@@ -201,6 +232,8 @@ def ragged_paged_attention(
     config=None,
     layer=None,
     sliding_window: int | None = None,
+    mass_weight: jax.Array | None = None,  # f32[T]
+    kv_holes: jax.Array | None = None,  # i32[max_num_seqs, 2]
 ) -> jax.Array:  # [T, Hq, D]
     """Causal attention for a mixed batch: prefill chunks, decodes and multi-token verification.
 
@@ -221,9 +254,15 @@ def ragged_paged_attention(
       sm_scale, soft_cap, impl, config, layer: as in :func:`paged_attention`.
       sliding_window: if set (a positive int W), the row at position ``p`` sees keys
         ``[p - W + 1, p]`` only; pages wholly behind every row's window are not read.
+      mass_weight: if given (f32[T], a weight per query row), also return the attention mass
+        (see :data:`MASS`), summed over each sequence's rows.
+      kv_holes: if given, sequence ``i``'s keys ``[kv_holes[i, 0], kv_holes[i, 1])`` are not
+        seen (a KV policy's per-layer budgets, PyramidKV; ``lo == hi``: none). "xla" and
+        "reference" only (``impl="auto"`` then takes "xla").
 
     Returns:
-      ``[T, Hq, D]`` in ``q.dtype``.
+      ``[T, Hq, D]`` in ``q.dtype``; with ``mass_weight``
+      ``(out, mass f32[max_num_seqs, Hkv, pages_per_seq * page])``.
 
     Raises:
       ValueError / TypeError: bad shapes, dtypes, knobs or ``impl``.
@@ -237,6 +276,17 @@ def ragged_paged_attention(
         kind, config = "xla", None
     validation.check_sliding_window(sliding_window)
     kw = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
+    if mass_weight is not None or kv_holes is not None:
+        if impl == "auto":  # the Pallas styles do not return the mass (MASS) nor take holes
+            kind, config = "xla", None
+        if kind == "pallas":
+            raise ValueError("mass_weight / kv_holes: not served by the Pallas kernels "
+                             "(pallas_kernels.api.MASS); use impl='xla' or 'reference'")
+    if mass_weight is not None:
+        _check_mass(kind, mass_weight, q.shape[0])
+        kw["mass_weight"] = mass_weight
+    if kv_holes is not None:
+        kw["kv_holes"] = kv_holes
     if kind == "xla":
         return xla.ragged_paged_attention(
             q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kw, config=config,

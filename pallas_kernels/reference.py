@@ -52,17 +52,29 @@ def masked_softmax_attend(
     return softmax.normalize(denom, jnp.einsum("...gs,...sd->...gd", p, v))
 
 
+def masked_probs(q, k, mask, *, sm_scale: float, soft_cap: float | None):
+    """The softmax probabilities ``f32[..., G, S]`` of :func:`masked_softmax_attend` (0 where
+    masked; a query that sees no key has none)."""
+    s = jnp.einsum("...gd,...sd->...gs", q.astype(jnp.float32), k.astype(jnp.float32))
+    s = jnp.where(mask, softmax.scale_scores(s, sm_scale=sm_scale, soft_cap=soft_cap), -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(den > 0, den, 1.0)
+
+
 def paged_attention(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0, soft_cap=None,
-                    sliding_window=None):
+                    sliding_window=None, mass_weight=None):
     """Decode attention of one query token per sequence over its paged KV (reference; arguments
-    as in :func:`pallas_kernels.paged_attention`)."""
+    as in :func:`pallas_kernels.paged_attention`, ``mass_weight`` too)."""
     shp = validation.check_paged_attention(
         q, k_pages, v_pages, lengths, page_indices, sm_scale=sm_scale, soft_cap=soft_cap
     )
     k_pages, v_pages = quant.as_float(k_pages), quant.as_float(v_pages)
     validation.check_sliding_window(sliding_window)
     return _attend_pages(q, k_pages, v_pages, page_indices, lengths, shp, sm_scale=sm_scale,
-                         soft_cap=soft_cap, sliding_window=sliding_window)  # fmt: skip
+                         soft_cap=soft_cap, sliding_window=sliding_window,
+                         mass_weight=mass_weight)  # fmt: skip
 
 
 def paged_attention_state(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0,
@@ -114,10 +126,13 @@ def window_start(limit: jax.Array, sliding_window: int | None) -> jax.Array:
 
 
 def _attend_pages(q, k_pages, v_pages, tables, limit, shp, *, sm_scale, soft_cap,
-                  sliding_window=None):
+                  sliding_window=None, mass_weight=None, hole=None):
     """Row ``r`` of ``q`` [R, Hq, D] attends to keys ``[lo, limit[r])`` of the pages ``tables[r]``
     (i32[R, pages_per_seq]), gathering the whole page list of every row; ``lo`` is 0, or
-    ``limit[r] - sliding_window`` with a window."""
+    ``limit[r] - sliding_window`` with a window. With ``mass_weight`` (f32[R]) also returns each
+    row's attention mass f32[R, Hkv, S]: ``mass_weight[r]`` x the probabilities summed over the
+    row's query heads of each KV head. With ``hole`` (i32[R, 2]) keys ``[hole[r, 0], hole[r,
+    1])`` are not seen."""
     rows = q.shape[0]
     seq_len = shp.pages_per_seq * shp.page_size
 
@@ -128,9 +143,16 @@ def _attend_pages(q, k_pages, v_pages, tables, limit, shp, *, sm_scale, soft_cap
     qg = q.reshape(rows, shp.num_kv_heads, shp.group, shp.head_dim)
     j = jnp.arange(seq_len)[None, :]
     mask = (j < limit[:, None]) & (j >= window_start(limit, sliding_window)[:, None])  # [R, S]
+    if hole is not None:
+        mask = mask & ((j < hole[:, :1]) | (j >= hole[:, 1:]))
     out = masked_softmax_attend(qg, gather(k_pages), gather(v_pages), mask[:, None, None, :],
                                 sm_scale=sm_scale, soft_cap=soft_cap)  # fmt: skip
-    return out.reshape(q.shape).astype(q.dtype)
+    out = out.reshape(q.shape).astype(q.dtype)
+    if mass_weight is None:
+        return out
+    p = masked_probs(qg, gather(k_pages), mask[:, None, None, :], sm_scale=sm_scale,
+                     soft_cap=soft_cap)  # fmt: skip
+    return out, jnp.sum(p, axis=2) * jnp.asarray(mass_weight, jnp.float32)[:, None, None]
 
 
 def ragged_token_layout(
@@ -161,10 +183,10 @@ def ragged_token_layout(
 
 def ragged_paged_attention(
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale=1.0,
-    soft_cap=None, sliding_window=None,
+    soft_cap=None, sliding_window=None, mass_weight=None, kv_holes=None,
 ):  # fmt: skip
     """Causal attention for a mixed batch of prefill chunks, decodes and verifications (reference;
-    arguments as in :func:`pallas_kernels.ragged_paged_attention`).
+    arguments as in :func:`pallas_kernels.ragged_paged_attention`, ``mass_weight`` too).
 
     Gathers each token's whole page list; fine for tests, too big for production shapes.
     """
@@ -175,8 +197,14 @@ def ragged_paged_attention(
     validation.check_sliding_window(sliding_window)
     seq, limit = ragged_token_layout(q.shape[0], kv_lens, cu_q_lens, num_seqs)
     k_pages, v_pages = quant.as_float(k_pages), quant.as_float(v_pages)
-    return _attend_pages(q, k_pages, v_pages, page_indices[seq], limit, shp, sm_scale=sm_scale,
-                         soft_cap=soft_cap, sliding_window=sliding_window)  # fmt: skip
+    out = _attend_pages(q, k_pages, v_pages, page_indices[seq], limit, shp, sm_scale=sm_scale,
+                        soft_cap=soft_cap, sliding_window=sliding_window,
+                        mass_weight=mass_weight,
+                        hole=None if kv_holes is None else jnp.asarray(kv_holes)[seq])  # fmt: skip
+    if mass_weight is None:
+        return out
+    out, rows = out  # [T, Hkv, S]: padding rows see no key (0)
+    return out, jnp.zeros((kv_lens.shape[0], *rows.shape[1:]), jnp.float32).at[seq].add(rows)
 
 
 def flash_attention(q, k, v, *, kv_lens=None, causal=True, sm_scale=1.0, soft_cap=None):

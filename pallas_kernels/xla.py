@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import quant, reference, softmax, validation
+from pallas_kernels.xla_mass import _seen, attention_mass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,8 @@ def paged_rows_attention(
     layer=None,
     state: bool = False,
     sliding_window: int | None = None,
+    mass_weight: jax.Array | None = None,  # f32[R, M]
+    hole: jax.Array | None = None,  # i32[R, 2]
 ) -> jax.Array:  # f32[R, Hkv, M, D]
     """Query ``m`` of row ``r`` attends to keys ``[0, row_limit[r, m])`` of the pages ``row_pages[r]``
     (with ``sliding_window`` W: keys ``[row_limit - W, row_limit)``).
@@ -97,6 +100,11 @@ def paged_rows_attention(
     heads, or a chunk of consecutive tokens of one sequence times their heads. With ``layer``,
     ``k_pages``/``v_pages`` are the stacked cache ``[L, Hkv, P, page, D]`` and blocks are gathered
     straight from layer ``layer`` (no copy of the layer).
+
+    With ``mass_weight`` (f32[R, M], a weight per query) also returns each row's attention mass
+    ``f32[R, Hkv, pages_per_seq * page]``: per key slot, the sum over the row's queries of
+    weight x softmax probability (:func:`pallas_kernels.xla_mass.attention_mass`, a second pass over the keys). With
+    ``hole`` (i32[R, 2]) row ``r``'s keys ``[hole[r, 0], hole[r, 1])`` are not seen.
     """
     rows, num_kv_heads, num_queries, head_dim = q.shape
     page_size = k_pages.shape[-2]
@@ -115,6 +123,8 @@ def paged_rows_attention(
     row_lo = jnp.min(jnp.where(row_limit > 0, lo, pages_per_seq * page_size), axis=1)  # [R]
     first = jnp.minimum(jnp.min(row_lo) // block, trips)
     lo = lo[None, :, :, None]  # [1, R, M or 1, 1]
+    if hole is not None:  # folded into ``lo`` as a pair: keys seen are >= lo and not in the hole
+        lo = (lo, hole[None, :, None, 0, None], hole[None, :, None, 1, None])
     # Work in [Hkv, R, ...]: the gather's natural layout, so no per-block transpose of K/V.
     qf = jnp.swapaxes(q, 0, 1).astype(jnp.float32)  # [Hkv, R, M, D]
     limit = row_limit[None, :, :, None]  # [1, R, M or 1, 1]
@@ -142,7 +152,7 @@ def paged_rows_attention(
             return g.reshape(num_kv_heads, rows, block, head_dim)
 
         pos = i * block + offsets
-        valid = (pos < limit) & (pos >= lo)  # [1, R, M, block]
+        valid = _seen(pos, lo, limit)  # [1, R, M, block]
         v_valid = (pos[None, :] < row_max[:, None]) & (pos[None, :] >= row_lo[:, None])
         v_valid = v_valid[None, :, :, None]  # [1, R, block, 1]
         s = jnp.einsum("hrmd,hrkd->hrmk", qf, gather(k_pages))
@@ -152,18 +162,25 @@ def paged_rows_attention(
 
     init = softmax.initial_state((num_kv_heads, rows, num_queries), head_dim)
     m, lsum, acc = lax.fori_loop(first, trips, body, init)
+    if mass_weight is not None:
+        out = jnp.swapaxes(softmax.normalize(lsum, acc), 0, 1)
+        return out, attention_mass(
+            qf, k_pages, row_pages, (m, lsum), mass_weight, (lo, limit), (first, trips),
+            sm_scale=sm_scale, soft_cap=soft_cap, layer=layer, pages_per_block=pages_per_block,
+            pages_per_seq=pages_per_seq, in_loop=_in_loop)  # fmt: skip
     if state:
         return tuple(jnp.swapaxes(x, 0, 1) for x in (m, lsum, acc))
     return jnp.swapaxes(softmax.normalize(lsum, acc), 0, 1)
 
 
 def grouped_rows_attention(q, k_pages, v_pages, row_pages, row_limit, count, *, config,
-                           state=False, **kw):  # fmt: skip
+                           state=False, mass_weight=None, hole=None, **kw):  # fmt: skip
     """:func:`paged_rows_attention` over groups of ``config.items_per_group`` rows.
 
     Same arguments and result (f32[R, Hkv, M, D], or the state with ``state=True``), plus
     ``count`` (i32[]): the rows that are live, a prefix; the others are skipped and come out
-    zero (state: ``m = -inf``, ``l = 0``, which weighs nothing in a merge). Small groups keep one
+    zero (state: ``m = -inf``, ``l = 0``, which weighs nothing in a merge; mass: 0). With
+    ``mass_weight`` (f32[R, M]) returns ``(out, mass f32[R, Hkv, S])``. Small groups keep one
     group's gathered KV block in cache (several times faster on CPU than one batch-wide gather),
     and the loop stops after the last live row.
     """
@@ -175,12 +192,19 @@ def grouped_rows_attention(q, k_pages, v_pages, row_pages, row_limit, count, *, 
         q = jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0)))
         row_pages = jnp.pad(row_pages, ((0, pad), (0, 0)))
         row_limit = jnp.pad(row_limit, ((0, pad), (0, 0)))
+        if mass_weight is not None:
+            mass_weight = jnp.pad(mass_weight, ((0, pad), (0, 0)))
+        if hole is not None:
+            hole = jnp.pad(hole, ((0, pad), (0, 0)))
 
     def body(g, out):
         sl = lambda x: lax.dynamic_slice_in_dim(x, g * per_group, per_group, axis=0)  # noqa: E731
+        extra = {k: sl(x) for k, x in (("mass_weight", mass_weight), ("hole", hole))
+                 if x is not None}
         o = paged_rows_attention(
-            sl(q), k_pages, v_pages, sl(row_pages), sl(row_limit), config=config, state=state, **kw
-        )
+            sl(q), k_pages, v_pages, sl(row_pages), sl(row_limit), config=config, state=state,
+            **extra, **kw,
+        )  # fmt: skip
         return jax.tree.map(
             lambda buf, x: lax.dynamic_update_slice_in_dim(buf, x, g * per_group, axis=0), out, o
         )
@@ -188,6 +212,9 @@ def grouped_rows_attention(q, k_pages, v_pages, row_pages, row_limit, count, *, 
     out = jnp.zeros(q.shape, jnp.float32)
     if state:
         out = (jnp.full(q.shape[:3], -jnp.inf, jnp.float32), jnp.zeros(q.shape[:3], jnp.float32), out)
+    elif mass_weight is not None:
+        slots = row_pages.shape[1] * k_pages.shape[-2]
+        out = (out, jnp.zeros((q.shape[0], q.shape[1], slots), jnp.float32))
     out = lax.fori_loop(0, (count + per_group - 1) // per_group, body, out)
     return jax.tree.map(lambda x: x[:rows], out)
 
@@ -242,9 +269,10 @@ def ragged_items(
 
 def paged_attention(
     q, k_pages, v_pages, lengths, page_indices, *, sm_scale=1.0, soft_cap=None, config=None,
-    layer=None, state=False, sliding_window=None,
+    layer=None, state=False, sliding_window=None, mass_weight=None,
 ):  # fmt: skip
-    """``impl="xla"`` of :func:`pallas_kernels.paged_attention` (same arguments).
+    """``impl="xla"`` of :func:`pallas_kernels.paged_attention` (same arguments; with
+    ``mass_weight`` f32[B] returns ``(out, mass f32[B, Hkv, pages_per_seq * page])``).
 
     ``state=True`` returns the unnormalised online-softmax state ``(m f32[B, Hq], l f32[B, Hq],
     acc f32[B, Hq, D])`` instead of the output (cascade attention merges states).
@@ -256,11 +284,18 @@ def paged_attention(
     q, lengths, page_indices = map(jnp.asarray, (q, lengths, page_indices))
     k_pages, v_pages = quant.asarray(k_pages), quant.asarray(v_pages)
     qg = q.reshape(q.shape[0], shp.num_kv_heads, shp.group, shp.head_dim)
+    extra = {}
+    if mass_weight is not None:  # every query head of a row carries its token's weight
+        w = jnp.asarray(mass_weight, jnp.float32)
+        extra["mass_weight"] = jnp.broadcast_to(w[:, None], (q.shape[0], shp.group))
     out = grouped_rows_attention(
         qg, k_pages, v_pages, page_indices.astype(jnp.int32), lengths[:, None],
         jnp.int32(q.shape[0]), sm_scale=sm_scale, soft_cap=soft_cap, config=config or XlaConfig(),
-        layer=layer, state=state, sliding_window=sliding_window,
+        layer=layer, state=state, sliding_window=sliding_window, **extra,
     )  # fmt: skip
+    if mass_weight is not None:
+        out, mass = out
+        return out.reshape(q.shape).astype(q.dtype), mass
     if state:
         m, lsum, acc = out
         return m.reshape(q.shape[:2]), lsum.reshape(q.shape[:2]), acc.reshape(q.shape)
@@ -269,9 +304,12 @@ def paged_attention(
 
 def ragged_paged_attention(
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-    sm_scale=1.0, soft_cap=None, config=None, layer=None, sliding_window=None,
+    sm_scale=1.0, soft_cap=None, config=None, layer=None, sliding_window=None, mass_weight=None,
+    kv_holes=None,
 ):  # fmt: skip
-    """``impl="xla"`` of :func:`pallas_kernels.ragged_paged_attention` (same arguments).
+    """``impl="xla"`` of :func:`pallas_kernels.ragged_paged_attention` (same arguments; with
+    ``mass_weight`` f32[T] returns ``(out, mass f32[max_num_seqs, Hkv, pages_per_seq * page])``,
+    each sequence's items summed).
 
     Each sequence's query rows are cut into items of ``config.ragged_chunk`` consecutive tokens
     (one item per decode); an item gathers its sequence's pages once per KV block for all its
@@ -297,31 +335,53 @@ def ragged_paged_attention(
         (~single, chunk, min(-(-num_tokens // 2), max_num_seqs) + -(-num_tokens // chunk)),
     )
     out = jnp.zeros((num_tokens, shp.num_kv_heads, shp.group, shp.head_dim), jnp.float32)
+    mass = None
+    if mass_weight is not None:
+        slots = page_indices.shape[1] * shp.page_size
+        mass = jnp.zeros((max_num_seqs, shp.num_kv_heads, slots), jnp.float32)
     for select, size, max_items in passes:
         items = ragged_items(num_tokens, kv_lens, cu_q_lens, num_seqs, size, select, max_items)
         part = _ragged_pass(
             q, k_pages, v_pages, page_indices, items, shp, chunk=size, sm_scale=sm_scale,
             soft_cap=soft_cap, config=config, layer=layer, sliding_window=sliding_window,
+            mass_weight=mass_weight, kv_holes=kv_holes,
         )  # fmt: skip
+        if mass is not None:
+            part, item_mass = part
+            live = jnp.arange(item_mass.shape[0]) < items["count"]
+            mass = mass.at[items["seq"]].add(jnp.where(live[:, None, None], item_mass, 0.0))
         out = jnp.where(items["valid"][:, None, None, None], part, out)
-    return out.reshape(q.shape).astype(q.dtype)
+    out = out.reshape(q.shape).astype(q.dtype)
+    return out if mass is None else (out, mass)
 
 
 def _ragged_pass(q, k_pages, v_pages, page_indices, items, shp, *, chunk, sm_scale, soft_cap,
-                 config, layer=None, sliding_window=None):  # fmt: skip
-    """Runs one pass of work items; returns f32[T, Hkv, G, D] (rows of other passes: garbage)."""
+                 config, layer=None, sliding_window=None, mass_weight=None,
+                 kv_holes=None):  # fmt: skip
+    """Runs one pass of work items; returns f32[T, Hkv, G, D] (rows of other passes: garbage),
+    and with ``mass_weight`` each item's mass f32[W, Hkv, S] (items past the count: 0)."""
     num_tokens, _, d = q.shape
     hkv, group = shp.num_kv_heads, shp.group
     width = items["seq"].shape[0]
     q_items = q.reshape(num_tokens, hkv, group, d)[items["rows"]]  # [W, chunk, Hkv, G, D]
     q_items = q_items.transpose(0, 2, 1, 3, 4).reshape(width, hkv, chunk * group, d)
+    limit = jnp.repeat(items["limit"], group, axis=1)
+    extra = {}
+    if mass_weight is not None:  # empty slots see no key (limit 0): their weight never counts
+        w = jnp.asarray(mass_weight, jnp.float32)[items["rows"]]  # [W, chunk]
+        extra["mass_weight"] = jnp.repeat(w, group, axis=1)
+    if kv_holes is not None:
+        extra["hole"] = jnp.asarray(kv_holes, jnp.int32)[items["seq"]]
     out = grouped_rows_attention(
-        q_items, k_pages, v_pages, page_indices.astype(jnp.int32)[items["seq"]],
-        jnp.repeat(items["limit"], group, axis=1), items["count"],
-        sm_scale=sm_scale, soft_cap=soft_cap, config=config, layer=layer,
-        sliding_window=sliding_window,
+        q_items, k_pages, v_pages, page_indices.astype(jnp.int32)[items["seq"]], limit,
+        items["count"], sm_scale=sm_scale, soft_cap=soft_cap, config=config, layer=layer,
+        sliding_window=sliding_window, **extra,
     )  # fmt: skip
-    return out.reshape(width, hkv, chunk, group, d)[items["item"], :, items["slot"]]
+    mass = None
+    if mass_weight is not None:
+        out, mass = out
+    out = out.reshape(width, hkv, chunk, group, d)[items["item"], :, items["slot"]]
+    return out if mass is None else (out, mass)
 
 
 def flash_attention(

@@ -38,7 +38,11 @@ def test_full_and_a_long_window_change_nothing():
     ps = prompts(3, seed=1, min_len=20, max_len=50)
     base, _ = _run(None, ps)
     for pol in (KVPolicyConfig("full", interval=2),
-                KVPolicyConfig("streaming_llm", budget=128, interval=3)):
+                KVPolicyConfig("streaming_llm", budget=128, interval=3),
+                # A covering budget: the attention mass is computed (a second pass; SnapKV's
+                # path is PyramidKV's without holes) and the tokens stay those of no policy.
+                KVPolicyConfig("h2o", budget=128, recent_tokens=4, interval=3),
+                KVPolicyConfig("pyramidkv", budget=128, window=4, beta=2.0)):
         outs, engine = _run(pol, ps)
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
         assert engine.kv_stats()["kv_policy"]["tokens_dropped"] == 0
@@ -48,11 +52,26 @@ CASES = [
     KVPolicyConfig("streaming_llm", budget=12, sink_tokens=2, interval=4),
     KVPolicyConfig("knorm", budget=0.5, interval=3),
     KVPolicyConfig("knorm", budget=9),
+    # Attention mass (paged.kv.mass): accumulated over every query, compacted every 4 tokens.
+    KVPolicyConfig("h2o", budget=12, recent_tokens=4, interval=4),
+    KVPolicyConfig("h2o", budget=0.5, recent_tokens=2, interval=5),
+    # The prompt's last 4 queries vote, pooled over 3 slots (avg; max).
+    KVPolicyConfig("snapkv", budget=12, window=4, kernel=3),
+    KVPolicyConfig("snapkv", budget=0.4, window=3, kernel=5, pooling="max"),
+    # Per-layer budgets [18, 6] of 12 (2 layers, beta 2): the second layer hides 12 slots.
+    KVPolicyConfig("pyramidkv", budget=12, window=2, kernel=3, beta=2.0),
 ]
 
 
-@pytest.mark.parametrize("pol", CASES, ids=lambda p: f"{p.method}-{p.budget}-{p.interval}")
-@pytest.mark.parametrize("caching", [True, False])
+# Prefix caching on and off for the key-based methods; off only for the mass-based ones (their
+# compaction is the same code; off poisons every freed page, the stronger check).
+RUNS = [(p, c) for p in CASES for c in ((False,) if policies.build(p).mass_window is not None
+                                          else (True, False))]
+
+
+@pytest.mark.parametrize("pol, caching", RUNS,
+                         ids=lambda x: f"{x.method}-{x.budget}-{x.interval}"
+                         if isinstance(x, KVPolicyConfig) else str(x))
 def test_compacted_engine_equals_the_masked_dense_reference(pol, caching):
     """Tokens and log-probs equal the reference; with prefix caching off every freed page dies
     and is NaN-poisoned (debug_checks), so reading one would show."""
@@ -81,9 +100,21 @@ def test_compacted_engine_equals_the_masked_dense_reference(pol, caching):
     (dict(method="knorm", budget=0), "budget"),
     (dict(method="knorm", budget=1.5), "budget"),
     (dict(method="knorm", budget=True), "budget"),
-    (dict(method="h2o"), "method"),
+    (dict(method="tova"), "method"),
     (dict(method="streaming_llm", budget=4, sink_tokens=4), "sink_tokens"),
     (dict(method="knorm", interval=-1), "interval"),
+    (dict(method="h2o", budget=8, recent_tokens=8), "recent_tokens"),
+    (dict(method="h2o", recent_tokens=-1), "recent_tokens"),
+    (dict(method="h2o", recent_tokens=1.0), "recent_tokens"),
+    (dict(method="snapkv", budget=16, window=16), "window"),
+    (dict(method="snapkv", window=0), "window"),
+    (dict(method="snapkv", kernel=4), "kernel"),
+    (dict(method="snapkv", kernel=0), "kernel"),
+    (dict(method="snapkv", pooling="median"), "pooling"),
+    (dict(method="snapkv", budget=0.5, interval=8), "interval"),
+    (dict(method="pyramidkv", budget=0.5, interval=8), "interval"),
+    (dict(method="pyramidkv", beta=0.5), "beta"),
+    (dict(method="pyramidkv", budget=64, window=64), "window"),
 ])
 def test_bad_settings_are_one_clear_error(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -106,13 +137,18 @@ def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_replays_the_policy_exactly(mode):
+MASS_POL = KVPolicyConfig("h2o", budget=0.75, recent_tokens=4, interval=5)
+
+
+@pytest.mark.parametrize("mode, pol", [("recompute", POL), ("swap", POL), ("swap", MASS_POL)],
+                         ids=["recompute", "swap", "swap-h2o"])
+def test_preemption_replays_the_policy_exactly(mode, pol):
     """A pool too small for every sequence: preempted sequences (recomputed, chunks stopping
-    at the policy's points; or swapped out and in) end with the tokens of a pool that fits."""
+    at the policy's points; or swapped out and in, H2O's attention mass with their pages) end
+    with the tokens of a pool that fits."""
     ps = prompts(4, seed=3, min_len=20, max_len=30)
-    roomy, _ = _run(POL, ps, LONG, max_model_len=64)
-    tight, engine = _run(POL, ps, LONG, preemption_mode=mode, num_host_blocks=64, **SMALL_POOL)
+    roomy, _ = _run(pol, ps, LONG, max_model_len=64)
+    tight, engine = _run(pol, ps, LONG, preemption_mode=mode, num_host_blocks=64, **SMALL_POOL)
     assert engine.kv_stats()["num_preemptions"] > 0
     assert _tokens(tight) == _tokens(roomy)
 
@@ -218,14 +254,3 @@ def test_scores_in_numpy_pick_what_each_method_names():
     k = policies.build(KVPolicyConfig("knorm", budget=3)).scores(np, keys, pos, valid)
     norms = np.linalg.norm(keys[0, 0], axis=-1)
     assert set(np.argsort(-k[0, 0])[:3].tolist()) == set(np.argsort(norms)[:3].tolist())
-
-
-def test_the_simulator_refuses_a_kv_policy():
-    from paged.sim import H200, LLAMA3_8B, RooflineStepModel
-    from paged.sim.replica import SimReplica
-
-    cfg = EngineConfig(model="sim", num_blocks=64, block_size=16, async_scheduling=False,
-                       kv_policy=KVPolicyConfig("knorm", budget=0.5))
-    with pytest.raises(ValueError, match="kv_policy"):
-        SimReplica(cfg, RooflineStepModel(H200, LLAMA3_8B, block_size=16),
-                   model_config=LLAMA3_8B, build_device=False)

@@ -120,6 +120,10 @@ def make_engine_config(engine: Mapping | ml_collections.ConfigDict, *, model: st
         optional = type(None) in typing.get_args(hints.get(key))
         if value is None and not optional:
             continue  # unset per-arm field: EngineConfig's default
+        if key == "kv_policy" and isinstance(value, Mapping):  # KVPolicyConfig's fields
+            from paged.config.kv_policy import KVPolicyConfig
+
+            value = KVPolicyConfig(**value)
         kwargs[key] = value
     if model is not None and model != "random-small":
         kwargs["model"] = model

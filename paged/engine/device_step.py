@@ -11,28 +11,31 @@ import numpy as np
 
 from paged.engine import sampler as sampling
 from paged.kv import cache as kc
+from paged.kv import mass as kv_mass
 from paged.kv import packed_cache
 from paged.kv.cache import KVCache
 from paged.kv.open_pages import OpenPages
 from paged.models.config import LlamaConfig
 from paged.models.kivi_attention import KiviPages
-from paged.models.llama import Llama
+from paged.models.llama import Llama, attention_mass
 from paged.models.sparse_attention import SparseDecode
 
 
 def device_cache(spec, num_pages: int, page_size: int, sharding=None,
-                 open_slots: int = 0) -> KVCache:
+                 open_slots: int = 0, attn_mass: bool = False) -> KVCache:
     """The device pool of a ``paged.kv.spec.KVSpec``: ``num_pages`` pages of ``page_size``
     tokens in its page format (``spec.page``: every layer, or one KV-cache group's ``L / G``),
     sharded by ``sharding``; a packed format (int4 / int2) also gets ``open_slots`` open pages
-    in the model dtype (``paged.kv.open_pages``)."""
+    in the model dtype (``paged.kv.open_pages``); ``attn_mass``: with each slot's attention mass
+    (``paged.kv.mass``)."""
     page = spec.page
     return KVCache.create(page.num_layers, page.num_kv_heads, num_pages, page_size,
                           page.head_dim, page.dtype, sharding=sharding,
                           kv_cache_dtype=page.kv_cache_dtype,
                           scale_granularity=page.scale_granularity,
                           page_bounds=page.page_bounds,
-                          open_slots=open_slots if page.packed_bits else 0)
+                          open_slots=open_slots if page.packed_bits else 0,
+                          attn_mass=attn_mass)
 
 
 def open_pages(core, config, spec) -> OpenPages | None:
@@ -105,9 +108,17 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
         k_pages, v_pages = cache.k_pages, cache.v_pages
         if cache.open_k is not None:  # packed pages travel with their open pages
             k_pages, v_pages = KiviPages(k_pages, cache.open_k), KiviPages(v_pages, cache.open_v)
-        logits, k_pages, v_pages = model.apply(
-            params, ids, batch.positions, k_pages, v_pages, md,
-            batch.sample_rows, attention_impl=attention_impl)
+        mass = None
+        if batch.mw is not None and cache.attn_mass is not None:  # a KV policy's mass
+            (logits, k_pages, v_pages), state = model.apply(
+                params, ids, batch.positions, k_pages, v_pages,
+                md.replace(mass_weight=batch.mw), batch.sample_rows,
+                attention_impl=attention_impl, mutable=["intermediates"])
+            mass = attention_mass(state["intermediates"], model_config.num_layers)
+        else:
+            logits, k_pages, v_pages = model.apply(
+                params, ids, batch.positions, k_pages, v_pages, md,
+                batch.sample_rows, attention_impl=attention_impl)
         if cache.open_k is not None:
             cache = cache.replace(open_k=k_pages.open, open_v=v_pages.open)
             k_pages, v_pages = k_pages.pool, v_pages.pool
@@ -125,6 +136,9 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
             tokens = jnp.pad(tokens, (0, out_size - tokens.shape[0]))
         new_cache = kc.update_bounds(cache.replace(k_pages=k_pages, v_pages=v_pages),
                                      batch.md.slot_mapping)
+        if mass is not None:
+            new_cache = kv_mass.accumulate(new_cache, mass, md.page_indices, md.kv_lens,
+                                           md.slot_mapping)
         return (new_cache, tokens, extras) if extras else (new_cache, tokens)
 
     return step, lambda: traces[0]

@@ -127,8 +127,8 @@ class Engine:
             core.builder)
         core.reader.speculator = self.speculator
         self.open_pages = open_pages(core, config, self.kv_spec)
-        self.cache = device_cache(spec, num_pages, page_size, placement.kv,
-                                  open_slots=config.max_num_seqs)
+        self.cache = device_cache(spec, num_pages, page_size, placement.kv, config.max_num_seqs,
+                                  core.kv_runner is not None and core.kv_runner.mass)
         self._host_k, self._host_v = kc.host_buffers(self.cache, host_blocks) if host_blocks \
             else (None, None)
         # The host tier's slots (one store per cache: a draft model's gets the same copies).

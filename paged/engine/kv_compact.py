@@ -6,7 +6,8 @@ KV head) with each slot's original position, keeps the ``num_kept`` best of each
 head) in slot order and writes them into the region's first slots; writes past them go to the
 null page, so the freed pages' content is untouched (a freed block that is still keyed stays a
 valid prefix-cache entry). Keys are stored after RoPE: a survivor keeps its rotation, so
-attention needs no position, only the slot count (``kv_lens``).
+attention needs no position, only the slot count (``kv_lens``). A cache with attention mass
+(`paged.kv.mass`) hands the region's mass to the policy and moves the survivors' with them.
 
 Each compacted sequence has a device record of its slots' original positions (i32[L, Hkv,
 S], in a ``PosRecord`` the sequence holds), so a later call of a position-aware policy
@@ -27,10 +28,11 @@ from paged.kv.paging import NULL_PAGE
 
 
 @functools.partial(jax.jit, static_argnames=("policy",), donate_argnums=(0,))
-def _compact(cache: KVCache, region, meta, record, policy):
+def _compact(cache: KVCache, region, meta, record, layer_kept, policy):
     """``region`` i32[Pp]: pages (NULL_PAGE padded); ``meta`` i32[5]: region slots, kept, first
-    slot, dropped before, record count; ``record`` i32[L, Hkv, S]. Returns (cache, new record,
-    its count)."""
+    slot, dropped before, record count; ``record`` i32[L, Hkv, S]; ``layer_kept`` i32[L]: slots
+    each layer keeps (<= kept; a layer's slots past its own count hold other tokens, hidden
+    from it by the attention's holes). Returns (cache, new record, its count)."""
     k_all, v_all = cache.k_pages, cache.v_pages
     L, H, _, B, D = k_all.shape
     R = region.shape[0] * B
@@ -43,10 +45,15 @@ def _compact(cache: KVCache, region, meta, record, policy):
     k = k_all[:, :, region].reshape(L, H, R, D)
     v = v_all[:, :, region].reshape(L, H, R, D)
     valid = idx < n_region
-    score = jnp.where(valid, policy.scores(jnp, k, pos, valid).astype(jnp.float32), -jnp.inf)
+    mass = None
+    if cache.attn_mass is not None:  # the slots' attention mass moves with their keys
+        mass = cache.attn_mass[:, :, region].reshape(L, H, R)
+        mass = jnp.where(valid, mass, 0.0)  # a freed page's slots may hold NaN (debug poison)
+    score = policy.scores(jnp, k, pos, valid, mass=mass).astype(jnp.float32)
+    score = jnp.where(valid, score, -jnp.inf)
     order = jnp.argsort(-score, axis=-1, stable=True)  # best first, ties to the earlier slot
     rank = jnp.argsort(order, axis=-1)
-    keep = (rank < n_kept) & valid
+    keep = (rank < jnp.minimum(layer_kept, n_kept)[:, None, None]) & valid
     sel = jnp.argsort(jnp.where(keep, idx, R + idx), axis=-1)  # the kept, in slot order, first
     k_new = jnp.take_along_axis(k, sel[..., None], axis=2)
     v_new = jnp.take_along_axis(v, sel[..., None], axis=2)
@@ -55,6 +62,9 @@ def _compact(cache: KVCache, region, meta, record, policy):
     dst_off = idx % B
     k_all = k_all.at[:, :, dst_page, dst_off].set(k_new.astype(k_all.dtype))
     v_all = v_all.at[:, :, dst_page, dst_off].set(v_new.astype(v_all.dtype))
+    if mass is not None:
+        m_new = jnp.take_along_axis(mass, sel, axis=2)[..., None]
+        cache = cache.replace(attn_mass=cache.attn_mass.at[:, :, dst_page, dst_off].set(m_new))
     # The new record: slots before the region as they were, then the survivors' positions.
     js = jnp.arange(S, dtype=jnp.int32)
     before = jnp.where(js < count, record, js + dropped)
@@ -99,7 +109,10 @@ class Compactor:
             meta = jnp.stack([jnp.int32(plan.num_region), jnp.int32(plan.num_kept),
                               jnp.int32(op.start), jnp.int32(op.dropped_before),
                               jnp.asarray(count, jnp.int32)])
-            cache, record, count = _compact(cache, jnp.asarray(pages), meta, record, self.policy)
+            kept = np.full(self.shape[0], plan.num_kept, np.int32) if op.layer_kept is None \
+                else np.asarray(op.layer_kept, np.int32)
+            cache, record, count = _compact(cache, jnp.asarray(pages), meta, record,
+                                            jnp.asarray(kept), self.policy)
             op.pos_dst.arrays = (record, count)
         return cache
 

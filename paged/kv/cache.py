@@ -4,17 +4,14 @@ Layout (the one of JAX's own Pallas paged-attention kernels, layers stacked in f
 
     k_pages, v_pages: [num_layers, num_kv_heads, num_pages, page_size, head_dim]
 
-With ``kv_cache_dtype`` int8 / fp8 each of ``k_pages`` and ``v_pages`` is a
-``pallas_kernels.quant.QuantizedPages`` pytree (values of that shape plus float32 scales
-``[num_layers, num_kv_heads, num_pages, S]``, ``S`` = page_size per token or 1 per page) instead of
-one array. Every page operation here maps the same page index over all leaves (the page axis is 2 in
-each), so copy-on-write, swap and poison move a page's scales with its values; the write quantizes.
-
-With ``page_bounds`` (sparse decode, ``pallas_kernels.page_select``) the cache also holds
-``key_bounds [num_layers, num_kv_heads, num_pages, 2, head_dim]``: each page's element-wise key
-minimum and maximum, updated by ``write`` / ``update_bounds``. The bounds travel with the keys:
-every page copy, read and write below moves ``key_side(cache)`` (the key pages and their
-bounds), so CoW, swap, the host tier and hand-overs keep them with their page.
+With int8 / fp8 each of ``k_pages`` / ``v_pages`` is a ``pallas_kernels.quant.QuantizedPages``
+(values plus f32 scales ``[L, Hkv, P, S]``, ``S`` = page_size or 1); int4 / int2 pages are packed
+(``pallas_kernels.packed``) with open pages in ``open_k`` / ``open_v`` (``paged.kv.packed_cache``).
+Page operations map one page index over all leaves (page axis 2), so CoW, swap and poison move a
+page's scales with its values. ``page_bounds`` adds ``key_bounds [L, Hkv, P, 2, D]`` (each page's
+key min and max, for sparse decode); ``attn_mass`` adds ``f32[L, Hkv, P, page, 1]`` (each slot's
+accumulated attention mass, for KV policies, ``paged.kv.mass``). Both travel with the keys: every
+page copy, read and write moves ``key_side(cache)``, so CoW, swap, host tier and hand-over keep them.
 
 Page ``NULL_PAGE`` (0) is the null page: page-table padding points at it and padded tokens write
 into it. It is never handed to a sequence, so its content is garbage by design (debug mode even fills
@@ -58,6 +55,7 @@ class KVCache:
     # Packed (int4 / int2) pages: open pages in the model dtype by slot (paged.kv.open_pages).
     open_k: jax.Array | None = None  # [L, Hkv, num_slots, page, D]
     open_v: jax.Array | None = None  # [L, Hkv, num_slots, page, D]
+    attn_mass: jax.Array | None = None  # f32[L, Hkv, P, page, 1]: per slot accumulated mass
 
     @classmethod
     def create(
@@ -74,6 +72,7 @@ class KVCache:
         scale_granularity: str = "token",
         page_bounds: bool = False,
         open_slots: int = 0,
+        attn_mass: bool = False,
     ) -> KVCache:
         """Allocates a zeroed cache; ``num_pages`` includes the null page.
 
@@ -87,6 +86,7 @@ class KVCache:
           page_bounds: also hold each page's key bounds (``key_bounds``, in ``dtype``; of the
             dequantized keys for int8 / fp8 pages; not for packed int4 / int2 pages).
           open_slots: packed formats: slots of ``open_k`` / ``open_v`` (0: none, ops only).
+          attn_mass: also hold each slot's attention mass (``attn_mass``, f32; KV policies).
 
         Raises:
           TypeError: a dimension is not an integer (``bool`` and floats included).
@@ -114,11 +114,10 @@ class KVCache:
         if sharding is not None:
             # The scales' KV-head axis is axis 1 like the pages': one sharding serves every leaf.
             zeros = jax.jit(zeros, out_shardings=sharding)
-        bounds = None
-        if page_bounds:
-            make = functools.partial(jnp.zeros, shape[:3] + (2, head_dim), dtype)
-            bounds = (make if sharding is None else jax.jit(make, out_shardings=sharding))()
-        return cls(k_pages=zeros(), v_pages=zeros(), key_bounds=bounds)
+        side = lambda on, tail, dt: jax.jit(functools.partial(  # noqa: E731 (sharded zeros)
+            jnp.zeros, shape[:3] + tail, dt), out_shardings=sharding)() if on else None
+        return cls(k_pages=zeros(), v_pages=zeros(), key_bounds=side(page_bounds, (2, head_dim),
+                   dtype), attn_mass=side(attn_mass, (page_size, 1), jnp.float32))
 
     # The pool's dimensions (ints) and page dtype, read off the key pages.
     num_layers = property(lambda self: self.k_pages.shape[0])
@@ -140,8 +139,8 @@ class KVCache:
 
     @property
     def metadata_nbytes(self) -> int:
-        """Bytes of the pages' key bounds (0 without sparse decode)."""
-        return 0 if self.key_bounds is None else int(self.key_bounds.nbytes)
+        """Bytes of the pages' key bounds and slots' attention mass (0 without them)."""
+        return sum(int(x.nbytes) for x in (self.key_bounds, self.attn_mass) if x is not None)
 
     @property
     def scale_nbytes(self) -> int:
@@ -231,15 +230,17 @@ def update_bounds(cache: KVCache, slot_mapping: jax.Array) -> KVCache:
 
 
 def key_side(cache: KVCache):
-    """What moves with a page's keys: ``k_pages``, or ``(k_pages, key_bounds)`` with bounds
-    (page axis 2 in every leaf)."""
+    """What moves with a page's keys: ``k_pages``, ``(k_pages, key_bounds)`` with bounds, or
+    ``(k_pages, key_bounds or None, attn_mass)`` with mass (page axis 2 in every leaf)."""
+    if cache.attn_mass is not None:
+        return cache.k_pages, cache.key_bounds, cache.attn_mass
     return cache.k_pages if cache.key_bounds is None else (cache.k_pages, cache.key_bounds)
 
 
 def _with_key_side(cache: KVCache, k) -> KVCache:
-    if cache.key_bounds is None:
+    if cache.attn_mass is None and cache.key_bounds is None:
         return cache.replace(k_pages=k)
-    return cache.replace(k_pages=k[0], key_bounds=k[1])
+    return cache.replace(**dict(zip(("k_pages", "key_bounds", "attn_mass"), k)))
 
 
 def write(
@@ -302,8 +303,7 @@ def copy_pages(cache: KVCache, src, dst) -> KVCache:
     real = dst != NULL_PAGE
     if len(set(dst[real].tolist())) != int(real.sum()) or set(dst[real].tolist()) & set(src.tolist()):
         raise ValueError(f"dst pages must be distinct and disjoint from src: src={src.tolist()} dst={dst.tolist()}")
-    src, dst = pad_pages(src), pad_pages(dst)
-    return _copy_pages(cache, jnp.asarray(src), jnp.asarray(dst))
+    return _copy_pages(cache, jnp.asarray(pad_pages(src)), jnp.asarray(pad_pages(dst)))
 
 
 @jax.jit
@@ -477,7 +477,7 @@ def gather(cache: KVCache, page_indices, length: int) -> tuple[np.ndarray, np.nd
         raise ValueError(f"length={length} needs more than the {pages.size} pages given "
                          f"(page_size={cache.page_size})")
     k, v = swap_out(cache, pages)  # [L, Hkv, n, page, D]
-    if cache.key_bounds is not None:
+    if cache.key_bounds is not None or cache.attn_mass is not None:
         k = k[0]
 
     def flat(x):

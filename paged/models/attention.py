@@ -50,6 +50,13 @@ class AttentionMetadata:
     # Packed (int4 / int2, KIVI) pages: the step's open-page and closing indices
     # (paged.models.kivi_attention.KiviMeta). None: any other cache.
     kivi: object | None = None
+    # KV policies scoring by attention (paged.kv.mass): f32[num_tokens], each query row's weight
+    # in the attention mass each layer then reports (sown as "intermediates"/"attn_mass",
+    # f32[max_num_seqs, K, pages_per_seq * page_size]). None: no mass computed.
+    mass_weight: jax.Array | None = None
+    # Per-layer budgets of a KV policy (PyramidKV): i32[L, max_num_seqs, 2], layer l of sequence
+    # i does not see its slots [lo, hi). None: every layer sees every slot.
+    kv_holes: jax.Array | None = None
 
     @property
     def num_groups(self) -> int:
@@ -291,11 +298,17 @@ class PagedAttention(nn.Module):
         elif md.cascade is not None and self.sliding_window is None:
             out = self._cascade(q, k_pages, v_pages, md, layer, attention_impl)
         else:
+            extra = {} if md.mass_weight is None else {"mass_weight": md.mass_weight}
+            if md.kv_holes is not None:
+                extra["kv_holes"] = md.kv_holes[0 if layer is None else layer]
             out = pk.ragged_paged_attention(
                 q, k_pages, v_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
                 sm_scale=self.head_dim**-0.5, soft_cap=self.soft_cap, impl=attention_impl,
-                layer=layer, sliding_window=self.sliding_window,
+                layer=layer, sliding_window=self.sliding_window, **extra,
             )  # fmt: skip
+            if md.mass_weight is not None:
+                out, mass = out
+                self.sow("intermediates", "attn_mass", mass)
         out = jnp.einsum("TNH,NHD->TD", out.astype(self.dtype), wo)
         return out, k_pages, v_pages
 

@@ -64,6 +64,16 @@ class DecoderBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def attention_mass(intermediates, num_layers: int) -> jax.Array:
+    """Each layer's attention mass f32[L, S, K, pages_per_seq * page_size] from the
+    ``"intermediates"`` of a paged forward run with ``md.mass_weight`` (``mutable=
+    ["intermediates"]``): sown per layer, or stacked by the scanned layers."""
+    if "attn_mass" in intermediates:
+        return intermediates["attn_mass"][0]
+    return jnp.stack([intermediates[f"layers_{i}"]["attn"]["attn_mass"][0]
+                      for i in range(num_layers)])
+
+
 class Llama(nn.Module):
     """Decoder-only LM. Params: ``embedding [V, D]``, ``layers_{i}`` (or ``layers``, stacked),
     ``final_norm``, and ``lm_head [D, V]`` when embeddings are untied."""
@@ -178,14 +188,22 @@ class Llama(nn.Module):
             raise ValueError(f"stacked layers take one KV-cache group, the batch has "
                              f"{md.num_groups}")
         block = self._unbound_block()
+        mass = md.mass_weight is not None  # each layer's mass: a scan output, sown stacked
 
         def body(carry, xs):
             (x, k, v), (p, layer) = carry, xs
-            return block.apply({"params": p}, x, positions, k, v, md, layer=layer,
-                               attention_impl=attention_impl), None
+            args = ({"params": p}, x, positions, k, v, md)
+            kw = dict(layer=layer, attention_impl=attention_impl)
+            if not mass:
+                return block.apply(*args, **kw), None
+            out, state = block.apply(*args, **kw, mutable=["intermediates"])
+            return out, state["intermediates"]["attn"]["attn_mass"][0]
 
         layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        return jax.lax.scan(body, (x, k_pages, v_pages), (self.stacked, layers))[0]
+        out, ys = jax.lax.scan(body, (x, k_pages, v_pages), (self.stacked, layers))
+        if mass:
+            self.sow("intermediates", "attn_mass", ys)
+        return out
 
     def dense(
         self,

@@ -77,6 +77,8 @@ def step_shape(ib: InputBatch, builder: BatchBuilder, sched: SchedulerOutput, *,
         kv = 0
     elif window is None:
         kv = int(ib.num_computed[rows].sum()) + nd
+        if builder.kv_offsets:  # a KV policy dropped positions: attention reads the slots
+            kv -= int(ib.dropped[rows].sum())
     else:
         kv = int(np.minimum(ib.num_computed[rows] + 1, window).sum())
     pairs = kv
@@ -87,8 +89,9 @@ def step_shape(ib: InputBatch, builder: BatchBuilder, sched: SchedulerOutput, *,
         c = q.num_computed_tokens
         t += n
         if window is None:
-            kv += c + n
-            pairs += n * c + n * (n + 1) // 2
+            held = c - q.num_dropped if builder.kv_offsets else c  # slots (a KV policy)
+            kv += held + n
+            pairs += n * held + n * (n + 1) // 2
         else:
             kv += min(c + n, window + n - 1)
             pairs += window_pairs(c + n, window) - window_pairs(c, window)

@@ -133,11 +133,11 @@ class SimReplica:
         # engine's rule: a window shorter than a block); the shape counts in-window reads under
         # any KV layout.
         check_supported(config, self.model_config, prefill_decode=role != "both")
-        if config.kv_policy is not None:
-            raise ValueError(f"kv_policy={config.kv_policy!r}: the simulator does not model KV "
-                             f"policies yet (its light batches and fast-forward count one slot "
-                             f"per position); run the engine")
         self.kv_spec = spec = KVSpec.build(self.model_config, config)
+        if config.kv_policy is not None and spec.model is None:
+            raise ValueError(f"kv_policy={config.kv_policy!r}: the simulator runs the policy's "
+                             f"bookkeeping per layer; pass model_config with the model's "
+                             f"dimensions (a ModelDims or LlamaConfig)")
         self.window = spec.window
         self._tier = SimTier.build(config, spec, host_link)
         self.core = core = HostCore(config, tokenizer=self.tokenizer,
@@ -147,6 +147,7 @@ class SimReplica:
             core.block_manager, core.batch, core.scheduler)
         self._builder, self._reader = core.builder, core.reader
         self._shape: StepShape | None = None  # the step being begun's (``planned``)
+        self._compacted = 0  # blocks a KV policy's compactions rewrote before this step
         self.build_device = bool(build_device)
         self.token_salt = int(token_salt)
         self.schedule_log: list | None = [] if record_schedule else None
@@ -162,6 +163,7 @@ class SimReplica:
         self.fast_forward = bool(
             fast_forward and not self.build_device and not config.debug_checks
             and self.window is None and config.cascade_attention == "off"
+            and config.kv_policy is None
             and getattr(step_model, "stateless", False) and config.policy != "prefill-first"
             and config.scheduling == "continuous"
             and all(not 0 <= e < 256 for e in self._reader.eos_ids))
@@ -386,11 +388,21 @@ class SimReplica:
         if sched.is_empty:
             return
         self._shape = self.shape_of(sched)
+        if self._compacted:  # a KV policy's compactions, priced as copies of their regions
+            self._shape = dataclasses.replace(
+                self._shape, copy_blocks=self._shape.copy_blocks + self._compacted)
+            self._compacted = 0
         if self.schedule_log is not None:
             ib = self.batch
             ran = [(ib.seqs[r].request_id, 1) for r in sched.decode_rows.tolist()]
             ran += [(it.seq.request_id, it.num_new_tokens) for it in sched.scheduled]
             self.schedule_log.append((step.now, ran, [s.request_id for s in sched.preempted]))
+
+    def compact(self, ops) -> None:
+        """A KV policy's compactions (``HostCore.begin``, before scheduling; the host side, the
+        blocks freed, is the engine's): the device half would read each op's region and write
+        its survivors, priced as a copy of the region's blocks with the next step."""
+        self._compacted += sum(len(op.plan.region) for op in ops)
 
     def prepare(self, sched) -> None:
         """Nothing to copy on a modelled device (host-tier copies are priced after the build)."""
@@ -457,7 +469,8 @@ class SimReplica:
                 "recycled_blocks": bm["recycled_blocks"], "sliding_window": self.window,
                 "cascade_steps": cascade["steps"],
                 "cascade_prefix_tokens_shared": cascade["prefix_tokens_shared"],
-                **({"host_tier": self.host_tier_stats()} if self._tier else {})}
+                **({"host_tier": self.host_tier_stats()} if self._tier else {}),
+                **({"kv_policy": self.core.kv_runner.stats()} if self.core.kv_runner else {})}
 
     def host_tier_stats(self) -> dict:
         """The host tier's counters and link seconds (``SimTier.stats``; empty without one)."""

@@ -47,6 +47,12 @@ class DeviceBatch:
     # Packed (int4 / int2) pages: the step's open-page indices
     # (paged.models.kivi_attention.KiviMeta), or None.
     kivi: object | None = None
+    # f32[T] each token's weight in the attention mass (KV policies scoring by attention,
+    # paged.kv.mass), or None: the step computes no mass.
+    mw: jax.Array | None = None
+    # i32[L, S, 2] per layer and sequence, slots [lo, hi) the layer does not see (a KV policy's
+    # per-layer budgets), or None.
+    hol: jax.Array | None = None
 
     tokens = property(lambda self: self.tok[0])  # i32[T]
     positions = property(lambda self: self.tok[1])  # i32[T]
@@ -67,7 +73,7 @@ class DeviceBatch:
         return AttentionMetadata(slot_mapping=self.tok[2], page_indices=self.page_indices,
                                  kv_lens=self.seq[0, :s], cu_q_lens=self.seq[1],
                                  num_seqs=self.seq[0, s:], cascade=self.casc,
-                                 group_slots=self.grp, kivi=self.kivi)
+                                 group_slots=self.grp, kivi=self.kivi, kv_holes=self.hol)
 
 
 @dataclasses.dataclass
@@ -166,6 +172,12 @@ class BatchBuilder:
         # A KV policy compacts sequences: a token's slot is its position minus the row's
         # ``dropped`` (RoPE still takes the position; attention reads the slots).
         self.kv_offsets = kv_offsets
+        # Which queries the attention mass counts (``KVPolicy.mass_window``): None: no mass; 0:
+        # every query (each step's batch carries ``mw``); w > 0: a prompt's last w queries
+        # (``mw`` only in steps that hold some).
+        self.mass_window: int | None = None
+        # Layers of a KV policy with per-layer budgets (their holes ride in ``hol``), else 0.
+        self.hole_layers = 0
         self.cascade = cascade  # paged.step.cascade_plan.CascadePlanner, or None
         self.bm = block_manager
         # Tables per sequence (KV-cache groups), interleaved in a row; 1 without a manager (a
@@ -228,7 +240,10 @@ class BatchBuilder:
         return DeviceBatch(tok=tok,
                            seq=np.zeros((2, s_pad + 1), np.int32),
                            page_indices=np.full((s_pad, self.ib.pages_per_seq), NULL_PAGE, np.int32),
-                           smp=smp, smp_f=smp_f, casc=casc, grp=grp, kivi=kivi)
+                           smp=smp, smp_f=smp_f, casc=casc, grp=grp, kivi=kivi,
+                           mw=np.zeros(t_pad, np.float32) if self.mass_window == 0 else None,
+                           hol=np.zeros((self.hole_layers, s_pad, 2), np.int32)
+                           if self.hole_layers else None)
 
     def build(self, decode_rows: np.ndarray, items, copies: bool, *,
               cascade: bool = True) -> StepBatch:
@@ -244,9 +259,14 @@ class BatchBuilder:
         plan = self._plan_items(items, nd)
         lay = self._lay_out(decode_rows, nc_d, items, plan, cascade)
         fed, fed_rows, fed_pos = self._fill_tokens(lay)
+        # (A KV policy's extras; ``device`` shares ``lay.device``'s arrays, filled below.)
+        device = lay.device if self.mass_window is None else self._mass_weight(lay)
+        if self.hole_layers:  # each compacted row's per-layer holes (its position record's)
+            for i, rec in enumerate(ib.seqs[r].kv_pos_key for r in lay.all_rows.tolist()):
+                if rec is not None and rec.holes is not None:
+                    device.hol[:, i] = rec.holes
         ints = self._fill_sampling(lay, plan.slot_j, nd)
         verify, prompt_lp = self._fill_extra_slots(lay, plan)
-        device = lay.device
         if self.open_pages is not None:  # packed pages: which open pages this step reads/closes
             from paged.models.kivi_attention import KiviMeta
 
@@ -396,6 +416,18 @@ class BatchBuilder:
             fed = list(ib.ids) if fr == list(range(ib.num_rows)) else [ib.ids[r] for r in fr]
             fed_pos = pos[unknown].tolist()
         return fed, fed_rows, fed_pos
+
+    def _mass_weight(self, lay: _Layout) -> DeviceBatch:
+        """The device batch with each token's weight in the attention mass (``mass_window``)."""
+        w = np.ones(lay.t, np.float32)
+        if self.mass_window:  # a prompt's last ``mass_window`` queries vote
+            prompt = np.take(self.ib.num_prompt, np.take(lay.all_rows, lay.owner))
+            w = ((lay.pos >= prompt - self.mass_window) & (lay.pos < prompt)).astype(np.float32)
+            if not w.any():
+                return lay.device
+        mw = np.zeros(lay.device.tok.shape[1], np.float32)
+        mw[:lay.t] = w
+        return lay.device.replace(mw=mw)
 
     def _fill_sampling(self, lay: _Layout, slot_j: list, nd: int) -> np.ndarray:
         """Each sample slot's sampling parameters (top_k, seed, sample index; temperature,

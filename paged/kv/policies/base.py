@@ -1,7 +1,8 @@
 """The KV-policy interface: a policy scores, the engine decides.
 
 A policy sees one sequence's keys per layer and KV head (stored after RoPE, so each key already
-carries its position) and each slot's original position, and returns a score per slot; the
+carries its position), each slot's original position and, for a policy with a ``mass_window``,
+each slot's accumulated attention mass (`paged.kv.mass`), and returns a score per slot; the
 engine keeps the ``keep_count`` highest-scoring slots of every (layer, KV head), compacts them
 into the sequence's first pages and frees the rest (``paged.kv.blocks.compact``,
 ``paged.engine.kv_compact``). Scoring runs inside the jitted compaction on device: it is written
@@ -22,6 +23,11 @@ class KVPolicy:
     """
 
     name = "base"
+    # Which queries' attention mass the engine accumulates for ``scores(mass=...)``: None (the
+    # policy needs none: no mass is computed), 0 (every query of every step: H2O), or w > 0 (a
+    # prompt's last w queries: SnapKV's observation window).
+    mass_window: int | None = None
+    per_layer = False  # ``layer_keep`` may differ between layers (then holes are passed)
 
     def __init__(self, config: KVPolicyConfig):
         self.config = config
@@ -31,7 +37,13 @@ class KVPolicy:
         engine drops nothing when this is ``num_tokens``)."""
         return self.config.keep_count(num_tokens)
 
-    def scores(self, xp, keys, positions, valid):
+    def layer_keep(self, num_tokens: int, num_layers: int) -> list[int]:
+        """Tokens kept per layer (host side): ``keep_count`` in every layer unless the method
+        budgets layers apart (PyramidKV). The pages freed are those of the largest; a layer that
+        keeps fewer hides its other slots (docs/kv-policies.md)."""
+        return [self.keep_count(num_tokens)] * num_layers
+
+    def scores(self, xp, keys, positions, valid, mass=None):
         """Per-slot scores (higher: kept first); ties go to the earlier slot.
 
         Args:
@@ -39,6 +51,8 @@ class KVPolicy:
           keys: f32[L, Hkv, R, D], the sequence's slots (padded to R), after RoPE.
           positions: i32[L, Hkv, R], each slot's original position (RoPE position).
           valid: bool[R], the real slots (padding scores are ignored).
+          mass: f32[L, Hkv, R], each slot's accumulated attention mass (``mass_window`` not
+            None), else None.
 
         Returns:
           f32[L, Hkv, R].

@@ -11,5 +11,5 @@ class Full(KVPolicy):
     def keep_count(self, num_tokens: int) -> int:
         return num_tokens
 
-    def scores(self, xp, keys, positions, valid):
+    def scores(self, xp, keys, positions, valid, mass=None):
         return xp.zeros(keys.shape[:3], xp.float32)

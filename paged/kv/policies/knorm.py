@@ -15,6 +15,6 @@ from paged.kv.policies.base import KVPolicy
 class KNorm(KVPolicy):
     name = "knorm"
 
-    def scores(self, xp, keys, positions, valid):
+    def scores(self, xp, keys, positions, valid, mass=None):
         norm = xp.sqrt(xp.sum(keys.astype(xp.float32) ** 2, axis=-1))
         return -xp.round(norm * 1000.0) / 1000.0

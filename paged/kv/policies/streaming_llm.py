@@ -9,7 +9,7 @@ from paged.kv.policies.base import KVPolicy
 class StreamingLLM(KVPolicy):
     name = "streaming_llm"
 
-    def scores(self, xp, keys, positions, valid):
+    def scores(self, xp, keys, positions, valid, mass=None):
         pos = positions.astype(xp.float32)
         sink = positions < self.config.sink_tokens
         return xp.where(sink, 2.0**30, pos)  # sinks first, then the most recent
