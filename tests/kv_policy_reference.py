@@ -31,7 +31,9 @@ class MaskedAttention:
         self.masks, self.layer, self.keys, self.probs = masks, 0, [], []
         self.want_probs = probs
 
-    def __call__(self, q, k, v, *, sm_scale, soft_cap=None, sliding_window=None):
+    def __call__(self, q, k, v, *, sm_scale, soft_cap=None, sliding_window=None, mask=None):
+        if mask is not None:  # the model's own selection mask (sparse decode): not combined
+            raise ValueError("the masked KV-policy reference takes no other mask")
         mask = self.masks[self.layer]  # bool[Hkv, T, S]
         self.layer += 1
         self.keys.append(k[0].astype(jnp.float32))  # [S, Hkv, D]
