@@ -29,7 +29,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.pool_fraction = 0.25
     c.policies = ("lru", "arc")
     c.output_dir = ""
-    c.engine = engine_config_dict(block_size=16, max_model_len=8192, max_num_seqs=16,
+    c.engine = engine_config_dict(block_size=16, max_model_len=4096, max_num_seqs=16,
                                   max_num_batched_tokens=512, min_token_bucket=512,
                                   min_seq_bucket=16, async_scheduling=False)
     if arg == "smoke":
