@@ -90,6 +90,29 @@ def test_cost_aware_frequency_times_prefix_length_squared():
     assert _drain(o) == [3, 2, 1]
 
 
+def test_arc_recency_then_frequency_and_ghosts_move_the_target():
+    o = _order("arc")
+    _fill(o, [1, 2, 3, 4], hits=[1])  # t1 (no hit): 2, 3, 4; t2: 1; target p = 0
+    assert list(o) == [2, 3, 4, 1]
+    assert o.evict_one() == (2, "d2")  # t1 above its target: its least recent goes, ghost d2
+    o.on_take([5])
+    o[5] = "d2"  # d2's content recomputed: a ghost of t1, so t1 deserved room (p 0 -> 1)
+    assert o.p == 1 and 5 in o.t2 and "d2" not in o.b1
+    assert list(o) == [3, 1, 5, 4]  # t1 trimmed to p first, then t2, then the rest of t1
+    out = []
+    while o:
+        out.append(o.evict_one())
+    assert out == [(3, "d3"), (1, "d1"), (5, "d2"), (4, "d4")]
+    o.on_take([6])
+    o[6] = "d1"  # a ghost of t2: the target shrinks back
+    assert o.p == 0 and 6 in o.t2
+    for i in range(20):  # ghosts stay bounded by the pool's size
+        o.on_take([7])
+        o[7] = f"x{i}"
+        assert o.evict_one() == (7, f"x{i}")  # alone in t1, above p = 0
+    assert len(o.b1) <= 8 and len(o.b2) <= 8
+
+
 def test_waiting_aware_protects_the_head_of_the_queue():
     o = _order("waiting")
     _fill(o, [1, 2, 3])

@@ -13,7 +13,8 @@ One simulated H200 (``paged.sim.RooflineStepModel``) serving Llama-3-8B dimensio
 block manager with ``prefix_eviction`` set per arm. The device pool holds ``fraction`` x the
 window's distinct prompt blocks (plus nothing else: running requests share it). Each trace is
 read in ``windows[trace]`` (seconds; ``()``: the whole trace) at its own arrival times.
-Variants: ``default``, ``window`` (two minutes of conversation, one of synthetic, the goal's pool
+Variants: ``default``, ``window``, ``hour`` (the whole traces, pools of 1/8, 1/4, 1/2; run in
+pieces: one trace, pool fraction and factor slice per command) (two minutes of conversation, one of synthetic, the goal's pool
 size only), ``smoke`` (what the test runs).
 """
 
@@ -30,6 +31,10 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
                                            "synthetic": (0.0, 300.0)})
     c.pool_fractions = (0.25, 0.5)  # device pool blocks / distinct prompt blocks of the window
     c.policies = ("lru", "lfu", "slru", "cost", "waiting", "tail_first", "priority")
+    c.schedulers = ("decode-first",)  # EngineConfig.policy: FCFS admission; "lpm", "dfs-weight"
+    c.host_fractions = (0.0,)  # host tier blocks / device pool blocks (0: no host tier)
+    c.rate_scales = (1.0,)  # the trace's arrivals at scale x its rate; > 1 scale: capacity
+    c.ttft_slo_ms = 30000.0  # capacity: p99 TTFT within this at every scale up to it
     c.max_time_factor = 4.0  # a run must end by max_time_factor * span + 60 s (simulated)
     c.plots = True
     c.output_dir = ""
@@ -41,6 +46,11 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.windows.synthetic = (0.0, 60.0)
         c.pool_fractions = (0.25,)
         c.engine.max_num_seqs = 32  # running sequences hold a small share of the small pool
+    elif arg == "hour":  # the whole of both traces; pieces: one pool fraction per command
+        c.windows.conversation = ()
+        c.windows.synthetic = ()
+        c.pool_fractions = (0.125, 0.25, 0.5)
+        c.max_time_factor = 3.0
     elif arg == "smoke":
         c.traces = ("conversation",)
         c.windows.conversation = (0.0, 8.0)
@@ -49,5 +59,5 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.policies = ("lru", "lfu")
         c.plots = False
     elif arg != "default":
-        raise ValueError(f"unknown variant {arg!r}; known: default, window, smoke")
+        raise ValueError(f"unknown variant {arg!r}; known: default, window, hour, smoke")
     return c

@@ -17,6 +17,7 @@ EVICTION_POLICIES: dict[str, dict[str, tuple[float, float, float]]] = {
     "cost": {"alpha": (2.0, 0.0, 4.0)},  # hits x (prefix tokens) ** alpha (vllm#23641)
     "waiting": {"lookahead": (8, 1, 1024)},  # protects what the first N waiting requests hit
     "tail_first": {},  # LRU, but never a block whose child in the chain is cached
+    "arc": {},  # ARC: recency and frequency lists with ghosts of evicted digests, self-tuning
 }
 INT_PARAMS = {"lookahead", "default"}
 

@@ -158,7 +158,7 @@ def token_ids(name: str, value: Any, *, limit: int | None = None,
         raise TypeError(f"{name} must be a sequence of integer token ids, got {_type_name(value)}")
     else:
         ids = list(value)
-        for i, t in enumerate(ids):
+        for i, t in ([] if set(map(type, ids)) <= {int} else enumerate(ids)):  # fast: all ints
             if type(t) is not int:
                 if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
                     raise TypeError(f"{name}[{i}]={t!r:.40} is not an integer token id "
@@ -166,6 +166,8 @@ def token_ids(name: str, value: Any, *, limit: int | None = None,
                 ids[i] = int(t)
     if not ids and not allow_empty:
         raise ValueError(f"{name} is empty")
+    if ids and min(ids) >= 0 and (limit is None or max(ids) < limit):
+        return ids
     bad = [t for t in ids if t < 0 or (limit is not None and t >= limit)]
     if bad:
         where = f"[0, {limit})" if limit is not None else ">= 0"

@@ -100,10 +100,11 @@ def block_reuse(hash_ids: list[list[int]]) -> float:
     return hits / total
 
 
-def block_tokens(hash_ids, length: int, vocab: int) -> np.ndarray:
-    """The first ``length`` tokens of the chain ``hash_ids`` (module docstring), i64[length]."""
-    ids = np.repeat(np.asarray(hash_ids, dtype=np.uint64), BLOCK_TOKENS)[:length]
-    pos = np.tile(np.arange(BLOCK_TOKENS, dtype=np.uint64), len(hash_ids))[:length]
+def block_tokens(hash_ids, length: int, vocab: int, block: int = BLOCK_TOKENS) -> np.ndarray:
+    """The first ``length`` tokens of the chain ``hash_ids`` (module docstring; ``block`` tokens
+    per id, 512 as in the trace), i64[length]."""
+    ids = np.repeat(np.asarray(hash_ids, dtype=np.uint64), block)[:length]
+    pos = np.tile(np.arange(block, dtype=np.uint64), len(hash_ids))[:length]
     with np.errstate(over="ignore"):  # SplitMix64: wrapping uint64 arithmetic
         x = ids * np.uint64(0x9E3779B97F4A7C15) + pos * np.uint64(0xD1B54A32D192ED03) \
             + np.uint64(0x632BE59BD9B4E019)
@@ -119,7 +120,8 @@ def block_tokens(hash_ids, length: int, vocab: int) -> np.ndarray:
 
 
 def load_mooncake_trace(name: str, *, window: tuple[float, float] | None = None,
-                        vocab: int = 256, path: str | pathlib.Path | None = None) -> Workload:
+                        vocab: int = 256, path: str | pathlib.Path | None = None,
+                        block: int = BLOCK_TOKENS) -> Workload:
     """One Mooncake trace as a real workload with token ids built from its block ids.
 
     Args:
@@ -128,6 +130,11 @@ def load_mooncake_trace(name: str, *, window: tuple[float, float] | None = None,
         before token ids are built, so a short window is cheap); None: all.
       vocab: token ids are in ``[0, vocab)``; ``vocab ** 3`` must exceed every block id.
       path: the JSONL file (default the shipped copy).
+      block: tokens per trace block (default 512, the trace's). A smaller one shrinks every
+        prompt for a small engine with ``block_size=block``: each id gives ``block`` tokens,
+        input and output lengths are scaled by ``block / 512`` (rounded up; the prompt kept in
+        its chain's last block), so a block of the engine is a block of the trace and the hits
+        are the trace's. Recorded in the derivation.
 
     Returns:
       A Workload, ``evidence="real"``, ids ``<name>-<row>``, arrivals in seconds, ``meta`` with
@@ -135,8 +142,10 @@ def load_mooncake_trace(name: str, *, window: tuple[float, float] | None = None,
       file and ``derived`` ending with ``tokens_from_block_ids``.
 
     Raises:
-      ValueError: a bad name, file, row, window or vocab.
+      ValueError: a bad name, file, row, window, vocab or block.
     """
+    if type(block) is not int or not 4 <= block <= BLOCK_TOKENS:
+        raise ValueError(f"block={block!r} must be an int in [4, {BLOCK_TOKENS}]")
     rows = read(name, path)
     if type(vocab) is not int or vocab < 2 or vocab ** 3 <= max(max(ids) for ids in rows.hash_ids):
         raise ValueError(f"vocab={vocab!r}: vocab ** 3 must exceed the largest block id")
@@ -153,10 +162,23 @@ def load_mooncake_trace(name: str, *, window: tuple[float, float] | None = None,
     if window is not None:
         w = w.window(*window)
     chains = [rows.hash_ids[int(r.request_id.rsplit("-", 1)[1])] for r in w.requests]
-    filled = tuple(dataclasses.replace(r, prompt_token_ids=tuple(
-        block_tokens(ids, r.prompt_len, vocab).tolist())) for r, ids in zip(w.requests, chains))
-    entry = {"name": "tokens_from_block_ids", "block_tokens": BLOCK_TOKENS, "vocab": vocab,
-             "rule": "block id h -> 512 tokens: base-vocab digits of h, then SplitMix64(h, pos) "
-                     "% vocab; prompt = blocks cut to input_length"}
+
+    def fill(r, ids):
+        n = r.prompt_len
+        if block != BLOCK_TOKENS:  # scaled, and kept in the chain's last block
+            n = min(max(-(-n * block // BLOCK_TOKENS), block * (len(ids) - 1) + 1),
+                    block * len(ids))
+            r = dataclasses.replace(r, prompt_len=n,
+                                    output_len=max(1, -(-r.output_len * block // BLOCK_TOKENS)))
+        return dataclasses.replace(r, prompt_token_ids=tuple(
+            block_tokens(ids, n, vocab, block).tolist()))
+
+    filled = tuple(fill(r, ids) for r, ids in zip(w.requests, chains))
+    entry = {"name": "tokens_from_block_ids", "block_tokens": block, "vocab": vocab,
+             "rule": f"block id h -> {block} tokens: base-vocab digits of h, then "
+                     "SplitMix64(h, pos) % vocab; prompt = blocks cut to input_length"
+                     + ("" if block == BLOCK_TOKENS else
+                        f" x {block}/512 (rounded up, within the last block); output_length "
+                        f"x {block}/512 (rounded up)")}
     meta = {**w.meta, "derived": [*w.meta.get("derived", []), entry]}
     return dataclasses.replace(w, requests=filled, meta=meta)

@@ -4,6 +4,7 @@ chosen once at construction from the ``prefix_eviction`` setting (`paged.config.
 from __future__ import annotations
 
 from paged.config.eviction import parse_eviction
+from paged.kv.blocks.eviction.arc import ARCOrder
 from paged.kv.blocks.eviction.cost import CostOrder
 from paged.kv.blocks.eviction.lfu import LFUOrder
 from paged.kv.blocks.eviction.lru import LRUOrder
@@ -30,10 +31,12 @@ def make_order(spec: str, num_blocks: int, index, block_size: int):
         return PriorityOrder(num_blocks, p["default"])
     if name == "cost":
         return CostOrder(num_blocks, index, block_size, p["alpha"])
+    if name == "arc":
+        return ARCOrder(num_blocks)
     if name == "waiting":
         return WaitingAwareOrder(p["lookahead"])
     return TailFirstOrder(index)
 
 
-__all__ = ["CostOrder", "LFUOrder", "LRUOrder", "PriorityOrder", "SLRUOrder", "TailFirstOrder",
+__all__ = ["ARCOrder", "CostOrder", "LFUOrder", "LRUOrder", "PriorityOrder", "SLRUOrder", "TailFirstOrder",
            "WaitingAwareOrder", "make_order"]
