@@ -14,6 +14,7 @@ from experiments import router_events  # noqa: E402
 from experiments.configs import router_events as config  # noqa: E402
 
 
+@pytest.mark.slow  # about 12 s: four fresh engines per arm; test_router_kv_events covers the views
 def test_routing_on_events_matches_routing_on_the_caches(tmp_path):
     c = config.get_config("smoke")
     c.output_dir = str(tmp_path)
