@@ -58,14 +58,6 @@ def main_effects(rows: list[dict], factors) -> dict:
     return effects
 
 
-def spread(values) -> dict:
-    """Median, min, max and count of the values that are not None (all None: ``None`` each)."""
-    vals = [float(v) for v in values if v is not None]
-    if not vals:
-        return {"median": None, "min": None, "max": None, "n": 0}
-    return {"median": float(np.median(vals)), "min": min(vals), "max": max(vals), "n": len(vals)}
-
-
 def contrast_effects(rows: list[dict], factors) -> dict:
     """Main effects and interactions of the two-level factors (module docstring), per repeat,
     summarized as `spread` over repeats: ``{"a": {metric: ...}, "a x b": {...}, ...}``. A
@@ -78,7 +70,7 @@ def contrast_effects(rows: list[dict], factors) -> dict:
             per_metric = {}
             for metric in METRICS:
                 per_repeat = [_contrast(rows, factors, subset, metric, rep) for rep in repeats]
-                per_metric[metric] = {**spread(per_repeat), "per_repeat": per_repeat}
+                per_metric[metric] = {**common.spread(per_repeat), "per_repeat": per_repeat}
             out[" x ".join(subset)] = per_metric
     return out
 
@@ -119,7 +111,7 @@ def simple_ratios(rows: list[dict], factors, metric: str = "output_throughput") 
                 a = by_key.get((rep, tuple(sorted({**fixed, name: first}.items()))))
                 b = by_key.get((rep, tuple(sorted({**fixed, name: second}.items()))))
                 ratios.append(a / b if a is not None and b else None)
-            out[name][",".join(str(v) for v in combo) or "-"] = spread(ratios)
+            out[name][",".join(str(v) for v in combo) or "-"] = common.spread(ratios)
     return out
 
 
@@ -135,7 +127,7 @@ def cell_summaries(rows: list[dict]) -> dict:
     for r in rows:
         out.setdefault(r["cell"], {"factors": r["factors"], "runs": []})["runs"].append(r)
     return {name: {"factors": c["factors"],
-                   **{m: spread([run["summary"].get(m) for run in c["runs"]]) for m in METRICS},
+                   **{m: common.spread([run["summary"].get(m) for run in c["runs"]]) for m in METRICS},
                    "wall_s": [run["wall_s"] for run in c["runs"]]}
             for name, c in out.items()}
 

@@ -28,6 +28,7 @@ import datetime
 import importlib.util
 import json
 import logging
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -280,6 +281,14 @@ def named_pair(item, where: str, what: str) -> tuple[str, dict]:
         return name, dict(values)
     except (TypeError, ValueError):
         raise ValueError(f"{where}={item!r} must be a (name, {{{what}: value}}) pair") from None
+
+
+def spread(values) -> dict:
+    """Median, min, max and count of the values that are not None (all None: ``None`` each)."""
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": float(statistics.median(vals)), "min": min(vals), "max": max(vals), "n": len(vals)}
 
 
 def utc_stamp() -> str:

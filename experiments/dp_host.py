@@ -103,10 +103,6 @@ class _Arm:
                 r.close()
 
 
-def _spread(xs) -> dict:
-    return {"median": float(np.median(xs)), "min": float(np.min(xs)), "max": float(np.max(xs))}
-
-
 def main(c, plan):
     out_dir = common.output_dir(c, "dp_host")
     model = common.load_model(c.model)
@@ -129,7 +125,7 @@ def main(c, plan):
                      "median_step_ms": 1e3 * float(np.median(arm.walls)),
                      "p90_step_ms": 1e3 * float(np.percentile(arm.walls, 90)),
                      "round_median_step_ms": [1e3 * x for x in arm.rounds],
-                     "ratio_to_one": _spread(ratios), "build_s": build_s[arm.name]})
+                     "ratio_to_one": common.spread(ratios), "build_s": build_s[arm.name]})
         print(f"{arm.name:12s} host {rows[-1]['median_step_ms']:7.3f} ms/step  x one "
               f"{rows[-1]['ratio_to_one']['median']:.2f} [{rows[-1]['ratio_to_one']['min']:.2f}, "
               f"{rows[-1]['ratio_to_one']['max']:.2f}]", flush=True)

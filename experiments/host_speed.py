@@ -20,8 +20,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from experiments import common
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,7 +92,7 @@ def summarize(rounds: list[dict], trees: dict, apis) -> dict:
                 figs = {}
                 for key in rounds[0][name][api][phase]:
                     xs = [r[name][api][phase][key] for r in rounds]
-                    figs[key] = {"median": float(np.median(xs)), "min": min(xs), "max": max(xs)}
+                    figs[key] = common.spread(xs)
                 out[name][api][phase] = figs
     return out
 

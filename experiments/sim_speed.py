@@ -20,8 +20,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from experiments import common
 from experiments.host_speed import _revision
 
@@ -86,7 +84,7 @@ def summarize(rounds: list[dict], trees: dict) -> dict:
         out[name] = {}
         for key in ("cpu_s", "requests_per_cpu_s", "us_cpu_per_request", "wall_s"):
             xs = [r[name][key] for r in rounds]
-            out[name][key] = {"median": float(np.median(xs)), "min": min(xs), "max": max(xs)}
+            out[name][key] = common.spread(xs)
         out[name]["records_sha256"] = sorted({r[name]["records_sha256"] for r in rounds})
     return out
 

@@ -13,38 +13,19 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 
+from paged.kv.blocks.eviction.base import TwoSegmentOrder
 
-class ARCOrder:
+
+class ARCOrder(TwoSegmentOrder):
     name = "arc"
 
     def __init__(self, num_blocks: int):
         self.c = num_blocks
         self.p = 0.0  # target number of t1 entries
-        self.t1: OrderedDict[int, Hashable] = OrderedDict()
-        self.t2: OrderedDict[int, Hashable] = OrderedDict()
+        super().__init__(num_blocks)
+        self.t1, self.t2 = self.first, self.second  # the segments' names here
         self.b1: OrderedDict[Hashable, None] = OrderedDict()
         self.b2: OrderedDict[Hashable, None] = OrderedDict()
-        self.hits = [0] * num_blocks
-
-    def on_take(self, blocks) -> None:
-        hits = self.hits
-        for b in blocks:
-            hits[b] = 0
-
-    def on_hit(self, b: int) -> None:
-        self.hits[b] += 1
-
-    def __len__(self) -> int:
-        return len(self.t1) + len(self.t2)
-
-    def __bool__(self) -> bool:
-        return bool(self.t1 or self.t2)
-
-    def __contains__(self, b) -> bool:
-        return b in self.t1 or b in self.t2
-
-    def __getitem__(self, b) -> Hashable:
-        return self.t1[b] if b in self.t1 else self.t2[b]
 
     def __iter__(self) -> Iterator[int]:  # victim order if p does not move
         over = max(0, len(self.t1) - int(self.p))

@@ -15,6 +15,7 @@ rules of the cache (full-key check, quarantine, salts, content versions) hold un
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 
 
@@ -85,3 +86,34 @@ class HeapOrder:
         if self.on_hit is not None:
             self.on_hit(b)
         self[b] = self.members[b]
+
+
+class TwoSegmentOrder:
+    """The mapping part of an order kept in two LRU segments (``OrderedDict`` of block -> digest,
+    the first one's entries evicted before the second's), with each block's hits since it got
+    its content (``hits``, fed by ``on_take`` / ``on_hit``): SLRU and ARC."""
+
+    def __init__(self, num_blocks: int):
+        self.first: OrderedDict[int, Hashable] = OrderedDict()
+        self.second: OrderedDict[int, Hashable] = OrderedDict()
+        self.hits = [0] * num_blocks
+
+    def on_take(self, blocks) -> None:
+        hits = self.hits
+        for b in blocks:
+            hits[b] = 0
+
+    def on_hit(self, b: int) -> None:
+        self.hits[b] += 1
+
+    def __len__(self) -> int:
+        return len(self.first) + len(self.second)
+
+    def __bool__(self) -> bool:
+        return bool(self.first or self.second)
+
+    def __contains__(self, b) -> bool:
+        return b in self.first or b in self.second
+
+    def __getitem__(self, b) -> Hashable:
+        return self.first[b] if b in self.first else self.second[b]

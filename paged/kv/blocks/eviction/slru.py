@@ -5,38 +5,18 @@ recent end when it overflows). Victims come from probation first, least recent f
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 
+from paged.kv.blocks.eviction.base import TwoSegmentOrder
 
-class SLRUOrder:
+
+class SLRUOrder(TwoSegmentOrder):
     name = "slru"
 
     def __init__(self, num_blocks: int, protected: float):
         self.cap = int(protected * num_blocks)
-        self.probation: OrderedDict[int, Hashable] = OrderedDict()
-        self.protected: OrderedDict[int, Hashable] = OrderedDict()
-        self.hits = [0] * num_blocks
-
-    def on_take(self, blocks) -> None:
-        hits = self.hits
-        for b in blocks:
-            hits[b] = 0
-
-    def on_hit(self, b: int) -> None:
-        self.hits[b] += 1
-
-    def __len__(self) -> int:
-        return len(self.probation) + len(self.protected)
-
-    def __bool__(self) -> bool:
-        return bool(self.probation or self.protected)
-
-    def __contains__(self, b) -> bool:
-        return b in self.probation or b in self.protected
-
-    def __getitem__(self, b) -> Hashable:
-        return self.probation[b] if b in self.probation else self.protected[b]
+        super().__init__(num_blocks)
+        self.probation, self.protected = self.first, self.second  # the segments' names here
 
     def __iter__(self) -> Iterator[int]:
         yield from self.probation
