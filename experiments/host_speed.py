@@ -14,13 +14,10 @@ is left. Writes ``host_speed.json`` (every round, medians and min/max per tree, 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-from experiments import common
+from experiments import common, tree_ab
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,15 +67,8 @@ def check(c) -> dict:
 
 def measure(tree: str, c) -> dict:
     """One child run over ``tree``'s code; its per-api medians and ratios."""
-    arg = json.dumps({"num_requests": c.num_requests, "nanovllm_path": c.nanovllm_path,
-                      "apis": list(c.apis)})
-    env = dict(os.environ, PYTHONPATH=tree)
-    proc = subprocess.run([sys.executable, "-c", _CHILD, arg], cwd=tree, env=env,
-                          capture_output=True, text=True, check=False)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"child over {tree} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return tree_ab.run_child(tree, _CHILD, {"num_requests": c.num_requests,
+                                            "nanovllm_path": c.nanovllm_path, "apis": list(c.apis)})
 
 
 def summarize(rounds: list[dict], trees: dict, apis) -> dict:
@@ -101,16 +91,10 @@ def main(c, plan):
     out_dir = common.output_dir(c, "host_speed")
     trees = plan["trees"]
     names = list(trees)
-    rounds = []
     load = [os.getloadavg()]
     bar = common.Progress(c.rounds * len(names), "[host_speed]", unit="run")
-    for i in range(c.rounds):
-        row = {}
-        for name in names if i % 2 == 0 else names[::-1]:
-            row[name] = measure(trees[name], c)
-            bar.update()
-        rounds.append(row)
-        load.append(os.getloadavg())
+    rounds = tree_ab.alternate(trees, c.rounds, lambda path: measure(path, c), bar,
+                               lambda: load.append(os.getloadavg()))
     bar.close()
     summary = summarize(rounds, trees, c.apis)
     for name in names:
@@ -122,22 +106,10 @@ def main(c, plan):
     out = out_dir / "host_speed.json"
     common.write_result(out, {
         "study": "host_speed", "evidence": "constructed", "config": c.to_dict(),
-        "trees": {n: {"path": p, "git_revision": _revision(p)} for n, p in trees.items()},
+        "trees": tree_ab.revisions(trees),
         "rounds": rounds, "summary": summary, "load_average_1_5_15_min": load,
         "provenance": common.provenance()})
     print(f"wrote {out}")
-
-
-def _revision(tree: str) -> str:
-    """``tree``'s git revision, or the first line of its ``REVISION`` file (an exported tree)."""
-    marker = Path(tree) / "REVISION"
-    if marker.exists():
-        return marker.read_text().split("\n")[0].strip() + " (REVISION file)"
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "not a git checkout"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 if __name__ == "__main__":

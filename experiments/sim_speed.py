@@ -14,14 +14,9 @@ and min/max per tree, provenance).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from experiments import common
-from experiments.host_speed import _revision
+from experiments import common, tree_ab
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,14 +62,7 @@ def check(c) -> dict:
 
 def measure(tree: str, c) -> dict:
     """One child run over ``tree``'s code."""
-    arg = json.dumps({"num_requests": c.num_requests, "replicas": c.replicas})
-    env = dict(os.environ, PYTHONPATH=tree)
-    proc = subprocess.run([sys.executable, "-c", _CHILD, arg], cwd=tree, env=env,
-                          capture_output=True, text=True, check=False)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"child over {tree} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return tree_ab.run_child(tree, _CHILD, {"num_requests": c.num_requests, "replicas": c.replicas})
 
 
 def summarize(rounds: list[dict], trees: dict) -> dict:
@@ -93,14 +81,8 @@ def main(c, plan):
     out_dir = common.output_dir(c, "sim_speed")
     trees = plan["trees"]
     names = list(trees)
-    rounds = []
     bar = common.Progress(c.rounds * len(names), "[sim_speed]", unit="run")
-    for i in range(c.rounds):
-        row = {}
-        for name in names if i % 2 == 0 else names[::-1]:
-            row[name] = measure(trees[name], c)
-            bar.update()
-        rounds.append(row)
+    rounds = tree_ab.alternate(trees, c.rounds, lambda path: measure(path, c), bar)
     bar.close()
     summary = summarize(rounds, trees)
     hashes = {h for s in summary.values() for h in s["records_sha256"]}
@@ -112,7 +94,7 @@ def main(c, plan):
     out = out_dir / "sim_speed.json"
     common.write_result(out, {
         "study": "sim_speed", "evidence": "simulated", "config": c.to_dict(),
-        "trees": {n: {"path": p, "git_revision": _revision(p)} for n, p in trees.items()},
+        "trees": tree_ab.revisions(trees),
         "rounds": rounds, "summary": summary, "provenance": common.provenance()})
     print(f"wrote {out}")
     if len(hashes) != 1:
