@@ -59,6 +59,16 @@ def distinct_blocks(c, w) -> int:
     return len({h for r in w.requests for h in rows.hash_ids[int(r.request_id.rsplit("-", 1)[1])]})
 
 
+def window_setup(c, plan) -> tuple:
+    """The window's workload, its distinct prompt blocks, the loaded model and the pool size
+    (``pool_fraction`` of the distinct blocks, at least one sequence's worth, plus the null
+    block): what this study and ``experiments/router_events.py`` both start from."""
+    w = plan["workload"]
+    distinct = distinct_blocks(c, w)
+    num_blocks = max(int(c.pool_fraction * distinct), plan["base"].max_blocks_per_seq) + 1
+    return w, distinct, common.load_model(c.model), num_blocks
+
+
 class Recording(StepTimeModel):
     """``inner``'s times, keeping every shape asked (for the fit)."""
 
@@ -128,10 +138,7 @@ def run_sim(cfg, model_config, w, step_model) -> dict:
 
 def main(c, plan):
     out_dir = common.output_dir(c, STUDY)
-    w = plan["workload"]
-    distinct = distinct_blocks(c, w)
-    model = common.load_model(c.model)
-    num_blocks = max(int(c.pool_fraction * distinct), plan["base"].max_blocks_per_seq) + 1
+    w, distinct, model, num_blocks = window_setup(c, plan)
     print(f"{c.trace} {tuple(c.window)} s x{c.time_scale:g}: {len(w)} requests, {distinct} "
           f"distinct prompt blocks, pool {num_blocks - 1} blocks ({w.label()})", flush=True)
     rows = []

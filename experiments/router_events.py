@@ -30,7 +30,7 @@ import socket
 import time
 
 from experiments import common
-from experiments.cache_agreement import distinct_blocks
+from experiments.cache_agreement import window_setup
 from paged import Engine, SamplingParams
 from paged.fleet.routing import EngineReplica, Router
 from paged.workload import mooncake_trace
@@ -144,10 +144,7 @@ def run_arm(arm: str, cfg, model, w, c) -> dict:
 
 def main(c, plan):
     out_dir = common.output_dir(c, STUDY)
-    w = plan["workload"]
-    distinct = distinct_blocks(c, w)
-    model = common.load_model(c.model)
-    num_blocks = max(int(c.pool_fraction * distinct), plan["base"].max_blocks_per_seq) + 1
+    w, distinct, model, num_blocks = window_setup(c, plan)
     cfg = dataclasses.replace(plan["base"], num_blocks=num_blocks)
     print(f"{c.trace} {tuple(c.window)} s x{c.time_scale:g}: {len(w)} requests, {distinct} "
           f"distinct prompt blocks, {c.num_replicas} replicas of {num_blocks - 1} blocks",
