@@ -43,6 +43,7 @@ flags.DEFINE_string("output", None, "optional JSON path for the summary")
 flags.DEFINE_string("pytest_output", None, "pytest --durations=0 output (+ /usr/bin/time -v)")
 flags.DEFINE_string("measured_revision", None, "the revision the timed suite ran at")
 flags.DEFINE_string("result", None, "optional result JSON (with provenance) of a timed run")
+flags.DEFINE_string("shapes_fun", "step", "the jitted function whose distinct shapes are counted")
 
 EVENTS = ("trace", "lower", "compile")
 
@@ -74,6 +75,32 @@ def summarize(log_dir: Path) -> dict:
 
     return {"totals": {k: round(v, 1) for k, v in totals.items()},
             "files": ranked(per_file), "functions": ranked(per_fun)}
+
+
+def shapes(log_dir: Path, fun: str = "step") -> dict:
+    """Distinct compiled shapes of the jitted ``fun`` (the "shapes" lines: one per lowering, with
+    a digest of the argument shapes and types), per test file, and how many files share each:
+    a shape lowered in several files (or workers) is traced and lowered in each, and compiled
+    once if the persistent compile cache serves the others."""
+    per_file: dict = collections.defaultdict(collections.Counter)
+    for path in sorted(log_dir.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if r["event"] != "shapes" or r["fun"] not in (fun, f"jit({fun})"):
+                continue
+            per_file[r["test"].split("::")[0]][r["key"]] += 1
+    files_of: dict = collections.defaultdict(set)
+    for name, keys in per_file.items():
+        for key in keys:
+            files_of[key].add(name)
+    rows = [{"name": name, "lowerings": sum(keys.values()), "distinct": len(keys),
+             "shared": sum(len(files_of[k]) > 1 for k in keys)}
+            for name, keys in per_file.items()]
+    return {"fun": fun, "lowerings": sum(r["lowerings"] for r in rows),
+            "distinct": len(files_of),
+            "files": sorted(rows, key=lambda r: -r["distinct"]),
+            "shared": sorted(([k, sorted(v)] for k, v in files_of.items() if len(v) > 1),
+                             key=lambda kv: -len(kv[1]))}
 
 
 def timed_run(text: str, summary: dict, log_dir: Path) -> dict:
@@ -124,6 +151,13 @@ def main(argv):
         for r in summary[what][:FLAGS.top]:
             print(f"  {r['total']:8.1f}  {r['trace']:7.1f} {r['lower']:7.1f} {r['compile']:7.1f}"
                   f"  {r['compiles']:5d}  {r['name']}")
+    summary["shapes"] = shapes(Path(FLAGS.compile_log), FLAGS.shapes_fun)
+    sh = summary["shapes"]
+    if sh["lowerings"]:
+        print(f"\n`{sh['fun']}` shapes: {sh['lowerings']} lowerings, {sh['distinct']} distinct "
+              "(per file: lowerings, distinct, distinct ones other files lower too):")
+        for r in sh["files"][:FLAGS.top]:
+            print(f"  {r['lowerings']:5d} {r['distinct']:5d} {r['shared']:5d}  {r['name']}")
     if FLAGS.output:
         Path(FLAGS.output).write_text(json.dumps(summary, indent=1))
     if FLAGS.pytest_output:

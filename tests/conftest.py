@@ -118,6 +118,33 @@ if _COMPILE_LOG:
 
     jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
+    # One "shapes" line per lowering: the jitted function and a digest of its argument shapes
+    # and types (JAX's own "Compiling ..." debug message), so the profile can count distinct
+    # compiled shapes per file and see which files share them; the shapes themselves are
+    # written once per process and digest.
+    import hashlib
+    import logging
+
+    _seen_shapes: set = set()
+
+    class _ShapesHandler(logging.Handler):
+        def emit(self, record):
+            if not str(record.msg).startswith("Compiling %s with global shapes"):
+                return
+            fun, avals = str(record.args[0]), str(record.args[1])
+            key = hashlib.sha1(avals.encode()).hexdigest()[:12]
+            row = {"test": _current_test[0], "event": "shapes", "fun": fun, "seconds": 0,
+                   "key": key}
+            if key not in _seen_shapes:
+                _seen_shapes.add(key)
+                row["avals"] = avals
+            _log_file.write(json.dumps(row) + "\n")
+
+    _pxla_logger = logging.getLogger("jax._src.interpreters.pxla")
+    _pxla_logger.addHandler(_ShapesHandler(logging.DEBUG))
+    _pxla_logger.setLevel(logging.DEBUG)
+    _pxla_logger.propagate = False  # its other debug lines stay out of pytest's log capture
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
         _current_test[0] = item.nodeid
