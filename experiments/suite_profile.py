@@ -46,6 +46,7 @@ flags.DEFINE_string("result", None, "optional result JSON (with provenance) of a
 flags.DEFINE_string("shapes_fun", "step", "the jitted function whose distinct shapes are counted")
 
 EVENTS = ("trace", "lower", "compile")
+POOL_AXIS = re.compile(r"((?:float|int|uint|bfloat)\w*\[\d+,\d+,)\d+(,\d+(?:,\d+)?\])")
 
 
 def summarize(log_dir: Path) -> dict:
@@ -83,12 +84,17 @@ def shapes(log_dir: Path, fun: str = "step") -> dict:
     a shape lowered in several files (or workers) is traced and lowered in each, and compiled
     once if the persistent compile cache serves the others."""
     per_file: dict = collections.defaultdict(collections.Counter)
+    clears = collections.Counter()  # jax.clear_caches() calls (conftest's limits), per worker
+    avals: dict = {}
     for path in sorted(log_dir.glob("*.jsonl")):
         for line in path.read_text().splitlines():
             r = json.loads(line)
+            clears[path.stem] += r["event"] == "clear_caches"
             if r["event"] != "shapes" or r["fun"] not in (fun, f"jit({fun})"):
                 continue
             per_file[r["test"].split("::")[0]][r["key"]] += 1
+            if "avals" in r:
+                avals[r["key"]] = r["avals"]
     files_of: dict = collections.defaultdict(set)
     for name, keys in per_file.items():
         for key in keys:
@@ -96,8 +102,11 @@ def shapes(log_dir: Path, fun: str = "step") -> dict:
     rows = [{"name": name, "lowerings": sum(keys.values()), "distinct": len(keys),
              "shared": sum(len(files_of[k]) > 1 for k in keys)}
             for name, keys in per_file.items()]
-    return {"fun": fun, "lowerings": sum(r["lowerings"] for r in rows),
+    return {"fun": fun, "clear_caches": dict(clears), "lowerings": sum(r["lowerings"] for r in rows),
             "distinct": len(files_of),
+            # what one pool size for every engine would leave: the pages axis of the KV pages
+            # (5-d) and of their scales (4-d float) read as one size
+            "distinct_any_pool": len({POOL_AXIS.sub(r"\1N\2", avals.get(k, k)) for k in files_of}),
             "files": sorted(rows, key=lambda r: -r["distinct"]),
             "shared": sorted(([k, sorted(v)] for k, v in files_of.items() if len(v) > 1),
                              key=lambda kv: -len(kv[1]))}
@@ -155,7 +164,9 @@ def main(argv):
     sh = summary["shapes"]
     if sh["lowerings"]:
         print(f"\n`{sh['fun']}` shapes: {sh['lowerings']} lowerings, {sh['distinct']} distinct "
-              "(per file: lowerings, distinct, distinct ones other files lower too):")
+              f"({sh['distinct_any_pool']} if every pool had one size) "
+              f"(jax.clear_caches calls per worker: {sh['clear_caches']}; per file: lowerings, "
+              "distinct, distinct ones other files lower too):")
         for r in sh["files"][:FLAGS.top]:
             print(f"  {r['lowerings']:5d} {r['distinct']:5d} {r['shared']:5d}  {r['name']}")
     if FLAGS.output:

@@ -84,6 +84,9 @@ def _drop_compiled_executables():
     if _MAX_RSS <= 0 or _over_limits():
         jax.clear_caches()
         gc.collect()
+        if _COMPILE_LOG:  # the profile counts them: every shape after it compiles again
+            _log_file.write(json.dumps({"test": _current_test[0], "event": "clear_caches",
+                                        "fun": "", "seconds": 0}) + "\n")
 
 
 # Where the suite's time goes (opt-in): ``PAGED_TEST_COMPILE_LOG=<dir>`` makes every test process
