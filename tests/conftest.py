@@ -163,20 +163,20 @@ if _COMPILE_LOG:
 # leaves the other worker idle, so the files that took longest in a cold `make test` (measured
 # with ``--durations=0``, summed per file) are collected first, in this order; the rest follow in
 # their usual order. Only the order changes: every test still runs.
-SLOW_FIRST = (  # the cold run of 2026-12-06 (experiments/results/suite_profile/)
-    "test_experiments.py", "test_kv_groups.py", "test_server.py", "test_spec_decode.py",
-    "test_hf_checkpoints.py", "test_kv_quant_engine.py", "test_kv_policies.py",
-    "test_forced_devices.py", "test_gguf_model.py", "test_kernels_bench.py", "test_kivi.py",
-    "test_kernels_quant.py", "test_reference.py", "test_engine.py", "test_sparse_decode_engine.py",
-    "test_spec_decode_sched.py", "test_sliding_window.py", "test_core_process.py", "test_trace.py",
-    "test_http_router.py", "test_studies_memory.py", "test_logprobs.py", "test_routing_study.py",
-    "test_quality.py", "test_cascade_engine.py", "test_server_start.py", "test_models.py",
-    "test_kernels_cascade.py", "test_docs.py", "test_multihost.py", "test_kernels_paged.py",
-    "test_kernels_sliding.py", "test_step_contract.py", "test_train_tiny.py",
-    "test_kv_quant_cache.py", "test_block_manager_stateful.py", "test_scan_layers.py",
-    "test_warmup.py", "test_study_cli.py", "test_overlap.py", "test_device_step.py",
-    "test_page_select.py", "test_sim.py", "test_sliding_window_study.py",
-    "test_host_tier_engine.py",
+SLOW_FIRST = (  # the cold run of 2026-12-06 at f976a2e (experiments/results/suite_profile/)
+    "test_experiments.py", "test_kv_policies.py", "test_spec_decode.py", "test_forced_devices.py",
+    "test_kv_groups.py", "test_hf_checkpoints.py", "test_kv_quant_engine.py", "test_server.py",
+    "test_gguf_model.py", "test_sparse_decode_engine.py", "test_kivi.py", "test_kernels_bench.py",
+    "test_spec_decode_sched.py", "test_kernels_quant.py", "test_engine.py", "test_core_process.py",
+    "test_kv_policies_mass.py", "test_sliding_window.py", "test_reference.py", "test_docs.py",
+    "test_http_router.py", "test_routing_study.py", "test_cascade_engine.py",
+    "test_page_select.py", "test_kivi_engine.py", "test_studies_memory.py",
+    "test_kernels_cascade.py", "test_server_start.py", "test_models.py", "test_scan_layers.py",
+    "test_quality.py", "test_kernels_paged.py", "test_multihost.py", "test_kernels_sliding.py",
+    "test_trace.py", "test_sim_kv_policy.py", "test_sliding_window_study.py",
+    "test_step_contract.py", "test_cache_agreement.py", "test_warmup.py",
+    "test_eviction_policies.py", "test_kv_event_sockets.py", "test_overlap.py",
+    "test_fragmentation.py",
 )
 
 
