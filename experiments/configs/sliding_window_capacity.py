@@ -33,7 +33,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     if arg == "smoke":
         c.window_fractions = (0.25,)
         c.rates = (2.0, 4.0)
-        c.duration_s = 1.0
+        c.duration_s = 0.5  # two requests per point (at least two, `rate * duration_s`)
         c.ttft_slo_ms = 10000.0
         c.tpot_slo_ms = 2000.0
         c.max_drain_s = 20.0
