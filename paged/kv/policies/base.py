@@ -32,6 +32,15 @@ class KVPolicy:
     def __init__(self, config: KVPolicyConfig):
         self.config = config
 
+    # A policy is a static argument of the jitted compaction (`paged.engine.kv_compact`), cached
+    # by equality: two policies of one class and equal settings score alike, so engines built
+    # with equal configs share its compilations (by identity, every engine compiled its own).
+    def __eq__(self, other) -> bool:
+        return isinstance(other, KVPolicy) and _key(self) == _key(other)
+
+    def __hash__(self) -> int:
+        return hash(_key(self))
+
     def keep_count(self, num_tokens: int) -> int:
         """Tokens kept per (layer, KV head) of a sequence holding ``num_tokens`` (host side; the
         engine drops nothing when this is ``num_tokens``)."""
@@ -58,6 +67,13 @@ class KVPolicy:
           f32[L, Hkv, R].
         """
         raise NotImplementedError
+
+
+def _key(policy: KVPolicy) -> tuple:
+    """What a policy's scores depend on: its class and settings, with the settings' types
+    (``budget=1``, one token, equals ``budget=1.0``, every token, as numbers)."""
+    c = policy.config
+    return type(policy), c, type(c.budget), type(c.recent_tokens)
 
 
 __all__ = ["KVPolicy"]
