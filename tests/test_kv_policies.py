@@ -34,6 +34,18 @@ def test_registry_names_agree_with_the_config():
     assert tuple(policies.POLICIES) == kvp.METHODS
 
 
+def test_equal_policies_are_one_static_argument():
+    """The jitted compaction takes the policy as a static argument: equal settings of one method
+    compare (and hash) equal, so engines share its compilations; a token budget and a fraction
+    of the same number, or another method, do not."""
+    a, b = (policies.build(KVPolicyConfig("knorm", budget=0.5)) for _ in range(2))
+    assert a is not b and a == b and hash(a) == hash(b)
+    assert policies.build(KVPolicyConfig("knorm", budget=1)) != policies.build(
+        KVPolicyConfig("knorm", budget=1.0))
+    assert policies.build(KVPolicyConfig("snapkv", budget=12, window=4)) != policies.build(
+        KVPolicyConfig("pyramidkv", budget=12, window=4))
+
+
 def test_full_and_a_long_window_change_nothing():
     ps = prompts(3, seed=1, min_len=20, max_len=50)
     base, _ = _run(None, ps)
