@@ -137,6 +137,7 @@ _QUIET = decode_run._run_quiet
 def test_a_stretch_draws_any_columns_as_the_whole_table():
     # ``Stretch.toks(a, b)`` equals columns a .. b - 1 of the table drawn at once: the first
     # token, then ``pseudo_token_steps`` of the k steps.
+    from paged.sim.batches import pseudo_token_base
     from paged.sim.stretch import Stretch
 
     rng = np.random.default_rng(4)
@@ -145,7 +146,8 @@ def test_a_stretch_draws_any_columns_as_the_whole_table():
     seeds, index = rng.integers(0, 2**31, n), rng.integers(0, 3, n)
     nt0 = rng.integers(1, 2**20, n)
     whole = np.concatenate([first[:, None], pseudo_token_steps(seeds, index, nt0, k, 5)], axis=1)
-    st = Stretch(n, k, nt0, [], [], [], (first, seeds, index, nt0, 5), k, False, None)
+    st = Stretch(n, k, nt0, [], [], [], (first, pseudo_token_base(seeds, index, nt0, 5)), k,
+                 False, None)
     for a, b in [(0, k + 1), (0, 1), (1, 2), (3, 9), (0, 6), (k, k + 1)]:
         assert (st.toks(a, b) == whole[:, a:b]).all()
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from paged.request.sequence import UNKNOWN
-from paged.sim.batches import pseudo_token_steps
+from paged.sim.batches import mix_tokens, position_steps, pseudo_token_base
 from paged.step.batch import StepBatch
 from paged.step.input_batch import HAS_STOP_IDS, LIMIT, SAMPLE_INDEX, SEED
 
@@ -79,8 +79,7 @@ def plan_stretch(ib, sched, bm, config, builder, step_model, *, now: float, max_
     times = clock.tolist()
     starts, ends = times[:-1], times[1:]
     nt0 = nt.astype(np.int64)
-    draw = (first.astype(np.int64), ints[:, SEED].copy(), ints[:, SAMPLE_INDEX].copy(), nt0,
-            token_salt)
+    draw = (first, pseudo_token_base(ints[:, SEED], ints[:, SAMPLE_INDEX], nt0, token_salt))
     return Stretch(n, k, nt0, starts, ends, durs, draw, evict_from, k == last, clock[1:])
 
 
@@ -95,8 +94,9 @@ class Stretch:
         self.finishes = finishes  # its last step samples some sequence's last token
         self.starts, self.ends, self.durs = starts, ends, durs
         self.end_times = end_times  # ``ends`` as f64[k]
-        # (first token, seeds, sample indices, token counts, salt) per row: what ``toks`` draws
-        # from, only for the steps applied (a stretch is often cut after a few of its k steps).
+        # (first token, ``pseudo_token_base`` at the token counts ``nt0``) per row: what
+        # ``toks`` draws from, only for the steps applied (a stretch is often cut after a few
+        # of its k steps).
         self.draw = draw
         self.evict_from = evict_from
         self.firsts = None  # (prompt length, first sampled token) per row, when first needed
@@ -107,14 +107,13 @@ class Stretch:
         row's token at its first computed position (sampled before the stretch), column
         ``j >= 1`` the pseudo-token step ``j - 1`` samples (position ``nt0 + j - 1``; the same
         integers as drawing all k columns at once: int64 sums and products wrap)."""
-        first, seeds, sample_index, nt0, salt = self.draw
-        out = np.empty((self.n, b - a), np.int64)
-        lo = max(a, 1)
-        if a == 0:
-            out[:, 0] = first
-        if b > lo:
-            out[:, lo - a:] = pseudo_token_steps(seeds, sample_index, nt0 + (lo - 1), b - lo,
-                                                 salt)
+        first, base = self.draw
+        if a:
+            return mix_tokens(base[:, None] + position_steps(a - 1, b - 1))
+        out = np.empty((self.n, b), np.int64)
+        out[:, 0] = first
+        if b > 1:
+            out[:, 1:] = mix_tokens(base[:, None] + position_steps(0, b - 1))
         return out
 
 
@@ -149,8 +148,8 @@ def apply_stretch(st: Stretch, upto: int, ib, sched, bm, reader, *, busy_s: floa
     # Row r's slots nt0[r] + j0 .. nt0[r] + upto - 1, as flat indices (row-major): the sampled
     # tokens, and the step end times (the same m times in every row).
     flat = (rows * ib.tokens.shape[1] + nt0)[:, None] + np.arange(j0, upto)
-    np.put(ib.tokens, flat, toks[:, 1:])
-    np.put(ib.times, flat, st.end_times[j0:upto])
+    ib.tokens.put(flat, toks[:, 1:])
+    ib.times.put(flat, st.end_times[j0:upto])
     ib.num_slots[:n] += m
     ib.num_computed[:n] += m
     ib.num_tokens[:n] = nt0 + upto
