@@ -257,24 +257,23 @@ def summarize(records: Iterable[RequestRecord], *, duration_s: float,
 
 def _token_gaps(records: Sequence[RequestRecord]) -> tuple[list[list[float]], np.ndarray]:
     """Each record's ``itl_s`` as a list, and the finished records' gaps pooled in record order:
-    one array of every token time, one ``np.diff`` (the same float subtractions as ``itl_s``);
-    a gap is pooled unless it crosses from one record to the next or its record did not
-    finish (one mask, not one slice per record)."""
+    one array of every token time, one ``np.diff`` (the same float subtractions as ``itl_s``)."""
     lens = [len(r.token_times) for r in records]
     flat = np.fromiter(itertools.chain.from_iterable(r.token_times for r in records),
                        np.float64, count=sum(lens))
     diff = np.diff(flat)
-    every = diff.tolist()
-    gaps = []
+    gaps, pooled = [], []
     o = 0
-    for n in lens:
-        gaps.append(every[o:o + n - 1] if n > 1 else [])
+    for r, n in zip(records, lens, strict=True):
+        if n > 1:
+            g = diff[o:o + n - 1]
+            gaps.append(g.tolist())
+            if r.status == "finished":
+                pooled.append(g)
+        else:
+            gaps.append([])
         o += n
-    counts = np.asarray(lens, np.int64)
-    keep = np.repeat(np.fromiter((r.status == "finished" for r in records), bool,
-                                 count=len(records)), counts)
-    keep[(np.cumsum(counts) - 1)[counts > 0]] = False  # a record's last token: no gap after it
-    return gaps, diff[keep[:-1]]
+    return gaps, np.concatenate(pooled) if pooled else np.zeros(0)
 
 
 def per_request_arrays(records: Sequence[RequestRecord],
