@@ -88,7 +88,7 @@ def _wrap(mod, path, label):
     for part in owner_path:
         owner = getattr(owner, part, None)
     f = getattr(owner, name, None) if owner is not None else None
-    if f is None:
+    if not callable(f):  # absent in this tree, or not a function (say, a slot of that name)
         return
     acc = _acc[label] = [0.0, 0]
     skip_none = label.startswith("plan_stretch")

@@ -134,24 +134,6 @@ def test_a_quiet_decode_run_takes_the_one_take_path(monkeypatch):
 _QUIET = decode_run._run_quiet
 
 
-def test_a_stretch_draws_any_columns_as_the_whole_table():
-    # ``Stretch.toks(a, b)`` equals columns a .. b - 1 of the table drawn at once: the first
-    # token, then ``pseudo_token_steps`` of the k steps.
-    from paged.sim.batches import pseudo_token_base
-    from paged.sim.stretch import Stretch
-
-    rng = np.random.default_rng(4)
-    n, k = 7, 40
-    first = rng.integers(0, 256, n)
-    seeds, index = rng.integers(0, 2**31, n), rng.integers(0, 3, n)
-    nt0 = rng.integers(1, 2**20, n)
-    whole = np.concatenate([first[:, None], pseudo_token_steps(seeds, index, nt0, k, 5)], axis=1)
-    st = Stretch(n, k, nt0, [], [], [], (first, pseudo_token_base(seeds, index, nt0, 5)), k,
-                 False, None)
-    for a, b in [(0, k + 1), (0, 1), (1, 2), (3, 9), (0, 6), (k, k + 1)]:
-        assert (st.toks(a, b) == whole[:, a:b]).all()
-
-
 def test_record_as_dict_is_the_dataclass_dict():
     r = metrics.RequestRecord("a", "finished", 0.0, 0.1, 0.2, 0.5, (0.2, 0.5), 4, 2, 1, 16)
     want = dataclasses.asdict(r)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from paged.request.sequence import UNKNOWN
-from paged.sim.batches import mix_tokens, position_steps, pseudo_token_base
+from paged.sim.batches import pseudo_token_steps
 from paged.step.batch import StepBatch
 from paged.step.input_batch import HAS_STOP_IDS, LIMIT, SAMPLE_INDEX, SEED
 
@@ -78,43 +78,29 @@ def plan_stretch(ib, sched, bm, config, builder, step_model, *, now: float, max_
     clock = np.add.accumulate(clock)
     times = clock.tolist()
     starts, ends = times[:-1], times[1:]
-    nt0 = nt.astype(np.int64)
-    draw = (first, pseudo_token_base(ints[:, SEED], ints[:, SAMPLE_INDEX], nt0, token_salt))
-    return Stretch(n, k, nt0, starts, ends, durs, draw, evict_from, k == last, clock[1:])
+    toks = np.empty((n, k + 1), np.int64)
+    toks[:, 0] = first
+    toks[:, 1:] = pseudo_token_steps(ints[:, SEED], ints[:, SAMPLE_INDEX], nt, k,
+                                     token_salt)
+    return Stretch(n, k, nt.astype(np.int64), starts, ends, durs, toks, evict_from, k == last,
+                   clock[1:])
 
 
 class Stretch:
     """A planned run of pure decode steps (`plan_stretch`; applied by ``SimReplica``)."""
 
-    __slots__ = ("done", "draw", "durs", "end_times", "ends", "evict_from", "finishes", "firsts",
-                 "k", "n", "nt0", "starts")
+    __slots__ = ("done", "durs", "end_times", "ends", "evict_from", "finishes", "firsts", "k",
+                 "n", "nt0", "starts", "toks")
 
-    def __init__(self, n, k, nt0, starts, ends, durs, draw, evict_from, finishes, end_times):
+    def __init__(self, n, k, nt0, starts, ends, durs, toks, evict_from, finishes, end_times):
         self.n, self.k, self.nt0 = n, k, nt0
         self.finishes = finishes  # its last step samples some sequence's last token
         self.starts, self.ends, self.durs = starts, ends, durs
         self.end_times = end_times  # ``ends`` as f64[k]
-        # (first token, ``pseudo_token_base`` at the token counts ``nt0``) per row: what
-        # ``toks`` draws from, only for the steps applied (a stretch is often cut after a few
-        # of its k steps).
-        self.draw = draw
+        self.toks = toks
         self.evict_from = evict_from
         self.firsts = None  # (prompt length, first sampled token) per row, when first needed
         self.done = 0
-
-    def toks(self, a: int, b: int) -> np.ndarray:
-        """Columns ``a .. b - 1`` of the stretch's token table i64[n, k + 1]: column 0 is each
-        row's token at its first computed position (sampled before the stretch), column
-        ``j >= 1`` the pseudo-token step ``j - 1`` samples (position ``nt0 + j - 1``; the same
-        integers as drawing all k columns at once: int64 sums and products wrap)."""
-        first, base = self.draw
-        if a:
-            return mix_tokens(base[:, None] + position_steps(a - 1, b - 1))
-        out = np.empty((self.n, b), np.int64)
-        out[:, 0] = first
-        if b > 1:
-            out[:, 1:] = mix_tokens(base[:, None] + position_steps(0, b - 1))
-        return out
 
 
 def apply_stretch(st: Stretch, upto: int, ib, sched, bm, reader, *, busy_s: float, name: str,
@@ -133,8 +119,7 @@ def apply_stretch(st: Stretch, upto: int, ib, sched, bm, reader, *, busy_s: floa
     """
     j0, n, nt0 = st.done, st.n, st.nt0
     m = upto - j0
-    toks = st.toks(j0, upto + 1)  # the tokens steps j0 .. upto - 1 append, then those they sample
-    if not bm.run_decode_steps(ib.ids[:n], toks[:, :m]):
+    if not bm.run_decode_steps(ib.ids[:n], st.toks[:, j0:upto]):
         raise RuntimeError(f"{name}: a fast-forwarded decode run needed more blocks than the "
                            "pool had")
     if log is not None:
@@ -148,7 +133,7 @@ def apply_stretch(st: Stretch, upto: int, ib, sched, bm, reader, *, busy_s: floa
     # Row r's slots nt0[r] + j0 .. nt0[r] + upto - 1, as flat indices (row-major): the sampled
     # tokens, and the step end times (the same m times in every row).
     flat = (rows * ib.tokens.shape[1] + nt0)[:, None] + np.arange(j0, upto)
-    ib.tokens.put(flat, toks[:, 1:])
+    ib.tokens.put(flat, st.toks[:, j0 + 1:upto + 1])
     ib.times.put(flat, st.end_times[j0:upto])
     ib.num_slots[:n] += m
     ib.num_computed[:n] += m
@@ -162,5 +147,5 @@ def apply_stretch(st: Stretch, upto: int, ib, sched, bm, reader, *, busy_s: floa
     batch = StepBatch(device=None, num_tokens=n, num_seqs=n, decode=ib.seqs[:n], decode_pos=pos,
                       samples=[], items=[], item_ends=[], decode_rows=rows, epoch=ib.epoch,
                       stop_any=np.flatnonzero(pos + 1 >= ib.ints[:n, LIMIT]))
-    made = reader.stops_and_outputs(batch, rows, toks[:, m], st.ends[k - 1], True)
+    made = reader.stops_and_outputs(batch, rows, st.toks[:, k], st.ends[k - 1], True)
     return busy_s, (batch.decode, made)
