@@ -64,7 +64,6 @@ BREAKDOWN = (
     ("paged.sim.replica", "plan_stretch", "plan_stretch (planned a stretch)"),
     ("paged.sim.replica", "SimReplica.advance_to", "SimReplica.advance_to"),
     ("paged.sim.replica", "apply_stretch", "apply_stretch"),
-    ("paged.sim.stretch", "Stretch.toks", "Stretch.toks (pseudo-tokens)"),
     ("paged.kv.block_manager", "BlockManager.run_decode_steps", "BlockManager.run_decode_steps"),
     ("paged.kv.blocks.prefix_index", "PrefixKeyer.key_computed", "PrefixKeyer.key_computed"),
     ("paged.step.readback", "StepReader.stops_and_outputs", "StepReader.stops_and_outputs"),
