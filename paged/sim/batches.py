@@ -16,27 +16,12 @@ from paged.step.scheduler import SchedulerOutput
 def pseudo_tokens(seeds, sample_index, positions, salt: int = 0) -> np.ndarray:
     """Deterministic byte tokens, i64[n]: an integer mix of (seed, sample index, position, salt);
     int64 products wrap, which numpy does the same way everywhere."""
-    return mix_tokens(pseudo_token_base(seeds, sample_index, positions, salt))
-
-
-def pseudo_token_base(seeds, sample_index, positions, salt: int = 0) -> np.ndarray:
-    """The linear part of ``pseudo_tokens``' mix, i64 (position ``p + j``'s is this plus
-    ``j * POSITION_MUL``: int64 sums and products wrap, so regrouping gives the same integers)."""
-    return (np.asarray(seeds, np.int64) * 40503 + np.asarray(positions, np.int64) * POSITION_MUL
-            + np.asarray(sample_index, np.int64) * 97 + salt)
-
-
-def mix_tokens(x: np.ndarray) -> np.ndarray:
-    """``pseudo_tokens`` from ``pseudo_token_base``'s integers ``x`` (an i64 array it mixes in
-    place and returns)."""
+    x = (np.asarray(seeds, np.int64) * 40503 + np.asarray(positions, np.int64) * 2654435761
+         + np.asarray(sample_index, np.int64) * 97 + salt)
     x ^= x >> 15
     x *= 0x2C1B3C6D
     x ^= x >> 12
-    x &= 255
-    return x
-
-
-POSITION_MUL = 2654435761
+    return x & 255
 
 
 _WORD = (1 << 64) - 1
@@ -62,20 +47,14 @@ def pseudo_token_steps(seeds, sample_index, positions, k: int, salt: int = 0) ->
     """``pseudo_tokens`` of each row at positions ``positions[r] + j`` for ``j < k``: i64[n, k].
     The row's part of the mix is computed once; int64 sums and products wrap, so regrouping them
     gives the same integers."""
-    base = pseudo_token_base(seeds, sample_index, positions, salt)
-    return mix_tokens(base[:, None] + position_steps(0, k))
-
-
-_STEPS = np.zeros(0, np.int64)
-
-
-def position_steps(lo: int, hi: int) -> np.ndarray:
-    """``np.arange(lo, hi) * POSITION_MUL`` (i64; a read-only view of one kept table)."""
-    global _STEPS
-    if hi > len(_STEPS):
-        _STEPS = np.arange(max(hi, 256), dtype=np.int64) * POSITION_MUL
-        _STEPS.flags.writeable = False
-    return _STEPS[lo:hi]
+    base = (np.asarray(seeds, np.int64) * 40503 + np.asarray(positions, np.int64) * 2654435761
+            + np.asarray(sample_index, np.int64) * 97 + salt)
+    x = base[:, None] + np.arange(k, dtype=np.int64) * 2654435761
+    x ^= x >> 15
+    x *= 0x2C1B3C6D
+    x ^= x >> 12
+    x &= 255
+    return x
 
 
 def step_shape(ib: InputBatch, builder: BatchBuilder, sched: SchedulerOutput, *,

@@ -133,8 +133,8 @@ def apply_stretch(st: Stretch, upto: int, ib, sched, bm, reader, *, busy_s: floa
     # Row r's slots nt0[r] + j0 .. nt0[r] + upto - 1, as flat indices (row-major): the sampled
     # tokens, and the step end times (the same m times in every row).
     flat = (rows * ib.tokens.shape[1] + nt0)[:, None] + np.arange(j0, upto)
-    ib.tokens.put(flat, st.toks[:, j0 + 1:upto + 1])
-    ib.times.put(flat, st.end_times[j0:upto])
+    np.put(ib.tokens, flat, st.toks[:, j0 + 1:upto + 1])
+    np.put(ib.times, flat, st.end_times[j0:upto])
     ib.num_slots[:n] += m
     ib.num_computed[:n] += m
     ib.num_tokens[:n] = nt0 + upto
