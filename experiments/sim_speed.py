@@ -10,6 +10,13 @@ fast-forward on) and reports ``Simulator.run``'s CPU seconds (``process_time``),
 requests per CPU-second and the records' sha256 (the same on both trees, or the run fails: a
 faster simulator must simulate the same thing). Writes ``sim_speed.json`` (every round, medians
 and min/max per tree, provenance).
+
+With ``breakdown``, one more child run of this tree times the simulator's parts (`BREAKDOWN`:
+arrivals, planning and applying stretches, the block manager's decode runs and keying, ordinary
+steps, records and the summary), each call wrapped with ``perf_counter`` (inclusive: a part's
+time holds the parts it calls): calls per simulated request and microseconds per call and per
+request, under the ``breakdown`` key. The wrappers add about a tenth of a microsecond per call,
+so that run's own CPU time is not a speed figure.
 """
 
 from __future__ import annotations
@@ -49,6 +56,62 @@ print("RESULT " + json.dumps({"cpu_s": cpu, "sim_cpu_s": res.cpu_s, "wall_s": re
 """
 
 
+# (module, attribute path, label): the parts ``breakdown`` times, looked up where the simulator
+# calls them; a part the tree lacks is left out.
+BREAKDOWN = (
+    ("paged.sim.event_loop", "EventLoop.arrive", "arrival: route + add_request"),
+    ("paged.sim.replica", "SimReplica.add_request", "SimReplica.add_request"),
+    ("paged.sim.replica", "plan_stretch", "plan_stretch (planned a stretch)"),
+    ("paged.sim.replica", "SimReplica.advance_to", "SimReplica.advance_to"),
+    ("paged.sim.replica", "apply_stretch", "apply_stretch"),
+    ("paged.kv.block_manager", "BlockManager.run_decode_steps", "BlockManager.run_decode_steps"),
+    ("paged.kv.blocks.prefix_index", "PrefixKeyer.key_computed", "PrefixKeyer.key_computed"),
+    ("paged.step.readback", "StepReader.stops_and_outputs", "StepReader.stops_and_outputs"),
+    ("paged.sim.replica", "SimReplica.begin", "SimReplica.begin (ordinary step)"),
+    ("paged.step.host_core", "HostCore.schedule", "HostCore.schedule"),
+    ("paged.sim.replica", "SimReplica.finish", "SimReplica.finish (ordinary step)"),
+    ("paged.sim.event_loop", "record_of", "record_of"),
+    ("paged.sim.event_loop", "fleet_summary", "fleet_summary"),
+)
+
+# Runs in the child before ``_CHILD``: wraps the parts of ``arg["breakdown"]``; their rows are
+# printed at exit as a second ``RESULT`` line (``{"rows": [...]}``).
+_WRAP = r"""
+import atexit, importlib, json, sys, time
+_arg = json.loads(sys.argv[1])
+_acc = {}
+def _wrap(mod, path, label):
+    m = importlib.import_module(mod)
+    *owner_path, name = path.split(".")
+    owner = m
+    for part in owner_path:
+        owner = getattr(owner, part, None)
+    f = getattr(owner, name, None) if owner is not None else None
+    if not callable(f):  # absent in this tree, or not a function (say, a slot of that name)
+        return
+    acc = _acc[label] = [0.0, 0]
+    skip_none = label.startswith("plan_stretch")
+    def wrapped(*a, _f=f, _acc=acc, **k):
+        t = time.perf_counter()
+        out = _f(*a, **k)
+        if out is not None or not skip_none:
+            _acc[0] += time.perf_counter() - t
+            _acc[1] += 1
+        return out
+    setattr(owner, name, wrapped)
+for mod, path, label in _arg.get("breakdown", ()):
+    _wrap(mod, path, label)
+def _report():
+    n = _arg["num_requests"]
+    rows = [{"part": k, "calls": c, "calls_per_request": c / n,
+             "us_per_call": 1e6 * t / c if c else None, "us_per_request": 1e6 * t / n}
+            for k, (t, c) in _acc.items()]
+    print("RESULT " + json.dumps({"rows": rows}))
+if _acc:
+    atexit.register(_report)
+"""
+
+
 def check(c) -> dict:
     common.check_positive(num_requests=c.num_requests, rounds=c.rounds, replicas=c.replicas)
     trees = {"this": str(ROOT)}
@@ -65,6 +128,14 @@ def measure(tree: str, c) -> dict:
     return tree_ab.run_child(tree, _CHILD, {"num_requests": c.num_requests, "replicas": c.replicas})
 
 
+def breakdown(tree: str, c) -> dict:
+    """One child run over ``tree``'s code with the parts of `BREAKDOWN` timed: its RESULT row
+    (CPU time inflated by the wrappers) with ``rows`` (one dict per part found)."""
+    arg = {"num_requests": c.num_requests, "replicas": c.replicas,
+           "breakdown": [list(b) for b in BREAKDOWN]}
+    return tree_ab.run_child(tree, _WRAP + _CHILD, arg, merge=True)
+
+
 def summarize(rounds: list[dict], trees: dict) -> dict:
     """Median, min and max over rounds of the CPU figures, per tree."""
     out = {}
@@ -75,6 +146,16 @@ def summarize(rounds: list[dict], trees: dict) -> dict:
             out[name][key] = common.spread(xs)
         out[name]["records_sha256"] = sorted({r[name]["records_sha256"] for r in rounds})
     return out
+
+
+def format_breakdown(rows: list[dict]) -> str:
+    """The breakdown's rows as a markdown table."""
+    lines = ["| part | calls per request | us per call | us per request |", "| --- | --- | --- | --- |"]
+    for r in rows:
+        per = "" if r["us_per_call"] is None else f"{r['us_per_call']:.1f}"
+        lines.append(f"| {r['part']} | {r['calls_per_request']:.2f} | {per} | "
+                     f"{r['us_per_request']:.1f} |")
+    return "\n".join(lines)
 
 
 def main(c, plan):
@@ -91,11 +172,17 @@ def main(c, plan):
         print(f"{name:8s} " + ", ".join(f"{k} {s[k]['median']:.3f} [{s[k]['min']:.3f}, "
                                          f"{s[k]['max']:.3f}]" for k in ("cpu_s", "requests_per_cpu_s"))
               + f"  records {s['records_sha256']}")
+    parts = None
+    if c.breakdown:
+        parts = breakdown(trees["this"], c)
+        hashes.add(parts["records_sha256"])
+        print(format_breakdown(parts["rows"]))
     out = out_dir / "sim_speed.json"
     common.write_result(out, {
         "study": "sim_speed", "evidence": "simulated", "config": c.to_dict(),
         "trees": tree_ab.revisions(trees),
-        "rounds": rounds, "summary": summary, "provenance": common.provenance()})
+        "rounds": rounds, "summary": summary, "breakdown": parts,
+        "provenance": common.provenance()})
     print(f"wrote {out}")
     if len(hashes) != 1:
         raise RuntimeError(f"the trees' records differ: {sorted(hashes)}")

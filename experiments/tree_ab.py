@@ -11,15 +11,18 @@ import sys
 from pathlib import Path
 
 
-def run_child(tree: str, child: str, arg: dict) -> dict:
+def run_child(tree: str, child: str, arg: dict, *, merge: bool = False) -> dict:
     """Runs the source ``child`` with ``arg`` (JSON) over ``tree``'s code; the dict it prints on
-    its last ``RESULT `` line."""
+    its last ``RESULT `` line (``merge``: the dicts of all its ``RESULT `` lines, later keys
+    winning)."""
     env = dict(os.environ, PYTHONPATH=tree)
     proc = subprocess.run([sys.executable, "-c", child, json.dumps(arg)], cwd=tree, env=env,
                           capture_output=True, text=True, check=False)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"child over {tree} failed:\n{proc.stderr[-2000:]}")
+    if merge:
+        return {k: v for x in lines for k, v in json.loads(x[len("RESULT "):]).items()}
     return json.loads(lines[-1][len("RESULT "):])
 
 

@@ -5,6 +5,7 @@ router behave as documented."""
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 
 import numpy as np
@@ -188,6 +189,19 @@ def test_fast_forward_gives_the_schedule_of_stepping():
         rm.time(StepShape(num_tokens=7, num_seqs=7, num_decode=7, kv_read=900 + 7 * j,
                           attn_pairs=900 + 7 * j, num_samples=7, padded_tokens=8, padded_seqs=8))
         for j in range(5)]
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13, 14, 15])
+def test_fast_forward_equals_stepping_on_random_fleets(seed):
+    # Random pools, batch limits, rates, shared prefixes, fleet sizes and routers: stretches
+    # (cut by arrivals, ended by finishes and short pools) leave what stepping leaves.
+    rng = random.Random(seed)
+    cfg = _config(num_blocks=rng.choice([20, 32, 64]), max_num_seqs=rng.choice([4, 8]),
+                  enable_prefix_caching=rng.random() < 0.7)
+    w = _workload(num=30, rate=rng.choice([20.0, 60.0, 150.0]), seed=seed,
+                  shared_prefix_len=rng.choice([0, 16]))
+    _ff_pair(cfg, w, num_replicas=rng.choice([1, 2, 3]),
+             policy=rng.choice(["least_loaded", "round_robin", "prefix_aware"]))
 
 
 def test_simulated_results_never_mix_with_real_or_constructed():

@@ -132,3 +132,10 @@ def test_a_quiet_decode_run_takes_the_one_take_path(monkeypatch):
 
 
 _QUIET = decode_run._run_quiet
+
+
+def test_record_as_dict_is_the_dataclass_dict():
+    r = metrics.RequestRecord("a", "finished", 0.0, 0.1, 0.2, 0.5, (0.2, 0.5), 4, 2, 1, 16)
+    want = dataclasses.asdict(r)
+    want["token_times"] = [0.2, 0.5]
+    assert r.as_dict() == want and list(r.as_dict()) == list(want)

@@ -22,3 +22,17 @@ def test_bad_baseline_fails_before_running():
         c.baseline = "/nonexistent"
     with pytest.raises(ValueError, match="baseline"):
         sim_speed.check(c)
+
+
+def test_breakdown_times_the_parts_and_keeps_the_records():
+    c = get_config("smoke")
+    plan = sim_speed.check(c)
+    tree = plan["trees"]["this"]
+    plain, parts = sim_speed.measure(tree, c), sim_speed.breakdown(tree, c)
+    assert parts["records_sha256"] == plain["records_sha256"]
+    rows = {r["part"]: r for r in parts["rows"]}
+    assert len(rows) == len(sim_speed.BREAKDOWN)  # every part is found in this tree
+    assert rows["arrival: route + add_request"]["calls"] == c.num_requests
+    assert rows["fleet_summary"]["calls"] == 1
+    assert rows["apply_stretch"]["calls"] > 0 and rows["plan_stretch (planned a stretch)"]["calls"] > 0
+    assert "| apply_stretch |" in sim_speed.format_breakdown(parts["rows"])

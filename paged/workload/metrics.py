@@ -146,10 +146,14 @@ class RequestRecord:
         return tuple(map(operator.sub, times[1:], times))
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready fields."""
-        d = dataclasses.asdict(self)
+        """JSON-ready fields (every field is a scalar but ``token_times``: a shallow dict equals
+        ``dataclasses.asdict``'s deep copy, at a fraction of its cost)."""
+        d = {name: getattr(self, name) for name in _RECORD_FIELDS}
         d["token_times"] = list(self.token_times)
         return d
+
+
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
 
 
 def _check_count(name: str, value: Any) -> int:
