@@ -225,3 +225,59 @@ def test_histogram_observe_many_equals_observe_one_by_one():
     b.observe_many([])
     b.observe_many(xs[7:])
     assert a.as_dict() == b.as_dict()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_block_manager_feeds_the_same_lifetimes_and_regret_as_digest_keys(seed):
+    """A block manager under random traffic (prefix hits, decodes, frees, evictions, a moving
+    clock): its residency figures' lifetimes and regret equal a digest-keyed reference's that
+    hears the same stores and removals through the KV-event seam (so the index's block ids are
+    the right ones)."""
+    import random
+
+    ref = _DigestResidency(1 << 16)
+
+    class Medium:
+        def stored(self, key, block=None):
+            ref.stored(key.digest)
+
+        def removed(self, digest, block=None):
+            ref.removed(digest)
+
+    class Sink:
+        def medium(self, name):
+            return Medium()
+
+        def cleared(self):
+            pass
+
+    rng = random.Random(seed)
+    bm = BlockManager(24, B, quarantine_steps=0, debug=True)
+    bm.set_event_sink(Sink())
+    live, sid = [], 0
+    for step in range(300):
+        ref.now = float(step) * rng.choice((0.5, 1.0, 3.0))
+        bm.set_time(ref.now)
+        op = rng.random()
+        if op < 0.35:
+            family = rng.randrange(3)
+            prompt = [family * 50 + i for i in range(rng.choice((4, 8, 12)))] + \
+                [rng.randrange(1000, 1004) for _ in range(rng.randrange(1, 6))]
+            if bm.can_allocate(prompt) and bm.allocate(sid, prompt) is not None:
+                bm.mark_computed(sid, len(prompt))
+                live.append((sid, len(prompt)))
+                sid += 1
+        elif op < 0.7 and live:
+            i = rng.randrange(len(live))
+            s, n = live[i]
+            if bm.append_slots(s, [rng.randrange(1000, 1004)]) is not None:
+                bm.mark_computed(s, n + 1)
+                live[i] = (s, n + 1)
+        elif op < 0.9 and live:
+            bm.free(live.pop(rng.randrange(len(live)))[0])
+        else:
+            bm.evict_cached(rng.randrange(1, 4))
+        d = bm.residency_stats()["device"]
+        assert d["kv_block_lifetime_seconds"] == ref.h["life"].as_dict()
+        assert d["eviction_regret_blocks"] == ref.regret
+    assert ref.h["life"].count > 10 and ref.regret > 0
