@@ -104,3 +104,180 @@ def test_kv_stats_and_metrics_serve_the_residency_figures():
         assert name in text, name
     line = next(x for x in text.splitlines() if x.startswith("vllm:prefix_cache_hits_total"))
     assert float(line.split()[-1]) == res["hit_tokens"]
+
+
+class _DigestResidency:
+    """The residency figures as kept before block-id lists (one dict entry per digest, every
+    removal binned at once): the reference the block-id figures must equal."""
+
+    def __init__(self, remember):
+        import collections
+
+        from paged.kv.blocks.residency import DISTANCE_BUCKETS
+        self.now, self.remember, self.keys, self.accesses = 0.0, remember, {}, 0
+        self.removed_keys = collections.OrderedDict()
+        self.h = {n: Histogram(b) for n, b in (("life", SECONDS_BUCKETS), ("idle", SECONDS_BUCKETS),
+                                               ("gap", SECONDS_BUCKETS),
+                                               ("dist", DISTANCE_BUCKETS))}
+        self.q = self.hits = self.regret = 0
+
+    def stored(self, d):
+        self.keys[d] = (self.now, self.now, self.accesses)
+        self.accesses += 1
+        if self.removed_keys.pop(d, None) is not None:
+            self.regret += 1
+
+    def removed(self, d):
+        e = self.keys.pop(d, None)
+        if e is None or e[0] is None:
+            return
+        self.h["life"].observe(self.now - e[0])
+        self.h["idle"].observe(self.now - e[1])
+        self.removed_keys[d] = self.now
+        if len(self.removed_keys) > self.remember:
+            self.removed_keys.popitem(last=False)
+
+    def hit(self, d):
+        e = self.keys.get(d)
+        if e is not None:
+            self.h["gap"].observe(self.now - e[1])
+            self.h["dist"].observe(self.accesses - e[2] - 1)
+        self.keys[d] = (None if e is None else e[0], self.now, self.accesses)
+        self.accesses += 1
+
+    def as_dict(self):
+        q = self.q
+        return {"query_tokens": q, "hit_tokens": self.hits, "hit_rate": self.hits / q if q else 0.0,
+                "kv_block_lifetime_seconds": self.h["life"].as_dict(),
+                "kv_block_idle_before_evict_seconds": self.h["idle"].as_dict(),
+                "kv_block_reuse_gap_seconds": self.h["gap"].as_dict(),
+                "kv_block_reuse_distance_blocks": self.h["dist"].as_dict(),
+                "eviction_regret_blocks": self.regret}
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_block_id_figures_equal_the_digest_keyed_ones_over_random_histories(seed, monkeypatch):
+    """Random histories of stores, removals, hits, forgives and reads over a small index (a live
+    digest on one block at a time, digests coming back after removal): ``as_dict`` equals the
+    digest-keyed reference's after every step, with pending removals binned in bulk mid-way."""
+    import random
+
+    from paged.kv.blocks import residency as R
+
+    class Key:
+        def __init__(self, digest):
+            self.digest = digest
+
+    rng = random.Random(seed)
+    remember = rng.choice((2, 5, 1000))
+    monkeypatch.setattr(R, "REMEMBER", remember)
+    n = rng.choice((3, 8, 20))
+    ours, ref = R.Residency(n), _DigestResidency(remember)
+    ours.PENDING = rng.choice((1, 3, 50))
+    at: dict[int, bytes] = {}  # block -> digest indexed there
+    digests = [bytes([i]) * 16 for i in range(3 * n)]
+    for _ in range(rng.choice((20, 300))):
+        op = rng.random()
+        if op < 0.1:
+            ours.now = ref.now = ref.now + rng.choice((0.0, 0.003, 0.25, 2.0, 40.0, 5000.0))
+        elif op < 0.4:
+            free = [b for b in range(n) if b not in at]
+            live = set(at.values())
+            if free and len(live) < len(digests):
+                b, d = rng.choice(free), rng.choice([d for d in digests if d not in live])
+                at[b] = d
+                ours.stored(Key(d), b)
+                ref.stored(d)
+        elif op < 0.65 and at:
+            b = rng.choice(sorted(at))
+            d = at.pop(b)
+            ours.removed(d, b)
+            ref.removed(d)
+        elif op < 0.85 and at:
+            b = rng.choice(sorted(at))
+            ours.hit(b)
+            ref.hit(at[b])
+        elif op < 0.9:
+            d = rng.choice(digests)
+            ours.forgive(d)
+            ref.removed_keys.pop(d, None)
+        elif op < 0.95:
+            q = rng.randrange(20)
+            h = rng.randrange(q + 1)
+            ours.queried(q, h)
+            ref.q, ref.hits = ref.q + q, ref.hits + h
+        else:
+            assert ours.as_dict() == ref.as_dict()
+    assert ours.as_dict() == ref.as_dict()
+    assert list(ours.removed_keys) == list(ref.removed_keys)
+
+
+def test_histogram_observe_many_equals_observe_one_by_one():
+    import random
+
+    rng = random.Random(0)
+    xs = [rng.choice((0.0, 0.01, 1.0, 7200.0, 1e5)) * rng.random() * 3 for _ in range(500)]
+    xs += [0.01, 0.1, 1800.0, 7200.0]  # on the bounds
+    a, b = Histogram(SECONDS_BUCKETS), Histogram(SECONDS_BUCKETS)
+    for x in xs:
+        a.observe(x)
+    b.observe_many(xs[:7])
+    b.observe_many([])
+    b.observe_many(xs[7:])
+    assert a.as_dict() == b.as_dict()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_block_manager_feeds_the_same_lifetimes_and_regret_as_digest_keys(seed):
+    """A block manager under random traffic (prefix hits, decodes, frees, evictions, a moving
+    clock): its residency figures' lifetimes and regret equal a digest-keyed reference's that
+    hears the same stores and removals through the KV-event seam (so the index's block ids are
+    the right ones)."""
+    import random
+
+    ref = _DigestResidency(1 << 16)
+
+    class Medium:
+        def stored(self, key, block=None):
+            ref.stored(key.digest)
+
+        def removed(self, digest, block=None):
+            ref.removed(digest)
+
+    class Sink:
+        def medium(self, name):
+            return Medium()
+
+        def cleared(self):
+            pass
+
+    rng = random.Random(seed)
+    bm = BlockManager(24, B, quarantine_steps=0, debug=True)
+    bm.set_event_sink(Sink())
+    live, sid = [], 0
+    for step in range(300):
+        ref.now = float(step) * rng.choice((0.5, 1.0, 3.0))
+        bm.set_time(ref.now)
+        op = rng.random()
+        if op < 0.35:
+            family = rng.randrange(3)
+            prompt = [family * 50 + i for i in range(rng.choice((4, 8, 12)))] + \
+                [rng.randrange(1000, 1004) for _ in range(rng.randrange(1, 6))]
+            if bm.can_allocate(prompt) and bm.allocate(sid, prompt) is not None:
+                bm.mark_computed(sid, len(prompt))
+                live.append((sid, len(prompt)))
+                sid += 1
+        elif op < 0.7 and live:
+            i = rng.randrange(len(live))
+            s, n = live[i]
+            if bm.append_slots(s, [rng.randrange(1000, 1004)]) is not None:
+                bm.mark_computed(s, n + 1)
+                live[i] = (s, n + 1)
+        elif op < 0.9 and live:
+            bm.free(live.pop(rng.randrange(len(live)))[0])
+        else:
+            bm.evict_cached(rng.randrange(1, 4))
+        d = bm.residency_stats()["device"]
+        assert d["kv_block_lifetime_seconds"] == ref.h["life"].as_dict()
+        assert d["eviction_regret_blocks"] == ref.regret
+    assert ref.h["life"].count > 10 and ref.regret > 0

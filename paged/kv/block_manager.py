@@ -160,7 +160,8 @@ class BlockManager(ManagerQueries, OffloadCalls, PolicyCalls):
         # index (a KV-cache group's shares its index: none).
         self._residency = None
         if own_parts:
-            self._residency = (Residency(), None if self._tier is None else Residency())
+            self._residency = (Residency(num_blocks), None if self._tier is None
+                               else Residency(num_host_tier_blocks))
             self._admission.residency = self._residency
         self._wire_listeners()
         self._window = None if sliding_window is None else WindowRecycler(

@@ -47,17 +47,18 @@ def tenant_of(salt: bytes) -> str | None:
 
 
 class _MediumSink:
-    """What one index calls: ``stored(key)`` / ``removed(digest)`` for one medium."""
+    """What one index calls: ``stored(key, block)`` / ``removed(digest, block)`` for one
+    medium (the block is not part of an event)."""
 
     __slots__ = ("medium", "sink")
 
     def __init__(self, sink: KVEventSink, medium: str):
         self.sink, self.medium = sink, medium
 
-    def stored(self, key) -> None:
+    def stored(self, key, block: int | None = None) -> None:
         self.sink.stored(key, self.medium)
 
-    def removed(self, digest) -> None:
+    def removed(self, digest, block: int | None = None) -> None:
         self.sink.removed(digest, self.medium)
 
 

@@ -118,11 +118,11 @@ class Admission:
         tokens asked and hit (no hashing: regret is found when a removed key is stored again)."""
         device, tier = self.residency
         B = self.keyer.block_size
-        for _, key in hits:
-            device.hit(key.digest)
+        for b, _ in hits:
+            device.hit(b)
         device.queried(len(tokens), len(hits) * B)
         if tier is not None:
-            for _, key in host:
-                tier.hit(key.digest)
+            for slot, key in host:
+                tier.hit(slot)
                 device.forgive(key.digest)  # loaded from the host: no recompute, no regret
             tier.queried(len(tokens) - len(hits) * B, len(host) * B)

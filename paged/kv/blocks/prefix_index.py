@@ -181,8 +181,9 @@ class PrefixCacheIndex:
         self.version: list[int] = [0] * num_blocks  # content version it was indexed at
         self._collided = 0  # indexed blocks beyond the first of each bucket
         self.generation = 0  # bumped by every change: a lookup result is valid while it holds
-        # Told of every key indexed (``stored(key)``) and dropped (``removed(digest)``):
-        # `paged.kv.events` (KV events for routers); None: nobody listens.
+        # Told of every key indexed (``stored(key, block)``) and dropped (``removed(digest,
+        # block)``): `paged.kv.events` (KV events for routers), `paged.kv.blocks.residency`;
+        # None: nobody listens.
         self.events = None
 
     def __len__(self) -> int:
@@ -223,7 +224,7 @@ class PrefixCacheIndex:
                 self.version[block] = versions[block]
                 self.generation += 1
                 if self.events is not None:
-                    self.events.stored(key)
+                    self.events.stored(key, block)
                 return key
         else:
             bucket = buckets.get(digest)
@@ -249,7 +250,7 @@ class PrefixCacheIndex:
         self.version[block] = version
         self.generation += 1
         if self.events is not None:
-            self.events.stored(key)
+            self.events.stored(key, block)
         buckets = self.buckets
         bucket = buckets.setdefault(key.digest, block)
         if bucket is not block:  # a digest collision: the bucket becomes (or is) a list
@@ -276,7 +277,7 @@ class PrefixCacheIndex:
             self.key[block] = None
             self.generation += 1
             if self.events is not None:
-                self.events.removed(digest)
+                self.events.removed(digest, block)
             return
         if type(bucket) is list and block in bucket:  # collided digests: put the others back
             bucket.remove(block)
@@ -285,7 +286,7 @@ class PrefixCacheIndex:
             self.key[block] = None
             self.generation += 1
             if self.events is not None:
-                self.events.removed(digest)
+                self.events.removed(digest, block)
             return
         if bucket is not None:
             buckets[digest] = bucket

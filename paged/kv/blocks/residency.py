@@ -25,8 +25,10 @@ metrics (vllm PR #27793) where vLLM has one:
 
 Histograms have fixed buckets (``SECONDS_BUCKETS``, ``DISTANCE_BUCKETS``, Prometheus' ``le``
 bounds plus +Inf) and keep counts, a sum and a count, so memory stays bounded; per-key state is
-one entry per indexed key. Keys are told apart by digest (two keys of one digest, which only a
-weak ``hash_fn`` makes, share an entry).
+three list entries per block of the index (by block id: a store or removal touches no dict but
+the remembered removals), and removals are binned in bulk. Keys are told apart by block (two
+keys of one digest, which only a weak ``hash_fn`` makes, each have their own entry); regret is
+told by digest.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from __future__ import annotations
 import collections
 from bisect import bisect_left
 from collections.abc import Hashable, Sequence
+
+import numpy as np
 
 SECONDS_BUCKETS = (0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 7200.0)
 DISTANCE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
@@ -57,6 +61,18 @@ class Histogram:
         self.sum += x
         self.count += 1
 
+    def observe_many(self, xs: Sequence[float]) -> None:
+        """``observe(x)`` for each of ``xs`` in order, in bulk: the same counts, and the same
+        sum bit for bit (``cumsum`` adds left to right, as the loop does)."""
+        if not len(xs):
+            return
+        a = np.asarray(xs, dtype=np.float64)
+        idx = np.searchsorted(np.asarray(self.bounds, dtype=np.float64), a, side="left")
+        for i, c in enumerate(np.bincount(idx, minlength=len(self.counts)).tolist()):
+            self.counts[i] += c
+        self.sum = float(np.cumsum(np.concatenate(([self.sum], a)))[-1])
+        self.count += len(a)
+
     def as_dict(self) -> dict:
         """``{"buckets": {upper bound: observations in the bucket (not cumulative), ...,
         "+Inf": ...}, "sum", "count"}`` (bounds as strings: a data-parallel engine's stats add
@@ -66,18 +82,27 @@ class Histogram:
 
 
 class Residency:
-    """One tier's residency figures (module docstring)."""
+    """One tier's residency figures (module docstring) for an index of ``num_blocks`` blocks.
 
-    def __init__(self):
+    Per-key state lives in lists indexed by block id (the key indexed at that block): its store
+    time, its last access and that access's number; ``None`` for a block holding no key. A
+    removal only appends the key's lifetime and idle time to two pending lists, binned in bulk
+    (`Histogram.observe_many`) when they reach ``PENDING`` entries or the figures are read.
+    """
+
+    PENDING = 4096
+
+    def __init__(self, num_blocks: int):
         self.now = 0.0
-        # digest -> (store time or None, last access time, its access number): one entry per
-        # key, so a store and a removal touch one dict each (the decode step stores and evicts
-        # about a dozen keys).
-        self._keys: dict[Hashable, tuple[float | None, float, int]] = {}
+        self._store: list[float | None] = [None] * num_blocks
+        self._last: list[float | None] = [None] * num_blocks
+        self._access: list[int] = [0] * num_blocks
         self._accesses = 0
+        self._lifetimes: list[float] = []  # removals not binned yet
+        self._idles: list[float] = []
         self.removed_keys: collections.OrderedDict = collections.OrderedDict()  # digest -> time
-        self.lifetime = Histogram(SECONDS_BUCKETS)
-        self.idle = Histogram(SECONDS_BUCKETS)
+        self._lifetime = Histogram(SECONDS_BUCKETS)
+        self._idle = Histogram(SECONDS_BUCKETS)
         self.reuse_gap = Histogram(SECONDS_BUCKETS)
         self.reuse_distance = Histogram(DISTANCE_BUCKETS)
         self.query_tokens = 0
@@ -85,38 +110,59 @@ class Residency:
         self.regret_blocks = 0
 
     # --- the index's listener ----------------------------------------------------------------
-    def stored(self, key) -> None:
-        d, now = key.digest, self.now
-        self._keys[d] = (now, now, self._accesses)
+    def stored(self, key, block: int) -> None:
+        now = self.now
+        self._store[block] = now
+        self._last[block] = now
+        self._access[block] = self._accesses
         self._accesses += 1
-        if self.removed_keys.pop(d, None) is not None:  # needed again after its removal
+        rk = self.removed_keys
+        if rk and rk.pop(key.digest, None) is not None:  # needed again after its removal
             self.regret_blocks += 1
 
-    def removed(self, digest: Hashable) -> None:
-        entry = self._keys.pop(digest, None)
-        if entry is None or entry[0] is None:
+    def removed(self, digest: Hashable, block: int) -> None:
+        t = self._store[block]
+        if t is None:
+            self._last[block] = None
             return
         now = self.now
-        h, x = self.lifetime, now - entry[0]  # ``Histogram.observe`` twice, inline
-        h.counts[bisect_left(h.bounds, x)] += 1
-        h.sum += x
-        h.count += 1
-        h, x = self.idle, now - entry[1]
-        h.counts[bisect_left(h.bounds, x)] += 1
-        h.sum += x
-        h.count += 1
+        self._store[block] = None
+        self._lifetimes.append(now - t)
+        self._idles.append(now - self._last[block])
+        self._last[block] = None
         rk = self.removed_keys
         rk[digest] = now
         if len(rk) > REMEMBER:
             rk.popitem(last=False)
+        if len(self._lifetimes) >= self.PENDING:
+            self._bin()
+
+    def _bin(self) -> None:
+        self._lifetime.observe_many(self._lifetimes)
+        self._idle.observe_many(self._idles)
+        self._lifetimes, self._idles = [], []
+
+    @property
+    def lifetime(self) -> Histogram:
+        """``kv_block_lifetime_seconds`` (pending removals binned first)."""
+        self._bin()
+        return self._lifetime
+
+    @property
+    def idle(self) -> Histogram:
+        """``kv_block_idle_before_evict_seconds`` (pending removals binned first)."""
+        self._bin()
+        return self._idle
 
     # --- admission -----------------------------------------------------------------------------
-    def hit(self, digest: Hashable) -> None:
-        entry = self._keys.get(digest)
-        if entry is not None:
-            self.reuse_gap.observe(self.now - entry[1])
-            self.reuse_distance.observe(self._accesses - entry[2] - 1)
-        self._keys[digest] = (None if entry is None else entry[0], self.now, self._accesses)
+    def hit(self, block: int) -> None:
+        """The key indexed at ``block`` was hit."""
+        last = self._last[block]
+        if last is not None:
+            self.reuse_gap.observe(self.now - last)
+            self.reuse_distance.observe(self._accesses - self._access[block] - 1)
+        self._last[block] = self.now
+        self._access[block] = self._accesses
         self._accesses += 1
 
     def queried(self, query_tokens: int, hit_tokens: int) -> None:
@@ -139,20 +185,21 @@ class Residency:
 
 
 class Listeners:
-    """Several listeners of one index (``stored(key)`` / ``removed(digest)``), in order."""
+    """Several listeners of one index (``stored(key, block)`` / ``removed(digest, block)``), in
+    order."""
 
     __slots__ = ("parts",)
 
     def __init__(self, parts: Sequence):
         self.parts = tuple(parts)
 
-    def stored(self, key) -> None:
+    def stored(self, key, block: int) -> None:
         for p in self.parts:
-            p.stored(key)
+            p.stored(key, block)
 
-    def removed(self, digest) -> None:
+    def removed(self, digest, block: int) -> None:
         for p in self.parts:
-            p.removed(digest)
+            p.removed(digest, block)
 
 
 def listeners(parts: Sequence):
