@@ -23,6 +23,11 @@ and top-1 agreement with dense, teacher-forced with every token decoded through 
 (the no-cache forward ``Llama.dense(sparse=...)``, equal to the engine's one-token rows), as
 Quest's own perplexity evaluation feeds tokens one at a time.
 
+**Answers** (``config.answer_lengths``): the same needles teacher-forced over the reference
+answer, the prompt dense and every answer row reading what its selection keeps
+(`experiments.sparse_decode_answers`): every arm over one prompt forward per needle, and the
+pages each row reads (per KV head) on real queries and keys.
+
 Random keys have no structure for the selection to find: the kernel points measure bytes and
 time, not which pages matter; retrieval measures that.
 """
@@ -56,7 +61,7 @@ def check(c) -> None:
     for f in c.fractions:
         if not 0 < float(f) <= 1:
             raise ValueError(f"fractions has {f}: each must be in (0, 1]")
-    for n in (*c.contexts, *c.retrieval_lengths, *c.fidelity_lengths):
+    for n in (*c.contexts, *c.retrieval_lengths, *c.fidelity_lengths, *c.answer_lengths):
         common.check_positive(length=n)
     for a in c.arms:
         parse_arm(a)
@@ -265,6 +270,12 @@ def main(c, _plan) -> None:
         payload["evidence"]["fidelity"] = "real"  # corpus text, teacher-forced
         payload["fidelity"] = []
         fidelity_rows(c, payload["fidelity"], save)
+    if c.answer_lengths:
+        from experiments import sparse_decode_answers
+
+        payload["evidence"]["answers"] = "constructed"  # needles, teacher-forced
+        payload["answers"] = []
+        sparse_decode_answers.answer_rows(c, payload["answers"], save, parse_arm)
     if c.retrieval_lengths:
         retrieval_rows(c, payload["retrieval"], save)
     payload["load_after"] = os.getloadavg()

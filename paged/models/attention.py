@@ -227,6 +227,11 @@ class PagedAttention(nn.Module):
             bq = bk = bv = jnp.zeros((), jnp.float32)
         return tuple(w.astype(self.dtype) for w in (wq, wk, wv, wo, bq, bk, bv))
 
+    def project(self, x: jax.Array, positions: jax.Array):
+        """``(q [B, T, N, H], k, v [B, T, K, H], wo [N, H, D])`` of a dense batch ``x [B, T, D]``:
+        queries and keys after RoPE, as attention uses them (a study of what attention reads)."""
+        return self._qkv(x, positions, "BTD")
+
     def _qkv(self, x: jax.Array, positions: jax.Array, spec: str):
         # spec: "TD" (ragged rows) or "BTD" (dense batches). The bias is added before RoPE (HF).
         wq, wk, wv, wo, bq, bk, bv = self._weights(x.shape[-1])
