@@ -49,9 +49,8 @@ def _layer_fns(config):
             mask, pages = None, jnp.zeros(q.shape[:1] + (k.shape[2], q.shape[1]), jnp.int32)
             if sparse is not None:
                 budget, page, gqa = sparse
-                qf = jnp.concatenate([jnp.zeros(kp.shape[:2] + q.shape[2:], q.dtype), q], 1)
-                mask = page_select.dense_selection_mask(qf, keys, page_size=page, budget=budget,
-                                                        gqa=gqa)[:, :, kp.shape[1]:]
+                mask = page_select.dense_selection_mask(q, keys, page_size=page, budget=budget,
+                                                        gqa=gqa)  # [B, K, A, prompt + A]
                 padded = jnp.pad(mask, ((0, 0),) * 3 + ((0, (-mask.shape[-1]) % page),))
                 pages = padded.reshape(*mask.shape[:3], -1, page).any(-1).sum(-1)  # [B, K, A]
             out = causal_attention(q, keys, values, sm_scale=m.attn.head_dim**-0.5, mask=mask,

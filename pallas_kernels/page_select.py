@@ -299,16 +299,17 @@ def bytes_read(kv_lens, lengths, *, page_size: int, head_dim: int, itemsize: int
 
 
 def dense_selection_mask(
-    q: jax.Array,  # [B, T, Hq, D] every position's query (after RoPE)
-    k: jax.Array,  # [B, T, Hkv, D] the keys of the same positions
+    q: jax.Array,  # [B, Tq, Hq, D] the queries (after RoPE) of the last Tq positions
+    k: jax.Array,  # [B, T, Hkv, D] the keys of every position
     *,
     page_size: int,
     budget: float,
     gqa: str = "max",
-) -> jax.Array:  # bool[B, Hkv, T, T]
+) -> jax.Array:  # bool[B, Hkv, Tq, T]
     """What each position would read if it were a decode row (the no-cache reference of
     :func:`select_pages`, for teacher-forced perplexity): ``mask[b, h, t, s]`` is True where
-    key ``s <= t`` lies in a page that position ``t``'s selection keeps for KV head ``h``.
+    key ``s <= t`` lies in a page that position ``t``'s selection keeps for KV head ``h``
+    (``t`` over the last ``Tq`` positions: every position when ``Tq = T``).
 
     Position ``t`` holds ``t // page_size + 1`` pages; it keeps the first and its own (last)
     page and the ``keep - 2`` highest-scoring pages between them (``keep`` as in
@@ -316,18 +317,19 @@ def dense_selection_mask(
     query heads' ranks (``gqa``, as :func:`select_pages`). Ties go to the lower page, as
     ``lax.top_k``."""
     check_gqa(gqa)
-    b, t, hq, d = q.shape
-    hkv = k.shape[2]
+    b, tq, hq, d = q.shape
+    t, hkv = k.shape[1], k.shape[2]
     pages = -(-t // page_size)
     kp = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, pages * page_size - t), (0, 0), (0, 0)),
                  mode="edge").reshape(b, pages, page_size, hkv, d)  # edge: no new extremes
     lo, hi = kp.min(axis=2), kp.max(axis=2)  # [B, P, Hkv, D]
-    qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
+    qg = q.astype(jnp.float32).reshape(b, tq, hkv, hq // hkv, d)
     # sum_d max(q_d lo_d, q_d hi_d) = relu(q) . hi + min(q, 0) . lo  (hi >= lo)
     score = (jnp.einsum("btkgd,bpkd->bktgp", jnp.maximum(qg, 0), hi)
              + jnp.einsum("btkgd,bpkd->bktgp", jnp.minimum(qg, 0), lo))  # [B, Hkv, T, G, P]
     pos = jnp.arange(t, dtype=jnp.int32)
-    last = pos // page_size  # [T]
+    qpos = pos[t - tq:]
+    last = qpos // page_size  # [Tq]
     num_pages = last + 1
     if isinstance(budget, float):
         keep = jnp.maximum(2, jnp.ceil(budget * num_pages).astype(jnp.int32))
@@ -335,7 +337,7 @@ def dense_selection_mask(
         keep = jnp.full_like(num_pages, int(budget))
     keep = jnp.minimum(keep, num_pages)
     p = jnp.arange(pages, dtype=jnp.int32)
-    between = (p[None, :] >= 1) & (p[None, :] < last[:, None])  # [T, P]
+    between = (p[None, :] >= 1) & (p[None, :] < last[:, None])  # [Tq, P]
     score = jnp.where(between[:, None], score, -jnp.inf)
     if gqa == "max":
         rank = head_ranks(score.max(axis=3))  # a page's place in its row's order
@@ -345,8 +347,8 @@ def dense_selection_mask(
         rank = jnp.min(head_ranks(score), axis=3)
     kept = (between & (rank < (keep - 2)[:, None])) | (p[None, :] == 0) | (
         p[None, :] == last[:, None])  # [B, Hkv, T, P]
-    mask = jnp.take(kept, pos // page_size, axis=-1)  # [B, Hkv, T, S]
-    return mask & (pos[None, :] <= pos[:, None])
+    mask = jnp.take(kept, pos // page_size, axis=-1)  # [B, Hkv, Tq, T]
+    return mask & (pos[None, :] <= qpos[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "budget", "gqa"))

@@ -223,3 +223,14 @@ def test_quantized_pages_bounds_and_selected_decode(impl, granularity):
                                           fl, ft, sm_scale=0.125)
     np.testing.assert_allclose(np.asarray(out, np.float64), want_out.reshape(q.shape),
                                **tol("float32"))
+
+
+@pytest.mark.parametrize("gqa", ["max", "rank", "union"])
+def test_reference_mask_of_the_last_queries_is_the_full_masks_tail(gqa):
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.standard_normal((1, 40, 4, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 40, 2, 8)), jnp.float32)
+    full = page_select.dense_selection_mask(q, k, page_size=4, budget=0.25, gqa=gqa)
+    tail = page_select.dense_selection_mask(q[:, 33:], k, page_size=4, budget=0.25, gqa=gqa)
+    np.testing.assert_array_equal(np.asarray(tail), np.asarray(full)[:, :, 33:])
+    assert not np.asarray(tail)[0, :, -1].all()  # the budget drops keys
