@@ -60,6 +60,7 @@ class Needle:
     depth: float  # fraction of the haystack before the needle
     answer: str
     prompt_ids: list[int]
+    name: str = ""  # whose secret code the question asks for
 
 
 def needles(tokenizer, corpus_ids: list[int], length: int, depth: float, count: int,
@@ -85,5 +86,5 @@ def needles(tokenizer, corpus_ids: list[int], length: int, depth: float, count: 
         needle = f"\nThe secret code of {name} is {number}.\n"
         content = hay[:cut] + needle + hay[cut:] + "\n\n" + QUESTION.format(name=name)
         ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=True)
-        out.append(Needle(length=length, depth=depth, answer=number, prompt_ids=ids))
+        out.append(Needle(length=length, depth=depth, answer=number, prompt_ids=ids, name=name))
     return out

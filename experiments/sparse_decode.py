@@ -15,12 +15,18 @@ device (its own byte roofline); each op's bytes / time over it is ``frac_of_read
 **Retrieval** (``config.retrieval_lengths``): `experiments.quality`'s needle prompts on
 SmolLM2-135M through the engine, per arm of ``config.arms``: dense, or ``"F:L"`` =
 ``EngineConfig(sparse_decode=SparseDecodeConfig(fraction=F, dense_layers=L))`` (prefill is dense
-in both; only decode rows select; the first L layers read every page).
+in both; only decode rows select; the first L layers read every page), or ``"F:L:G"`` with
+``gqa=G`` (how a query group picks its pages: ``max``, ``rank``, ``union``).
 
 **Fidelity** (``config.fidelity_lengths``): perplexity of corpus chunks, KL(p_dense || p_arm)
 and top-1 agreement with dense, teacher-forced with every token decoded through the selection
 (the no-cache forward ``Llama.dense(sparse=...)``, equal to the engine's one-token rows), as
 Quest's own perplexity evaluation feeds tokens one at a time.
+
+**Answers** (``config.answer_lengths``): the same needles teacher-forced over the reference
+answer, the prompt dense and every answer row reading what its selection keeps
+(`experiments.sparse_decode_answers`): every arm over one prompt forward per needle, and the
+pages each row reads (per KV head) on real queries and keys.
 
 Random keys have no structure for the selection to find: the kernel points measure bytes and
 time, not which pages matter; retrieval measures that.
@@ -55,7 +61,7 @@ def check(c) -> None:
     for f in c.fractions:
         if not 0 < float(f) <= 1:
             raise ValueError(f"fractions has {f}: each must be in (0, 1]")
-    for n in (*c.contexts, *c.retrieval_lengths, *c.fidelity_lengths):
+    for n in (*c.contexts, *c.retrieval_lengths, *c.fidelity_lengths, *c.answer_lengths):
         common.check_positive(length=n)
     for a in c.arms:
         parse_arm(a)
@@ -131,26 +137,32 @@ def kernel_point(c, context: int, fraction: float, rng) -> dict:
     }
 
 
-def parse_arm(text: str) -> tuple[float | None, int]:
-    """An arm of ``config.arms``: ``"dense"`` -> ``(None, 0)``, ``"F:L"`` -> ``(F, L)``: budget
-    fraction F of each sequence's pages, selection skipped in the first L layers."""
+def parse_arm(text: str) -> tuple[float | None, int, str]:
+    """An arm of ``config.arms``: ``"dense"`` -> ``(None, 0, "max")``, ``"F:L"`` -> ``(F, L,
+    "max")``, ``"F:L:G"`` -> ``(F, L, G)``: budget fraction F of each sequence's pages, selection
+    skipped in the first L layers, query groups picking pages by ``gqa=G``."""
+    from paged.config.sparse_decode import GQA_MODES
+
     text = str(text)
     if text == "dense":
-        return None, 0
-    frac, sep, layers = text.partition(":")
+        return None, 0, "max"
+    parts = text.split(":")
     try:
-        f, n = float(frac), int(layers)
-    except ValueError:
+        f, n = float(parts[0]), int(parts[1])
+    except (ValueError, IndexError):
         f, n = -1.0, -1
-    if not sep or not 0 < f <= 1 or n < 0:
-        raise ValueError(f"arm {text!r}: 'dense' or 'F:L' with F in (0, 1] (a fraction of the "
-                         "pages) and L >= 0 (layers that read every page)")
-    return f, n
+    gqa = parts[2] if len(parts) == 3 else "max"
+    if len(parts) not in (2, 3) or not 0 < f <= 1 or n < 0 or gqa not in GQA_MODES:
+        raise ValueError(f"arm {text!r}: 'dense' or 'F:L[:G]' with F in (0, 1] (a fraction of "
+                         f"the pages), L >= 0 (layers that read every page) and G in "
+                         f"{GQA_MODES} (SparseDecodeConfig.gqa)")
+    return f, n, gqa
 
 
 def _arm_row(arm: str) -> dict:
-    f, n = parse_arm(arm)
-    return {"arm": arm, "fraction": f, "dense_layers": None if f is None else n}
+    f, n, gqa = parse_arm(arm)
+    return {"arm": arm, "fraction": f, "dense_layers": None if f is None else n,
+            "gqa": None if f is None else gqa}
 
 
 def retrieval_rows(c, rows: list, save) -> list[dict]:
@@ -170,8 +182,9 @@ def retrieval_rows(c, rows: list, save) -> list[dict]:
         qc = quality_config(c)
         for arm in c.arms:
             t = time.perf_counter()
-            f, n = parse_arm(arm)
-            sparse = None if f is None else SparseDecodeConfig(fraction=f, dense_layers=n)
+            f, n, gqa = parse_arm(arm)
+            sparse = None if f is None else SparseDecodeConfig(fraction=f, dense_layers=n,
+                                                               gqa=gqa)
             engine = quality.make_engine(qc, quality.Arm("float32"), config, params,
                                          max_len * c.block_size, sparse_decode=sparse)
             acc, outs = quality.retrieval(engine, needle_list)
@@ -206,8 +219,8 @@ def fidelity_rows(c, rows: list, save) -> list[dict]:
         ref = None
         for arm in ("dense", *[a for a in c.arms if a != "dense"]):
             t = time.perf_counter()
-            f, n = parse_arm(arm)
-            sparse = None if f is None else (f, c.block_size, n)
+            f, n, gqa = parse_arm(arm)
+            sparse = None if f is None else (f, c.block_size, n, gqa)
             lps = [np.asarray(fwd(params, jnp.asarray([ids], jnp.int32), sparse)[0], np.float64)
                    for ids in chunk_list]
             nll = np.array([[-lp[i, ids[i + 1]] for i in range(len(ids) - 1)]
@@ -257,6 +270,12 @@ def main(c, _plan) -> None:
         payload["evidence"]["fidelity"] = "real"  # corpus text, teacher-forced
         payload["fidelity"] = []
         fidelity_rows(c, payload["fidelity"], save)
+    if c.answer_lengths:
+        from experiments import sparse_decode_answers
+
+        payload["evidence"]["answers"] = "constructed"  # needles, teacher-forced
+        payload["answers"] = []
+        sparse_decode_answers.answer_rows(c, payload["answers"], save, parse_arm)
     if c.retrieval_lengths:
         retrieval_rows(c, payload["retrieval"], save)
     payload["load_after"] = os.getloadavg()

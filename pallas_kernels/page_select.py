@@ -7,8 +7,12 @@ the score ``q . k`` of every key of the page; :func:`select_pages` keeps the top
 (sequence, KV head) plus, always, the first (sink) and the last (open) page, and
 :func:`sparse_paged_attention` feeds the selected pages to the ordinary decode kernel.
 
-GQA: a KV head's query group reads one page list; its score is the maximum of the group's
-query heads' bounds (a page is read if any head of the group may attend to it strongly).
+GQA (``gqa``, :data:`GQA_MODES`): a KV head's query group reads one page list. ``"max"``: a
+page's score is the maximum of the group's query heads' bounds (``k`` pages). ``"rank"``: each
+query head ranks the pages by its own bound (Quest scores per query head) and the group reads
+``k`` pages, the best-ranked of any head first (the heads' lists merged round-robin; same bytes
+as ``"max"``). ``"union"``: the union of each query head's own top ``k`` (Quest's per-head
+selection, each page read once for the group): ``k`` to ``G * (k - 2) + 2`` pages, more bytes.
 
 Per-head page lists reach the unchanged kernels as pseudo-sequences: the pool
 ``[Hkv, P, page, D]`` is viewed as one KV head of ``Hkv * P`` pages (a free reshape), and
@@ -26,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 NULL_PAGE = 0
+GQA_MODES = ("max", "rank", "union")
 
 
 def init_bounds(shape, dtype):
@@ -70,26 +75,56 @@ def update_bounds(
     return bounds.at[:, :, page, 1].max(keys, mode="drop")
 
 
-def page_scores(
+def head_scores(
     q: jax.Array,  # [S, Hkv, G, D]
     bounds: jax.Array,  # [Hkv, P, 2, D]
     page_indices: jax.Array,  # i32[S, W]
-) -> jax.Array:  # f32[S, Hkv, W]
-    """Upper bound of ``q . k`` over each page in the table: ``sum_d max(q_d min_d, q_d max_d)``,
-    maximised over the query group."""
+) -> jax.Array:  # f32[S, Hkv, G, W]
+    """Upper bound of ``q . k`` over each page in the table, per query head:
+    ``sum_d max(q_d min_d, q_d max_d)``."""
     b = bounds[:, page_indices].astype(jnp.float32)  # [Hkv, S, W, 2, D]
     qf = q.astype(jnp.float32)
     lo = jnp.einsum("shgd,hswd->shgwd", qf, b[..., 0, :])
     hi = jnp.einsum("shgd,hswd->shgwd", qf, b[..., 1, :])
-    return jnp.max(jnp.sum(jnp.maximum(lo, hi), axis=-1), axis=2)
+    return jnp.sum(jnp.maximum(lo, hi), axis=-1)
 
 
-def table_width(budget: float, width: int) -> int:
+def page_scores(q, bounds, page_indices) -> jax.Array:  # f32[S, Hkv, W]
+    """:func:`head_scores` maximised over the query group (``gqa="max"``)."""
+    return jnp.max(head_scores(q, bounds, page_indices), axis=2)
+
+
+def head_ranks(scores: jax.Array) -> jax.Array:  # i32[..., G, W]
+    """Each page's place in its query head's order (0 = highest score; ties to the lower page,
+    as ``lax.top_k``) of ``scores [..., G, W]``."""
+    order = jnp.argsort(-scores, axis=-1, stable=True)
+    return jnp.argsort(order, axis=-1, stable=True).astype(jnp.int32)
+
+
+def best_rank(ranks: jax.Array) -> jax.Array:  # i32[..., W]
+    """``ranks [..., G, W]`` merged over the group: the best (lowest) rank any head gives a page,
+    times G plus that head (a strict order: ``"rank"`` takes pages in it)."""
+    g = ranks.shape[-2]
+    head = jnp.arange(g, dtype=jnp.int32)[:, None]
+    return jnp.min(ranks * g + head, axis=-2)
+
+
+def check_gqa(gqa: str) -> None:
+    if gqa not in GQA_MODES:
+        raise ValueError(f"gqa={gqa!r} must be one of {GQA_MODES}")
+
+
+def table_width(budget: float, width: int, group: int = 1, gqa: str = "max") -> int:
     """Static width of the selected table: the most pages any row of a ``width``-page table
-    may read under ``budget`` (pages if an int, else a fraction)."""
+    may read under ``budget`` (pages if an int, else a fraction); with ``gqa="union"`` the
+    union of ``group`` heads' lists (each sharing the first and last page)."""
     if isinstance(budget, float):
-        return min(width, max(2, math.ceil(budget * width)))
-    return min(width, int(budget))
+        n = min(width, max(2, math.ceil(budget * width)))
+    else:
+        n = min(width, int(budget))
+    if gqa == "union" and n > 2:
+        n = min(width, group * (n - 2) + 2)
+    return n
 
 
 def select_pages(
@@ -101,42 +136,56 @@ def select_pages(
     *,
     page_size: int,
     budget: float,
+    gqa: str = "max",
 ) -> tuple[jax.Array, jax.Array]:  # i32[S, Hkv, n], i32[S, Hkv]
     """Each active row's pages to read, per KV head, in logical order.
 
     Budget ``k`` pages (an int), or ``max(2, ceil(budget * pages))`` for a float fraction; the
     first page and the last (the one the query's own token is in) are always kept, then the
-    highest :func:`page_scores`. A row with at most ``k`` pages keeps them all, in order: the
-    table is its dense one.
+    highest :func:`page_scores` (``gqa="max"``), or the pages by their best rank in any query
+    head (``"rank"``), or every page some query head ranks within its own top ``k``
+    (``"union"``: up to ``G * (k - 2) + 2`` pages; module docstring). A row with at most ``k``
+    pages keeps them all, in order: the table is its dense one.
 
     Returns:
       ``(table, lengths)``: ``table[s, h, :c]`` the physical pages kept (logical order, the last
       page last; ``NULL_PAGE`` past ``c``) and ``lengths[s, h]`` the keys they hold,
       ``(c - 1) * page_size`` plus the last page's filled tokens (0 for inactive rows).
     """
+    check_gqa(gqa)
     rows, width = page_indices.shape
-    n = table_width(budget, width)
+    group = q.shape[2]
+    n = table_width(budget, width, group, gqa)
     num_pages = (kv_lens + page_size - 1) // page_size  # [S]
     if isinstance(budget, float):
         keep = jnp.maximum(2, jnp.ceil(budget * num_pages).astype(jnp.int32))
     else:
         keep = jnp.full_like(num_pages, int(budget))
-    keep = jnp.where(active, jnp.minimum(jnp.minimum(keep, n), num_pages), 0)  # [S]
+    keep = jnp.where(active, jnp.minimum(keep, num_pages), 0)  # [S]
     j = jnp.arange(width, dtype=jnp.int32)
-    scores = page_scores(q, bounds, page_indices)
     forced = (j == 0)[None, :] | (j[None, :] == num_pages[:, None] - 1)  # [S, W]
     live = j[None, :] < num_pages[:, None]
-    scores = jnp.where(forced[:, None], jnp.inf, scores)
-    scores = jnp.where(live[:, None], scores, -jnp.inf)  # NaN bounds of dead pages: gone too
-    _, top = jax.lax.top_k(scores, n)  # [S, Hkv, n], best first
-    rank = jnp.arange(n, dtype=jnp.int32)
-    kept = rank[None, None, :] < keep[:, None, None]
-    logical = jnp.sort(jnp.where(kept, top, width), axis=-1)  # kept first, ascending
+    scores = head_scores(q, bounds, page_indices)  # [S, Hkv, G, W]
+    scores = jnp.where(forced[:, None, None], jnp.inf, scores)
+    scores = jnp.where(live[:, None, None], scores, -jnp.inf)  # NaN bounds of dead pages: gone
+    if gqa == "union":  # a page in any head's own top `keep` (the forced pages rank 0 and 1)
+        kept_page = jnp.min(head_ranks(scores), axis=2) < keep[:, None, None]  # [S, Hkv, W]
+        logical = jnp.sort(jnp.where(kept_page, j, width), axis=-1)[..., :n]
+        count = jnp.sum(kept_page, axis=-1, dtype=jnp.int32)  # [S, Hkv]
+    else:
+        order = (jnp.max(scores, axis=2) if gqa == "max"
+                 else -best_rank(head_ranks(scores)).astype(jnp.float32))
+        keep = jnp.minimum(keep, n)
+        _, top = jax.lax.top_k(order, n)  # [S, Hkv, n], best first
+        rank = jnp.arange(n, dtype=jnp.int32)
+        kept = rank[None, None, :] < keep[:, None, None]
+        logical = jnp.sort(jnp.where(kept, top, width), axis=-1)  # kept first, ascending
+        count = jnp.broadcast_to(keep[:, None], logical.shape[:2])
     table = jnp.take_along_axis(page_indices[:, None, :], jnp.minimum(logical, width - 1), axis=2)
     table = jnp.where(logical < width, table, NULL_PAGE)
     last = kv_lens - (num_pages - 1) * page_size  # filled tokens of the last page
-    lengths = jnp.where(keep > 0, (keep - 1) * page_size + last, 0)
-    return table.astype(jnp.int32), jnp.broadcast_to(lengths[:, None], table.shape[:2])
+    lengths = jnp.where(count > 0, (count - 1) * page_size + last[:, None], 0)
+    return table.astype(jnp.int32), lengths.astype(jnp.int32)
 
 
 def heads_as_pages(pages, layer=None):
@@ -182,11 +231,12 @@ def sparse_paged_attention(
     layer=None,
     config=None,
     op: str = "paged",
+    gqa: str = "max",
 ) -> jax.Array:  # [S, Hq, D]
     """Decode attention over the selected pages only (:func:`select_pages`), through
     ``pallas_kernels.paged_attention`` (``op="paged"``) or the ragged kernel
-    (``op="ragged"``: each pseudo-sequence one query row) with any ``impl``. Inactive rows give
-    zeros. Equal to ``paged_attention`` (float rounding aside) when the budget covers every
+    (``op="ragged"``: each pseudo-sequence one query row) with any ``impl``; ``gqa`` as in
+    :func:`select_pages`. Inactive rows give zeros. Equal to ``paged_attention`` (float rounding aside) when the budget covers every
     row's pages."""
     from pallas_kernels import api
 
@@ -198,7 +248,7 @@ def sparse_paged_attention(
         bounds = bounds[layer]
     qs = q.reshape(q.shape[0], num_kv_heads, -1, q.shape[-1])
     table, lengths = select_pages(qs, bounds, kv_lens, page_indices, active,
-                                  page_size=page_size, budget=budget)
+                                  page_size=page_size, budget=budget, gqa=gqa)
     qf, flat_table, flat_lens = flatten_selection(q, table, lengths, num_pages)
     kp, vp = heads_as_pages(k_pages, layer), heads_as_pages(v_pages, layer)
     kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, impl=impl, layer=layer, config=config)
@@ -249,32 +299,37 @@ def bytes_read(kv_lens, lengths, *, page_size: int, head_dim: int, itemsize: int
 
 
 def dense_selection_mask(
-    q: jax.Array,  # [B, T, Hq, D] every position's query (after RoPE)
-    k: jax.Array,  # [B, T, Hkv, D] the keys of the same positions
+    q: jax.Array,  # [B, Tq, Hq, D] the queries (after RoPE) of the last Tq positions
+    k: jax.Array,  # [B, T, Hkv, D] the keys of every position
     *,
     page_size: int,
     budget: float,
-) -> jax.Array:  # bool[B, Hkv, T, T]
+    gqa: str = "max",
+) -> jax.Array:  # bool[B, Hkv, Tq, T]
     """What each position would read if it were a decode row (the no-cache reference of
     :func:`select_pages`, for teacher-forced perplexity): ``mask[b, h, t, s]`` is True where
-    key ``s <= t`` lies in a page that position ``t``'s selection keeps for KV head ``h``.
+    key ``s <= t`` lies in a page that position ``t``'s selection keeps for KV head ``h``
+    (``t`` over the last ``Tq`` positions: every position when ``Tq = T``).
 
     Position ``t`` holds ``t // page_size + 1`` pages; it keeps the first and its own (last)
     page and the ``keep - 2`` highest-scoring pages between them (``keep`` as in
-    :func:`select_pages`), scored by :func:`page_scores`' bound on each full page. Ties go to
-    the lower page, as ``lax.top_k``."""
-    b, t, hq, d = q.shape
-    hkv = k.shape[2]
+    :func:`select_pages`), scored by :func:`page_scores`' bound on each full page, or by the
+    query heads' ranks (``gqa``, as :func:`select_pages`). Ties go to the lower page, as
+    ``lax.top_k``."""
+    check_gqa(gqa)
+    b, tq, hq, d = q.shape
+    t, hkv = k.shape[1], k.shape[2]
     pages = -(-t // page_size)
     kp = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, pages * page_size - t), (0, 0), (0, 0)),
                  mode="edge").reshape(b, pages, page_size, hkv, d)  # edge: no new extremes
     lo, hi = kp.min(axis=2), kp.max(axis=2)  # [B, P, Hkv, D]
-    qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
+    qg = q.astype(jnp.float32).reshape(b, tq, hkv, hq // hkv, d)
     # sum_d max(q_d lo_d, q_d hi_d) = relu(q) . hi + min(q, 0) . lo  (hi >= lo)
-    score = (jnp.einsum("btkgd,bpkd->bkgtp", jnp.maximum(qg, 0), hi)
-             + jnp.einsum("btkgd,bpkd->bkgtp", jnp.minimum(qg, 0), lo)).max(axis=2)
+    score = (jnp.einsum("btkgd,bpkd->bktgp", jnp.maximum(qg, 0), hi)
+             + jnp.einsum("btkgd,bpkd->bktgp", jnp.minimum(qg, 0), lo))  # [B, Hkv, T, G, P]
     pos = jnp.arange(t, dtype=jnp.int32)
-    last = pos // page_size  # [T]
+    qpos = pos[t - tq:]
+    last = qpos // page_size  # [Tq]
     num_pages = last + 1
     if isinstance(budget, float):
         keep = jnp.maximum(2, jnp.ceil(budget * num_pages).astype(jnp.int32))
@@ -282,22 +337,28 @@ def dense_selection_mask(
         keep = jnp.full_like(num_pages, int(budget))
     keep = jnp.minimum(keep, num_pages)
     p = jnp.arange(pages, dtype=jnp.int32)
-    between = (p[None, :] >= 1) & (p[None, :] < last[:, None])  # [T, P]
-    score = jnp.where(between, score, -jnp.inf)
-    order = jnp.argsort(-score, axis=-1, stable=True)
-    rank = jnp.argsort(order, axis=-1, stable=True)  # a page's place in its row's order
+    between = (p[None, :] >= 1) & (p[None, :] < last[:, None])  # [Tq, P]
+    score = jnp.where(between[:, None], score, -jnp.inf)
+    if gqa == "max":
+        rank = head_ranks(score.max(axis=3))  # a page's place in its row's order
+    elif gqa == "rank":
+        rank = head_ranks(-best_rank(head_ranks(score)).astype(jnp.float32))
+    else:  # "union": in some head's own top
+        rank = jnp.min(head_ranks(score), axis=3)
     kept = (between & (rank < (keep - 2)[:, None])) | (p[None, :] == 0) | (
         p[None, :] == last[:, None])  # [B, Hkv, T, P]
-    mask = jnp.take(kept, pos // page_size, axis=-1)  # [B, Hkv, T, S]
-    return mask & (pos[None, :] <= pos[:, None])
+    mask = jnp.take(kept, pos // page_size, axis=-1)  # [B, Hkv, Tq, T]
+    return mask & (pos[None, :] <= qpos[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("page_size", "budget"))
-def select_pages_jit(q, bounds, kv_lens, page_indices, active, *, page_size, budget):
+@functools.partial(jax.jit, static_argnames=("page_size", "budget", "gqa"))
+def select_pages_jit(q, bounds, kv_lens, page_indices, active, *, page_size, budget, gqa="max"):
     """:func:`select_pages`, jitted (the small function a study or a test calls directly)."""
     return select_pages(q, bounds, kv_lens, page_indices, active, page_size=page_size,
-                        budget=budget)
+                        budget=budget, gqa=gqa)
 
 
-__all__ = ["bytes_read", "dense_selection_mask", "flatten_selection", "heads_as_pages", "init_bounds", "page_scores", "select_pages",
-           "select_pages_jit", "sparse_paged_attention", "table_width", "update_bounds"]
+__all__ = ["GQA_MODES", "best_rank", "bytes_read", "check_gqa", "dense_selection_mask",
+           "flatten_selection", "head_ranks", "head_scores", "heads_as_pages", "init_bounds",
+           "page_scores", "select_pages", "select_pages_jit", "sparse_paged_attention",
+           "table_width", "update_bounds"]

@@ -304,6 +304,17 @@ def test_sparse_decode_smoke(tmp_path):
         assert p["sparse_ms"] > 0 and p["time_ratio"]["rounds"] == 2
 
 
+def test_sparse_decode_arms():
+    from experiments import sparse_decode
+
+    assert sparse_decode.parse_arm("dense") == (None, 0, "max")
+    assert sparse_decode.parse_arm("0.125:2") == (0.125, 2, "max")
+    assert sparse_decode.parse_arm("0.0625:0:union") == (0.0625, 0, "union")
+    for bad in ("0.125", "0:2", "0.5:2:mean", "0.5:-1", "0.5:2:rank:x"):
+        with pytest.raises(ValueError, match="F:L"):
+            sparse_decode.parse_arm(bad)
+
+
 def test_disaggregation_smoke(tmp_path):
     proc = _run("experiments.disaggregation",
                 "--config=experiments/configs/disaggregation.py:smoke",

@@ -56,6 +56,31 @@ def test_selection_matches_a_hand_computed_case():
     assert int(n[0, 0]) == 0
 
 
+def test_gqa_modes_on_a_hand_computed_case():
+    # One KV head, two query heads of different scale: head 0 scores the middle pages A, B, C
+    # 10, 9, 0; head 1 scores them 0, 0, 1. "max" follows head 0 (A, B); "rank" takes each
+    # head's best in turn (A, then C); "union" takes every head's own top pages.
+    bounds = np.zeros((1, 8, 2, 2), np.float32)
+    bounds[0, 3] = [[10, 0], [10, 0]]  # logical 1 (A)
+    bounds[0, 5] = [[9, 0], [9, 0]]    # logical 2 (B)
+    bounds[0, 1] = [[0, 1], [0, 1]]    # logical 3 (C)
+    table = np.array([[7, 3, 5, 1, 6, 0]], np.int32)
+    q = np.array([[[[1.0, 0.0], [0.0, 1.0]]]], np.float32)  # [S=1, Hkv=1, G=2, D=2]
+    kv = np.array([9])
+    for gqa, budget, want in (("max", 4, [7, 3, 5, 6]), ("rank", 4, [7, 3, 1, 6]),
+                              ("rank", 3, [7, 3, 6]), ("union", 3, [7, 3, 1, 6]),
+                              ("union", 4, [7, 3, 5, 1, 6]), ("union", 2, [7, 6])):
+        t, n = page_select.select_pages_jit(q, bounds, kv, table, np.array([True]), page_size=2,
+                                            budget=budget, gqa=gqa)
+        c = len(want)
+        assert np.asarray(t)[0, 0, :c].tolist() == want, (gqa, budget)
+        assert np.all(np.asarray(t)[0, 0, c:] == 0)
+        assert int(n[0, 0]) == (c - 1) * 2 + 1, (gqa, budget)
+    with pytest.raises(ValueError, match="gqa"):
+        page_select.select_pages(q, bounds, kv, table, np.array([True]), page_size=2, budget=3,
+                                 gqa="mean")
+
+
 def test_update_bounds_follows_the_writes_and_restarts_a_reused_page():
     rng = np.random.default_rng(0)
     cache = kc.KVCache.create(2, 2, 6, 4, 8, page_bounds=True)
@@ -104,7 +129,7 @@ def test_bounds_move_with_their_pages():
     assert cache.nbytes == 2 * 1 * 2 * 8 * 4 * 8 * 4 + cache.metadata_nbytes
 
 
-def _selected_case(seed, *, hq, hkv, page, budget, dtype="float32"):
+def _selected_case(seed, *, hq, hkv, page, budget, dtype="float32", gqa="max"):
     rng = np.random.default_rng(seed)
     lengths = [0, 1, page + 1, 3 * page, 7 * page - 1, 8 * page]
     case = testing.make_paged_case(rng, lengths, num_kv_heads=hkv, head_dim=64, page_size=page,
@@ -114,18 +139,19 @@ def _selected_case(seed, *, hq, hkv, page, budget, dtype="float32"):
     active = case.lengths > 0
     qs = np.asarray(q, np.float32).reshape(len(lengths), hkv, hq // hkv, 64)
     table, sel = page_select.select_pages_jit(qs, bounds, case.lengths, case.page_indices, active,
-                                              page_size=page, budget=budget)
+                                              page_size=page, budget=budget, gqa=gqa)
     return q, case, bounds, active, np.asarray(table), np.asarray(sel)
 
 
 @pytest.mark.parametrize("impl", ["xla", "interpret_gpu", "interpret_tpu"])
-@pytest.mark.parametrize("op, hq, hkv, page", [
-    ("paged", 4, 2, 8), ("paged", 2, 2, 16),  # the decode kernels: GQA, MHA
-    ("ragged", 4, 2, 16), ("ragged", 2, 2, 8),  # the ragged kernels: the other two pairs
+@pytest.mark.parametrize("op, hq, hkv, page, gqa", [
+    ("paged", 4, 2, 8, "max"), ("paged", 2, 2, 16, "max"),  # the decode kernels: GQA, MHA
+    ("ragged", 4, 2, 16, "max"), ("ragged", 2, 2, 8, "max"),  # the ragged kernels
+    ("paged", 6, 2, 8, "union"),  # per-KV-head lengths: union lists differ in size
 ])
-def test_selected_pages_against_float64_with_the_rest_poisoned(impl, op, hq, hkv, page):
+def test_selected_pages_against_float64_with_the_rest_poisoned(impl, op, hq, hkv, page, gqa):
     q, case, bounds, active, table, sel = _selected_case(page + hq, hq=hq, hkv=hkv, page=page,
-                                                         budget=3)
+                                                         budget=3, gqa=gqa)
     k_pages, v_pages = np.array(case.k_pages), np.array(case.v_pages)
     for h in range(hkv):  # NaN in every page the selection does not read, per KV head
         keep = set(table[:, h].ravel().tolist())
@@ -135,7 +161,7 @@ def test_selected_pages_against_float64_with_the_rest_poisoned(impl, op, hq, hkv
     assert (sel[active] < case.lengths[active, None]).any()  # the budget drops pages
     out = page_select.sparse_paged_attention(
         q, k_pages, v_pages, bounds, case.lengths, case.page_indices, active, budget=3,
-        sm_scale=0.125, impl=impl, op=op)
+        sm_scale=0.125, impl=impl, op=op, gqa=gqa)
     qf, ft, fl = page_select.flatten_selection(jnp.asarray(q), table, sel, k_pages.shape[1])
     flat = lambda x: np.asarray(page_select.heads_as_pages(x))  # noqa: E731
     want = testing.paged_attention_np(qf, flat(k_pages), flat(v_pages), fl, ft, sm_scale=0.125)
@@ -143,13 +169,14 @@ def test_selected_pages_against_float64_with_the_rest_poisoned(impl, op, hq, hkv
                                **tol("float32"))
 
 
-@pytest.mark.parametrize("budget", [8, 1.0])
-def test_covering_budget_is_dense_decode(budget):
-    q, case, bounds, active, table, sel = _selected_case(3, hq=4, hkv=2, page=8, budget=budget)
+@pytest.mark.parametrize("budget, gqa", [(8, "max"), (1.0, "max"), (8, "rank"), (1.0, "union")])
+def test_covering_budget_is_dense_decode(budget, gqa):
+    q, case, bounds, active, table, sel = _selected_case(3, hq=4, hkv=2, page=8, budget=budget,
+                                                         gqa=gqa)
     np.testing.assert_array_equal(sel, np.broadcast_to(case.lengths[:, None], sel.shape))
     out = page_select.sparse_paged_attention(
         q, case.k_pages, case.v_pages, bounds, case.lengths, case.page_indices, active,
-        budget=budget, sm_scale=0.125, impl="xla")
+        budget=budget, sm_scale=0.125, impl="xla", gqa=gqa)
     dense = pk.paged_attention(q, case.k_pages, case.v_pages, case.lengths, case.page_indices,
                                sm_scale=0.125, impl="xla")
     np.testing.assert_allclose(np.asarray(out), np.asarray(dense), rtol=1e-6, atol=1e-6)
@@ -196,3 +223,14 @@ def test_quantized_pages_bounds_and_selected_decode(impl, granularity):
                                           fl, ft, sm_scale=0.125)
     np.testing.assert_allclose(np.asarray(out, np.float64), want_out.reshape(q.shape),
                                **tol("float32"))
+
+
+@pytest.mark.parametrize("gqa", ["max", "rank", "union"])
+def test_reference_mask_of_the_last_queries_is_the_full_masks_tail(gqa):
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.standard_normal((1, 40, 4, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 40, 2, 8)), jnp.float32)
+    full = page_select.dense_selection_mask(q, k, page_size=4, budget=0.25, gqa=gqa)
+    tail = page_select.dense_selection_mask(q[:, 33:], k, page_size=4, budget=0.25, gqa=gqa)
+    np.testing.assert_array_equal(np.asarray(tail), np.asarray(full)[:, :, 33:])
+    assert not np.asarray(tail)[0, :, -1].all()  # the budget drops keys

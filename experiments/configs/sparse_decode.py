@@ -13,7 +13,8 @@ timings meaningless), ``retrieval`` (no kernel points: needle retrieval of SmolL
 the engine at 2k / 4k for ``arms``: dense, the three budgets with the first two layers dense
 (Quest), 1/8 selecting in every layer), ``quality`` (teacher-forced perplexity, KL and top-1
 agreement vs dense at 1k / 2k, the three budgets with and without the two dense layers),
-``h200`` (compiled GPU-style Pallas, bfloat16, Hq=32, Hkv=8, D=128, 32k, the selection through
+``answers`` (teacher-forced needle answers at 4k, 5 depths x 4 needles, dense and 1/8 with
+each ``gqa``), ``h200`` (compiled GPU-style Pallas, bfloat16, Hq=32, Hkv=8, D=128, 32k, the selection through
 the decode and the ragged kernel: the ``sparse_decode`` stage of ``experiments/device_check.sh``).
 Override any field, e.g. ``--config.contexts=4096``.
 """
@@ -44,6 +45,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     # F of the pages, the first L layers dense; Quest's default L = 2)
     c.fidelity_lengths = ()  # teacher-forced perplexity / KL vs dense (empty: skipped)
     c.fidelity_chunks = 4
+    c.answer_lengths = ()  # teacher-forced needle answers, every arm per prompt (empty: skipped)
     c.retrieval_depths = (0.1, 0.5, 0.9)
     c.needles_per_cell = 2
     c.block_size = 16
@@ -63,6 +65,12 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.contexts = ()
         c.fidelity_lengths = (1024, 2048)
         c.arms = ("dense", "0.25:2", "0.125:2", "0.0625:2", "0.25:0", "0.125:0", "0.0625:0")
+    elif arg == "answers":
+        c.contexts = ()
+        c.answer_lengths = (4096,)
+        c.retrieval_depths = (0.1, 0.3, 0.5, 0.7, 0.9)
+        c.needles_per_cell = 4
+        c.arms = ("dense", "0.125:2", "0.125:2:rank", "0.125:2:union", "0.0625:2:union")
     elif arg == "h200":
         c.impl = "pallas_gpu"
         c.dtype = "bfloat16"
@@ -74,5 +82,5 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         c.sparse_ops = ("paged", "ragged")
     elif arg != "default":
         raise ValueError(f"unknown variant {arg!r}; known: default, smoke, retrieval, quality, "
-                         "h200")
+                         "answers, h200")
     return c

@@ -11,6 +11,7 @@ from paged.util import validate
 
 MIN_PAGES = 2  # the first (sink) page and the last (open) page are always read
 QUEST_DENSE_LAYERS = 2  # Quest's evaluation reads every page in its first two layers
+GQA_MODES = ("max", "rank", "union")  # as pallas_kernels.page_select.GQA_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,12 +26,20 @@ class SparseDecodeConfig:
       dense_layers: the first ``dense_layers`` layers read every page (no selection). The
         default, 2, is what Quest does (its evaluation skips selection in layers 0 and 1, whose
         attention is not sparse); 0 selects in every layer.
+      gqa: how a KV head's query group (GQA) picks its one page list. ``"max"`` (default): a
+        page's score is the largest of the group's query heads' bounds; the group reads the
+        budget. ``"rank"``: each query head ranks the pages by its own bound (Quest scores per
+        query head) and the group reads the budget, the best-ranked page of any head first
+        (the heads' lists merged round-robin; same bytes as ``"max"``). ``"union"``: every page
+        some query head ranks within its own budget (Quest's per-query-head selection, each
+        page read once for the group): up to ``G * (budget - 2) + 2`` pages, more bytes read.
     """
 
     pages: int | None = None
     tokens: int | None = None
     fraction: float | None = None
     dense_layers: int = QUEST_DENSE_LAYERS
+    gqa: str = "max"
 
     def __post_init__(self):
         given = [n for n in ("pages", "tokens", "fraction") if getattr(self, n) is not None]
@@ -45,6 +54,8 @@ class SparseDecodeConfig:
                       allow_none=True)
         validate.integer("dense_layers", self.dense_layers, minimum=0,
                          maximum=validate.INT32_MAX)
+        if self.gqa not in GQA_MODES:
+            raise ValueError(f"SparseDecodeConfig.gqa={self.gqa!r} must be one of {GQA_MODES}")
 
     @property
     def kind(self) -> str:
@@ -60,4 +71,4 @@ class SparseDecodeConfig:
         return int(self.pages)
 
 
-__all__ = ["MIN_PAGES", "QUEST_DENSE_LAYERS", "SparseDecodeConfig"]
+__all__ = ["GQA_MODES", "MIN_PAGES", "QUEST_DENSE_LAYERS", "SparseDecodeConfig"]

@@ -227,6 +227,11 @@ class PagedAttention(nn.Module):
             bq = bk = bv = jnp.zeros((), jnp.float32)
         return tuple(w.astype(self.dtype) for w in (wq, wk, wv, wo, bq, bk, bv))
 
+    def project(self, x: jax.Array, positions: jax.Array):
+        """``(q [B, T, N, H], k, v [B, T, K, H], wo [N, H, D])`` of a dense batch ``x [B, T, D]``:
+        queries and keys after RoPE, as attention uses them (a study of what attention reads)."""
+        return self._qkv(x, positions, "BTD")
+
     def _qkv(self, x: jax.Array, positions: jax.Array, spec: str):
         # spec: "TD" (ragged rows) or "BTD" (dense batches). The bias is added before RoPE (HF).
         wq, wk, wv, wo, bq, bk, bv = self._weights(x.shape[-1])
@@ -334,7 +339,7 @@ class PagedAttention(nn.Module):
         *,
         attention_impl: str = "jnp",
         kv_quant: tuple[str, str, int] | None = None,
-        sparse: tuple[float, int, int] | None = None,
+        sparse: tuple | None = None,
         layer=0,
     ) -> jax.Array:  # [B, T, D]
         """Dense causal path over contiguous sequences (training; the no-cache reference).
@@ -349,9 +354,9 @@ class PagedAttention(nn.Module):
             the reference of a quantized engine. For "int4" / "int2" (KIVI pages; the
             granularity is ignored) each query reads the pages full at its position quantized
             and its open page exact (`pallas_kernels.kivi.dense_on_fill`). None: exact.
-          sparse: ``(budget, page_size, dense_layers)`` of sparse decode: every position reads
-            the pages its decode row would select (`page_select.dense_selection_mask`), unless
-            ``layer < dense_layers`` ("jnp" only). ``layer``: this layer's index (maybe traced).
+          sparse: ``(budget, page_size, dense_layers[, gqa])`` of sparse decode: every
+            position reads the pages its decode row would select
+            (`page_select.dense_selection_mask`), unless ``layer < dense_layers`` ("jnp" only). ``layer``: this layer's index (maybe traced).
 
         Returns:
           Attention output projected back to ``D``.
@@ -374,8 +379,9 @@ class PagedAttention(nn.Module):
             if attention_impl != "jnp" or kv_quant is not None or self.sliding_window is not None:
                 raise ValueError("sparse (the Quest reference) takes attention_impl='jnp', no "
                                  "kv_quant and no sliding window")
-            budget, page_size, dense_layers = sparse
-            mask = page_select.dense_selection_mask(q, k, page_size=page_size, budget=budget)
+            budget, page_size, dense_layers, *gqa = sparse
+            mask = page_select.dense_selection_mask(q, k, page_size=page_size, budget=budget,
+                                                    gqa=gqa[0] if gqa else "max")
             mask = mask | (layer < dense_layers)
         if attention_impl == "jnp":
             out = causal_attention(q, k, v, sm_scale=sm_scale, soft_cap=self.soft_cap,

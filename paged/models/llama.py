@@ -211,7 +211,7 @@ class Llama(nn.Module):
         *,
         attention_impl: str = "jnp",
         kv_quant: tuple[str, str, int] | None = None,
-        sparse: tuple[float, int, int] | None = None,
+        sparse: tuple | None = None,
     ) -> jax.Array:  # f32[B, T, V]
         """Full causal forward over contiguous sequences starting at position 0 (no cache).
 
@@ -221,7 +221,7 @@ class Llama(nn.Module):
             `pallas_kernels.flash_attention`.
           kv_quant: ``(kv_cache_dtype, scale_granularity, page_size)`` of a quantized cache to
             reproduce (quantize-on-write, see `PagedAttention.dense`); None: exact.
-          sparse: ``(budget, page_size, dense_layers)``: every position attends as a sparse
+          sparse: ``(budget, page_size, dense_layers[, gqa])``: every position attends as a sparse
             decode row would (`PagedAttention.dense`); None: every key.
 
         Returns:
