@@ -186,6 +186,8 @@ def test_tpu_interpret_race_detector_is_live():
         interpret=compat.tpu_interpret_params(),
     )(jnp.ones((8, 128), jnp.float32))  # fmt: skip
     assert compat.races_found()
+    compat.clear_races()
+    assert not compat.races_found()
 
 
 SWEEP = [
