@@ -179,7 +179,11 @@ def test_bytes_are_exact(dtype, bits, page):
     assert spec.bytes_per_block(page) * num_pages == cache.nbytes
     assert spec.scale_bytes_per_block(page) * num_pages == cache.scale_nbytes
     assert spec.value_bytes_per_block(page) == 2 * layers * hkv * page * D * bits // 8
-    assert spec.open_page_bytes(page) == 2 * layers * hkv * page * D * 2  # bfloat16
+    # a bfloat16 page less the packed value bytes (the open page's head lives in its pool page)
+    assert spec.open_page_bytes(page) == 2 * layers * hkv * page * D * (2 - bits / 8)
+    with_slots = kvc.KVCache.create(layers, hkv, num_pages, page, D, jnp.bfloat16,
+                                    kv_cache_dtype=dtype, open_slots=3)
+    assert with_slots.open_nbytes == 3 * spec.open_page_bytes(page)
     n = 2 * page + 1
     assert kv_bytes(spec, n, page_size=page) == 3 * spec.bytes_per_block(page)
     assert spec.sequence_bytes(n, page) == 3 * spec.bytes_per_block(page) + spec.open_page_bytes(page)
@@ -227,7 +231,13 @@ def test_capacity_study_rows():
     r = kivi_capacity.row(spec, 64, 1000, 1 << 34)
     assert r["sequence_bytes"] == 16 * spec.bytes_per_block(64) + spec.open_page_bytes(64)
     assert r["open_page_without_pool_page"]["sequence_bytes"] == \
-        15 * spec.bytes_per_block(64) + spec.open_page_bytes(64)
+        15 * spec.bytes_per_block(64) + 2 * 32 * 8 * 64 * 128 * 2  # + a bfloat16 page
+    # the open page's head in its pool page's value bytes: closed pages, one bfloat16 page and
+    # one page's scales (the issue's ~3.13x arithmetic less one page of scales: 3.12x)
+    assert r["sequence_bytes"] == 15 * spec.bytes_per_block(64) + 2 * 32 * 8 * 64 * 128 * 2 \
+        + spec.scale_bytes_per_block(64)
+    assert r["tokens_held"] / kivi_capacity.row(ModelSpec(32, 8, 128, "bfloat16"), 64, 1000,
+                                                 1 << 34)["tokens_held"] > 3.1
 
 
 def test_dense_model_reference_with_kivi_pages():

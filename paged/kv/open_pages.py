@@ -15,8 +15,10 @@ sequence starts it, and only offsets written since then are read.
 
 ``plan`` turns one step's metadata (host numpy) into the index arrays the device step needs
 (``paged.models.kivi_attention.KiviMeta``). A *source* index addresses the concatenation of the
-open buffer (``slot * page + offset``, ``num_slots * page`` entries) and the step's new token
-rows (``num_slots * page + row``).
+open pages (``slot * page + offset``, ``num_slots * page`` entries) and the step's new token
+rows (``num_slots * page + row``). An open page's head is stored in its pool page's value bytes
+(``paged.kv.packed_cache``), so a slot's content is only whole beside its page: ``plan`` says
+where each slot's head is read (``slot_page``) and written back (``slot_write``).
 
 Host-only: numpy, no JAX.
 """
@@ -28,6 +30,9 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from paged.kv.paging import NULL_PAGE
+
+#: A page index past any pool: a write there is dropped.
+NO_PAGE = 2**30
 
 
 def close_rows(t_pad: int, s_pad: int, page_size: int) -> int:
@@ -125,7 +130,17 @@ class OpenPages:
                     open_src=np.zeros((t_pad, p), np.int32),
                     open_dst=np.full(t_pad, self.num_slots * p, np.int32),
                     close_dst=np.full(c, NULL_PAGE, np.int32),
-                    close_src=np.zeros((c, p), np.int32))
+                    close_src=np.zeros((c, p), np.int32),
+                    slot_page=self.slot_pages(),
+                    slot_write=np.full(self.num_slots, NO_PAGE, np.int32))
+
+    def slot_pages(self) -> np.ndarray:
+        """``i32[num_slots]``: the page each slot is mapped to (``NULL_PAGE``: none), where the
+        head of its open page is read from."""
+        out = np.full(self.num_slots, NULL_PAGE, np.int32)
+        for page, slot in self.slot_of.items():
+            out[slot] = page
+        return out
 
     def plan(self, kv_lens: np.ndarray, cu_q_lens: np.ndarray, page_indices: np.ndarray,
              num_seqs: int, t_pad: int) -> dict[str, np.ndarray]:
@@ -136,7 +151,11 @@ class OpenPages:
         row's open page (offsets past ``row_len % page`` are not read); ``open_dst i32[T]``:
         where the row's new K/V goes in the open buffer (``num_slots * page``: dropped, its page
         closed in this step); ``close_dst i32[C]``: pages that fill in this step
-        (``NULL_PAGE``: padding) and ``close_src i32[C, page]``: the sources of their tokens.
+        (``NULL_PAGE``: padding) and ``close_src i32[C, page]``: the sources of their tokens;
+        ``slot_page i32[S]``: each slot's page as the step starts (its head is read there);
+        ``slot_write i32[S]``: the page of each slot written in this step, whose head is stored
+        back there (``NO_PAGE``: not written; a stale slot's page may belong to another sequence
+        by now and is never written).
         """
         p, s_pad = self.page_size, page_indices.shape[0]
         out = self.empty(t_pad, s_pad)
@@ -169,9 +188,10 @@ class OpenPages:
                 slot = self.slot_of.get(page)  # a stale slot of a page started here: harmless
                 if slot is None:
                     slot = self._take(page)
+                out["slot_write"][slot] = page
                 last = pos >= new // p * p
                 out["open_dst"][rows[last]] = slot * p + pos[last] % p
         return out
 
 
-__all__ = ["OpenPages", "close_rows"]
+__all__ = ["NO_PAGE", "OpenPages", "close_rows"]
