@@ -81,6 +81,20 @@ def test_tokens_equal_the_quantize_on_fill_reference(dt, async_scheduling, preem
     assert stats["prefix_cache_hit_tokens"] > 0
 
 
+def test_gpu_style_kernel_gives_the_xla_tokens():
+    # The engine with the GPU-style Pallas kernel (interpret mode) reading the closed int4 pages:
+    # chunked prefill, decodes, a repeated prompt (prefix hit): the same tokens as the XLA path.
+    ps = prompts(3, seed=7, min_len=6, max_len=13)
+    ps = ps + ps[:1]
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    out = {}
+    for impl in ("xla", "interpret_gpu"):
+        engine = _engine("int4", attention_impl=impl, debug_checks=False)
+        out[impl] = [o.outputs[0].token_ids for o in engine.generate(ps, sp)]
+    assert engine.kv_stats()["prefix_cache_hit_tokens"] > 0
+    assert out["interpret_gpu"] == out["xla"]
+
+
 def test_the_reference_is_not_the_unquantized_model():
     # Quantize-on-fill must change some greedy token, or the test above could not tell packed
     # pages from exact ones.
@@ -172,6 +186,21 @@ def test_only_slots_written_in_the_step_store_their_head_back():
     assert list(meta["slot_write"]) == [NO_PAGE, NO_PAGE]  # both pages closed: nothing written
     meta = owner.plan(np.array([1]), np.array([0, 1]), np.array([[7, 0]]), 1, 8)
     assert list(meta["slot_write"]).count(7) == 1 and NO_PAGE in meta["slot_write"]
+
+
+def test_a_stale_slot_of_a_page_handed_out_again_is_reclaimed():
+    # Page 5 was a finished sequence's open page; it is handed out again (new version) as a page
+    # of a prompt whose chunks have not reached it: in use, but its slot is stale. The slot is
+    # reclaimed for the next open page instead of running out (the engine's capacity study hit
+    # this with one slot per running sequence).
+    version = {5: 1, 6: 1}
+    owner = OpenPages(1, BLOCK, lambda page: True, version.get)
+    owner.plan(np.array([2]), np.array([0, 2]), np.array([[5, 0]]), 1, 8)
+    assert owner.num_held == 1
+    version[5] = 2
+    assert owner.num_held == 0
+    meta = owner.plan(np.array([1]), np.array([0, 1]), np.array([[6, 0]]), 1, 8)
+    assert owner.slot_of == {6: 0} and meta["slot_write"][0] == 6 and owner.num_held == 1
 
 
 def test_kv_stats_bytes_match_the_accounting_formulas():

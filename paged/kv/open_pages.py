@@ -50,32 +50,50 @@ class OpenPages:
       page_size: tokens per page.
       in_use: ``in_use(page)``: whether a page still belongs to a sequence (the block manager's
         refcount > 0); slots of pages not in use are reclaimed when slots run short.
+      version: ``version(page)``: the page's content version (the block manager's
+        ``block_version``, which changes whenever the page is handed out fresh), or None. A slot
+        whose page was handed out again since the slot was taken is stale although the page is
+        in use (e.g. a later page of a prompt whose chunks have not reached it yet) and is
+        reclaimed as well.
     """
 
-    def __init__(self, num_slots: int, page_size: int, in_use: Callable[[int], bool]):
+    def __init__(self, num_slots: int, page_size: int, in_use: Callable[[int], bool],
+                 version: Callable[[int], int] | None = None):
         self.num_slots = num_slots
         self.page_size = page_size
         self.in_use = in_use
+        self.version = version
+        self.version_of: dict[int, int] = {}  # page -> its version when its slot was taken
         self.slot_of: dict[int, int] = {}
         self.swapped: dict[int, tuple] = {}  # host slot -> (k, v) of a swapped-out open page
         self._free = list(range(num_slots - 1, -1, -1))
 
+    def held(self, page: int) -> bool:
+        """Whether ``page``'s slot holds a live open page: the page is in use and was not
+        handed out again since its slot was taken."""
+        return self.in_use(page) and (self.version is None
+                                      or self.version(page) == self.version_of.get(page))
+
     @property
     def num_held(self) -> int:
-        """Slots mapped to a page in use (the open pages of the running sequences)."""
-        return sum(1 for page in self.slot_of if self.in_use(page))
+        """Slots mapped to a live open page (the open pages of the sequences that hold one)."""
+        return sum(1 for page in self.slot_of if self.held(page))
 
     def _take(self, page: int) -> int:
         if not self._free:
-            for p in [p for p in self.slot_of if not self.in_use(p)]:
+            for p in [p for p in self.slot_of if not self.held(p)]:
                 self._free.append(self.slot_of.pop(p))
+                self.version_of.pop(p, None)
         if not self._free:
             raise RuntimeError(f"all {self.num_slots} open-page slots are held by pages in use: "
                                f"more open pages than max_num_seqs (a bug)")
         self.slot_of[page] = slot = self._free.pop()
+        if self.version is not None:
+            self.version_of[page] = self.version(page)
         return slot
 
     def _release(self, page: int) -> None:
+        self.version_of.pop(page, None)
         slot = self.slot_of.pop(page, None)
         if slot is not None:
             self._free.append(slot)
@@ -101,7 +119,7 @@ class OpenPages:
             self.swapped.pop(host, None)
             if page in self.slot_of:
                 out.append((self.slot_of[page], host))
-                if not self.in_use(page):  # else a sequence that stays still reads it
+                if not self.held(page):  # else a sequence that stays still reads it
                     self._release(page)
         return out
 
@@ -188,6 +206,8 @@ class OpenPages:
                 slot = self.slot_of.get(page)  # a stale slot of a page started here: harmless
                 if slot is None:
                     slot = self._take(page)
+                elif self.version is not None:  # a stale slot reused: live again
+                    self.version_of[page] = self.version(page)
                 out["slot_write"][slot] = page
                 last = pos >= new // p * p
                 out["open_dst"][rows[last]] = slot * p + pos[last] % p
