@@ -16,9 +16,11 @@ merged with the open page's state (:mod:`pallas_kernels.kivi`).
   a step holds the ``G`` query heads of one KV head.
 * :func:`ragged_closed_state`: token rows of several sequences (prefill chunks and decodes,
   ``cu_rows``). Grid ``(Hkv, row_tiles, num_seqs, pages_per_seq)``; a tile is ``block_rows``
-  rows times the ``G`` query heads; sequence ``s``'s pages are read once per tile it has rows in
-  (a tile skips the compute of the others) and each row sees the keys below its own closed
-  length (``row_len // page * page``: the quantize-on-fill semantics).
+  rows times the ``G`` query heads; sequence ``s``'s pages are read once per tile it has rows in,
+  each row seeing the keys below its own closed length (``row_len // page * page``: the
+  quantize-on-fill semantics). A tile skips the compute of the other sequences and their steps
+  stay on their first page (one fetch each; a grid over each tile's own sequence range would
+  avoid even that).
 
 Compiled Mosaic behaviour is unverified here (no TPU; sub-byte shifts on ``uint8`` vectors and
 1-D scale blocks may need relayout there); TPU interpret mode is tested.
@@ -204,7 +206,10 @@ def ragged_closed_state(
     npages = jnp.where(cu_rows[1:] > cu_rows[:-1], row_len[last_row * group, 0] // page, 0)
 
     def page_of(h, qb, s, i, pages_ref, table_ref, cu_ref):
-        return h, table_ref[s * pps + jnp.minimum(i, jnp.maximum(pages_ref[s] - 1, 0))]
+        # a sequence outside the tile stays on its first page: one fetch, not its pages
+        in_tile = (cu_ref[s] < (qb + 1) * block_rows) & (cu_ref[s + 1] > qb * block_rows)
+        i = jnp.where(in_tile, jnp.minimum(i, jnp.maximum(pages_ref[s] - 1, 0)), 0)
+        return h, table_ref[s * pps + i]
 
     leaves, specs = _page_specs(k_pages, v_pages, page_of)
     q_spec = pl.BlockSpec((None, rows, d), lambda h, qb, s, i, *_: (h, qb, 0))
