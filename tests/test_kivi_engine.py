@@ -1,9 +1,10 @@
 """The engine serving packed KV (int4 / int2, KIVI): tokens equal a dense no-cache run over the
 same quantize-on-fill semantics (``pallas_kernels.kivi.dense_on_fill``) with chunked prefill,
 prefix caching, copy-on-write (n=4), preemption by recompute and by swap, async scheduling and
-NaN poisoning on;
+NaN poisoning on; the GPU-style kernel (interpret) giving the XLA path's tokens;
 one layer's step against the exact K/V (closed pages bit-equal to quantizing the exact page, the
-open page exact); the ledger's bytes against ``paged.accounting``; bad settings at
+open page exact, its head bit for bit in its pool page's value bytes); which open-page slots a
+step writes back and reclaims; the ledger's bytes against ``paged.accounting``; bad settings at
 construction."""
 
 from __future__ import annotations
