@@ -3,11 +3,12 @@
 Per (model, page size, sequence length, format): the bytes of one pool block
 (`ModelSpec.bytes_per_block`: packed values, float16 scales and zero points, K per channel and V
 per token), the bytes of one running sequence (`ModelSpec.sequence_bytes`: its pool blocks plus,
-for int4/int2, its open page in the model dtype, the page quantized when it fills), how many such
+for int4/int2, its open-page slot: the open page in the model dtype less the packed value bytes of
+its pool page, which hold the open page's head until the page fills), how many such
 sequences ``budget_gib`` of KV holds and their tokens, and the ratio to the model dtype's tokens.
 ``open_page_without_pool_page`` is the same count for a design this code does not build (the
-open page's pool page allocated only when it fills: ``n // page`` packed blocks plus the open
-page), to show what the reserved pool page costs. ``scale_share`` is the scales' and zeros'
+open page's pool page allocated only when it fills: ``n // page`` packed blocks plus the whole
+open page in the model dtype), for comparison. ``scale_share`` is the scales' and zeros'
 fraction of a block. Evidence: constructed (fixed-length sequences; exact accounting, which a
 test checks against the allocated arrays' ``nbytes``).
 
@@ -43,7 +44,8 @@ def row(spec: ModelSpec, page: int, n: int, budget: int) -> dict:
            "open_page_bytes": spec.open_page_bytes(page), "sequence_bytes": seq,
            "sequences_held": held, "tokens_held": held * n}
     if spec.packed_bits is not None:
-        alt = (n // page) * spec.bytes_per_block(page) + spec.open_page_bytes(page)
+        whole = spec.open_page_bytes(page) + spec.value_bytes_per_block(page)  # a dtype page
+        alt = (n // page) * spec.bytes_per_block(page) + whole
         out["open_page_without_pool_page"] = {"sequence_bytes": alt,
                                               "tokens_held": budget // alt * n}
     assert blocks_needed(n, page) * spec.bytes_per_block(page) <= seq

@@ -15,9 +15,11 @@ read of it (any step, any chunking, after CoW or swap) sees the same values.
 
 Implementations (``impl``): "reference" (jnp, dequantizes the pages a sequence reads), "xla"
 (blocked online softmax, tile-wise dequantization), "auto" (= "xla"), "interpret_gpu" /
-"pallas_gpu" (the GPU-style Pallas kernel of :mod:`pallas_kernels.kivi_gpu`, interpret mode on
-CPU; compiled: unverified). The TPU-style and ragged Pallas kernels do not unpack sub-byte pages:
-those ``impl`` names raise ValueError.
+"pallas_gpu" (the GPU-style Pallas kernel of :mod:`pallas_kernels.kivi_gpu`), "interpret_tpu" /
+"interpret" / "pallas_tpu" (the TPU-style kernel of :mod:`pallas_kernels.kivi_tpu`); interpret
+mode on CPU, compiled: unverified. Every kernel unpacks and dequantizes a page tile inside the
+kernel. :func:`ragged_paged_attention` serves token rows of several sequences (prefill chunks and
+decodes) with the ragged TPU-style kernel, reading a sequence's pages once per row tile.
 :func:`attention_np` is the float64 numpy oracle; :func:`dense_on_fill` the no-cache reference.
 """
 
@@ -31,23 +33,24 @@ from jax import lax
 from pallas_kernels import packed, softmax
 from pallas_kernels.packed import PackedPages
 
-IMPLS = ("auto", "xla", "reference")
+IMPLS = ("auto", "xla", "reference", "interpret_gpu", "pallas_gpu", "interpret_tpu", "interpret",
+         "pallas_tpu")
 
 
 def check_impl(impl: str) -> str:
-    """The implementation serving ``impl`` ("xla" or "reference").
+    """The implementation serving ``impl`` ("xla", "reference", "interpret_gpu", "pallas_gpu",
+    "interpret_tpu" or "pallas_tpu").
 
     Raises:
-      ValueError: a Pallas style (packed pages are not unpacked in those kernels) or an unknown
-        name.
+      ValueError: an unknown name (or "pallas", which picks a style by backend: name it).
     """
     if impl in ("auto", "xla"):
         return "xla"
-    if impl in ("reference", "interpret_gpu", "pallas_gpu"):
+    if impl == "interpret":
+        return "interpret_tpu"
+    if impl in IMPLS:
         return impl
-    raise ValueError(f"impl={impl!r}: int4/int2 (KIVI) pages are read by impl='xla' (or 'auto', "
-                     f"'reference', 'interpret_gpu', 'pallas_gpu') only; the TPU-style and ragged "
-                     f"Pallas kernels do not unpack sub-byte pages")
+    raise ValueError(f"impl={impl!r}: int4/int2 (KIVI) pages are read by impl in {IMPLS}")
 
 
 def _check(q, k_pages, v_pages, open_k, open_v, lengths, page_indices):
@@ -106,16 +109,66 @@ def paged_attention(
     qg = q.astype(jnp.float32).reshape(batch, hkv, hq // hkv, d)  # [B, Hkv, G, D]
     if kind == "reference":
         cm, cl, cacc = _closed_state_ref(qg, kp, vp, closed, page_indices, sm_scale, soft_cap)
-    elif kind in ("interpret_gpu", "pallas_gpu"):
-        from pallas_kernels import kivi_gpu
+    elif kind in ("interpret_gpu", "pallas_gpu", "interpret_tpu", "pallas_tpu"):
+        from pallas_kernels import kivi_gpu, kivi_tpu
 
-        cm, cl, cacc = kivi_gpu.closed_state(qg, kp, vp, closed, page_indices, sm_scale=sm_scale,
-                                             soft_cap=soft_cap,
-                                             interpret=kind == "interpret_gpu")
+        style = kivi_gpu if kind.endswith("gpu") else kivi_tpu
+        cm, cl, cacc = style.closed_state(qg, kp, vp, closed, page_indices, sm_scale=sm_scale,
+                                          soft_cap=soft_cap, interpret=kind.startswith("interpret"))
     else:
         cm, cl, cacc = _closed_state_xla(qg, k_pages, v_pages, closed, page_indices, sm_scale,
                                          soft_cap, layer, block_tokens)
     om, ol, oacc = _open_state(qg, open_k, open_v, lengths - closed, sm_scale, soft_cap)
+    _, lsum, acc = softmax.combine_states(jnp.stack([cacc, oacc]), jnp.stack([cm, om]),
+                                          jnp.stack([cl, ol]))
+    return softmax.normalize(lsum, acc).reshape(q.shape).astype(q.dtype)
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D] token rows, sequence by sequence
+    k_pages: PackedPages,  # keys: values u8[(L,) Hkv, P, page, D*bits/8], scale/zero f16[.., D]
+    v_pages: PackedPages,  # values: values u8[(L,) Hkv, P, page, D*bits/8], scale/zero [.., page]
+    open_k: jax.Array,  # [T, Hkv, page, D] each row's open page (model dtype)
+    open_v: jax.Array,  # [T, Hkv, page, D]
+    row_len: jax.Array,  # i32[T] keys each row attends to (0: padding)
+    row_seq: jax.Array,  # i32[T] the row's sequence
+    page_indices: jax.Array,  # i32[S, pages_per_seq] each sequence's pages
+    cu_rows: jax.Array,  # i32[S + 1] rows of sequence s: [cu_rows[s], cu_rows[s + 1])
+    *,
+    sm_scale: float = 1.0,
+    soft_cap: float | None = None,
+    impl: str = "auto",
+    layer=None,
+    block_rows: int = 8,
+) -> jax.Array:  # [T, Hq, D] in q.dtype
+    """:func:`paged_attention` of token rows grouped by sequence: row ``r`` of sequence
+    ``row_seq[r]`` reads that sequence's closed pages below ``row_len[r] // page * page`` and the
+    first ``row_len[r] % page`` tokens of its own open page ``open_k[r]``. The TPU-style impls
+    run the ragged kernel (:func:`pallas_kernels.kivi_tpu.ragged_closed_state`: a sequence's
+    pages read once per row tile); the others read each row as a decode query through its
+    sequence's table. ``block_rows``: token rows per tile of the ragged kernel.
+
+    Raises:
+      ValueError / TypeError: as :func:`paged_attention`.
+    """
+    kind = check_impl(impl)
+    if kind not in ("interpret_tpu", "pallas_tpu"):
+        return paged_attention(q, k_pages, v_pages, open_k, open_v, row_len,
+                               page_indices[row_seq], sm_scale=sm_scale, soft_cap=soft_cap,
+                               impl=impl, layer=layer)
+    from pallas_kernels import kivi_tpu
+
+    kp, vp = (k_pages, v_pages) if layer is None else (k_pages[layer], v_pages[layer])
+    hkv, page = _check(q, kp, vp, open_k, open_v, row_len, page_indices[row_seq])
+    t, hq, d = q.shape
+    row_len = row_len.astype(jnp.int32)
+    closed = row_len // page * page
+    cm, cl, cacc = kivi_tpu.ragged_closed_state(q, kp, vp, row_len, row_seq, page_indices,
+                                                cu_rows, sm_scale=sm_scale, soft_cap=soft_cap,
+                                                interpret=kind == "interpret_tpu",
+                                                block_rows=block_rows)
+    qg = q.astype(jnp.float32).reshape(t, hkv, hq // hkv, d)
+    om, ol, oacc = _open_state(qg, open_k, open_v, row_len - closed, sm_scale, soft_cap)
     _, lsum, acc = softmax.combine_states(jnp.stack([cacc, oacc]), jnp.stack([cm, om]),
                                           jnp.stack([cl, ol]))
     return softmax.normalize(lsum, acc).reshape(q.shape).astype(q.dtype)

@@ -74,7 +74,8 @@ def _check_quantized(k_pages, v_pages) -> bool:
     1, the same layout for K and V); returns whether the pages are quantized."""
     if any(isinstance(x, packed.PackedPages) for x in (k_pages, v_pages)):
         raise ValueError("int4/int2 (KIVI) PackedPages are read by pallas_kernels.kivi."
-                         "paged_attention (closed pages plus the open page), not by this op")
+                         "paged_attention / ragged_paged_attention (closed pages plus the open "
+                         "page; every impl style), not by this op")
     kq, vq = (isinstance(x, quant.QuantizedPages) for x in (k_pages, v_pages))
     if kq != vq:
         raise TypeError(f"k_pages and v_pages must both be QuantizedPages or both arrays, got "

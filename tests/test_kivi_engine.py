@@ -1,9 +1,10 @@
 """The engine serving packed KV (int4 / int2, KIVI): tokens equal a dense no-cache run over the
 same quantize-on-fill semantics (``pallas_kernels.kivi.dense_on_fill``) with chunked prefill,
 prefix caching, copy-on-write (n=4), preemption by recompute and by swap, async scheduling and
-NaN poisoning on;
+NaN poisoning on; the GPU-style kernel (interpret) giving the XLA path's tokens;
 one layer's step against the exact K/V (closed pages bit-equal to quantizing the exact page, the
-open page exact); the ledger's bytes against ``paged.accounting``; bad settings at
+open page exact, its head bit for bit in its pool page's value bytes); which open-page slots a
+step writes back and reclaims; the ledger's bytes against ``paged.accounting``; bad settings at
 construction."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from engine_utils import greedy_reference, prompts, small_model
 
 from paged import Engine, EngineConfig, SamplingParams
 from paged.accounting.formulas import ModelSpec
-from paged.kv.open_pages import OpenPages
+from paged.kv.open_pages import NO_PAGE, OpenPages
 from paged.models import kivi_attention
 from paged.models.attention import build_metadata
 from paged.models.config import LlamaConfig
@@ -81,6 +82,20 @@ def test_tokens_equal_the_quantize_on_fill_reference(dt, async_scheduling, preem
     assert stats["prefix_cache_hit_tokens"] > 0
 
 
+def test_gpu_style_kernel_gives_the_xla_tokens():
+    # The engine with the GPU-style Pallas kernel (interpret mode) reading the closed int4 pages:
+    # chunked prefill, decodes, a repeated prompt (prefix hit): the same tokens as the XLA path.
+    ps = prompts(3, seed=7, min_len=6, max_len=13)
+    ps = ps + ps[:1]
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    out = {}
+    for impl in ("xla", "interpret_gpu"):
+        engine = _engine("int4", attention_impl=impl, debug_checks=False)
+        out[impl] = [o.outputs[0].token_ids for o in engine.generate(ps, sp)]
+    assert engine.kv_stats()["prefix_cache_hit_tokens"] > 0
+    assert out["interpret_gpu"] == out["xla"]
+
+
 def test_the_reference_is_not_the_unquantized_model():
     # Quantize-on-fill must change some greedy token, or the test above could not tell packed
     # pages from exact ones.
@@ -111,7 +126,8 @@ def test_one_layer_closes_pages_bit_exact_and_keeps_the_open_page_exact(bits):
     tables = {"A": [3, 5, 1, 0], "B": [2, 4, 0, 0]}
     shape = (1, hkv, 8, p, d)
     pools = [packed.zeros(shape, bits, per) for per in ("channel", "token")]
-    opens = [jnp.zeros((1, hkv, slots, p, d), jnp.float32) for _ in range(2)]
+    tail = p * d - p * d * bits // 8 // 4  # float32 elements past the head
+    opens = [jnp.zeros((1, hkv, slots, tail), jnp.float32) for _ in range(2)]
     owner = OpenPages(slots, p, lambda page: True)
     sm = d**-0.5
     for starts, q_lens in (((0, 0), (6, 3)), ((6, 3), (5, 1))):
@@ -142,10 +158,50 @@ def test_one_layer_closes_pages_bit_exact_and_keeps_the_open_page_exact(bits):
                 for got, w in ((pool.values, want.values), (pool.scale, want.scale),
                                (pool.zero, want.zero)):
                     np.testing.assert_array_equal(np.asarray(got[0, :, page]), np.asarray(w))
-            if n % p:  # the open page: exact, in its page's slot
+            if n % p:  # the open page: exact, its head in its pool page, its tail in its slot
                 slot = owner.slot_of[tables[s][n // p]]
-                got = np.asarray(opens[side][0, :, slot, :n % p])
+                whole = kivi_attention.open_pages(kivi_attention.KiviPages(pool, opens[side]), 0,
+                                                  owner.slot_pages())
+                got = np.asarray(whole[:, slot, :n % p])
                 np.testing.assert_array_equal(got, np.swapaxes(x[n // p * p:], 0, 1))
+                # the head is the pool page's value bytes, bit for bit (no second copy)
+                e = p * d * bits // 8 // 4
+                raw = np.asarray(pool.values[0, :, tables[s][n // p]]).reshape(hkv, -1)
+                head = np.swapaxes(x[n // p * p:], 0, 1).reshape(hkv, -1)[:, :e]
+                np.testing.assert_array_equal(raw[:, :head.shape[1] * 4].view(np.float32), head)
+
+
+def test_only_slots_written_in_the_step_store_their_head_back():
+    # A slot whose page is no longer in use keeps its mapping (stale); its page may hold another
+    # sequence's closed page by now, so no step writes that slot's head back to it.
+    live = {5, 6}
+    owner = OpenPages(2, BLOCK, lambda page: page in live)
+    table = np.array([[5, 0], [6, 0]], np.int32)
+    meta = owner.plan(np.array([2, 3]), np.array([0, 2, 5]), table, 2, 8)  # both open a page
+    s5, s6 = owner.slot_of[5], owner.slot_of[6]
+    assert list(meta["slot_write"][[s5, s6]]) == [5, 6]
+    live.discard(5)  # page 5's sequence left; page 5 now closes for a new sequence
+    meta = owner.plan(np.array([4, 4]), np.array([0, 4, 5]), np.array([[5, 0], [6, 0]]), 2, 8)
+    assert meta["slot_page"][s5] == 5 and meta["slot_page"][s6] == 6  # heads read at the start
+    assert list(meta["close_dst"][:2]) == [5, 6]
+    assert list(meta["slot_write"]) == [NO_PAGE, NO_PAGE]  # both pages closed: nothing written
+    meta = owner.plan(np.array([1]), np.array([0, 1]), np.array([[7, 0]]), 1, 8)
+    assert list(meta["slot_write"]).count(7) == 1 and NO_PAGE in meta["slot_write"]
+
+
+def test_a_stale_slot_of_a_page_handed_out_again_is_reclaimed():
+    # Page 5 was a finished sequence's open page; it is handed out again (new version) as a page
+    # of a prompt whose chunks have not reached it: in use, but its slot is stale. The slot is
+    # reclaimed for the next open page instead of running out (the engine's capacity study hit
+    # this with one slot per running sequence).
+    version = {5: 1, 6: 1}
+    owner = OpenPages(1, BLOCK, lambda page: True, version.get)
+    owner.plan(np.array([2]), np.array([0, 2]), np.array([[5, 0]]), 1, 8)
+    assert owner.num_held == 1
+    version[5] = 2
+    assert owner.num_held == 0
+    meta = owner.plan(np.array([1]), np.array([0, 1]), np.array([[6, 0]]), 1, 8)
+    assert owner.slot_of == {6: 0} and meta["slot_write"][0] == 6 and owner.num_held == 1
 
 
 def test_kv_stats_bytes_match_the_accounting_formulas():

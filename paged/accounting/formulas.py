@@ -65,7 +65,8 @@ SCALE_BYTES = 4
 #: per channel, values per token, asymmetric) and bytes of each of their scales and zero points
 #: (float16). A closed page of one (layer, KV head) holds ``page * D * bits / 8`` value bytes of K
 #: and of V, ``D`` key scales and zeros (one per channel) and ``page`` value scales and zeros (one
-#: per token); the open page of a running sequence is held in the model dtype beside the pool.
+#: per token); the open page of a running sequence is held in the model dtype: its head in its
+#: pool page's value bytes, its tail in a slot beside the pool (``ModelSpec.open_page_bytes``).
 PACKED_BITS = {"int4": 4, "int2": 2}
 PACKED_SCALE_BYTES = 2
 SCALE_GRANULARITIES = ("token", "page")
@@ -412,20 +413,25 @@ class ModelSpec:
                 + self.metadata_bytes_per_block(block_size))
 
     def open_page_bytes(self, block_size: int) -> int:
-        """Bytes of one running sequence's open page over all layers: a page in the model
-        ``dtype`` (packed formats quantize a page only when it fills; 0 for every other format)."""
+        """Bytes of one running sequence's open-page slot over all layers: a page in the model
+        ``dtype`` less the packed page's value bytes, where the open page's head is held (its
+        pool page holds no quantized values until it fills, ``paged.kv.packed_cache``); 0 for
+        every format but the packed ones."""
         block_size = validate.integer("block_size", block_size, minimum=1)
         if self.packed_bits is None:
             return 0
-        return kv_bytes(self.num_layers, block_size, self.num_kv_heads, self.head_dim,
-                        _dtype_of(self.dtype).itemsize)
+        return (kv_bytes(self.num_layers, block_size, self.num_kv_heads, self.head_dim,
+                         _dtype_of(self.dtype).itemsize)
+                - 2 * self.num_layers * self.num_kv_heads * block_size * self.head_dim
+                * self.packed_bits // 8)
 
     def sequence_bytes(self, num_tokens: int, block_size: int, *, running: bool = True) -> int:
         """Bytes one sequence of ``num_tokens`` holds: ``ceil(n / B)`` pool blocks (scales
-        included) plus, for a running sequence in a packed format, its open page in the model
-        dtype. The packed pool page of the open page is allocated with the page's first token
-        (as the block manager allocates every page) and receives the page when it fills; so
-        the saving of a packed format is realized only for the closed pages."""
+        included) plus, for a running sequence in a packed format, its open-page slot. The open
+        page's pool page is allocated with its first token (as the block manager allocates every
+        page) and holds the open page's head in its value bytes until the page fills (the slot
+        holds the rest): a running sequence costs its closed pages, one model-dtype page and one
+        page's scales and zero points."""
         blocks = blocks_needed(num_tokens, block_size) * self.bytes_per_block(block_size)
         return blocks + (self.open_page_bytes(block_size) if running else 0)
 

@@ -43,10 +43,11 @@ class MemoryLedger:
       page_metadata: bytes of every block's page metadata (the key bounds of sparse decode; 0
         otherwise), counted once, here, like the scales.
       open_page_bytes: packed (int4 / int2) pages: bytes of the open-page buffer beside the pool
-        (one page per slot in the model dtype, ``paged.kv.open_pages``): a side cost, outside
-        the pool's categories. The pool counts every page, the open ones included, at packed
-        bytes; the saving is realized for closed pages only, since each running sequence's
-        open page is also held here in full precision.
+        (``paged.kv.open_pages``): a side cost, outside the pool's categories. The pool counts
+        every page, the open ones included, at packed bytes; an open page is held in the model
+        dtype, its head in its pool page's value bytes and its tail in a slot here (one model-
+        dtype page less the packed value bytes per slot, ``paged.kv.packed_cache``); the saving
+        is realized for closed pages only.
       open_pages_held: open-page slots held by a page in use.
     """
 
@@ -124,7 +125,8 @@ class MemoryLedger:
                 "held": self.open_pages_held,
                 "held_bytes": self.open_pages_held * self.spec.open_page_bytes(self.block_size),
                 "note": "packed pages: each running sequence's open page is held in the model "
-                        "dtype beside the pool (side cost open_page_bytes) until it fills",
+                        "dtype until it fills: its head in its pool page's value bytes, its tail "
+                        "in a slot beside the pool (side cost open_page_bytes)",
             }
         return out
 

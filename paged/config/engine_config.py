@@ -27,6 +27,7 @@ KV_SCALE_GRANULARITIES = ("page", "token")
 # each sequence's open page in ``dtype`` until it fills (paged.kv.open_pages). ``kv_scale_
 # granularity`` does not apply. Read by these attention impls (pallas_kernels.kivi.check_impl).
 PACKED_KV_CACHE_DTYPES = ("int4", "int2")
+# (pallas_kernels.kivi also reads them with the TPU-style kernels; the engine through those: untested)
 PACKED_ATTENTION_IMPLS = ("auto", "xla", "reference", "interpret_gpu", "pallas_gpu")
 CASCADE_MODES = ("auto", "on", "off")  # paged.step.cascade_plan.MODES
 ROUTERS = ("prefix_aware", "round_robin", "least_loaded")  # paged.fleet.routing.POLICIES

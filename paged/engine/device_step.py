@@ -44,7 +44,8 @@ def open_pages(core, config, spec) -> OpenPages | None:
     if not spec.page.packed_bits:
         return None
     bm = core.block_manager
-    slots = OpenPages(config.max_num_seqs, core.page_size, lambda page: bm.refcount(page) > 0)
+    slots = OpenPages(config.max_num_seqs, core.page_size, lambda page: bm.refcount(page) > 0,
+                      getattr(bm, "block_version", None))
     core.builder.open_pages = slots
     return slots
 

@@ -15,8 +15,10 @@ sequence starts it, and only offsets written since then are read.
 
 ``plan`` turns one step's metadata (host numpy) into the index arrays the device step needs
 (``paged.models.kivi_attention.KiviMeta``). A *source* index addresses the concatenation of the
-open buffer (``slot * page + offset``, ``num_slots * page`` entries) and the step's new token
-rows (``num_slots * page + row``).
+open pages (``slot * page + offset``, ``num_slots * page`` entries) and the step's new token
+rows (``num_slots * page + row``). An open page's head is stored in its pool page's value bytes
+(``paged.kv.packed_cache``), so a slot's content is only whole beside its page: ``plan`` says
+where each slot's head is read (``slot_page``) and written back (``slot_write``).
 
 Host-only: numpy, no JAX.
 """
@@ -28,6 +30,9 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from paged.kv.paging import NULL_PAGE
+
+#: A page index past any pool: a write there is dropped.
+NO_PAGE = 2**30
 
 
 def close_rows(t_pad: int, s_pad: int, page_size: int) -> int:
@@ -45,32 +50,50 @@ class OpenPages:
       page_size: tokens per page.
       in_use: ``in_use(page)``: whether a page still belongs to a sequence (the block manager's
         refcount > 0); slots of pages not in use are reclaimed when slots run short.
+      version: ``version(page)``: the page's content version (the block manager's
+        ``block_version``, which changes whenever the page is handed out fresh), or None. A slot
+        whose page was handed out again since the slot was taken is stale although the page is
+        in use (e.g. a later page of a prompt whose chunks have not reached it yet) and is
+        reclaimed as well.
     """
 
-    def __init__(self, num_slots: int, page_size: int, in_use: Callable[[int], bool]):
+    def __init__(self, num_slots: int, page_size: int, in_use: Callable[[int], bool],
+                 version: Callable[[int], int] | None = None):
         self.num_slots = num_slots
         self.page_size = page_size
         self.in_use = in_use
+        self.version = version
+        self.version_of: dict[int, int] = {}  # page -> its version when its slot was taken
         self.slot_of: dict[int, int] = {}
         self.swapped: dict[int, tuple] = {}  # host slot -> (k, v) of a swapped-out open page
         self._free = list(range(num_slots - 1, -1, -1))
 
+    def held(self, page: int) -> bool:
+        """Whether ``page``'s slot holds a live open page: the page is in use and was not
+        handed out again since its slot was taken."""
+        return self.in_use(page) and (self.version is None
+                                      or self.version(page) == self.version_of.get(page))
+
     @property
     def num_held(self) -> int:
-        """Slots mapped to a page in use (the open pages of the running sequences)."""
-        return sum(1 for page in self.slot_of if self.in_use(page))
+        """Slots mapped to a live open page (the open pages of the sequences that hold one)."""
+        return sum(1 for page in self.slot_of if self.held(page))
 
     def _take(self, page: int) -> int:
         if not self._free:
-            for p in [p for p in self.slot_of if not self.in_use(p)]:
+            for p in [p for p in self.slot_of if not self.held(p)]:
                 self._free.append(self.slot_of.pop(p))
+                self.version_of.pop(p, None)
         if not self._free:
             raise RuntimeError(f"all {self.num_slots} open-page slots are held by pages in use: "
                                f"more open pages than max_num_seqs (a bug)")
         self.slot_of[page] = slot = self._free.pop()
+        if self.version is not None:
+            self.version_of[page] = self.version(page)
         return slot
 
     def _release(self, page: int) -> None:
+        self.version_of.pop(page, None)
         slot = self.slot_of.pop(page, None)
         if slot is not None:
             self._free.append(slot)
@@ -96,7 +119,7 @@ class OpenPages:
             self.swapped.pop(host, None)
             if page in self.slot_of:
                 out.append((self.slot_of[page], host))
-                if not self.in_use(page):  # else a sequence that stays still reads it
+                if not self.held(page):  # else a sequence that stays still reads it
                     self._release(page)
         return out
 
@@ -125,7 +148,17 @@ class OpenPages:
                     open_src=np.zeros((t_pad, p), np.int32),
                     open_dst=np.full(t_pad, self.num_slots * p, np.int32),
                     close_dst=np.full(c, NULL_PAGE, np.int32),
-                    close_src=np.zeros((c, p), np.int32))
+                    close_src=np.zeros((c, p), np.int32),
+                    slot_page=self.slot_pages(),
+                    slot_write=np.full(self.num_slots, NO_PAGE, np.int32))
+
+    def slot_pages(self) -> np.ndarray:
+        """``i32[num_slots]``: the page each slot is mapped to (``NULL_PAGE``: none), where the
+        head of its open page is read from."""
+        out = np.full(self.num_slots, NULL_PAGE, np.int32)
+        for page, slot in self.slot_of.items():
+            out[slot] = page
+        return out
 
     def plan(self, kv_lens: np.ndarray, cu_q_lens: np.ndarray, page_indices: np.ndarray,
              num_seqs: int, t_pad: int) -> dict[str, np.ndarray]:
@@ -136,7 +169,11 @@ class OpenPages:
         row's open page (offsets past ``row_len % page`` are not read); ``open_dst i32[T]``:
         where the row's new K/V goes in the open buffer (``num_slots * page``: dropped, its page
         closed in this step); ``close_dst i32[C]``: pages that fill in this step
-        (``NULL_PAGE``: padding) and ``close_src i32[C, page]``: the sources of their tokens.
+        (``NULL_PAGE``: padding) and ``close_src i32[C, page]``: the sources of their tokens;
+        ``slot_page i32[S]``: each slot's page as the step starts (its head is read there);
+        ``slot_write i32[S]``: the page of each slot written in this step, whose head is stored
+        back there (``NO_PAGE``: not written; a stale slot's page may belong to another sequence
+        by now and is never written).
         """
         p, s_pad = self.page_size, page_indices.shape[0]
         out = self.empty(t_pad, s_pad)
@@ -169,9 +206,12 @@ class OpenPages:
                 slot = self.slot_of.get(page)  # a stale slot of a page started here: harmless
                 if slot is None:
                     slot = self._take(page)
+                elif self.version is not None:  # a stale slot reused: live again
+                    self.version_of[page] = self.version(page)
+                out["slot_write"][slot] = page
                 last = pos >= new // p * p
                 out["open_dst"][rows[last]] = slot * p + pos[last] % p
         return out
 
 
-__all__ = ["OpenPages", "close_rows"]
+__all__ = ["NO_PAGE", "OpenPages", "close_rows"]
