@@ -25,9 +25,8 @@ metrics (vllm PR #27793) where vLLM has one:
 
 Histograms have fixed buckets (``SECONDS_BUCKETS``, ``DISTANCE_BUCKETS``, Prometheus' ``le``
 bounds plus +Inf) and keep counts, a sum and a count, so memory stays bounded; per-key state is
-three list entries per block of the index (by block id). An event is two list appends to a log,
-replayed in one loop when the figures are read or ``Residency.PENDING`` events wait, so a host
-step pays its events' share of a replay every few hundred steps, not a call's work per key. Keys are told apart by block (two
+three list entries per block of the index (by block id: a store or removal touches no dict but
+the remembered removals), and removals are binned in bulk. Keys are told apart by block (two
 keys of one digest, which only a weak ``hash_fn`` makes, each have their own entry); regret is
 told by digest.
 """
@@ -85,67 +84,86 @@ class Histogram:
 class Residency:
     """One tier's residency figures (module docstring) for an index of ``num_blocks`` blocks.
 
-    Every event (a store, a removal, a hit, a forgiven digest, a new ``now``) is one or two list
-    appends to a log; the log is replayed in one tight loop (`_replay`) when the figures are
-    read or ``PENDING`` events wait. The replay keeps per-key state in lists indexed by block id
-    (the key indexed at that block): its store time, its last access and that access's number;
-    ``None`` for a block holding no key; removals' lifetimes and idle times are binned in bulk
-    (`Histogram.observe_many`).
+    Per-key state lives in lists indexed by block id (the key indexed at that block): its store
+    time, its last access and that access's number; ``None`` for a block holding no key. A
+    removal only appends the key's lifetime and idle time to two pending lists, binned in bulk
+    (`Histogram.observe_many`) when they reach ``PENDING`` entries or the figures are read.
     """
 
     PENDING = 4096
 
     def __init__(self, num_blocks: int):
-        self._now = self._replayed_now = 0.0
-        self._n = num_blocks
-        # The log: ``_ops[i]`` a block (stored), ``~block`` (removed), ``block + n`` (hit),
-        # ``2n`` (forgive) or ``2n + 1`` (a new now); ``_args[i]`` its key, digest or time.
-        self._ops: list[int] = []
-        self._args: list = []
+        self.now = 0.0
         self._store: list[float | None] = [None] * num_blocks
         self._last: list[float | None] = [None] * num_blocks
         self._access: list[int] = [0] * num_blocks
         self._accesses = 0
-        self._removed_keys: collections.OrderedDict = collections.OrderedDict()  # digest -> time
+        self._lifetimes: list[float] = []  # removals not binned yet
+        self._idles: list[float] = []
+        self.removed_keys: collections.OrderedDict = collections.OrderedDict()  # digest -> time
         self._lifetime = Histogram(SECONDS_BUCKETS)
         self._idle = Histogram(SECONDS_BUCKETS)
-        self._reuse_gap = Histogram(SECONDS_BUCKETS)
-        self._reuse_distance = Histogram(DISTANCE_BUCKETS)
+        self.reuse_gap = Histogram(SECONDS_BUCKETS)
+        self.reuse_distance = Histogram(DISTANCE_BUCKETS)
         self.query_tokens = 0
         self.hit_tokens = 0
-        self._regret = 0
-
-    @property
-    def now(self) -> float:
-        return self._now
-
-    @now.setter
-    def now(self, now: float) -> None:
-        if now != self._now:
-            self._now = now
-            self._ops.append(self._n * 2 + 1)
-            self._args.append(now)
-            if len(self._ops) >= self.PENDING:
-                self._replay()
+        self.regret_blocks = 0
 
     # --- the index's listener ----------------------------------------------------------------
     def stored(self, key, block: int) -> None:
-        self._ops.append(block)
-        self._args.append(key)
+        now = self.now
+        self._store[block] = now
+        self._last[block] = now
+        self._access[block] = self._accesses
+        self._accesses += 1
+        rk = self.removed_keys
+        if rk and rk.pop(key.digest, None) is not None:  # needed again after its removal
+            self.regret_blocks += 1
 
     def removed(self, digest: Hashable, block: int) -> None:
-        self._ops.append(~block)
-        self._args.append(digest)
-        if len(self._ops) >= self.PENDING:  # bounded even if the clock stands still
-            self._replay()
+        t = self._store[block]
+        if t is None:
+            self._last[block] = None
+            return
+        now = self.now
+        self._store[block] = None
+        self._lifetimes.append(now - t)
+        self._idles.append(now - self._last[block])
+        self._last[block] = None
+        rk = self.removed_keys
+        rk[digest] = now
+        if len(rk) > REMEMBER:
+            rk.popitem(last=False)
+        if len(self._lifetimes) >= self.PENDING:
+            self._bin()
+
+    def _bin(self) -> None:
+        self._lifetime.observe_many(self._lifetimes)
+        self._idle.observe_many(self._idles)
+        self._lifetimes, self._idles = [], []
+
+    @property
+    def lifetime(self) -> Histogram:
+        """``kv_block_lifetime_seconds`` (pending removals binned first)."""
+        self._bin()
+        return self._lifetime
+
+    @property
+    def idle(self) -> Histogram:
+        """``kv_block_idle_before_evict_seconds`` (pending removals binned first)."""
+        self._bin()
+        return self._idle
 
     # --- admission -----------------------------------------------------------------------------
     def hit(self, block: int) -> None:
         """The key indexed at ``block`` was hit."""
-        self._ops.append(block + self._n)
-        self._args.append(None)
-        if len(self._ops) >= self.PENDING:
-            self._replay()
+        last = self._last[block]
+        if last is not None:
+            self.reuse_gap.observe(self.now - last)
+            self.reuse_distance.observe(self._accesses - self._access[block] - 1)
+        self._last[block] = self.now
+        self._access[block] = self._accesses
+        self._accesses += 1
 
     def queried(self, query_tokens: int, hit_tokens: int) -> None:
         self.query_tokens += query_tokens
@@ -153,98 +171,7 @@ class Residency:
 
     def forgive(self, digest: Hashable) -> None:
         """``digest`` comes back from another tier, not by recompute: no regret when stored."""
-        self._ops.append(self._n * 2)
-        self._args.append(digest)
-
-    # --- the replay ----------------------------------------------------------------------------
-    def _replay(self) -> None:
-        """Applies the logged events in order (one loop, every branch inline)."""
-        ops, args = self._ops, self._args
-        if not ops:
-            return
-        self._ops, self._args = [], []
-        n, forgive = self._n, self._n * 2
-        store, last, access, rk = self._store, self._last, self._access, self._removed_keys
-        accesses, regret = self._accesses, self._regret
-        lifetimes, idles, gaps, dists = [], [], [], []
-        now = self._replayed_now  # the clock at the log's start (each change is logged)
-        for op, arg in zip(ops, args):
-            if op >= 0:
-                if op < n:  # stored
-                    store[op] = now
-                    last[op] = now
-                    access[op] = accesses
-                    accesses += 1
-                    if rk and rk.pop(arg.digest, None) is not None:
-                        regret += 1
-                elif op < forgive:  # hit
-                    b = op - n
-                    t = last[b]
-                    if t is not None:
-                        gaps.append(now - t)
-                        dists.append(accesses - access[b] - 1)
-                    last[b] = now
-                    access[b] = accesses
-                    accesses += 1
-                elif op == forgive:
-                    rk.pop(arg, None)
-                else:
-                    now = arg
-            else:  # removed
-                b = ~op
-                t = store[b]
-                if t is None:
-                    last[b] = None
-                    continue
-                store[b] = None
-                lifetimes.append(now - t)
-                idles.append(now - last[b])
-                last[b] = None
-                rk[arg] = now
-                if len(rk) > REMEMBER:
-                    rk.popitem(last=False)
-        self._replayed_now = now
-        self._accesses, self._regret = accesses, regret
-        self._lifetime.observe_many(lifetimes)
-        self._idle.observe_many(idles)
-        self._reuse_gap.observe_many(gaps)
-        self._reuse_distance.observe_many(dists)
-
-    @property
-    def lifetime(self) -> Histogram:
-        """``kv_block_lifetime_seconds`` (the log replayed first)."""
-        self._replay()
-        return self._lifetime
-
-    @property
-    def idle(self) -> Histogram:
-        """``kv_block_idle_before_evict_seconds`` (the log replayed first)."""
-        self._replay()
-        return self._idle
-
-    @property
-    def reuse_gap(self) -> Histogram:
-        """``kv_block_reuse_gap_seconds`` (the log replayed first)."""
-        self._replay()
-        return self._reuse_gap
-
-    @property
-    def reuse_distance(self) -> Histogram:
-        """``kv_block_reuse_distance_blocks`` (the log replayed first)."""
-        self._replay()
-        return self._reuse_distance
-
-    @property
-    def regret_blocks(self) -> int:
-        """Keys stored again after their removal (the log replayed first)."""
-        self._replay()
-        return self._regret
-
-    @property
-    def removed_keys(self) -> collections.OrderedDict:
-        """The remembered removals, digest -> time (the log replayed first)."""
-        self._replay()
-        return self._removed_keys
+        self.removed_keys.pop(digest, None)
 
     def as_dict(self) -> dict:
         q = self.query_tokens
