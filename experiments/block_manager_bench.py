@@ -371,7 +371,8 @@ def replay(c: ml_collections.ConfigDict, trace, api: str, *, caching: bool | Non
 
 
 def _spread(xs) -> dict:
-    return {"p10": _pct(xs, 10), "p50": _pct(xs, 50), "p90": _pct(xs, 90), "n": len(xs)}
+    return {"p10": _pct(xs, 10), "p50": _pct(xs, 50), "p90": _pct(xs, 90), "n": len(xs),
+            "mean": float(np.mean(xs)) if len(xs) else float("nan")}
 
 
 _APIS = ("per_seq", "batch", "batch_full_only", "batch_async", "engine")
@@ -406,6 +407,7 @@ def versus_nanovllm(c: ml_collections.ConfigDict, trace, nano, api: str = "batch
         out[name] = {
             "ours_us": _spread(mine), "nanovllm_us": _spread(theirs),
             "ratio_of_medians": _pct(mine, 50) / _pct(theirs, 50) if steps else float("nan"),
+            "ratio_of_means": float(np.mean(mine) / np.mean(theirs)) if steps else float("nan"),
             "per_step_ratio": _spread([x / y for x, y in steps if y > 0])}
     return out
 

@@ -8,7 +8,8 @@ alternating between rounds. A child replays ``experiments/block_manager_bench.py
 trace with that tree's own code, interleaved step by step with nano-vllm's block manager when
 ``nanovllm_path`` is set (`block_manager_bench.versus_nanovllm`), and reports, per decode-call
 style, the medians of our decode step and of the whole step with churn and their ratios to
-nano-vllm's. Ratios within one child cancel the machine's load; the spread over rounds shows what
+nano-vllm's (and the means and their ratio, where the tree's bench reports them: work deferred
+to an occasional step moves a median, not a mean). Ratios within one child cancel the machine's load; the spread over rounds shows what
 is left. Writes ``host_speed.json`` (every round, medians and min/max per tree, provenance).
 """
 
@@ -38,6 +39,11 @@ if c.nanovllm_path:
                            "nanovllm_p50_us": v[name]["nanovllm_us"]["p50"],
                            "ratio_of_medians": v[name]["ratio_of_medians"]}
                     for name in ("decode_step", "whole_step_with_churn")}
+        for name in ("decode_step", "whole_step_with_churn"):  # trees whose bench has means
+            if "ratio_of_means" in v[name]:
+                out[api][name].update(ours_mean_us=v[name]["ours_us"]["mean"],
+                                      nanovllm_mean_us=v[name]["nanovllm_us"]["mean"],
+                                      ratio_of_means=v[name]["ratio_of_means"])
 else:
     for api in arg["apis"]:
         r = b.replay(c, trace, api)
