@@ -16,7 +16,8 @@ device (its own byte roofline); each op's bytes / time over it is ``frac_of_read
 SmolLM2-135M through the engine, per arm of ``config.arms``: dense, or ``"F:L"`` =
 ``EngineConfig(sparse_decode=SparseDecodeConfig(fraction=F, dense_layers=L))`` (prefill is dense
 in both; only decode rows select; the first L layers read every page), or ``"F:L:G"`` with
-``gqa=G`` (how a query group picks its pages: ``max``, ``rank``, ``union``).
+``gqa=G`` (how a query group picks its pages: ``max``, ``rank``, ``union``), or ``"F:L:G:R"``
+with ``recent_pages=R`` (the R pages before the open page always read, inside the budget).
 
 **Fidelity** (``config.fidelity_lengths``): perplexity of corpus chunks, KL(p_dense || p_arm)
 and top-1 agreement with dense, teacher-forced with every token decoded through the selection
@@ -137,32 +138,37 @@ def kernel_point(c, context: int, fraction: float, rng) -> dict:
     }
 
 
-def parse_arm(text: str) -> tuple[float | None, int, str]:
-    """An arm of ``config.arms``: ``"dense"`` -> ``(None, 0, "max")``, ``"F:L"`` -> ``(F, L,
-    "max")``, ``"F:L:G"`` -> ``(F, L, G)``: budget fraction F of each sequence's pages, selection
-    skipped in the first L layers, query groups picking pages by ``gqa=G``."""
+def parse_arm(text: str) -> tuple[float | None, int, str, int]:
+    """An arm of ``config.arms``: ``"dense"`` -> ``(None, 0, "max", 0)``, ``"F:L"`` -> ``(F, L,
+    "max", 0)``, ``"F:L:G"`` -> ``(F, L, G, 0)``, ``"F:L:G:R"`` -> ``(F, L, G, R)``: budget
+    fraction F of each sequence's pages, selection skipped in the first L layers, query groups
+    picking pages by ``gqa=G``, the R pages before the open page always read
+    (``recent_pages=R``, inside the budget)."""
     from paged.config.sparse_decode import GQA_MODES
 
     text = str(text)
     if text == "dense":
-        return None, 0, "max"
+        return None, 0, "max", 0
     parts = text.split(":")
     try:
         f, n = float(parts[0]), int(parts[1])
+        r = int(parts[3]) if len(parts) == 4 else 0
     except (ValueError, IndexError):
-        f, n = -1.0, -1
-    gqa = parts[2] if len(parts) == 3 else "max"
-    if len(parts) not in (2, 3) or not 0 < f <= 1 or n < 0 or gqa not in GQA_MODES:
-        raise ValueError(f"arm {text!r}: 'dense' or 'F:L[:G]' with F in (0, 1] (a fraction of "
-                         f"the pages), L >= 0 (layers that read every page) and G in "
-                         f"{GQA_MODES} (SparseDecodeConfig.gqa)")
-    return f, n, gqa
+        f, n, r = -1.0, -1, -1
+    gqa = parts[2] if len(parts) >= 3 else "max"
+    if (len(parts) not in (2, 3, 4) or not 0 < f <= 1 or n < 0 or r < 0
+            or gqa not in GQA_MODES):
+        raise ValueError(f"arm {text!r}: 'dense' or 'F:L[:G[:R]]' with F in (0, 1] (a fraction "
+                         f"of the pages), L >= 0 (layers that read every page), G in "
+                         f"{GQA_MODES} (SparseDecodeConfig.gqa) and R >= 0 "
+                         f"(SparseDecodeConfig.recent_pages)")
+    return f, n, gqa, r
 
 
 def _arm_row(arm: str) -> dict:
-    f, n, gqa = parse_arm(arm)
+    f, n, gqa, r = parse_arm(arm)
     return {"arm": arm, "fraction": f, "dense_layers": None if f is None else n,
-            "gqa": None if f is None else gqa}
+            "gqa": None if f is None else gqa, "recent_pages": None if f is None else r}
 
 
 def retrieval_rows(c, rows: list, save) -> list[dict]:
@@ -182,9 +188,9 @@ def retrieval_rows(c, rows: list, save) -> list[dict]:
         qc = quality_config(c)
         for arm in c.arms:
             t = time.perf_counter()
-            f, n, gqa = parse_arm(arm)
+            f, n, gqa, r = parse_arm(arm)
             sparse = None if f is None else SparseDecodeConfig(fraction=f, dense_layers=n,
-                                                               gqa=gqa)
+                                                               gqa=gqa, recent_pages=r)
             engine = quality.make_engine(qc, quality.Arm("float32"), config, params,
                                          max_len * c.block_size, sparse_decode=sparse)
             acc, outs = quality.retrieval(engine, needle_list)
@@ -219,8 +225,8 @@ def fidelity_rows(c, rows: list, save) -> list[dict]:
         ref = None
         for arm in ("dense", *[a for a in c.arms if a != "dense"]):
             t = time.perf_counter()
-            f, n, gqa = parse_arm(arm)
-            sparse = None if f is None else (f, c.block_size, n, gqa)
+            f, n, gqa, r = parse_arm(arm)
+            sparse = None if f is None else (f, c.block_size, n, gqa, r)
             lps = [np.asarray(fwd(params, jnp.asarray([ids], jnp.int32), sparse)[0], np.float64)
                    for ids in chunk_list]
             nll = np.array([[-lp[i, ids[i + 1]] for i in range(len(ids) - 1)]

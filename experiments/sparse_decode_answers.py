@@ -42,15 +42,15 @@ def _layer_fns(config):
         return block.apply({"params": p}, x, pos, method="dense"), k, v
 
     @functools.partial(jax.jit, static_argnames=("sparse",))
-    def answer(p, x, pos, kp, vp, sparse):  # sparse: (budget, page, gqa) or None
+    def answer(p, x, pos, kp, vp, sparse):  # sparse: (budget, page, gqa, recent) or None
         def body(m, x, pos, kp, vp):
             q, k, v, wo = m.attn.project(m.attn_norm(x), pos)
             keys, values = jnp.concatenate([kp, k], 1), jnp.concatenate([vp, v], 1)
             mask, pages = None, jnp.zeros(q.shape[:1] + (k.shape[2], q.shape[1]), jnp.int32)
             if sparse is not None:
-                budget, page, gqa = sparse
+                budget, page, gqa, recent = sparse
                 mask = page_select.dense_selection_mask(q, keys, page_size=page, budget=budget,
-                                                        gqa=gqa)  # [B, K, A, prompt + A]
+                                                        gqa=gqa, recent=recent)  # [B, K, A, T]
                 padded = jnp.pad(mask, ((0, 0),) * 3 + ((0, (-mask.shape[-1]) % page),))
                 pages = padded.reshape(*mask.shape[:3], -1, page).any(-1).sum(-1)  # [B, K, A]
             out = causal_attention(q, keys, values, sm_scale=m.attn.head_dim**-0.5, mask=mask,
@@ -107,10 +107,11 @@ def answer_rows(c, rows: list, save, parse_arm) -> list[dict]:
             apos = jnp.arange(len(n.prompt_ids), len(n.prompt_ids) + len(ref) - 1,
                               dtype=jnp.int32)[None]
             held = -(-(np.asarray(apos[0]) + 1) // c.block_size)  # pages each answer row holds
-            for arm, f, dense_layers, gqa in arms:
+            for arm, f, dense_layers, gqa, recent in arms:
                 xa, read = embed[jnp.asarray([ref[:-1]])], []
                 for i in range(config.num_layers):
-                    sparse = None if f is None or i < dense_layers else (f, c.block_size, gqa)
+                    sparse = (None if f is None or i < dense_layers
+                              else (f, c.block_size, gqa, recent))
                     xa, pages = answer_fn(jax.tree.map(lambda a, i=i: a[i], layers), xa, apos,
                                           *cache[i], sparse)
                     if sparse is not None:
@@ -124,14 +125,15 @@ def answer_rows(c, rows: list, save, parse_arm) -> list[dict]:
                     "digit_logprob": float(sum(lp[j, ref[j]] for j in digits)),
                     "pages_read": float(np.mean(read)) if read else None,
                     "pages_held": float(np.mean(held))})
-        for arm, f, dense_layers, gqa in arms:
+        for arm, f, dense_layers, gqa, recent in arms:
             got = per_arm[arm]
             depth = {str(d): float(np.mean([g["digits"] for g in got if g["depth"] == d]))
                      for d in c.retrieval_depths}
             read = [g["pages_read"] for g in got if g["pages_read"] is not None]
             rows.append({"length": length, "arm": arm, "fraction": f,
                          "dense_layers": None if f is None else dense_layers,
-                         "gqa": None if f is None else gqa, "needles": len(got),
+                         "gqa": None if f is None else gqa,
+                         "recent_pages": None if f is None else recent, "needles": len(got),
                          "digits": float(np.mean([g["digits"] for g in got])),
                          "sentence": float(np.mean([g["sentence"] for g in got])),
                          "digits_by_depth": depth,

@@ -14,6 +14,10 @@ query head ranks the pages by its own bound (Quest scores per query head) and th
 as ``"max"``). ``"union"``: the union of each query head's own top ``k`` (Quest's per-head
 selection, each page read once for the group): ``k`` to ``G * (k - 2) + 2`` pages, more bytes.
 
+Recent pages (``recent``, default 0): the last ``recent`` pages before the open page are kept
+like the sink and the open page, inside the budget (a row keeps ``min(recent, k - 2)`` of them,
+the nearest first; the top pages by score fill what is left), so the pages read do not grow.
+
 Per-head page lists reach the unchanged kernels as pseudo-sequences: the pool
 ``[Hkv, P, page, D]`` is viewed as one KV head of ``Hkv * P`` pages (a free reshape), and
 (sequence ``s``, KV head ``h``) becomes row ``s * Hkv + h`` with the ``G`` query heads of its
@@ -114,6 +118,12 @@ def check_gqa(gqa: str) -> None:
         raise ValueError(f"gqa={gqa!r} must be one of {GQA_MODES}")
 
 
+def recent_window(keep: jax.Array, recent: int) -> jax.Array:
+    """How many pages before the open page a row with budget ``keep`` (pages, sink and open
+    page included) keeps unconditionally: ``min(recent, keep - 2)``, at least 0."""
+    return jnp.clip(keep - 2, 0, int(recent)).astype(jnp.int32)
+
+
 def table_width(budget: float, width: int, group: int = 1, gqa: str = "max") -> int:
     """Static width of the selected table: the most pages any row of a ``width``-page table
     may read under ``budget`` (pages if an int, else a fraction); with ``gqa="union"`` the
@@ -137,6 +147,7 @@ def select_pages(
     page_size: int,
     budget: float,
     gqa: str = "max",
+    recent: int = 0,
 ) -> tuple[jax.Array, jax.Array]:  # i32[S, Hkv, n], i32[S, Hkv]
     """Each active row's pages to read, per KV head, in logical order.
 
@@ -144,8 +155,9 @@ def select_pages(
     first page and the last (the one the query's own token is in) are always kept, then the
     highest :func:`page_scores` (``gqa="max"``), or the pages by their best rank in any query
     head (``"rank"``), or every page some query head ranks within its own top ``k``
-    (``"union"``: up to ``G * (k - 2) + 2`` pages; module docstring). A row with at most ``k``
-    pages keeps them all, in order: the table is its dense one.
+    (``"union"``: up to ``G * (k - 2) + 2`` pages; module docstring). ``recent``: the last
+    ``min(recent, k - 2)`` pages before the open page are kept too, inside the ``k``. A row
+    with at most ``k`` pages keeps them all, in order: the table is its dense one.
 
     Returns:
       ``(table, lengths)``: ``table[s, h, :c]`` the physical pages kept (logical order, the last
@@ -163,12 +175,14 @@ def select_pages(
         keep = jnp.full_like(num_pages, int(budget))
     keep = jnp.where(active, jnp.minimum(keep, num_pages), 0)  # [S]
     j = jnp.arange(width, dtype=jnp.int32)
-    forced = (j == 0)[None, :] | (j[None, :] == num_pages[:, None] - 1)  # [S, W]
+    first_forced = num_pages - 1 - recent_window(keep, recent)  # the window, then the open page
+    forced = (j == 0)[None, :] | ((j[None, :] >= first_forced[:, None])
+                                  & (j[None, :] < num_pages[:, None]))  # [S, W]
     live = j[None, :] < num_pages[:, None]
     scores = head_scores(q, bounds, page_indices)  # [S, Hkv, G, W]
     scores = jnp.where(forced[:, None, None], jnp.inf, scores)
     scores = jnp.where(live[:, None, None], scores, -jnp.inf)  # NaN bounds of dead pages: gone
-    if gqa == "union":  # a page in any head's own top `keep` (the forced pages rank 0 and 1)
+    if gqa == "union":  # a page in any head's own top `keep` (the forced pages rank first)
         kept_page = jnp.min(head_ranks(scores), axis=2) < keep[:, None, None]  # [S, Hkv, W]
         logical = jnp.sort(jnp.where(kept_page, j, width), axis=-1)[..., :n]
         count = jnp.sum(kept_page, axis=-1, dtype=jnp.int32)  # [S, Hkv]
@@ -232,11 +246,12 @@ def sparse_paged_attention(
     config=None,
     op: str = "paged",
     gqa: str = "max",
+    recent: int = 0,
 ) -> jax.Array:  # [S, Hq, D]
     """Decode attention over the selected pages only (:func:`select_pages`), through
     ``pallas_kernels.paged_attention`` (``op="paged"``) or the ragged kernel
-    (``op="ragged"``: each pseudo-sequence one query row) with any ``impl``; ``gqa`` as in
-    :func:`select_pages`. Inactive rows give zeros. Equal to ``paged_attention`` (float rounding aside) when the budget covers every
+    (``op="ragged"``: each pseudo-sequence one query row) with any ``impl``; ``gqa`` and
+    ``recent`` as in :func:`select_pages`. Inactive rows give zeros. Equal to ``paged_attention`` (float rounding aside) when the budget covers every
     row's pages."""
     from pallas_kernels import api
 
@@ -248,7 +263,8 @@ def sparse_paged_attention(
         bounds = bounds[layer]
     qs = q.reshape(q.shape[0], num_kv_heads, -1, q.shape[-1])
     table, lengths = select_pages(qs, bounds, kv_lens, page_indices, active,
-                                  page_size=page_size, budget=budget, gqa=gqa)
+                                  page_size=page_size, budget=budget, gqa=gqa,
+                                  recent=recent)
     qf, flat_table, flat_lens = flatten_selection(q, table, lengths, num_pages)
     kp, vp = heads_as_pages(k_pages, layer), heads_as_pages(v_pages, layer)
     kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, impl=impl, layer=layer, config=config)
@@ -305,6 +321,7 @@ def dense_selection_mask(
     page_size: int,
     budget: float,
     gqa: str = "max",
+    recent: int = 0,
 ) -> jax.Array:  # bool[B, Hkv, Tq, T]
     """What each position would read if it were a decode row (the no-cache reference of
     :func:`select_pages`, for teacher-forced perplexity): ``mask[b, h, t, s]`` is True where
@@ -314,8 +331,9 @@ def dense_selection_mask(
     Position ``t`` holds ``t // page_size + 1`` pages; it keeps the first and its own (last)
     page and the ``keep - 2`` highest-scoring pages between them (``keep`` as in
     :func:`select_pages`), scored by :func:`page_scores`' bound on each full page, or by the
-    query heads' ranks (``gqa``, as :func:`select_pages`). Ties go to the lower page, as
-    ``lax.top_k``."""
+    query heads' ranks (``gqa``, as :func:`select_pages`); with ``recent``, the
+    ``min(recent, keep - 2)`` pages before its own are kept too and the top pages fill the
+    rest. Ties go to the lower page, as ``lax.top_k``."""
     check_gqa(gqa)
     b, tq, hq, d = q.shape
     t, hkv = k.shape[1], k.shape[2]
@@ -336,8 +354,10 @@ def dense_selection_mask(
     else:
         keep = jnp.full_like(num_pages, int(budget))
     keep = jnp.minimum(keep, num_pages)
+    window = recent_window(keep, recent)  # [Tq]
     p = jnp.arange(pages, dtype=jnp.int32)
-    between = (p[None, :] >= 1) & (p[None, :] < last[:, None])  # [Tq, P]
+    near = (p[None, :] >= last[:, None] - window[:, None]) & (p[None, :] < last[:, None])
+    between = (p[None, :] >= 1) & (p[None, :] < last[:, None]) & ~near  # [Tq, P]
     score = jnp.where(between[:, None], score, -jnp.inf)
     if gqa == "max":
         rank = head_ranks(score.max(axis=3))  # a page's place in its row's order
@@ -345,20 +365,21 @@ def dense_selection_mask(
         rank = head_ranks(-best_rank(head_ranks(score)).astype(jnp.float32))
     else:  # "union": in some head's own top
         rank = jnp.min(head_ranks(score), axis=3)
-    kept = (between & (rank < (keep - 2)[:, None])) | (p[None, :] == 0) | (
-        p[None, :] == last[:, None])  # [B, Hkv, T, P]
+    kept = (between & (rank < (keep - 2 - window)[:, None])) | (p[None, :] == 0) | (
+        p[None, :] == last[:, None]) | near  # [B, Hkv, T, P]
     mask = jnp.take(kept, pos // page_size, axis=-1)  # [B, Hkv, Tq, T]
     return mask & (pos[None, :] <= qpos[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("page_size", "budget", "gqa"))
-def select_pages_jit(q, bounds, kv_lens, page_indices, active, *, page_size, budget, gqa="max"):
+@functools.partial(jax.jit, static_argnames=("page_size", "budget", "gqa", "recent"))
+def select_pages_jit(q, bounds, kv_lens, page_indices, active, *, page_size, budget, gqa="max",
+                     recent=0):
     """:func:`select_pages`, jitted (the small function a study or a test calls directly)."""
     return select_pages(q, bounds, kv_lens, page_indices, active, page_size=page_size,
-                        budget=budget, gqa=gqa)
+                        budget=budget, gqa=gqa, recent=recent)
 
 
 __all__ = ["GQA_MODES", "best_rank", "bytes_read", "check_gqa", "dense_selection_mask",
            "flatten_selection", "head_ranks", "head_scores", "heads_as_pages", "init_bounds",
-           "page_scores", "select_pages", "select_pages_jit", "sparse_paged_attention",
+           "page_scores", "recent_window", "select_pages", "select_pages_jit", "sparse_paged_attention",
            "table_width", "update_bounds"]

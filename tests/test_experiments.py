@@ -307,10 +307,12 @@ def test_sparse_decode_smoke(tmp_path):
 def test_sparse_decode_arms():
     from experiments import sparse_decode
 
-    assert sparse_decode.parse_arm("dense") == (None, 0, "max")
-    assert sparse_decode.parse_arm("0.125:2") == (0.125, 2, "max")
-    assert sparse_decode.parse_arm("0.0625:0:union") == (0.0625, 0, "union")
-    for bad in ("0.125", "0:2", "0.5:2:mean", "0.5:-1", "0.5:2:rank:x"):
+    assert sparse_decode.parse_arm("dense") == (None, 0, "max", 0)
+    assert sparse_decode.parse_arm("0.125:2") == (0.125, 2, "max", 0)
+    assert sparse_decode.parse_arm("0.0625:0:union") == (0.0625, 0, "union", 0)
+    assert sparse_decode.parse_arm("0.125:2:max:4") == (0.125, 2, "max", 4)
+    for bad in ("0.125", "0:2", "0.5:2:mean", "0.5:-1", "0.5:2:rank:x", "0.5:2:max:-1",
+                "0.5:2:max:1:1"):
         with pytest.raises(ValueError, match="F:L"):
             sparse_decode.parse_arm(bad)
 

@@ -81,6 +81,38 @@ def test_gqa_modes_on_a_hand_computed_case():
                                  gqa="mean")
 
 
+def test_recent_pages_are_kept_inside_the_budget():
+    # One KV head, one query head, 6 logical pages (physical 7 3 5 1 6 0; 11 keys at page 2):
+    # scores 10, 9, 0, 1 for logical 1-4. Budget 4 keeps the sink, the open page and the top 2
+    # (1, 2); one recent page forces logical 4 in and leaves one slot (logical 1); two recent
+    # pages force 3 and 4; a window larger than the budget is cut to budget - 2 (the nearest).
+    bounds = np.zeros((1, 8, 2, 2), np.float32)
+    for phys, score in ((3, 10), (5, 9), (1, 0), (6, 1)):
+        bounds[0, phys] = [[score, 0], [score, 0]]
+    table = np.array([[7, 3, 5, 1, 6, 0]], np.int32)
+    q = np.array([[[[1.0, 0.0]]]], np.float32)  # [S=1, Hkv=1, G=1, D=2]
+    kv = np.array([11])
+    for gqa, budget, recent, want in (
+            ("max", 4, 0, [7, 3, 5, 0]), ("max", 4, 1, [7, 3, 6, 0]),
+            ("max", 4, 2, [7, 1, 6, 0]), ("max", 4, 9, [7, 1, 6, 0]),
+            ("max", 3, 1, [7, 6, 0]), ("max", 2, 3, [7, 0]), ("rank", 4, 1, [7, 3, 6, 0]),
+            ("union", 4, 1, [7, 3, 6, 0]), ("max", 0.6, 1, [7, 3, 6, 0]),
+            ("max", 6, 2, [7, 3, 5, 1, 6, 0])):
+        t, n = page_select.select_pages_jit(q, bounds, kv, table, np.array([True]), page_size=2,
+                                            budget=budget, gqa=gqa, recent=recent)
+        c = len(want)
+        assert np.asarray(t)[0, 0, :c].tolist() == want, (gqa, budget, recent)
+        assert int(n[0, 0]) == (c - 1) * 2 + 1, (gqa, budget, recent)
+        # the no-cache reference keeps the same pages for the same query and keys
+        keys = np.zeros((1, 11, 1, 2), np.float32)
+        for logical, phys in enumerate(table[0]):
+            keys[0, 2 * logical:2 * logical + 2, 0] = bounds[0, phys, 0] if phys else 0
+        m = page_select.dense_selection_mask(q.reshape(1, 1, 1, 2), keys, page_size=2,
+                                             budget=budget, gqa=gqa, recent=recent)
+        pages = np.asarray(m)[0, 0, 0].reshape(-1)[::2][:6]
+        assert [int(table[0, p]) for p in np.flatnonzero(pages)] == want, (gqa, budget, recent)
+
+
 def test_update_bounds_follows_the_writes_and_restarts_a_reused_page():
     rng = np.random.default_rng(0)
     cache = kc.KVCache.create(2, 2, 6, 4, 8, page_bounds=True)
@@ -129,7 +161,7 @@ def test_bounds_move_with_their_pages():
     assert cache.nbytes == 2 * 1 * 2 * 8 * 4 * 8 * 4 + cache.metadata_nbytes
 
 
-def _selected_case(seed, *, hq, hkv, page, budget, dtype="float32", gqa="max"):
+def _selected_case(seed, *, hq, hkv, page, budget, dtype="float32", gqa="max", recent=0):
     rng = np.random.default_rng(seed)
     lengths = [0, 1, page + 1, 3 * page, 7 * page - 1, 8 * page]
     case = testing.make_paged_case(rng, lengths, num_kv_heads=hkv, head_dim=64, page_size=page,
@@ -139,7 +171,8 @@ def _selected_case(seed, *, hq, hkv, page, budget, dtype="float32", gqa="max"):
     active = case.lengths > 0
     qs = np.asarray(q, np.float32).reshape(len(lengths), hkv, hq // hkv, 64)
     table, sel = page_select.select_pages_jit(qs, bounds, case.lengths, case.page_indices, active,
-                                              page_size=page, budget=budget, gqa=gqa)
+                                              page_size=page, budget=budget, gqa=gqa,
+                                              recent=recent)
     return q, case, bounds, active, np.asarray(table), np.asarray(sel)
 
 
@@ -169,14 +202,15 @@ def test_selected_pages_against_float64_with_the_rest_poisoned(impl, op, hq, hkv
                                **tol("float32"))
 
 
-@pytest.mark.parametrize("budget, gqa", [(8, "max"), (1.0, "max"), (8, "rank"), (1.0, "union")])
-def test_covering_budget_is_dense_decode(budget, gqa):
+@pytest.mark.parametrize("budget, gqa, recent", [(8, "max", 0), (1.0, "max", 0), (8, "rank", 0),
+                                                 (1.0, "union", 0), (1.0, "max", 3)])
+def test_covering_budget_is_dense_decode(budget, gqa, recent):
     q, case, bounds, active, table, sel = _selected_case(3, hq=4, hkv=2, page=8, budget=budget,
-                                                         gqa=gqa)
+                                                         gqa=gqa, recent=recent)
     np.testing.assert_array_equal(sel, np.broadcast_to(case.lengths[:, None], sel.shape))
     out = page_select.sparse_paged_attention(
         q, case.k_pages, case.v_pages, bounds, case.lengths, case.page_indices, active,
-        budget=budget, sm_scale=0.125, impl="xla", gqa=gqa)
+        budget=budget, sm_scale=0.125, impl="xla", gqa=gqa, recent=recent)
     dense = pk.paged_attention(q, case.k_pages, case.v_pages, case.lengths, case.page_indices,
                                sm_scale=0.125, impl="xla")
     np.testing.assert_allclose(np.asarray(out), np.asarray(dense), rtol=1e-6, atol=1e-6)

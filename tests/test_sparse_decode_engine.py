@@ -130,19 +130,23 @@ def test_bad_settings_fail_at_construction(kw, match):
     (dict(pages=1), "pages=1"), (dict(tokens=0), "tokens=0"), (dict(fraction=0.0), "fraction"),
     (dict(fraction=1.5), "fraction"), (dict(pages=True), "pages"),
     (dict(pages=4, dense_layers=-1), "dense_layers"), (dict(pages=4, gqa="mean"), "gqa"),
+    (dict(pages=4, recent_pages=-1), "recent_pages"), (dict(pages=4, recent_pages=1.5), "recent"),
 ])
 def test_bad_budgets_fail_at_construction(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
         SparseDecodeConfig(**kw)
 
 
-@pytest.mark.parametrize("dense_layers, gqa", [(0, "max"), (1, "max"), (0, "rank"), (1, "union")])
-def test_one_token_rows_equal_the_no_cache_reference(dense_layers, gqa):
+@pytest.mark.parametrize("dense_layers, gqa, fraction, recent", [
+    (0, "max", 0.25, 0), (1, "max", 0.25, 0), (0, "rank", 0.25, 0), (1, "union", 0.25, 0),
+    (1, "max", 0.5, 2),  # a recent-pages window: up to 5 of 10 pages, 2 of them by score
+])
+def test_one_token_rows_equal_the_no_cache_reference(dense_layers, gqa, fraction, recent):
     """Every prompt token a one-token row (``max_num_batched_tokens=1``) selects as a decode row
     does: the prompt log-probabilities are the no-cache forward with every position reading
     what its selection keeps (``Llama.dense(sparse=...)``, the teacher-forced perplexity of
     ``experiments.sparse_decode``), and with ``dense_layers`` layers reading every page, for
-    each way a query group picks its pages (``gqa``)."""
+    each way a query group picks its pages (``gqa``) and with a recent-pages window."""
     import jax
     import jax.numpy as jnp
 
@@ -150,13 +154,14 @@ def test_one_token_rows_equal_the_no_cache_reference(dense_layers, gqa):
 
     cfg, params = small_model()
     ids = prompts(1, seed=3, min_len=40, max_len=41)[0]
-    sparse = SparseDecodeConfig(fraction=0.25, dense_layers=dense_layers, gqa=gqa)
+    sparse = SparseDecodeConfig(fraction=fraction, dense_layers=dense_layers, gqa=gqa,
+                                recent_pages=recent)
     engine = _engine(max_num_batched_tokens=1, max_num_seqs=1, min_token_bucket=1,
                      min_seq_bucket=1, sparse_decode=sparse)
     out = engine.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     got = np.array([out.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))])
     lps = {}
-    for key, arg in (("sparse", (0.25, 4, dense_layers, gqa)), ("dense", None)):
+    for key, arg in (("sparse", (fraction, 4, dense_layers, gqa, recent)), ("dense", None)):
         logits = Llama(cfg).apply(params, jnp.asarray([ids]), method="dense", sparse=arg)[0]
         lp = np.asarray(jax.nn.log_softmax(logits, -1))
         lps[key] = lp[np.arange(len(ids) - 1), ids[1:]]

@@ -33,6 +33,10 @@ class SparseDecodeConfig:
         (the heads' lists merged round-robin; same bytes as ``"max"``). ``"union"``: every page
         some query head ranks within its own budget (Quest's per-query-head selection, each
         page read once for the group): up to ``G * (budget - 2) + 2`` pages, more bytes read.
+      recent_pages: the last ``recent_pages`` pages before the open page are always read, like
+        the first and the open page, counted inside the budget (a row keeps
+        ``min(recent_pages, budget - 2)`` of them, the top pages by bound fill the rest), so the
+        pages read do not grow. Default 0: only the first and the open page are forced.
     """
 
     pages: int | None = None
@@ -40,6 +44,7 @@ class SparseDecodeConfig:
     fraction: float | None = None
     dense_layers: int = QUEST_DENSE_LAYERS
     gqa: str = "max"
+    recent_pages: int = 0
 
     def __post_init__(self):
         given = [n for n in ("pages", "tokens", "fraction") if getattr(self, n) is not None]
@@ -53,6 +58,8 @@ class SparseDecodeConfig:
         validate.real("fraction", self.fraction, minimum=0, maximum=1, exclusive=True,
                       allow_none=True)
         validate.integer("dense_layers", self.dense_layers, minimum=0,
+                         maximum=validate.INT32_MAX)
+        validate.integer("recent_pages", self.recent_pages, minimum=0,
                          maximum=validate.INT32_MAX)
         if self.gqa not in GQA_MODES:
             raise ValueError(f"SparseDecodeConfig.gqa={self.gqa!r} must be one of {GQA_MODES}")

@@ -61,8 +61,10 @@ def step_functions(model_config: LlamaConfig, config, placement, leader=None) ->
     budget = None if sparse is None else sparse.budget(config.block_size)
     dense_layers = 0 if sparse is None else sparse.dense_layers
     gqa = "max" if sparse is None else sparse.gqa
+    recent = 0 if sparse is None else sparse.recent_pages
     fns = {v: make_step_fn(model_config, config.attention_impl, out_size, *v, sparse_budget=budget,
-                           sparse_dense_layers=dense_layers, sparse_gqa=gqa)
+                           sparse_dense_layers=dense_layers, sparse_gqa=gqa,
+                           sparse_recent=recent)
            for v in itertools.product((False, True), repeat=2)}
     variants = {v: f for v, (f, _) in fns.items()}
     no_prev = placement.put(np.zeros(out_size, np.int32))
@@ -75,7 +77,7 @@ def step_functions(model_config: LlamaConfig, config, placement, leader=None) ->
 def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int = 1,
                  with_logprobs: bool = False, with_verify: bool = False,
                  sparse_budget: float | None = None, sparse_dense_layers: int = 0,
-                 sparse_gqa: str = "max"):
+                 sparse_gqa: str = "max", sparse_recent: int = 0):
     """Returns ``(step, trace_count)``, shared by every engine with the same model and attention.
 
     ``step(params, cache, batch, prev) -> (cache, tokens i32[N])`` is jitted with the cache
@@ -92,7 +94,8 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
     slot's accept bit. With ``sparse_budget`` (pages, or a fraction of each sequence's pages;
     the cache then holds key bounds) decode rows read the pages Quest selects
     (``paged.models.sparse_attention``; every page in the first ``sparse_dense_layers``
-    layers; ``sparse_gqa``: how a query group picks its pages) and the step folds its new keys
+    layers; ``sparse_gqa``: how a query group picks its pages; ``sparse_recent``: pages before
+    the open page always read) and the step folds its new keys
     into the bounds. ``trace_count()``
     says how many shapes were traced so far (one XLA compilation each); engines sharing the
     function share its compilations, so an engine reports the difference since its creation.
@@ -108,7 +111,8 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
         md = batch.md
         if sparse_budget is not None:
             md = md.replace(sparse=SparseDecode(cache.key_bounds, sparse_budget,
-                                                   sparse_dense_layers, sparse_gqa))
+                                                   sparse_dense_layers, sparse_gqa,
+                                                   sparse_recent))
         k_pages, v_pages = cache.k_pages, cache.v_pages
         if cache.open_k is not None:  # packed pages travel with their open pages
             k_pages, v_pages = KiviPages(k_pages, cache.open_k), KiviPages(v_pages, cache.open_v)

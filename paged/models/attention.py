@@ -354,7 +354,7 @@ class PagedAttention(nn.Module):
             the reference of a quantized engine. For "int4" / "int2" (KIVI pages; the
             granularity is ignored) each query reads the pages full at its position quantized
             and its open page exact (`pallas_kernels.kivi.dense_on_fill`). None: exact.
-          sparse: ``(budget, page_size, dense_layers[, gqa])`` of sparse decode: every
+          sparse: ``(budget, page_size, dense_layers[, gqa[, recent]])`` of sparse decode: every
             position reads the pages its decode row would select
             (`page_select.dense_selection_mask`), unless ``layer < dense_layers`` ("jnp" only). ``layer``: this layer's index (maybe traced).
 
@@ -379,9 +379,10 @@ class PagedAttention(nn.Module):
             if attention_impl != "jnp" or kv_quant is not None or self.sliding_window is not None:
                 raise ValueError("sparse (the Quest reference) takes attention_impl='jnp', no "
                                  "kv_quant and no sliding window")
-            budget, page_size, dense_layers, *gqa = sparse
+            budget, page_size, dense_layers, *rest = sparse
+            gqa, recent = (tuple(rest) + ("max", 0)[len(rest):])[:2]
             mask = page_select.dense_selection_mask(q, k, page_size=page_size, budget=budget,
-                                                    gqa=gqa[0] if gqa else "max")
+                                                    gqa=gqa, recent=recent)
             mask = mask | (layer < dense_layers)
         if attention_impl == "jnp":
             out = causal_attention(q, k, v, sm_scale=sm_scale, soft_cap=self.soft_cap,

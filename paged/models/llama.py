@@ -221,8 +221,8 @@ class Llama(nn.Module):
             `pallas_kernels.flash_attention`.
           kv_quant: ``(kv_cache_dtype, scale_granularity, page_size)`` of a quantized cache to
             reproduce (quantize-on-write, see `PagedAttention.dense`); None: exact.
-          sparse: ``(budget, page_size, dense_layers[, gqa])``: every position attends as a sparse
-            decode row would (`PagedAttention.dense`); None: every key.
+          sparse: ``(budget, page_size, dense_layers[, gqa[, recent]])``: every position
+            attends as a sparse decode row would (`PagedAttention.dense`); None: every key.
 
         Returns:
           Next-token logits at every position.

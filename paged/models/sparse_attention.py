@@ -28,12 +28,15 @@ class SparseDecode:
       budget: pages per row (an int) or a fraction of each row's pages (a float); static.
       dense_layers: layers ``< dense_layers`` read every page (the ordinary ragged kernel).
       gqa: how a query group picks its pages (``page_select.select_pages``); static.
+      recent: pages before the open page always read, inside the budget
+        (``page_select.select_pages``); static.
     """
 
     bounds: jax.Array  # [L, Hkv, P, 2, D]
     budget: float = flax.struct.field(pytree_node=False)
     dense_layers: int = flax.struct.field(pytree_node=False, default=0)
     gqa: str = flax.struct.field(pytree_node=False, default="max")
+    recent: int = flax.struct.field(pytree_node=False, default=0)
 
 
 def decode_rows(md):
@@ -77,7 +80,7 @@ def _selected(q, k_pages, v_pages, md, *, layer, sm_scale, soft_cap, impl):
     sparse = page_select.sparse_paged_attention(
         q[rows], k_pages, v_pages, md.sparse.bounds, md.kv_lens, md.page_indices, decode,
         budget=md.sparse.budget, sm_scale=sm_scale, soft_cap=soft_cap, impl=impl, layer=layer,
-        gqa=md.sparse.gqa)
+        gqa=md.sparse.gqa, recent=md.sparse.recent)
 
     def dense(_):
         kv_lens = jnp.where(decode, 1, md.kv_lens)  # decode rows: one token, replaced below
