@@ -18,6 +18,11 @@ import ml_collections
 
 from experiments.configs.engine_fields import engine_config_dict
 
+# The CPU engine that serves a trace window (also the router_events study's replicas).
+WINDOW_ENGINE = dict(block_size=16, max_model_len=4096, max_num_seqs=16,
+                     max_num_batched_tokens=512, min_token_bucket=512, min_seq_bucket=16,
+                     async_scheduling=False)
+
 
 def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
@@ -29,9 +34,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.pool_fraction = 0.25
     c.policies = ("lru", "arc")
     c.output_dir = ""
-    c.engine = engine_config_dict(block_size=16, max_model_len=4096, max_num_seqs=16,
-                                  max_num_batched_tokens=512, min_token_bucket=512,
-                                  min_seq_bucket=16, async_scheduling=False)
+    c.engine = engine_config_dict(**WINDOW_ENGINE)
     if arg == "smoke":
         c.window = (0.0, 20.0)
         c.policies = ("lru",)

@@ -15,6 +15,7 @@ holds ``pool_fraction`` x the window's distinct prompt blocks. Variants: ``defau
 
 import ml_collections
 
+from experiments.configs.cache_agreement import WINDOW_ENGINE
 from experiments.configs.engine_fields import engine_config_dict
 
 
@@ -30,9 +31,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.load_threshold = 4  # paged.fleet.routing.Router's prefix_aware load bound
     c.arms = ("direct", "events", "least_loaded")
     c.output_dir = ""
-    c.engine = engine_config_dict(block_size=16, max_model_len=4096, max_num_seqs=16,
-                                  max_num_batched_tokens=512, min_token_bucket=512,
-                                  min_seq_bucket=16, async_scheduling=False)
+    c.engine = engine_config_dict(**WINDOW_ENGINE)
     if arg == "smoke":
         c.window = (0.0, 20.0)
         c.num_replicas = 2
