@@ -34,11 +34,13 @@ GC_NOTE = ("the cyclic collector during each replay, the same for ours and nano-
            "in a timed step); 'frozen' = collected and frozen, collector on (the runs before "
            "2026-12-06 15:30 UTC); 'on' = collected, not frozen, collector on. Every replay "
            "starts after an untimed gc.collect(); gc_collections counts the collections that "
-           "ran during it, per generation.")
+           "ran during it, per generation, gc_ms their wall time (gc.callbacks), and "
+           "gc_ms_by_side that time by the side whose step (timed calls and the harness's "
+           "untimed work between them) was running.")
 
 # Runs in the child, importing the measured tree's own ``paged`` and ``experiments``.
 _CHILD = r"""
-import gc, json, sys
+import gc, json, sys, time
 from experiments import block_manager_bench as b
 from experiments.configs.block_manager_bench import get_config
 arg = json.loads(sys.argv[1])
@@ -48,20 +50,46 @@ trace = b.make_trace(c); gc.collect()
 if mode != "on":
     gc.freeze()  # the trace is the harness's data: out of the collector's passes
 out = {}
+clock = {"t0": 0.0, "side": "harness", "ours": 0.0, "nanovllm": 0.0, "harness": 0.0}
+
+def timed(phase, info):  # wall time inside collections (gc.callbacks), by the side whose step ran
+    if phase == "start":
+        clock["t0"] = time.perf_counter()
+    else:
+        clock[clock["side"]] += time.perf_counter() - clock["t0"]
+
+def attribute(cls, side):  # a collection during cls's step() is charged to ``side``
+    step = cls.step
+    def wrapped(self):
+        clock["side"] = side
+        try:
+            step(self)
+        finally:
+            clock["side"] = "harness"
+    cls.step = wrapped
+
+for cls, side in ((getattr(b, "_Ours", None), "ours"), (getattr(b, "_NanoVllm", None), "nanovllm")):
+    if cls is not None:  # (an older tree's bench without them: all charged to the harness)
+        attribute(cls, side)
 
 def under_gc(fn):
     # One replay under the collector mode, the same for both sides: a collection before it
-    # (untimed), then the collector as ``mode`` says; the collections it ran, per generation.
+    # (untimed), then the collector as ``mode`` says; the collections it ran, per generation,
+    # and the milliseconds they took.
     gc.collect()
     before = [s["collections"] for s in gc.get_stats()]
+    clock.update(ours=0.0, nanovllm=0.0, harness=0.0)
+    gc.callbacks.append(timed)
     if mode == "off":
         gc.disable()
     try:
         r = fn()
         ran = [s["collections"] - n for s, n in zip(gc.get_stats(), before)]
+        gc.callbacks.remove(timed)
     finally:
         gc.enable()  # (counted before: the first allocation after it may collect)
-    return r, ran
+    by_side = {k: clock[k] * 1e3 for k in ("ours", "nanovllm", "harness")}
+    return r, {"gc_collections": ran, "gc_ms": sum(by_side.values()), "gc_ms_by_side": by_side}
 
 if c.nanovllm_path:
     nano = b.load_nanovllm(c.nanovllm_path)
@@ -76,14 +104,14 @@ if c.nanovllm_path:
                 out[api][name].update(ours_mean_us=v[name]["ours_us"]["mean"],
                                       nanovllm_mean_us=v[name]["nanovllm_us"]["mean"],
                                       ratio_of_means=v[name]["ratio_of_means"])
-        out[api]["gc_collections"] = ran
+        out[api].update(ran)
 else:
     for api in arg["apis"]:
         r, ran = under_gc(lambda: b.replay(c, trace, api))
         out[api] = {"decode_step": {"ours_p50_us": r["decode_step_at_max_running_wall"]["p50_us"]},
                     "whole_step_with_churn": {
                         "ours_p50_us": r["whole_step_with_churn_at_max_running_wall"]["p50_us"]},
-                    "gc_collections": ran}
+                    **ran}
 print("RESULT " + json.dumps(out))
 """
 
@@ -163,8 +191,10 @@ def main(c, plan):
                 text = ", ".join(f"{k} {v['median']:.3f} [{v['min']:.3f}, {v['max']:.3f}]"
                                  for k, v in figs.items())
                 print(f"{name:8s} {api:6s} {phase:22s} {text}")
-            ran = [r[name][api]["gc_collections"] for r in rounds]
-            print(f"{name:8s} {api:6s} collections per generation in each round: {ran}")
+            ran = [(r[name][api]["gc_collections"], {k: round(v, 1) for k, v in
+                                                      r[name][api]["gc_ms_by_side"].items()})
+                   for r in rounds]
+            print(f"{name:8s} {api:6s} collections per generation, ms in them, per round: {ran}")
     out = out_dir / "host_speed.json"
     common.write_result(out, {
         "study": "host_speed", "evidence": "constructed", "config": c.to_dict(),

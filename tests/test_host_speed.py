@@ -36,9 +36,11 @@ def test_gc_mode_is_honoured_in_the_child():
     tree = host_speed.check(c)["trees"]["this"]
     assert c.gc == "off"
     off = host_speed.measure(tree, c)["batch"]
-    assert off["gc_collections"] == [0, 0, 0] and off["decode_step"]["ours_p50_us"] > 0
+    assert off["gc_collections"] == [0, 0, 0] and off["gc_ms"] == 0
+    assert off["decode_step"]["ours_p50_us"] > 0
     frozen = host_speed.measure(tree, c, "frozen")["batch"]
-    assert sum(frozen["gc_collections"]) > 0
+    assert sum(frozen["gc_collections"]) > 0 and frozen["gc_ms"] > 0
+    assert frozen["gc_ms_by_side"]["ours"] > 0 and frozen["gc_ms_by_side"]["nanovllm"] == 0
 
 
 def test_gc_modes_make_arms_and_bad_ones_fail():
