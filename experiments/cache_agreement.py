@@ -29,10 +29,11 @@ import os
 import time
 
 from experiments import common
-from paged import Engine, SamplingParams
+from paged import Engine
 from paged.config.eviction import parse_eviction
 from paged.sim import ReplayStepModel, Simulator, StepTimeModel, fit_linear
 from paged.workload import mooncake_trace
+from paged.workload.engine_replay import replay_arrivals
 
 STUDY = "cache_agreement"
 
@@ -100,24 +101,8 @@ def run_engine(cfg, model, w) -> tuple[dict, list[float]]:
     engine = Engine(cfg, model_config=model[0], params=model[1])
     engine.warmup(logprobs=False, parallel_sampling=False)
     log = _accesses(engine.block_manager)
-    specs = sorted(w.requests, key=lambda r: r.arrival_s)
-    clock, i, durations, t0 = 0.0, 0, [], time.perf_counter()
-    while i < len(specs) or engine.has_unfinished_requests():
-        if not engine.has_unfinished_requests():
-            clock = max(clock, specs[i].arrival_s)
-        while i < len(specs) and specs[i].arrival_s <= clock:
-            r = specs[i]
-            engine.add_request(r.request_id, r.engine_prompt(),
-                               SamplingParams(max_tokens=r.output_len, temperature=0.0,
-                                              ignore_eos=True), arrival_time=r.arrival_s)
-            i += 1
-        n = engine.num_steps
-        t = time.perf_counter()
-        engine.step()
-        d = time.perf_counter() - t
-        if engine.num_steps > n:  # a step ran
-            durations.append(d)
-            clock += d
+    durations, t0 = [], time.perf_counter()
+    clock = replay_arrivals(engine, w.requests, lambda start, d: durations.append(d))
     stats = engine.kv_stats()
     out = _rates(stats["prefix_cache_hit_tokens"], log, w)
     out.update(steps=len(durations), span_s=clock, wall_s=time.perf_counter() - t0,

@@ -21,13 +21,13 @@ import dataclasses
 import os
 import time
 
-from experiments import common
+from experiments import common, fleet_sweep
 from paged.fleet.routing import POLICIES, Router
 from paged.sim import EVIDENCE, H200, RooflineStepModel, Simulator
 from paged.sim.link_transport import LINKS, LinkTransport
 from paged.sim.specs import MODELS
 from paged.workload import metrics
-from paged.workload.workload import AZURE_TRACES, check_same_evidence, load_azure_trace
+from paged.workload.workload import AZURE_TRACES, check_same_evidence
 
 KEEP = ("completed", "num_requests", "num_aborted", "num_timeout", "num_rejected",
         "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "engine_preemptions",
@@ -86,20 +86,9 @@ def check(c) -> dict:
                          f"memory_utilization={c.memory_utilization}")
     cfg = dataclasses.replace(base, num_blocks=dims.num_blocks(kv, base.block_size))
     sm = RooflineStepModel(H200, dims, block_size=cfg.block_size)
-    traces = {}
-    for s in c.services:
-        w = load_azure_trace(s)
-        try:
-            if window:
-                w = w.window(*window)
-            if c.subsample < 1:
-                w = w.subsample(c.subsample, c.seed)
-            w = w.clip_lengths(c.max_model_len).with_synthetic_prompts(c.prompt_seed)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"trace {s!r}: {e}") from None
-        if len(w) < 2 or w.duration_s <= 0:
-            raise ValueError(f"trace {s!r}: {len(w)} requests over {w.duration_s} s: too few")
-        traces[s] = w
+    traces = {s: fleet_sweep.trace_to_scale(
+        s, window=window, subsample=c.subsample, seed=c.seed, max_model_len=c.max_model_len,
+        prompt_seed=c.prompt_seed) for s in c.services}
     return {"traces": traces, "rates": {s: tuple(map(float, rates[s])) for s in c.services},
             "fleets": fleets, "slos": slos, "config": cfg, "step_model": sm, "kv_bytes": kv,
             "handovers": {g: LinkTransport(LINKS[link], dims) for g, link in fleets}}

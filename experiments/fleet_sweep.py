@@ -1,8 +1,8 @@
 """The fleet studies' shared helpers: the modelled device, an engine at a KV budget, the
 workloads, one simulated point, the capacity search (bracket, then bisect) and a sweep of arms.
 
-``experiments/fleet.py`` (the study entry), ``fleet_traces.py`` and ``fleet_whatifs.py`` use them;
-this module imports none of those.
+``experiments/fleet.py`` (the study entry), ``fleet_traces.py`` and ``fleet_whatifs.py`` use them
+(``disaggregation.py`` its Azure trace preparation); this module imports none of those.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from paged.sim.specs import H200_DATASHEET_BW
 from paged.workload.workload import (
     BOS_ID,
     Workload,
+    load_azure_trace,
     make_workload,
     synthetic_prompt,
 )
@@ -52,6 +53,34 @@ def tenant_workload(c, num: int, rate: float, max_model_len: int) -> Workload:
     meta = {**base.meta, "tenants": {"num_prefixes": c.num_prefixes, "prefix_len": c.prefix_len,
                                      "assignment": "uniform", "seed": c.seed + 7}}
     return dataclasses.replace(base, name=f"tenants-{num}", requests=reqs, meta=meta)
+
+
+def trace_to_scale(service: str, *, window: tuple, subsample: float, seed: int,
+                   max_model_len: int, prompt_seed: int, system_prompt_len: int = 0,
+                   window_key: str = "window") -> Workload:
+    """The Azure trace ``service`` (``evidence: real``) made ready to be time-scaled to a rate:
+    the arrivals in ``window`` (``()`` = all), a ``subsample`` share of them (seeded by ``seed``)
+    when below 1, lengths clipped to ``max_model_len``, synthetic prompt ids from
+    ``prompt_seed`` (a shared system prompt of ``system_prompt_len`` tokens if > 0).
+
+    Raises:
+      ValueError: naming the trace: a step refused its argument, or fewer than 2 requests (or
+        no duration) are left, too few to scale (the message names ``window_key`` to widen).
+    """
+    w = load_azure_trace(service)
+    try:
+        if window:
+            w = w.window(*window)
+        if subsample < 1:
+            w = w.subsample(subsample, seed)
+        w = w.clip_lengths(max_model_len)
+        w = w.with_synthetic_prompts(prompt_seed, system_prompt_len=system_prompt_len)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"trace {service!r}: {e}") from None
+    if len(w) < 2 or w.duration_s <= 0:
+        raise ValueError(f"trace {service!r}: {len(w)} requests over {w.duration_s} s: too few to "
+                         f"scale (widen {window_key})")
+    return w
 
 
 def plain_workload(c, num: int, rate: float, max_model_len: int) -> Workload:

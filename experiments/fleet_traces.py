@@ -33,7 +33,7 @@ from paged.fleet.routing import Router
 from paged.sim import Simulator
 from paged.sim.roofline import TensorParallelRooflineStepModel
 from paged.sim.specs import MODELS
-from paged.workload.workload import AZURE_TRACES, Workload, check_same_evidence, load_azure_trace
+from paged.workload.workload import AZURE_TRACES, Workload, check_same_evidence
 
 _FAILED_KEYS = ("request_id", "status", "arrival_s", "first_token_s", "finish_s", "prompt_len",
                 "output_len", "num_preemptions")
@@ -96,23 +96,11 @@ def check(c, base) -> dict:
                        "arms": arms})
     if not setups:
         raise ValueError("trace_setups=() names no setup")
-    traces = {}
-    for s in c.trace_services:
-        w = load_azure_trace(s)
-        try:
-            if window:
-                w = w.window(*window)
-            if c.trace_subsample < 1:
-                w = w.subsample(c.trace_subsample, c.seed)
-            w = w.clip_lengths(c.trace_max_model_len)
-            w = w.with_synthetic_prompts(c.trace_prompt_seed,
-                                         system_prompt_len=c.trace_system_prompt_len)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"trace {s!r}: {e}") from None
-        if len(w) < 2 or w.duration_s <= 0:
-            raise ValueError(f"trace {s!r}: {len(w)} requests over {w.duration_s} s: too few to "
-                             "scale (widen trace_window)")
-        traces[s] = w
+    traces = {s: fleet_sweep.trace_to_scale(
+        s, window=window, subsample=c.trace_subsample, seed=c.seed,
+        max_model_len=c.trace_max_model_len, prompt_seed=c.trace_prompt_seed,
+        system_prompt_len=c.trace_system_prompt_len, window_key="trace_window")
+        for s in c.trace_services}
     return {"traces": traces, "setups": setups}
 
 

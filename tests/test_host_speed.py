@@ -28,3 +28,32 @@ def test_bad_settings_fail_before_running():
         c.apis = ()
     with pytest.raises(ValueError, match="apis"):
         host_speed.check(c)
+
+
+def test_gc_mode_is_honoured_in_the_child():
+    """gc="off": no collection runs during the replay; "frozen": the collector runs as usual."""
+    c = get_config("smoke")
+    tree = host_speed.check(c)["trees"]["this"]
+    assert c.gc == "off"
+    off = host_speed.measure(tree, c)["batch"]
+    assert off["gc_collections"] == [0, 0, 0] and off["gc_ms"] == 0
+    assert off["decode_step"]["ours_p50_us"] > 0
+    frozen = host_speed.measure(tree, c, "frozen")["batch"]
+    assert sum(frozen["gc_collections"]) > 0 and frozen["gc_ms"] > 0
+    assert frozen["gc_ms_by_side"]["ours"] > 0 and frozen["gc_ms_by_side"]["nanovllm"] == 0
+
+
+def test_gc_modes_make_arms_and_bad_ones_fail():
+    c = get_config("smoke")
+    with c.unlocked():
+        c.gc = "off,frozen"
+    arms = host_speed.check(c)["arms"]
+    assert arms == {"this gc=off": {"tree": "this", "gc": "off"},
+                    "this gc=frozen": {"tree": "this", "gc": "frozen"}}
+    with pytest.raises(ValueError, match="several"):
+        host_speed.measure(str(host_speed.ROOT), c)
+    for bad in ("of", "off,off", ""):
+        with c.unlocked():
+            c.gc = bad
+        with pytest.raises(ValueError, match="gc="):
+            host_speed.check(c)

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import time
 
 import numpy as np
 import pytest
 
-from paged import Engine, EngineConfig, SamplingParams
+from paged import Engine, EngineConfig
 from paged.fleet.routing import Router, cached_prefix_tokens
 from paged.kv.block_manager import BlockManager
 from paged.sim import (
@@ -28,6 +27,7 @@ from paged.sim import (
 )
 from paged.workload import metrics
 from paged.workload import workload as wl
+from paged.workload.engine_replay import replay_arrivals
 from tests.engine_utils import small_model
 
 MODEL = LinearStepModel({"const": 2e-3, "tokens": 2e-5, "seqs": 1e-5, "kv_read": 1e-7})
@@ -78,25 +78,14 @@ def _record_real_run(engine: Engine, workload: wl.Workload):
         return out
 
     engine.scheduler.schedule = schedule
-    specs = list(workload.requests)
-    clock, i, durations, starts = 0.0, 0, [], []
-    while i < len(specs) or engine.has_unfinished_requests():
-        if not engine.has_unfinished_requests():
-            clock = max(clock, specs[i].arrival_s)
-        while i < len(specs) and specs[i].arrival_s <= clock:
-            r = specs[i]
-            engine.add_request(r.request_id, r.engine_prompt(),
-                               SamplingParams(max_tokens=r.output_len, temperature=0.0,
-                                              ignore_eos=True), arrival_time=r.arrival_s)
-            i += 1
-        n = len(log)
-        t = time.perf_counter()
-        engine.step()
-        d = time.perf_counter() - t
-        if len(log) > n:  # a step ran
-            starts.append(clock)
-            durations.append(d)
-            clock = clock + d
+    durations, starts = [], []
+
+    def ran(start, d):
+        starts.append(start)
+        durations.append(d)
+
+    replay_arrivals(engine, workload.requests, ran)
+    assert len(durations) == len(log)  # a step ran exactly when the scheduler scheduled one
     return durations, starts, log
 
 

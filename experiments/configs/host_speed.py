@@ -23,6 +23,9 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.num_requests = 3000  # requests of block_manager_bench's trace (its other settings kept)
     c.apis = ("batch", "engine")  # block_manager_bench's decode-call styles to compare
     c.rounds = 3  # each round runs every tree once, the order alternating
+    # the cyclic collector during each replay, alike for both sides (host_speed.GC_NOTE): "off",
+    # "frozen" (the runs before 2026-12-06), "on"; comma-separated = one arm per mode
+    c.gc = "off"
     c.output_dir = ""  # default results/host_speed/<UTC timestamp>/ (writes host_speed.json)
     if arg == "smoke":
         c.num_requests = 300
