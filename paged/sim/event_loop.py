@@ -212,10 +212,14 @@ class EventLoop:
                 self.collect(r, rep.finish(t), t)
                 self.policy.after_step(r, t)
             elif kind == STRETCH:
-                self.stretching.discard(r)
                 if rep.advance_to(t) is not None:
                     raise RuntimeError(f"{rep.name}: a stretch ended with a step in flight")
                 self.collect(r, rep.take_outputs(), t)
+                end = rep.continue_at(t)  # through its finishes: the next stretch at once
+                if end is not None:
+                    self.push(end, r, STRETCH, rep.version)
+                    continue
+                self.stretching.discard(r)
             self.busy[r] = False
             ready.append(r)
         return ready

@@ -156,6 +156,7 @@ class SimReplica:
         self._idle = True  # no unfinished request after the last step (or none yet)
         self._reader.make_outputs = False  # the simulator keeps finished requests' outputs only
         self._stretch: Stretch | None = None
+        self._pads: dict = {}  # row count -> a decode step's buckets (``plan_stretch``)
         self._ready: list = []  # outputs of requests a stretch finished, for ``take_outputs``
         self.version = 0  # bumped whenever a planned stretch is planned or cut
         self.num_fast_steps = 0  # steps applied by fast-forward
@@ -245,23 +246,47 @@ class SimReplica:
         return self._stretch is not None
 
     # --- fast-forward ----------------------------------------------------------------------------
-    def plan(self, now: float, max_steps: int = 128) -> float | None:
+    def plan(self, now: float, max_steps: int = 128, *, steady: bool = False) -> float | None:
         """Plans a stretch of pure decode steps from ``now`` if the next steps surely are ones
-        (module docstring); returns the stretch's end time, or ``None`` (step normally)."""
+        (module docstring); returns the stretch's end time, or ``None`` (step normally).
+        ``steady``: the rows are those a stretch applied to its end left (``continue_at``)."""
         if not self.fast_forward or self._inflight is not None or self.core.has_unreported_aborts \
                 or self.core.has_deadlines or self._stretch is not None:
             return None
         st = plan_stretch(self.batch, self.scheduler, self.block_manager, self.config,
                           self._builder, self.step_model, now=now, max_steps=max_steps,
                           page_size=self.page_size, after_idle=self._idle,
-                          token_salt=self.token_salt,
-                          tier=self._tier is not None)
+                          token_salt=self.token_salt, tier=self._tier is not None, steady=steady,
+                          pads=self._pads)
         if st is None:
             return None
         self._stretch = st
         self.version += 1
         self.core.note_progress()
         return st.ends[-1]
+
+    def continue_at(self, t: float) -> float | None:
+        """The stretch that ended at ``t`` (``advance_to(t)`` applied every step of it, the
+        last one's readback included) continues through its finishes: the next stretch from
+        ``t`` is planned at once, from the rows it left (its finished requests gone, their
+        blocks freed), without the per-row checks (``plan_stretch``'s ``steady``).
+
+        What stepping does at ``t``: nothing waits (a request that reached the replica cut the
+        stretch before this step; a rejected one added nothing), so the next step is a pure
+        decode step of the rows left, planned as ``plan(t)`` would plan it. Anything that reaches
+        the replica at ``t`` later in the event loop's order (an arrival, an abort, a policy)
+        finds a stretch with no step applied and cuts it (``truncate``, ``advance_to``), which
+        leaves the replica free at ``t`` as if it had not been planned.
+
+        Returns:
+          The new stretch's end time, or ``None`` (no stretch: the loop begins the replica's
+          next step as any free replica's).
+        """
+        if self._inflight is not None or self._stretch is not None:
+            raise RuntimeError(f"{self.name}: continue_at needs a stretch applied to its end")
+        if not self.scheduler.has_unfinished():
+            return None
+        return self.plan(t, steady=True)
 
     def advance_to(self, t: float, *, begin_at_t: bool = False) -> float | None:
         """Ends the planned stretch at time ``t``: the steps that ended by ``t`` are applied; the

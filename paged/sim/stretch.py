@@ -20,12 +20,19 @@ from paged.step.input_batch import HAS_STOP_IDS, LIMIT, SAMPLE_INDEX, SEED
 
 
 def plan_stretch(ib, sched, bm, config, builder, step_model, *, now: float, max_steps: int,
-                 page_size: int, after_idle: bool, token_salt: int,
-                 tier: bool) -> Stretch | None:
+                 page_size: int, after_idle: bool, token_salt: int, tier: bool,
+                 steady: bool = False, pads: dict | None = None) -> Stretch | None:
     """The stretch of pure decode steps from ``now`` (at most ``max_steps``, ending with the
     first step that samples a sequence's last token, or before the pool could run short; with a
     host tier (``tier``), before the first eviction, whose offload is a copy to price), or
-    ``None`` when the next steps are not surely such steps."""
+    ``None`` when the next steps are not surely such steps.
+
+    ``steady``: the rows are what a stretch applied to its end left (``SimReplica.continue_at``:
+    its rows less those its last step finished), so each is known to be a steady decoder with
+    ``n == 1``, no stop ids and its next input token known (an applied step writes it, and a
+    finish only removes rows); those per-row checks are skipped. The queues and the pool are
+    checked as always. ``pads``: a memo of ``builder.buckets`` by row count (the builder's
+    buckets are fixed at construction), or None."""
     page, cfg = page_size, config
     n = ib.num_rows
     if sched.waiting or sched.swapped or sched.loading or not n or n != len(sched.running) \
@@ -39,20 +46,20 @@ def plan_stretch(ib, sched, bm, config, builder, step_model, *, now: float, max_
     if k < 2:  # (checked first)
         return None
     nc, ns = ib.num_computed[:n], ib.num_slots[:n]
-    if not ((nt - nc == 1) & (nc >= ib.num_prompt[:n]) & (ns == nc) & ~ib.hold[:n]).all() \
-            or ints[:, HAS_STOP_IDS].any():
-        return None
-    seqs = ib.seqs[:n]
-    if any(q.params.n != 1 for q in seqs):
-        return None
     first = ib.tokens[np.arange(n), nc]
-    if (first == UNKNOWN).any():
+    if not steady and (
+            not ((nt - nc == 1) & (nc >= ib.num_prompt[:n]) & (ns == nc) & ~ib.hold[:n]).all()
+            or ints[:, HAS_STOP_IDS].any() or any(q.params.n != 1 for q in ib.seqs[:n])
+            or (first == UNKNOWN).any()):
         return None
     # New blocks: step j starts one for each row whose slot ns + j is a block's first. Most
     # stretches fit in the free blocks: counted per row in closed form, without the
     # (rows x steps) table that finds the step where the pool runs short.
+    # A row starts at most one block in any ``page`` consecutive steps: the bound, in Python
+    # integers, settles the usual case (a pool far from full) before the exact count.
     free = bm.num_free_blocks
-    if int(((ns + (k - 1)) // page - (ns - 1) // page).sum()) <= free:
+    if n * ((k - 1) // page + 1) <= free \
+            or int(((ns + (k - 1)) // page - (ns - 1) // page).sum()) <= free:
         evict_from = k  # no step evicts a cached block, none runs short
     else:
         need = np.cumsum(((ns[:, None] + np.arange(k)) % page == 0).sum(axis=0))
@@ -69,7 +76,12 @@ def plan_stretch(ib, sched, bm, config, builder, step_model, *, now: float, max_
         if c["writing"] or c["held"] or evict_from < 2:
             return None
         k = evict_from
-    tp, sp, _ = builder.buckets(n, n, n)
+    pad = pads.get(n) if pads is not None else None
+    if pad is None:  # (tokens, sequences) buckets of a decode step of n rows
+        pad = builder.buckets(n, n, n)[:2]
+        if pads is not None:
+            pads[n] = pad
+    tp, sp = pad
     durs = step_model.decode_times(n, int(nc.sum()) + n, k, tp, sp, int(after_idle))
     # The begin times stepping reaches (each end is begin + duration): a sequential sum.
     clock = np.empty(k + 1)
@@ -133,8 +145,8 @@ def apply_stretch(st: Stretch, upto: int, ib, sched, bm, reader, *, busy_s: floa
     # Row r's slots nt0[r] + j0 .. nt0[r] + upto - 1, as flat indices (row-major): the sampled
     # tokens, and the step end times (the same m times in every row).
     flat = (rows * ib.tokens.shape[1] + nt0)[:, None] + np.arange(j0, upto)
-    np.put(ib.tokens, flat, st.toks[:, j0 + 1:upto + 1])
-    np.put(ib.times, flat, st.end_times[j0:upto])
+    ib.tokens.put(flat, st.toks[:, j0 + 1:upto + 1])
+    ib.times.put(flat, st.end_times[j0:upto])  # (repeated row after row)
     ib.num_slots[:n] += m
     ib.num_computed[:n] += m
     ib.num_tokens[:n] = nt0 + upto
