@@ -38,14 +38,16 @@ written in bulk), runs the last step's readback if it ended (``StepReader``'s st
 in ``take_outputs``) and begins the step in flight at ``t`` on the ordinary path. The simulator
 calls it at the stretch's end, when a request or an abort reaches the replica mid-stretch, before
 a router reads the block manager (``prefix_aware``) and at the time limit; the state it leaves is
-the state stepping leaves (tests compare records, schedules and counters).
+the state stepping leaves (tests compare records, schedules and counters). A stretch applied to
+its end whose rows are not all gone goes on from there (``continue_at``, in the same event:
+nothing waits, so the next steps are pure decode steps of the rows left).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 
 import numpy as np
 
@@ -266,22 +268,14 @@ class SimReplica:
         return st.ends[-1]
 
     def continue_at(self, t: float) -> float | None:
-        """The stretch that ended at ``t`` (``advance_to(t)`` applied every step of it, the
-        last one's readback included) continues through its finishes: the next stretch from
-        ``t`` is planned at once, from the rows it left (its finished requests gone, their
-        blocks freed), without the per-row checks (``plan_stretch``'s ``steady``).
-
-        What stepping does at ``t``: nothing waits (a request that reached the replica cut the
-        stretch before this step; a rejected one added nothing), so the next step is a pure
-        decode step of the rows left, planned as ``plan(t)`` would plan it. Anything that reaches
-        the replica at ``t`` later in the event loop's order (an arrival, an abort, a policy)
-        finds a stretch with no step applied and cuts it (``truncate``, ``advance_to``), which
-        leaves the replica free at ``t`` as if it had not been planned.
-
-        Returns:
-          The new stretch's end time, or ``None`` (no stretch: the loop begins the replica's
-          next step as any free replica's).
-        """
+        """The stretch that ended at ``t`` (``advance_to(t)`` applied all of it, the last
+        step's readback included) goes on through its finishes: the next stretch from ``t`` is
+        planned at once from the rows it left, without the per-row checks (``plan_stretch``'s
+        ``steady``). Nothing waits (a request that reached the replica cut the stretch before
+        this step), so that is what ``plan(t)`` plans; whatever reaches the replica at ``t``
+        later in the loop's order (arrival, abort, policy) cuts it before its first step, which
+        leaves the replica free at ``t`` as if it had not been planned. Returns the new
+        stretch's end time, or ``None`` (the loop begins the replica as any free one)."""
         if self._inflight is not None or self._stretch is not None:
             raise RuntimeError(f"{self.name}: continue_at needs a stretch applied to its end")
         if not self.scheduler.has_unfinished():
@@ -320,22 +314,9 @@ class SimReplica:
 
     def prefix_query_unchanged(self, token_ids, t: float) -> bool:
         """Whether ``cached_prefix_tokens(token_ids)`` answers at ``t`` what it answers now,
-        mid-stretch, without applying the stretch: the steps begun before ``t`` take only free
-        blocks (no cached block is evicted), and no block the stretch keys can extend the prompt's
-        hit. A block a decode fills holds one of the row's sampled tokens, so its key matches a
-        prompt only if the prompt continues the row's prompt with the row's first sampled token;
-        a prompt that differs from every row at that position is unaffected."""
+        mid-stretch, without applying the stretch (``Stretch.prefix_unchanged``)."""
         st = self._stretch
-        if st is None:
-            return True
-        if bisect_left(st.starts, t) > st.evict_from:
-            return False
-        if st.firsts is None:
-            ib, n = self.batch, st.n
-            lens = ib.num_prompt[:n]
-            st.firsts = list(zip(lens.tolist(), ib.tokens[np.arange(n), lens].tolist()))
-        m = len(token_ids)
-        return not any(L < m and token_ids[L] == tok for L, tok in st.firsts)
+        return st is None or st.prefix_unchanged(self.batch, token_ids, t)
 
     def truncate(self, t: float) -> float | None:
         """A request reaches the replica at ``t`` mid-stretch: the stretch stops after the step

@@ -11,6 +11,10 @@ it while it runs.
 
 from __future__ import annotations
 
+import operator
+from bisect import bisect_left
+from functools import reduce
+
 import numpy as np
 
 from paged.request.sequence import UNKNOWN
@@ -114,6 +118,21 @@ class Stretch:
         self.firsts = None  # (prompt length, first sampled token) per row, when first needed
         self.done = 0
 
+    def prefix_unchanged(self, ib, token_ids, t: float) -> bool:
+        """Whether a prefix-cache query of ``token_ids`` answers at ``t`` what it answers now,
+        mid-stretch (``ib``: the replica's input batch, not applied yet): the steps begun before
+        ``t`` take only free blocks (no cached block is evicted), and no block the stretch keys
+        can extend the prompt's hit. A block a decode fills holds one of the row's sampled
+        tokens, so its key matches a prompt only if the prompt continues the row's prompt with
+        the row's first sampled token; a prompt that differs from every row there is unaffected."""
+        if bisect_left(self.starts, t) > self.evict_from:
+            return False
+        if self.firsts is None:
+            lens = ib.num_prompt[:self.n]
+            self.firsts = list(zip(lens.tolist(), ib.tokens[np.arange(self.n), lens].tolist()))
+        m = len(token_ids)
+        return not any(L < m and token_ids[L] == tok for L, tok in self.firsts)
+
 
 def apply_stretch(st: Stretch, upto: int, ib, sched, bm, reader, *, busy_s: float, name: str,
                   log: list | None) -> tuple[float, tuple | None]:
@@ -138,8 +157,7 @@ def apply_stretch(st: Stretch, upto: int, ib, sched, bm, reader, *, busy_s: floa
         ran = [(q.request_id, 1) for q in ib.seqs[:n]]
         for j in range(j0, upto):
             log.append((st.starts[j], list(ran), []))
-    for d in st.durs[j0:upto]:
-        busy_s += d
+    busy_s = reduce(operator.add, st.durs[j0:upto], busy_s)  # one by one, in step order
     sched.num_fast_decode_steps += m
     rows = np.arange(n)
     # Row r's slots nt0[r] + j0 .. nt0[r] + upto - 1, as flat indices (row-major): the sampled
