@@ -45,7 +45,8 @@ def plan_stretch(ib, sched, bm, config, builder, step_model, *, now: float, max_
     nt, ints = ib.num_tokens[:n], ib.ints[:n]
     # Step j samples position nt + j; it ends a sequence when nt + j + 1 >= its limit. The
     # stretch runs to the first step that ends one (included: ``_apply`` finishes it).
-    last = int((ints[:, LIMIT] - nt).min())
+    left = ints[:, LIMIT] - nt  # steps to each row's last token
+    last = int(left.min())
     k = min(last, max_steps)
     if k < 2:  # (checked first)
         return None
@@ -99,20 +100,22 @@ def plan_stretch(ib, sched, bm, config, builder, step_model, *, now: float, max_
     toks[:, 1:] = pseudo_token_steps(ints[:, SEED], ints[:, SAMPLE_INDEX], nt, k,
                                      token_salt)
     return Stretch(n, k, nt.astype(np.int64), starts, ends, durs, toks, evict_from, k == last,
-                   clock[1:])
+                   clock[1:], left)
 
 
 class Stretch:
     """A planned run of pure decode steps (`plan_stretch`; applied by ``SimReplica``)."""
 
     __slots__ = ("done", "durs", "end_times", "ends", "evict_from", "finishes", "firsts", "k",
-                 "n", "nt0", "starts", "toks")
+                 "left", "n", "nt0", "starts", "toks")
 
-    def __init__(self, n, k, nt0, starts, ends, durs, toks, evict_from, finishes, end_times):
+    def __init__(self, n, k, nt0, starts, ends, durs, toks, evict_from, finishes, end_times,
+                 left):
         self.n, self.k, self.nt0 = n, k, nt0
         self.finishes = finishes  # its last step samples some sequence's last token
         self.starts, self.ends, self.durs = starts, ends, durs
         self.end_times = end_times  # ``ends`` as f64[k]
+        self.left = left  # per row, the step (1-based) that samples its last token
         self.toks = toks
         self.evict_from = evict_from
         self.firsts = None  # (prompt length, first sampled token) per row, when first needed
@@ -176,6 +179,6 @@ def apply_stretch(st: Stretch, upto: int, ib, sched, bm, reader, *, busy_s: floa
     pos = nt0 + (k - 1)  # the positions the last step sampled
     batch = StepBatch(device=None, num_tokens=n, num_seqs=n, decode=ib.seqs[:n], decode_pos=pos,
                       samples=[], items=[], item_ends=[], decode_rows=rows, epoch=ib.epoch,
-                      stop_any=np.flatnonzero(pos + 1 >= ib.ints[:n, LIMIT]))
+                      stop_any=np.flatnonzero(st.left <= k))  # pos + 1 >= limit
     made = reader.stops_and_outputs(batch, rows, st.toks[:, k], st.ends[k - 1], True)
     return busy_s, (batch.decode, made)
