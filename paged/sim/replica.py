@@ -347,10 +347,11 @@ class SimReplica:
                                           log=self.schedule_log)
         self.core.count_fast_decode(st.n, m)
         self.num_fast_steps += m
+        # As ``finish`` after each step: a step ran, so the next is not after a pause unless
+        # it finished every request (a stretch planned after one prices only its first step so).
+        self._idle = last is not None and not self.scheduler.has_unfinished()
         if last is not None:
-            decode, made = last
-            self._idle = not self.scheduler.has_unfinished()
-            self._ready += self.core.outputs([], decode, made, ())
+            self._ready += self.core.outputs([], *last, ())
 
     def take_outputs(self) -> list:
         """The outputs of requests an applied stretch finished (``advance_to``), once."""
