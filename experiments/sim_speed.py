@@ -57,11 +57,13 @@ print("RESULT " + json.dumps({"cpu_s": cpu, "sim_cpu_s": res.cpu_s, "wall_s": re
 
 
 # (module, attribute path, label): the parts ``breakdown`` times, looked up where the simulator
-# calls them; a part the tree lacks is left out.
+# calls them; a part the tree lacks is left out. A label ending "a stretch)" counts only the
+# calls that returned something (planned or continued a stretch).
 BREAKDOWN = (
     ("paged.sim.event_loop", "EventLoop.arrive", "arrival: route + add_request"),
     ("paged.sim.replica", "SimReplica.add_request", "SimReplica.add_request"),
     ("paged.sim.replica", "plan_stretch", "plan_stretch (planned a stretch)"),
+    ("paged.sim.replica", "SimReplica.continue_at", "SimReplica.continue_at (continued a stretch)"),
     ("paged.sim.replica", "SimReplica.advance_to", "SimReplica.advance_to"),
     ("paged.sim.replica", "apply_stretch", "apply_stretch"),
     ("paged.kv.block_manager", "BlockManager.run_decode_steps", "BlockManager.run_decode_steps"),
@@ -90,7 +92,7 @@ def _wrap(mod, path, label):
     if not callable(f):  # absent in this tree, or not a function (say, a slot of that name)
         return
     acc = _acc[label] = [0.0, 0]
-    skip_none = label.startswith("plan_stretch")
+    skip_none = label.endswith("a stretch)")  # only the calls that planned one
     def wrapped(*a, _f=f, _acc=acc, **k):
         t = time.perf_counter()
         out = _f(*a, **k)

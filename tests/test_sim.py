@@ -180,10 +180,37 @@ def test_fast_forward_gives_the_schedule_of_stepping():
         for j in range(5)]
 
 
+def _continued_plans_checked(monkeypatch) -> list:
+    """Every stretch a replica continues through a finish (``SimReplica.continue_at``, planned
+    without the per-row checks) is checked equal to the plan from scratch, with the checks;
+    returns a list that gets the start time of each continued stretch."""
+    from paged.sim import replica as replica_mod
+    from paged.sim import stretch
+    fields = ("n", "k", "starts", "ends", "durs", "evict_from", "finishes")
+    continued = []
+
+    def checked(*args, steady=False, **kw):
+        st = stretch.plan_stretch(*args, steady=steady, **kw)
+        if steady:
+            fresh = stretch.plan_stretch(*args, steady=False, **{**kw, "pads": None})
+            assert (st is None) == (fresh is None)
+            if st is not None:
+                assert all(getattr(st, f) == getattr(fresh, f) for f in fields)
+                assert (st.toks == fresh.toks).all() and (st.nt0 == fresh.nt0).all()
+                assert (st.end_times == fresh.end_times).all()
+                continued.append(kw["now"])
+        return st
+
+    monkeypatch.setattr(replica_mod, "plan_stretch", checked)
+    return continued
+
+
 @pytest.mark.parametrize("seed", [11, 12, 13, 14, 15])
-def test_fast_forward_equals_stepping_on_random_fleets(seed):
+def test_fast_forward_equals_stepping_on_random_fleets(seed, monkeypatch):
     # Random pools, batch limits, rates, shared prefixes, fleet sizes and routers: stretches
-    # (cut by arrivals, ended by finishes and short pools) leave what stepping leaves.
+    # (cut by arrivals, ended by finishes and short pools, continued through finishes) leave
+    # what stepping leaves.
+    continued = _continued_plans_checked(monkeypatch)
     rng = random.Random(seed)
     cfg = _config(num_blocks=rng.choice([20, 32, 64]), max_num_seqs=rng.choice([4, 8]),
                   enable_prefix_caching=rng.random() < 0.7)
@@ -191,6 +218,30 @@ def test_fast_forward_equals_stepping_on_random_fleets(seed):
                   shared_prefix_len=rng.choice([0, 16]))
     _ff_pair(cfg, w, num_replicas=rng.choice([1, 2, 3]),
              policy=rng.choice(["least_loaded", "round_robin", "prefix_aware"]))
+    assert continued  # stretches ran on through finishes
+
+
+def test_stretches_continue_through_finishes_as_stepping(monkeypatch):
+    # A slow arrival rate: stretches end at finishes with rows left and go on at once (priced
+    # as steps that follow a step, not a pause), in a roomy and a small pool, on one replica and
+    # behind a router that reads the block managers.
+    continued = _continued_plans_checked(monkeypatch)
+    idle = LinearStepModel({**MODEL.coef, "after_idle": 3e-3})
+    w = _workload(num=24, rate=8.0, seed=21)
+    for cfg in (_config(), _config(num_blocks=18, enable_prefix_caching=True)):
+        _ff_pair(cfg, w, model=idle)
+    _ff_pair(_config(), w, num_replicas=2, policy="prefix_aware")
+    assert len(continued) > 10
+    # A request that arrives exactly when a finish lets the stretch go on (the run is the same
+    # up to then): it cuts the continued stretch before its first step.
+    w = _workload(num=24, rate=40.0, seed=21)
+    mark = len(continued)
+    _ff_pair(_config(), w)
+    f = continued[mark]
+    j = next(i for i, r in enumerate(w.requests) if r.arrival_s > f)
+    moved = list(w.requests)
+    moved[j] = dataclasses.replace(moved[j], arrival_s=f)
+    _ff_pair(_config(), wl.Workload("at_a_finish", moved, w.evidence, None))
 
 
 def test_simulated_results_never_mix_with_real_or_constructed():

@@ -189,3 +189,18 @@ def test_the_engine_setting_disaggregates_the_simulator_alike():
     assert _key(res) == _key(explicit) and res.handovers == explicit.handovers
     with pytest.raises(TypeError, match="needs handover"):
         Simulator(_config(data_parallel_size=3, prefill_replicas=1), MODEL)
+
+
+def test_decode_fast_forward_prices_the_step_after_a_pause_as_stepping():
+    # A decode replica that drained gets hand-overs: its first step (a stretch's first) runs
+    # after a pause; a stretch cut before its end leaves the replica busy, so the next step is
+    # not priced as one after a pause (fast-forward used to keep the pause until a finish).
+    idle = LinearStepModel({**MODEL.coef, "after_idle": 3e-3})
+    w = _workload(num=30, rate=20.0, seed=1)
+    keys = []
+    for ff in (False, True):
+        sim = Simulator(_config(num_blocks=40), idle, num_replicas=3, prefill_replicas=1,
+                        handover=HANDOVER, build_device=False, fast_forward=ff)
+        keys.append(_key(sim.run(w)))
+        assert ff == (sum(r.num_fast_steps for r in sim.replicas) > 0)
+    assert keys[0] == keys[1]

@@ -136,8 +136,10 @@ def light_batch(ib: InputBatch, sched: SchedulerOutput) -> StepBatch:
             count = q.params.n if q.sample_index == 0 and q.num_output_tokens == 0 else 1
             samples.append((q, slot, count, c + n))
             slot += count
-    decode_pos = ib.num_tokens[rows].astype(np.int64)
-    ints = ib.ints[rows]
+    if not nd or rows[-1] == nd - 1:  # rows 0 .. nd - 1 (ascending): views, not gathers
+        decode_pos, ints = ib.num_tokens[:nd].astype(np.int64), ib.ints[:nd]
+    else:
+        decode_pos, ints = ib.num_tokens[rows].astype(np.int64), ib.ints[rows]
     stop_any = np.flatnonzero((decode_pos + 1 >= ints[:, LIMIT]) | (ints[:, HAS_STOP_IDS] != 0))
     return StepBatch(device=None, num_tokens=t, num_seqs=nd + len(sched.scheduled), decode=decode,
                      decode_pos=decode_pos, samples=samples, items=list(sched.scheduled),
@@ -154,8 +156,8 @@ def step_tokens(ib: InputBatch, batch: StepBatch, salt: int) -> np.ndarray:
     out = np.zeros(n, np.int64)
     if nd:
         rows = batch.decode_rows
-        out[:nd] = pseudo_tokens(ib.ints[rows, SEED], ib.ints[rows, SAMPLE_INDEX],
-                                 batch.decode_pos, salt)
+        ints = ib.ints[:nd] if rows[-1] == nd - 1 else ib.ints[rows]  # (ascending rows)
+        out[:nd] = pseudo_tokens(ints[:, SEED], ints[:, SAMPLE_INDEX], batch.decode_pos, salt)
     for q, slot, count, p in batch.samples:
         if count == 1:  # a prompt's first token (Python integers: the same mix)
             out[slot] = pseudo_token(q.seed, q.sample_index, p, salt)

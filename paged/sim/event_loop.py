@@ -17,7 +17,9 @@ real-time driver ``experiments/serving.py``, which adds every arrival due before
    ``idle_wake_s`` later, if that is set), and the policy looks again (``after_begin``).
 
 A replica that would begin a pure decode step instead plans a stretch of them
-(``SimReplica.plan``) and has one heap event at the stretch's end. An arrival routed to it
+(``SimReplica.plan``) and has one heap event at the stretch's end; a stretch that ends at a
+finish with rows left goes on at once (``SimReplica.continue_at``: the next one is planned in
+the same event, not through step 4). An arrival routed to it
 mid-stretch shortens the stretch to the step in flight (``SimReplica.truncate``); an abort, the
 time limit, a policy that reaches into it (``cut``), and a router that reads the block managers
 (``prefix_aware``) unless the stretch cannot change the answer
@@ -212,10 +214,14 @@ class EventLoop:
                 self.collect(r, rep.finish(t), t)
                 self.policy.after_step(r, t)
             elif kind == STRETCH:
-                self.stretching.discard(r)
                 if rep.advance_to(t) is not None:
                     raise RuntimeError(f"{rep.name}: a stretch ended with a step in flight")
                 self.collect(r, rep.take_outputs(), t)
+                end = rep.continue_at(t)  # through its finishes: the next stretch at once
+                if end is not None:
+                    self.push(end, r, STRETCH, rep.version)
+                    continue
+                self.stretching.discard(r)
             self.busy[r] = False
             ready.append(r)
         return ready

@@ -15,12 +15,15 @@ STATUS = {"stop": "finished", "length": "finished", "abort": "aborted", "timeout
 def record_of(out, prompt_len: int) -> metrics.RequestRecord:
     """A finished request's ``RequestOutput`` as a ``RequestRecord`` (simulated times)."""
     status = STATUS.get(out.finish_reason, "aborted")
+    times = out.token_times  # (the record keeps them as a tuple)
+    # A finished request's record holds one time per output token (``RequestRecord`` checks
+    # it), so their count is its output length without building the outputs' token lists.
+    n = len(times) if times and status == "finished" else len(out.token_ids)
     return metrics.RequestRecord(
         request_id=out.request_id, status=status, arrival_s=out.arrival_time,
         first_scheduled_s=out.first_scheduled_time, first_token_s=out.first_token_time,
-        finish_s=out.finish_time, token_times=tuple(out.token_times), prompt_len=prompt_len,
-        output_len=len(out.token_ids), num_preemptions=out.num_preemptions,
-        num_cached_tokens=out.num_cached_tokens)
+        finish_s=out.finish_time, token_times=times, prompt_len=prompt_len, output_len=n,
+        num_preemptions=out.num_preemptions, num_cached_tokens=out.num_cached_tokens)
 
 
 def rejected_record(spec, now: float) -> metrics.RequestRecord:

@@ -38,14 +38,16 @@ written in bulk), runs the last step's readback if it ended (``StepReader``'s st
 in ``take_outputs``) and begins the step in flight at ``t`` on the ordinary path. The simulator
 calls it at the stretch's end, when a request or an abort reaches the replica mid-stretch, before
 a router reads the block manager (``prefix_aware``) and at the time limit; the state it leaves is
-the state stepping leaves (tests compare records, schedules and counters).
+the state stepping leaves (tests compare records, schedules and counters). A stretch applied to
+its end whose rows are not all gone goes on from there (``continue_at``, in the same event:
+nothing waits, so the next steps are pure decode steps of the rows left).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 
 import numpy as np
 
@@ -156,6 +158,7 @@ class SimReplica:
         self._idle = True  # no unfinished request after the last step (or none yet)
         self._reader.make_outputs = False  # the simulator keeps finished requests' outputs only
         self._stretch: Stretch | None = None
+        self._pads: dict = {}  # row count -> a decode step's buckets (``plan_stretch``)
         self._ready: list = []  # outputs of requests a stretch finished, for ``take_outputs``
         self.version = 0  # bumped whenever a planned stretch is planned or cut
         self.num_fast_steps = 0  # steps applied by fast-forward
@@ -245,23 +248,39 @@ class SimReplica:
         return self._stretch is not None
 
     # --- fast-forward ----------------------------------------------------------------------------
-    def plan(self, now: float, max_steps: int = 128) -> float | None:
+    def plan(self, now: float, max_steps: int = 128, *, steady: bool = False) -> float | None:
         """Plans a stretch of pure decode steps from ``now`` if the next steps surely are ones
-        (module docstring); returns the stretch's end time, or ``None`` (step normally)."""
+        (module docstring); returns the stretch's end time, or ``None`` (step normally).
+        ``steady``: the rows are those a stretch applied to its end left (``continue_at``)."""
         if not self.fast_forward or self._inflight is not None or self.core.has_unreported_aborts \
                 or self.core.has_deadlines or self._stretch is not None:
             return None
         st = plan_stretch(self.batch, self.scheduler, self.block_manager, self.config,
                           self._builder, self.step_model, now=now, max_steps=max_steps,
                           page_size=self.page_size, after_idle=self._idle,
-                          token_salt=self.token_salt,
-                          tier=self._tier is not None)
+                          token_salt=self.token_salt, tier=self._tier is not None, steady=steady,
+                          pads=self._pads)
         if st is None:
             return None
         self._stretch = st
         self.version += 1
         self.core.note_progress()
         return st.ends[-1]
+
+    def continue_at(self, t: float) -> float | None:
+        """The stretch that ended at ``t`` (``advance_to(t)`` applied all of it, the last
+        step's readback included) goes on through its finishes: the next stretch from ``t`` is
+        planned at once from the rows it left, without the per-row checks (``plan_stretch``'s
+        ``steady``). Nothing waits (a request that reached the replica cut the stretch before
+        this step), so that is what ``plan(t)`` plans; whatever reaches the replica at ``t``
+        later in the loop's order (arrival, abort, policy) cuts it before its first step, which
+        leaves the replica free at ``t`` as if it had not been planned. Returns the new
+        stretch's end time, or ``None`` (the loop begins the replica as any free one)."""
+        if self._inflight is not None or self._stretch is not None:
+            raise RuntimeError(f"{self.name}: continue_at needs a stretch applied to its end")
+        if not self.scheduler.has_unfinished():
+            return None
+        return self.plan(t, steady=True)
 
     def advance_to(self, t: float, *, begin_at_t: bool = False) -> float | None:
         """Ends the planned stretch at time ``t``: the steps that ended by ``t`` are applied; the
@@ -295,22 +314,9 @@ class SimReplica:
 
     def prefix_query_unchanged(self, token_ids, t: float) -> bool:
         """Whether ``cached_prefix_tokens(token_ids)`` answers at ``t`` what it answers now,
-        mid-stretch, without applying the stretch: the steps begun before ``t`` take only free
-        blocks (no cached block is evicted), and no block the stretch keys can extend the prompt's
-        hit. A block a decode fills holds one of the row's sampled tokens, so its key matches a
-        prompt only if the prompt continues the row's prompt with the row's first sampled token;
-        a prompt that differs from every row at that position is unaffected."""
+        mid-stretch, without applying the stretch (``Stretch.prefix_unchanged``)."""
         st = self._stretch
-        if st is None:
-            return True
-        if bisect_left(st.starts, t) > st.evict_from:
-            return False
-        if st.firsts is None:
-            ib, n = self.batch, st.n
-            lens = ib.num_prompt[:n]
-            st.firsts = list(zip(lens.tolist(), ib.tokens[np.arange(n), lens].tolist()))
-        m = len(token_ids)
-        return not any(L < m and token_ids[L] == tok for L, tok in st.firsts)
+        return st is None or st.prefix_unchanged(self.batch, token_ids, t)
 
     def truncate(self, t: float) -> float | None:
         """A request reaches the replica at ``t`` mid-stretch: the stretch stops after the step
@@ -341,10 +347,11 @@ class SimReplica:
                                           log=self.schedule_log)
         self.core.count_fast_decode(st.n, m)
         self.num_fast_steps += m
+        # As ``finish`` after each step: a step ran, so the next is not after a pause unless
+        # it finished every request (a stretch planned after one prices only its first step so).
+        self._idle = last is not None and not self.scheduler.has_unfinished()
         if last is not None:
-            decode, made = last
-            self._idle = not self.scheduler.has_unfinished()
-            self._ready += self.core.outputs([], decode, made, ())
+            self._ready += self.core.outputs([], *last, ())
 
     def take_outputs(self) -> list:
         """The outputs of requests an applied stretch finished (``advance_to``), once."""

@@ -61,16 +61,33 @@ class RooflineStepModel(StepTimeModel):
                 d.launch_s, d.mem_bandwidth, d.flop_s, per_pos)
 
     def time(self, s: StepShape) -> float:
+        # The model's and device's integer products are taken once (``_time_terms``; integer
+        # products regroup exactly), the float operations stay as written, in this order.
+        w, block, two_block, mm2, head2, attn, host0, host1, launch, bw, fs, swap_bw, per_pos = \
+            self._time_terms
+        positions = s.kv_read - s.kv_shared + s.num_tokens
+        kv = positions * per_pos if per_pos is not None else \
+            self.model.kv_read_bytes(positions, self.block_size)
+        moved = w + kv + two_block * s.copy_blocks
+        flops = mm2 * s.num_tokens + head2 * s.num_samples + attn * s.attn_pairs
+        dev = launch + max(moved / bw, flops / fs)
+        if s.swap_blocks:  # over the host link, not overlapped with the step
+            dev += block * s.swap_blocks / swap_bw
+        return host0 + host1 * s.num_seqs + dev
+
+    @functools.cached_property
+    def _time_terms(self) -> tuple:
+        """What ``time`` reads of the model and device: weight bytes, bytes per block (and
+        twice that), FLOPs per token's matmuls, per sample's LM head and per query-key pair,
+        host, launch, bandwidth, FLOP rate, swap bandwidth, KV bytes per position unquantized
+        (else None: ``kv_read_bytes``)."""
         m, d = self.model, self.device
         block = m.kv_bytes_per_block(self.block_size)
-        moved = m.weight_bytes + m.kv_read_bytes(s.kv_read - s.kv_shared + s.num_tokens,
-                                                 self.block_size) + 2 * block * s.copy_blocks
-        flops = 2 * m.matmul_params * s.num_tokens + 2 * m.d_model * m.vocab_size * s.num_samples \
-            + 4 * m.num_layers * m.num_heads * m.head_dim * s.attn_pairs
-        dev = d.launch_s + max(moved / d.mem_bandwidth, flops / d.flop_s)
-        if s.swap_blocks:  # over the host link, not overlapped with the step
-            dev += block * s.swap_blocks / d.swap_bandwidth
-        return d.host_s[0] + d.host_s[1] * s.num_seqs + dev
+        per_pos = m.kv_bytes_per_token if m.kv_cache_dtype == "auto" else None
+        return (m.weight_bytes, block, 2 * block, 2 * m.matmul_params,
+                2 * m.d_model * m.vocab_size, 4 * m.num_layers * m.num_heads * m.head_dim,
+                d.host_s[0], d.host_s[1], d.launch_s, d.mem_bandwidth, d.flop_s,
+                d.swap_bandwidth, per_pos)
 
     def describe(self) -> dict:
         return {"name": self.name, "device": dataclasses.asdict(self.device),
