@@ -1,4 +1,4 @@
-"""The jitted engine step updates the donated cache in place and never copies a layer of it."""
+"""The jitted engine forward updates the donated cache in place and never copies a layer of it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from engine_utils import small_model
 
 import pallas_kernels as pk
-from paged.engine.device_step import make_step_fn
+from paged.engine.device_step import make_forward
 from paged.kv import cache as kc
 from paged.step.batch import BatchBuilder
 from paged.step.input_batch import InputBatch
@@ -18,7 +18,7 @@ NUM_PAGES = 777  # a size no other array in the step has
 
 def test_step_never_materializes_a_layer_of_the_pool():
     cfg, params = small_model()
-    step, _ = make_step_fn(cfg, "xla")
+    step, _ = make_forward(cfg, "xla")  # the step's half that touches the pool
     cache = kc.KVCache.create(cfg.num_layers, cfg.num_kv_heads, NUM_PAGES, 8, cfg.head_dim)
     batch = BatchBuilder(InputBatch(32, 4, -1), None, 8).empty(16, 4, 4)
     prev = np.zeros(4, np.int32)
