@@ -143,7 +143,7 @@ def make_forward(model_config: LlamaConfig, attention_impl: str,
     traces = [0]
 
     @functools.partial(jax.jit, donate_argnums=1)
-    def forward(params, cache: KVCache, batch, prev):
+    def step_forward(params, cache: KVCache, batch, prev):
         traces[0] += 1  # runs at trace time only
         feed = batch.feed
         ids = jnp.where(feed >= 0, prev[jnp.clip(feed, 0, prev.shape[0] - 1)], batch.tokens)
@@ -176,7 +176,7 @@ def make_forward(model_config: LlamaConfig, attention_impl: str,
                                            md.slot_mapping)
         return new_cache, logits
 
-    return forward, lambda: traces[0]
+    return step_forward, lambda: traces[0]
 
 
 _SAMPLE_TRACES = [0]
@@ -198,7 +198,7 @@ def make_sample_fn(out_size: int, with_logprobs: bool, with_verify: bool):
     sampling rows."""
 
     @jax.jit
-    def sample_fn(logits, smp, smp_f, q=None, q_index=None):
+    def step_sample(logits, smp, smp_f, q=None, q_index=None):
         _SAMPLE_TRACES[0] += 1  # runs at trace time only
         args = (logits, smp_f[0], smp[1], smp_f[1], smp[2], smp[3], smp[4])
         extras = {}
@@ -213,7 +213,7 @@ def make_sample_fn(out_size: int, with_logprobs: bool, with_verify: bool):
             tokens = jnp.pad(tokens, (0, out_size - tokens.shape[0]))
         return (tokens, extras) if extras else (tokens,)
 
-    return sample_fn
+    return step_sample
 
 
 def stub_step(params, cache, batch, prev):
