@@ -123,7 +123,6 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
     return step, lambda: traces() + sample_trace_count()
 
 
-@functools.lru_cache(maxsize=32)
 def make_forward(model_config: LlamaConfig, attention_impl: str,
                  sparse_budget: float | None = None, sparse_dense_layers: int = 0,
                  sparse_gqa: str = "max", sparse_recent: int = 0):
@@ -139,6 +138,13 @@ def make_forward(model_config: LlamaConfig, attention_impl: str,
     new keys into the bounds. A KV policy's attention mass (``batch.mw``) is accumulated into the
     cache.
     """
+    return _forward(model_config, attention_impl, sparse_budget, sparse_dense_layers, sparse_gqa,
+                    sparse_recent)  # one cache key however the defaults were passed
+
+
+@functools.lru_cache(maxsize=32)
+def _forward(model_config, attention_impl, sparse_budget, sparse_dense_layers, sparse_gqa,
+             sparse_recent):
     model = Llama(model_config)
     traces = [0]
 
