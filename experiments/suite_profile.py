@@ -43,7 +43,9 @@ flags.DEFINE_string("output", None, "optional JSON path for the summary")
 flags.DEFINE_string("pytest_output", None, "pytest --durations=0 output (+ /usr/bin/time -v)")
 flags.DEFINE_string("measured_revision", None, "the revision the timed suite ran at")
 flags.DEFINE_string("result", None, "optional result JSON (with provenance) of a timed run")
-flags.DEFINE_string("shapes_fun", "step", "the jitted function whose distinct shapes are counted")
+flags.DEFINE_list("shapes_fun", ["step"], "the jitted functions whose distinct shapes are counted "
+                  "(the first in ``shapes``, the others in ``shapes_more``; since the step became "
+                  "two calls: step_forward,step_sample)")
 
 EVENTS = ("trace", "lower", "compile")
 POOL_AXIS = re.compile(r"((?:float|int|uint|bfloat)\w*\[\d+,\d+,)\d+(,\d+(?:,\d+)?\])")
@@ -146,6 +148,17 @@ def timed_run(text: str, summary: dict, log_dir: Path) -> dict:
             "compile": {**summary, "functions": summary["functions"][:60]}}  # the costliest 60
 
 
+def _print_shapes(sh: dict) -> None:
+    if not sh["lowerings"]:
+        return
+    print(f"\n`{sh['fun']}` shapes: {sh['lowerings']} lowerings, {sh['distinct']} distinct "
+          f"({sh['distinct_any_pool']} if every pool had one size) "
+          f"(jax.clear_caches calls per worker: {sh['clear_caches']}; per file: lowerings, "
+          "distinct, distinct ones other files lower too):")
+    for r in sh["files"][:FLAGS.top]:
+        print(f"  {r['lowerings']:5d} {r['distinct']:5d} {r['shared']:5d}  {r['name']}")
+
+
 def main(argv):
     del argv
     if not FLAGS.compile_log:
@@ -160,15 +173,12 @@ def main(argv):
         for r in summary[what][:FLAGS.top]:
             print(f"  {r['total']:8.1f}  {r['trace']:7.1f} {r['lower']:7.1f} {r['compile']:7.1f}"
                   f"  {r['compiles']:5d}  {r['name']}")
-    summary["shapes"] = shapes(Path(FLAGS.compile_log), FLAGS.shapes_fun)
-    sh = summary["shapes"]
-    if sh["lowerings"]:
-        print(f"\n`{sh['fun']}` shapes: {sh['lowerings']} lowerings, {sh['distinct']} distinct "
-              f"({sh['distinct_any_pool']} if every pool had one size) "
-              f"(jax.clear_caches calls per worker: {sh['clear_caches']}; per file: lowerings, "
-              "distinct, distinct ones other files lower too):")
-        for r in sh["files"][:FLAGS.top]:
-            print(f"  {r['lowerings']:5d} {r['distinct']:5d} {r['shared']:5d}  {r['name']}")
+    funs = [shapes(Path(FLAGS.compile_log), f) for f in FLAGS.shapes_fun]
+    summary["shapes"] = funs[0]
+    if funs[1:]:
+        summary["shapes_more"] = {sh["fun"]: sh for sh in funs[1:]}
+    for sh in funs:
+        _print_shapes(sh)
     if FLAGS.output:
         Path(FLAGS.output).write_text(json.dumps(summary, indent=1))
     if FLAGS.pytest_output:

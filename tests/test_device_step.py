@@ -1,4 +1,4 @@
-"""The jitted engine step updates the donated cache in place and never copies a layer of it."""
+"""The jitted engine forward updates the donated cache in place and never copies a layer of it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import pytest
 from engine_utils import small_model
 
 import pallas_kernels as pk
-from paged.engine.device_step import make_step_fn
+from paged.engine.device_step import make_forward, make_step_fn, sample_trace_count
 from paged.kv import cache as kc
+from paged.request.sampling import MAX_LOGPROBS
 from paged.step.batch import BatchBuilder
 from paged.step.input_batch import InputBatch
 
@@ -18,7 +19,7 @@ NUM_PAGES = 777  # a size no other array in the step has
 
 def test_step_never_materializes_a_layer_of_the_pool():
     cfg, params = small_model()
-    step, _ = make_step_fn(cfg, "xla")
+    step, _ = make_forward(cfg, "xla")  # the step's half that touches the pool
     cache = kc.KVCache.create(cfg.num_layers, cfg.num_kv_heads, NUM_PAGES, 8, cfg.head_dim)
     batch = BatchBuilder(InputBatch(32, 4, -1), None, 8).empty(16, 4, 4)
     prev = np.zeros(4, np.int32)
@@ -26,6 +27,36 @@ def test_step_never_materializes_a_layer_of_the_pool():
     layer_shape = f"[{cfg.num_kv_heads},{NUM_PAGES},8,{cfg.head_dim}]"
     offenders = [line.strip()[:120] for line in hlo.splitlines() if layer_shape in line]
     assert not offenders, f"a per-layer copy of the pool appears in the step:\n{offenders[:3]}"
+
+
+def test_the_sampler_compiles_per_sample_slots_not_per_step_shape():
+    """The step is two jitted calls: a new step shape compiles the forward alone when its sample
+    slots were sampled before, and the log-probability step reuses the plain step's forward."""
+    cfg, params = small_model()
+    plain, _ = make_step_fn(cfg, "xla", 4)
+    logprobs, _ = make_step_fn(cfg, "xla", 4, with_logprobs=True)
+    _, forward_traces = make_forward(cfg, "xla")
+    params = jax.device_put(params)
+    cache = kc.KVCache.create(cfg.num_layers, cfg.num_kv_heads, NUM_PAGES + 2, 8, cfg.head_dim)
+    builder, prev = BatchBuilder(InputBatch(32, 4, -1), None, 8), np.zeros(4, np.int32)
+    cache, tokens = plain(params, cache, builder.empty(8, 4, 4), prev)  # a pool no one else has
+    counts = lambda: (forward_traces(), sample_trace_count())
+    before = counts()
+    cache, tokens, extras = logprobs(params, cache, builder.empty(8, 4, 4), tokens)
+    assert counts()[0] == before[0]  # the same forward
+    before = counts()
+    cache, tokens = plain(params, cache, builder.empty(16, 4, 4), tokens)
+    assert np.subtract(counts(), before).tolist() == [1, 0]  # a new forward shape, no sampler
+    assert tokens.shape == (4,) and extras["logprobs"][1].shape == (4, MAX_LOGPROBS)
+
+
+def test_verify_steps_pad_to_one_sample_slot_count_per_bucket_pair():
+    builder = BatchBuilder(InputBatch(32, 4, -1), None, 8)
+    builder.verify_slots = 4  # k = 3
+    assert {builder.buckets(32, 4, n, verify=True) for n in range(1, 17)} == {(32, 4, 16)}
+    assert builder.buckets(8, 4, 5, verify=True) == (8, 4, 8)  # at most the token bucket
+    assert builder.buckets(32, 4, 20, verify=True) == (32, 4, 32)  # more slots: their bucket
+    assert builder.buckets(32, 4, 5) == (32, 4, 8)  # steps without verify rows: unchanged
 
 
 @pytest.mark.parametrize("op", ["paged", "ragged"])

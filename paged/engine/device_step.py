@@ -1,4 +1,6 @@
-"""The engine's one jitted device call: model forward (KV written into the donated cache) + sampling."""
+"""The engine's device step: two jitted calls, the model forward (KV written into the donated
+cache, the sample slots' logits out) and the sampler (compiled per sample-slot count and
+vocabulary, shared by every step shape and engine); the draft model's calls; the device copies."""
 
 from __future__ import annotations
 
@@ -54,23 +56,41 @@ def step_functions(model_config: LlamaConfig, config, placement, leader=None) ->
     """An engine's jitted steps: ``(variants, called, trace_count, no_prev_tokens)``:
     ``(with_logprobs, with_verify) -> step`` as a follower process runs them, the same as this
     process calls them (a ``leader`` announces every call to the other processes), the count
-    of traces so far (the page copy / read / write functions' included), and the tokens fed as
-    "the previous step's" when no step is in flight."""
+    of traces so far (the forward's, the sampler's and the page copy / read / write functions'),
+    and the tokens fed as "the previous step's" when no step is in flight."""
     out_size = kc.next_pow2(max(config.max_num_seqs, config.min_seq_bucket))
-    sparse = config.sparse_decode
-    budget = None if sparse is None else sparse.budget(config.block_size)
-    dense_layers = 0 if sparse is None else sparse.dense_layers
-    gqa = "max" if sparse is None else sparse.gqa
-    recent = 0 if sparse is None else sparse.recent_pages
-    fns = {v: make_step_fn(model_config, config.attention_impl, out_size, *v, sparse_budget=budget,
-                           sparse_dense_layers=dense_layers, sparse_gqa=gqa,
-                           sparse_recent=recent)
-           for v in itertools.product((False, True), repeat=2)}
-    variants = {v: f for v, (f, _) in fns.items()}
+    sparse = _sparse_args(config)
+    forward, forward_traces = make_forward(model_config, config.attention_impl, *sparse)
+    variants = {v: compose(forward, make_sample_fn(out_size, *v))
+                for v in itertools.product((False, True), repeat=2)}
     no_prev = placement.put(np.zeros(out_size, np.int32))
     called = dict(variants) if leader is None else {
         v: leader.wrap(f, v, no_prev) for v, f in variants.items()}
-    return variants, called, lambda: sum(c() for _, c in fns.values()) + kc.trace_count(), no_prev
+    count = lambda: forward_traces() + sample_trace_count() + kc.trace_count()
+    return variants, called, count, no_prev
+
+
+def _sparse_args(config) -> tuple:
+    """``make_forward``'s sparse-decode arguments of an engine config."""
+    sparse = config.sparse_decode
+    if sparse is None:
+        return None, 0, "max", 0
+    return (sparse.budget(config.block_size), sparse.dense_layers, sparse.gqa,
+            sparse.recent_pages)
+
+
+def compose(forward, sample_fn):
+    """The engine's step: two jitted calls, ``forward`` (the model, the KV written into the
+    donated cache, the sample slots' logits out) then ``sample_fn`` on those logits and the
+    batch's sampling parameters; ``(cache, tokens[, extras])`` as ``make_step_fn`` says."""
+
+    def step(params, cache: KVCache, batch, prev, q=None, q_index=None):
+        cache, logits = forward(params, cache, batch, prev)
+        if q is None:
+            return (cache, *sample_fn(logits, batch.smp, batch.smp_f))
+        return (cache, *sample_fn(logits, batch.smp, batch.smp_f, q, q_index))
+
+    return step
 
 
 @functools.lru_cache(maxsize=32)
@@ -80,31 +100,56 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
                  sparse_gqa: str = "max", sparse_recent: int = 0):
     """Returns ``(step, trace_count)``, shared by every engine with the same model and attention.
 
-    ``step(params, cache, batch, prev) -> (cache, tokens i32[N])`` is jitted with the cache
-    DONATED: XLA writes the new K/V in place and the caller must drop its old reference. ``prev``
-    is the previous step's ``tokens`` (still on device): a token row whose ``batch.feed`` is
-    ``j >= 0`` takes ``prev[j]`` as its id, so a step can be dispatched before the previous one's
-    samples reach the host. ``tokens`` is zero-padded to at least ``out_size`` slots, so that
-    ``prev`` keeps one shape from step to step (it is not another dimension to compile for).
-    With ``with_logprobs`` the step returns ``(cache, tokens, extras)``: ``extras`` holds, per
-    sample slot, the log-probability of its ``batch.target`` token (the sampled token where the
-    target is -1) and the slot's top ``MAX_LOGPROBS`` log-probabilities and ids
-    (``sampling.logprobs``). With ``with_verify`` the tokens come from ``sampling.verify``
-    (``batch.draft``: each slot's proposed token, -1 where none) and ``extras`` also holds each
-    slot's accept bit. With ``sparse_budget`` (pages, or a fraction of each sequence's pages;
-    the cache then holds key bounds) decode rows read the pages Quest selects
-    (``paged.models.sparse_attention``; every page in the first ``sparse_dense_layers``
-    layers; ``sparse_gqa``: how a query group picks its pages; ``sparse_recent``: pages before
-    the open page always read) and the step folds its new keys
-    into the bounds. ``trace_count()``
-    says how many shapes were traced so far (one XLA compilation each); engines sharing the
-    function share its compilations, so an engine reports the difference since its creation.
+    ``step(params, cache, batch, prev) -> (cache, tokens i32[N])`` runs ``make_forward``'s
+    jitted forward (the cache DONATED: XLA writes the new K/V in place and the caller must drop
+    its old reference) and then ``make_sample_fn``'s jitted sampler on the sample slots' logits.
+    ``prev`` is the previous step's ``tokens`` (still on device): a token row whose
+    ``batch.feed`` is ``j >= 0`` takes ``prev[j]`` as its id, so a step can be dispatched before
+    the previous one's samples reach the host. ``tokens`` is zero-padded to at least
+    ``out_size`` slots, so that ``prev`` keeps one shape from step to step (it is not another
+    dimension to compile for). With ``with_logprobs`` the step returns
+    ``(cache, tokens, extras)``: ``extras`` holds, per sample slot, the log-probability of its
+    ``batch.target`` token (the sampled token where the target is -1) and the slot's top
+    ``MAX_LOGPROBS`` log-probabilities and ids (``sampling.logprobs``). With ``with_verify`` the
+    tokens come from ``sampling.verify`` (``batch.draft``: each slot's proposed token, -1 where
+    none; ``q``, ``q_index``: the drafts' distributions) and ``extras`` also holds each slot's
+    accept bit. The sparse arguments are ``make_forward``'s. ``trace_count()`` says how many
+    shapes the forward and the sampler traced so far (one XLA compilation each); engines sharing
+    them share their compilations, so an engine reports the difference since its creation.
     """
+    forward, traces = make_forward(model_config, attention_impl, sparse_budget,
+                                   sparse_dense_layers, sparse_gqa, sparse_recent)
+    step = compose(forward, make_sample_fn(out_size, with_logprobs, with_verify))
+    return step, lambda: traces() + sample_trace_count()
+
+
+def make_forward(model_config: LlamaConfig, attention_impl: str,
+                 sparse_budget: float | None = None, sparse_dense_layers: int = 0,
+                 sparse_gqa: str = "max", sparse_recent: int = 0):
+    """Returns ``(forward, trace_count)``: the step's model half, one jitted call whatever the
+    sampler does (the plain, log-probability and verify steps share its compilations).
+
+    ``forward(params, cache, batch, prev) -> (cache, logits f32[N, V])``, the cache DONATED;
+    ``logits`` are the N sample slots' rows only (``batch.sample_rows``). With
+    ``sparse_budget`` (pages, or a fraction of each sequence's pages; the cache then holds key
+    bounds) decode rows read the pages Quest selects (``paged.models.sparse_attention``; every
+    page in the first ``sparse_dense_layers`` layers; ``sparse_gqa``: how a query group picks
+    its pages; ``sparse_recent``: pages before the open page always read) and the step folds its
+    new keys into the bounds. A KV policy's attention mass (``batch.mw``) is accumulated into the
+    cache.
+    """
+    return _forward(model_config, attention_impl, sparse_budget, sparse_dense_layers, sparse_gqa,
+                    sparse_recent)  # one cache key however the defaults were passed
+
+
+@functools.lru_cache(maxsize=32)
+def _forward(model_config, attention_impl, sparse_budget, sparse_dense_layers, sparse_gqa,
+             sparse_recent):
     model = Llama(model_config)
     traces = [0]
 
     @functools.partial(jax.jit, donate_argnums=1)
-    def step(params, cache: KVCache, batch, prev, q=None, q_index=None):
+    def step_forward(params, cache: KVCache, batch, prev):
         traces[0] += 1  # runs at trace time only
         feed = batch.feed
         ids = jnp.where(feed >= 0, prev[jnp.clip(feed, 0, prev.shape[0] - 1)], batch.tokens)
@@ -130,26 +175,51 @@ def make_step_fn(model_config: LlamaConfig, attention_impl: str, out_size: int =
         if cache.open_k is not None:
             cache = cache.replace(open_k=k_pages.open, open_v=v_pages.open)
             k_pages, v_pages = k_pages.pool, v_pages.pool
-        args = (logits, batch.temperature, batch.top_k, batch.top_p, batch.seed,
-                batch.sample_index, batch.sample_pos)
-        extras = {}
-        if with_verify:
-            tokens, extras["accept"] = sampling.verify(*args, batch.draft, q, q_index)
-        else:
-            tokens = sampling.sample(*args)
-        if with_logprobs:
-            target = jnp.where(batch.target >= 0, batch.target, tokens)
-            extras["logprobs"] = sampling.logprobs(logits, target)
-        if tokens.shape[0] < out_size:
-            tokens = jnp.pad(tokens, (0, out_size - tokens.shape[0]))
         new_cache = kc.update_bounds(cache.replace(k_pages=k_pages, v_pages=v_pages),
                                      batch.md.slot_mapping)
         if mass is not None:
             new_cache = kv_mass.accumulate(new_cache, mass, md.page_indices, md.kv_lens,
                                            md.slot_mapping)
-        return (new_cache, tokens, extras) if extras else (new_cache, tokens)
+        return new_cache, logits
 
-    return step, lambda: traces[0]
+    return step_forward, lambda: traces[0]
+
+
+_SAMPLE_TRACES = [0]
+
+
+def sample_trace_count() -> int:
+    """Shapes ``make_sample_fn``'s samplers traced so far in this process (all engines)."""
+    return _SAMPLE_TRACES[0]
+
+
+@functools.lru_cache(maxsize=32)
+def make_sample_fn(out_size: int, with_logprobs: bool, with_verify: bool):
+    """The step's sampler half, one jitted call shared by every engine and model: compiled once
+    per (sample slots N, vocabulary V, ``out_size``, extras), never per step shape.
+
+    ``sample_fn(logits f32[N, V], smp i32[7, N], smp_f f32[2, N], q=None, q_index=None) ->
+    (tokens i32[max(N, out_size)],)`` or ``(tokens, extras)`` with log-probabilities or verify
+    (``make_step_fn`` says what they hold); ``smp`` / ``smp_f`` are a ``DeviceBatch``'s
+    sampling rows."""
+
+    @jax.jit
+    def step_sample(logits, smp, smp_f, q=None, q_index=None):
+        _SAMPLE_TRACES[0] += 1  # runs at trace time only
+        args = (logits, smp_f[0], smp[1], smp_f[1], smp[2], smp[3], smp[4])
+        extras = {}
+        if with_verify:
+            tokens, extras["accept"] = sampling.verify(*args, smp[6], q, q_index)
+        else:
+            tokens = sampling.sample(*args)
+        if with_logprobs:
+            target = jnp.where(smp[5] >= 0, smp[5], tokens)
+            extras["logprobs"] = sampling.logprobs(logits, target)
+        if tokens.shape[0] < out_size:
+            tokens = jnp.pad(tokens, (0, out_size - tokens.shape[0]))
+        return (tokens, extras) if extras else (tokens,)
+
+    return step_sample
 
 
 def stub_step(params, cache, batch, prev):

@@ -4,8 +4,9 @@ Owns the params, the KV cache (device), the block manager, the input batch and t
 (host). One ``step()``:
 
     schedule (host) -> swap-out / poison / swap-in / copy-on-write (device, rare)
-    -> build the batch from the input batch's rows (numpy, bucketed shapes) -> dispatch one
-    jitted device call (model forward with KV writes, sampling; the cache donated)
+    -> build the batch from the input batch's rows (numpy, bucketed shapes) -> dispatch the
+    device step (two jitted calls: the model forward with KV writes, the cache donated; the
+    sampler on the sample slots' logits)
     -> read back the previous step's tokens: fill them in, stop, fork, free (host).
 
 With ``async_scheduling`` (the default) the step dispatched by one call is read back by the next,

@@ -137,6 +137,8 @@ class Speculator:
         self.k = config.num_speculative_tokens
         self.proposer = NgramProposer(config)
         self.draft, self.builder = draft, builder
+        if builder is not None:  # verify steps: one sample-slot count per bucket
+            builder.verify_slots = self.k + 1
         self._pending: list = []  # draft method: (row, seq, k) reserved, to draft after the copies
         self._q = None  # draft method: the drafts' distributions on device, f32[M, V]
         self._q_rows: dict = {}  # seq_id -> row of ``_q`` per draft position

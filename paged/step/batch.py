@@ -187,15 +187,16 @@ class BatchBuilder:
         self.min_tokens = min_tokens
         self.min_seqs = min_seqs
         self.debug = debug
-        # Packed (int4 / int2) pages: the open-page slots (paged.kv.open_pages.OpenPages) that
-        # plan each step's KiviMeta; set by the engine, None otherwise.
-        self.open_pages = None
+        self.open_pages = None  # packed pages' OpenPages (plan each step's KiviMeta; by the engine)
+        self.verify_slots = 0  # a speculating engine's k + 1 (its Speculator sets it): `buckets`
 
-    def buckets(self, num_tokens: int, num_seqs: int, num_samples: int) -> tuple[int, int, int]:
-        """Padded (tokens, sequences, sample slots) of a step."""
+    def buckets(self, num_tokens: int, num_seqs: int, num_samples: int, verify: bool = False):
+        """Padded (tokens, sequences, sample slots) of a step; a ``verify`` step of a speculating
+        engine pads its slots to the most its buckets can verify (one shape per bucket pair)."""
         t_pad = next_pow2(max(num_tokens, self.min_tokens))
         s_pad = next_pow2(max(num_seqs, self.min_seqs))
-        return t_pad, s_pad, max(s_pad, next_pow2(num_samples))
+        most = min(t_pad, next_pow2(s_pad * self.verify_slots)) if verify else 1
+        return t_pad, s_pad, max(s_pad, next_pow2(num_samples), most)
 
     def all_shapes(self, max_tokens: int, max_seqs: int) -> list[tuple[int, int, int]]:
         """Every (tokens, sequences, sample slots) bucket of steps within these budgets (sample
@@ -205,10 +206,9 @@ class BatchBuilder:
                        for s in pow2s(min(max_seqs, t))})
 
     def verify_shapes(self, max_tokens: int, max_seqs: int) -> list[tuple[int, int, int]]:
-        """The buckets of steps with verify rows: each verify row samples every one of its
-        tokens, so sample slots range from the sequence bucket up to the token bucket."""
+        """The buckets of steps with verify rows (each samples every one of its tokens)."""
         pow2s = lambda n: [1 << i for i in range(next_pow2(n).bit_length())]
-        return sorted({self.buckets(t, s, n) for t in pow2s(max_tokens)
+        return sorted({self.buckets(t, s, n, verify=True) for t in pow2s(max_tokens)
                        for s in pow2s(min(max_seqs, t)) for n in pow2s(t)})
 
     def empty(self, t_pad: int, s_pad: int, n_pad: int, cascade: bool = False) -> DeviceBatch:
@@ -357,7 +357,7 @@ class BatchBuilder:
             t = int(q_lens.sum())
         else:
             q_lens, starts, t = plan.q_lens, nc_d, nd
-        t_pad, s_pad, n_pad = self.buckets(t, s, n_rows + n_verify + n_scored)
+        t_pad, s_pad, n_pad = self.buckets(t, s, n_rows + n_verify + n_scored, n_verify > 0)
         device = self.empty(t_pad, s_pad, n_pad)
         seq, pages, smp = device.seq, device.page_indices, device.smp
         np.take(self.ib.table, all_rows, axis=0, out=pages[:s])
