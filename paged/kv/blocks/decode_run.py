@@ -21,6 +21,7 @@ import numpy as np
 from paged.kv.blocks.fence import StepFence
 from paged.kv.blocks.progress import Progress
 from paged.kv.blocks.tables import TOKEN_LIMIT, Seq, SeqTables
+from paged.kv.blocks.token_rows import DTYPE
 
 _INT = {int}
 
@@ -36,7 +37,7 @@ def run(tables: SeqTables, progress: Progress, fence: StepFence, seq_ids: Sequen
         before any state change.
     """
     batch, rows = check_run(tables, seq_ids, token_ids)
-    need = blocks_needed(tables, batch, len(rows[0]) if rows else 0)
+    need = blocks_needed(tables, batch, rows.shape[1])
     if need is None:
         raise ValueError("a sequence's partly filled tail block is shared: its next append "
                          "copies it (use append_decode_slots)")
@@ -46,8 +47,10 @@ def run(tables: SeqTables, progress: Progress, fence: StepFence, seq_ids: Sequen
     return True
 
 
-def check_run(tables: SeqTables, seq_ids: Sequence, token_ids: Sequence) -> tuple[list[Seq], list]:
-    """The Seqs and the token rows as lists, or ValueError (no state touched)."""
+def check_run(tables: SeqTables, seq_ids: Sequence, token_ids: Sequence
+              ) -> tuple[list[Seq], np.ndarray]:
+    """The Seqs and the token ids as an int64 ``[len(seq_ids), m]`` array, or ValueError (no
+    state touched)."""
     if not isinstance(seq_ids, list | tuple):
         raise ValueError(f"seq_ids must be a list of sequence ids, got {type(seq_ids).__name__}")
     batch = [tables.resident(s) for s in seq_ids]  # raises for unknown or swapped-out ids
@@ -57,7 +60,7 @@ def check_run(tables: SeqTables, seq_ids: Sequence, token_ids: Sequence) -> tupl
             and token_ids.dtype.kind in "iu" and token_ids.shape[0] == len(batch):
         if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= TOKEN_LIMIT):
             raise ValueError("token ids must be ints in [0, 2**63)")
-        return batch, token_ids.tolist()  # (checked in bulk)
+        return batch, token_ids.astype(DTYPE, copy=False)  # (checked in bulk)
     try:
         rows = [list(r) for r in token_ids]
     except TypeError:
@@ -72,50 +75,51 @@ def check_run(tables: SeqTables, seq_ids: Sequence, token_ids: Sequence) -> tupl
         if row and not (set(map(type, row)) <= _INT and min(row) >= 0 and max(row) < TOKEN_LIMIT):
             raise ValueError(f"token ids {row!r} of sequence {sid!r} must be ints in [0, 2**63) "
                              "(a decode run appends known token ids)")
-    return batch, rows
+    return batch, np.array(rows, DTYPE).reshape(len(rows), m)
 
 
 def blocks_needed(tables: SeqTables, batch: list[Seq], m: int) -> int | None:
     """Fresh blocks ``m`` decode steps take, or ``None`` when some tail is shared and partly
     filled (its first append would copy it: not a steady decode)."""
     B, rc = tables.block_size, tables.pool.rc
-    need = 0
-    for seq in batch:
-        n = len(seq.tokens)
-        room = -n % B
-        if room and rc[seq.table[-1]] > 1:
+    room = -tables.rows.n[tables.rows_of(batch)] % B
+    for i in np.flatnonzero(room).tolist():
+        if rc[batch[i].table[-1]] > 1:
             return None
-        if m > room:
-            need += -(-(m - room) // B)
-    return need
+    return int((-(-np.maximum(m - room, 0) // B)).sum())
 
 
 def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, batch: list[Seq],
-                     rows: list[list[int]]) -> None:
-    """Runs the steps (module docstring); the caller checked the arguments and the pool."""
-    m = len(rows[0]) if rows else 0
+                     ids: np.ndarray) -> None:
+    """Runs the steps (module docstring); the caller checked the arguments and the pool.
+    ``ids``: the token ids, one row per sequence of ``batch``."""
+    m = ids.shape[1]
     if m == 0:
         return
-    if any(seq.room is None for seq in batch):  # off the fast path (debug, fork, rollback, swap)
-        _stepwise(tables, progress, fence, batch, rows)
+    rows = tables.rows
+    R = tables.rows_of(batch)
+    rooms = rows.room[R]
+    if len(rooms) and rooms.min() < 0:  # off the fast path (debug, fork, rollback, swap)
+        _stepwise(tables, progress, fence, batch, ids)
         return
     B = tables.block_size
     pool, keyer = tables.pool, progress.keyer
     starts: dict[int, list[int]] = {}  # step -> rows whose slot starts a block (row order)
     fills: dict[int, list[int]] = {}  # step -> rows whose slot completes a block
-    n0 = []
     need = 0
-    for r, seq in enumerate(batch):
-        room = seq.room
+    for r, room in enumerate(rooms.tolist()):
         for j in range(room, m, B):
             starts.setdefault(j, []).append(r)
             need += 1
         for j in range((room - 1) % B, m, B):
             fills.setdefault(j, []).append(r)
-        tokens = seq.tokens
-        n0.append(len(tokens))
-        tokens.extend(rows[r])
-        seq.room = (room - m) % B
+    n = rows.n[R]
+    if len(n) and n.max() + m > rows.width:
+        rows.fit(int(n.max()) + m)
+    rows.tok[R[:, None], n[:, None] + np.arange(m)] = ids
+    rows.n[R] = n + m
+    rows.room[R] = (rooms - m) % B
+    n0 = n.tolist()
     if not (fence.held or fence.host_held) and fence.copy_step <= fence.last_completed \
             and len(pool.free) >= need:
         _run_quiet(fence, pool, keyer, batch, m, starts, fills, n0, need)
@@ -188,16 +192,16 @@ def _steps(fence: StepFence, pool, k: int) -> None:
 
 
 def _stepwise(tables: SeqTables, progress: Progress, fence: StepFence, batch: list[Seq],
-              rows: list[list[int]]) -> None:
+              ids: np.ndarray) -> None:
     """The same steps through the per-step calls (sequences whose fast-path state is unknown)."""
     B = tables.block_size
     pool = tables.pool
-    for j in range(len(rows[0])):
-        if tables.append_decode(batch, [row[j] for row in rows]) != []:
+    for j in range(ids.shape[1]):
+        if tables.append_decode(batch, ids[:, j]) != []:
             raise AssertionError("a checked decode run needed blocks or copies")
         _steps(fence, pool, 1)
-        full = [seq for seq in batch if len(seq.tokens) % B == 0]
+        full = [seq for seq in batch if seq.num_tokens % B == 0]
         if full:
             for seq in full:
-                seq.num_computed = len(seq.tokens)
+                seq.num_computed = seq.num_tokens
             progress.keyer.key_computed(full)

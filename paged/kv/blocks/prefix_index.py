@@ -383,7 +383,7 @@ class PrefixKeyer:
             return
         B, versions, digest, intern = self.block_size, self.versions, self.digest, \
             self.index.intern
-        pack, fence = self.pack, self.fence
+        fence = self.fence
         busy, done = fence.busy_until, fence.last_completed
         copying = fence.copy_step > done  # some block may have a copy pending
         for seq in seqs:
@@ -391,20 +391,21 @@ class PrefixKeyer:
             i = len(keys)
             upto = seq.num_computed // B if not seq.nokey else 0  # compacted: never keyed
             if upto > i:
-                tokens, table, salt = seq.tokens, seq.table, seq.salt
+                row, table, salt = seq.rows.tok[seq.row], seq.table, seq.salt
+                unknown = seq.unknown
                 parent = keys[-1] if i else None
                 while i < upto:
                     b = table[i]
                     if copying and busy[b] > done or i < seq.front:
                         break  # its copy has not run yet, or it was recycled unkeyed
-                    ids = tokens[i * B:(i + 1) * B]
-                    if seq.unknown and None in ids:  # a slot of unknown token id: stop here
+                    ids = row[i * B:(i + 1) * B]
+                    if unknown and (ids < 0).any():  # a slot of unknown token id: stop here
                         break
-                    data = pack(*ids)
+                    data = ids.tobytes()  # int64 little-endian: the bytes of ``pack_tokens``
                     parent = intern(b, parent, data, salt,
                                     digest(None if parent is None else parent.digest, data, salt),
                                     versions)
                     keys.append(parent)
                     i += 1
             if not self.debug:
-                seq.key_at = (i + 1) * B if not seq.nokey else 2**63
+                seq.key_at = (i + 1) * B if not seq.nokey else 2**63 - 1
