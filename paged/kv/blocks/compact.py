@@ -70,7 +70,7 @@ def compact(tables: SeqTables, seq_id, keep: int) -> Compaction | None:
     seq.num_computed = new_n
     seq.nokey = True
     seq.dirty_tail = False
-    tables.decode_batch = None
+    tables.batches = []
     tables.fast_state(seq)
     tables.fence.release(reversed(freed))
     return Compaction(region, first, n - s0, kept, len(freed))

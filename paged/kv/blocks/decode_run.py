@@ -98,8 +98,7 @@ def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, ba
         return
     rows = tables.rows
     R = tables.rows_of(batch)
-    rooms = rows.room[R]
-    if len(rooms) and rooms.min() < 0:  # off the fast path (debug, fork, rollback, swap)
+    if not rows.fast[R].all():  # off the fast path (debug, fork, rollback, swap)
         _stepwise(tables, progress, fence, batch, ids)
         return
     B = tables.block_size
@@ -107,18 +106,17 @@ def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, ba
     starts: dict[int, list[int]] = {}  # step -> rows whose slot starts a block (row order)
     fills: dict[int, list[int]] = {}  # step -> rows whose slot completes a block
     need = 0
-    for r, room in enumerate(rooms.tolist()):
+    n = rows.n[R]
+    for r, room in enumerate((-n % B).tolist()):
         for j in range(room, m, B):
             starts.setdefault(j, []).append(r)
             need += 1
         for j in range((room - 1) % B, m, B):
             fills.setdefault(j, []).append(r)
-    n = rows.n[R]
     if len(n) and n.max() + m > rows.width:
         rows.fit(int(n.max()) + m)
     rows.tok[R[:, None], n[:, None] + np.arange(m)] = ids
     rows.n[R] = n + m
-    rows.room[R] = (rooms - m) % B
     n0 = n.tolist()
     if not (fence.held or fence.host_held) and fence.copy_step <= fence.last_completed \
             and len(pool.free) >= need:

@@ -13,9 +13,7 @@ import numpy as np
 
 from paged.kv.blocks.prefix_index import PrefixKeyer
 from paged.kv.blocks.tables import TOKEN_LIMIT, Seq, SeqTables, count_arg
-from paged.kv.blocks.token_rows import UNKNOWN_ID
-
-_INT = {int}
+from paged.kv.blocks.token_rows import DTYPE, UNKNOWN_ID
 
 
 class Progress:
@@ -50,11 +48,12 @@ class Progress:
             rows = tables.rows
             R = tables.rows_of(batch)
             if not len(R) or ((rows.computed[R] <= C) & (C <= rows.n[R])).all():
-                keying = [batch[i] for i in np.flatnonzero(C >= rows.key_at[R]).tolist()]
+                due = np.flatnonzero(C >= rows.key_at[R])
+                keying = [batch[i] for i in due.tolist()]
                 if all(seq.host_table is None for seq in keying):
                     rows.computed[R] = C
                     if keying:
-                        self.keyer.key_computed(keying)
+                        self.keyer.key_computed(keying, R[due])
                     return
         counts = [self._check_computed(s, q, n)  # raises, or converts int-like counts
                   for s, q, n in zip(seq_ids, batch, counts, strict=True)]
@@ -83,16 +82,19 @@ class Progress:
         rows = tables.rows
         R = tables.rows_of(batch)
         P, T = _count_array(positions), _count_array(token_ids)
-        last = tables.decode_batch  # its rows are distinct
         if P is None or T is None or len(R) and not (
                 (P < rows.n[R]).all() and (rows.tok[R, P] == UNKNOWN_ID).all()
-                and (last is not None and last[1] is batch
-                     or len(np.unique(R * rows.width + P)) == len(R))):
+                and (tables.distinct(batch) or len(np.unique(R * rows.width + P)) == len(R))):
             P, T = self._check_set_tokens(seq_ids, batch, positions, token_ids)
         rows.tok[R, P] = T
-        rows.unknown -= np.bincount(R, minlength=len(rows.unknown))
-        self.keyer.key_computed([seq for seq in dict.fromkeys(batch) if seq.host_table is None
-                                 and seq.num_computed >= seq.key_at])
+        if tables.distinct(batch):
+            rows.unknown[R] -= 1
+        else:
+            rows.unknown -= np.bincount(R, minlength=len(rows.unknown))
+        due = np.flatnonzero(rows.computed[R] >= rows.key_at[R]).tolist()
+        if due:
+            self.keyer.key_computed([seq for seq in dict.fromkeys(batch[i] for i in due)
+                                     if seq.host_table is None])
 
     @staticmethod
     def _check_set_tokens(seq_ids, batch: list[Seq], positions, token_ids):
@@ -117,8 +119,8 @@ def _count_array(values) -> np.ndarray | None:
     """Non-negative int64 values of a list of ints or an integer ndarray, or ``None`` when one
     needs checking."""
     if isinstance(values, np.ndarray):
-        if values.ndim == 1 and values.dtype.kind in "iu" and (
-                not values.size or values.min() >= 0 and values.max() < TOKEN_LIMIT):
+        if values.ndim == 1 and values.dtype.kind in "iu" and (not values.size or (
+                values.min() >= 0 if values.dtype.kind == "i" else values.max() < TOKEN_LIMIT)):
             return values.astype(np.int64, copy=False)
         return None
     if type(values) is not list:
@@ -126,7 +128,7 @@ def _count_array(values) -> np.ndarray | None:
             values = list(values)
         except TypeError:
             return None
-    if set(map(type, values)) <= _INT and (
-            not values or min(values) >= 0 and max(values) < TOKEN_LIMIT):
-        return np.array(values, np.int64)
-    return None
+    a = np.array(values)  # int64 only when every value is an int (or bool) below 2**63
+    if a.dtype is DTYPE and a.ndim == 1:
+        return None if len(a) and a.min() < 0 else a
+    return np.zeros(0, DTYPE) if not values else None

@@ -76,12 +76,13 @@ class Seq:
         """The exact number of free slots in the tail block when that block is known to be
         exclusive, unkeyed and clean (0: the tail is full, the next token takes a fresh block),
         or None when not known (fork, rollback, swap, debug): the decode fast path's state."""
-        r = int(self.rows.room[self.row])
-        return None if r < 0 else r
+        rows, r = self.rows, self.row
+        return -int(rows.n[r]) % rows.block_size if rows.fast[r] else None
 
     @room.setter
-    def room(self, r: int | None) -> None:
-        self.rows.room[self.row] = -1 if r is None else r
+    def room(self, room: int | None) -> None:
+        """None: off the fast path; else the tail's free slots (``-num_tokens % block_size``)."""
+        self.rows.fast[self.row] = room is not None
 
     @property
     def key_at(self) -> int:
@@ -149,10 +150,10 @@ class SeqTables:
         self.caching = enable_prefix_caching
         self.debug = debug
         self.seqs: dict[Hashable, Seq] = {}
-        self.rows = TokenRows()  # every sequence's token ids and decode counters
-        # The last decode batch: (a copy of its ids, their Seqs, their rows); dropped when seqs
-        # changes.
-        self.decode_batch: tuple[list, list[Seq], np.ndarray] | None = None
+        self.rows = TokenRows(block_size)  # every sequence's token ids and decode counters
+        # The last two distinct batches (decode appends, the readback's marks): (a copy of
+        # their ids, their Seqs, their rows), newest first; forgotten when seqs changes.
+        self.batches: list[tuple[list, list[Seq], np.ndarray]] = []
         self.cow_copies = 0
         self.peak_blocks = 0  # most live blocks a sequence held when it left (see max_blocks)
 
@@ -170,15 +171,15 @@ class SeqTables:
         return seq
 
     def lookup(self, seq_ids: Sequence, values: Sequence, *, unique: bool = True) -> list[Seq]:
-        """The Seqs of ``seq_ids`` (one per value); the last decode batch's when the ids repeat it.
+        """The Seqs of ``seq_ids`` (one per value); a remembered batch's when the ids repeat it.
 
         Raises:
           ValueError: unknown ids, lengths that differ, or repeated ids when ``unique``.
         """
-        last = self.decode_batch  # steady decoding repeats the batch: skip the lookups
-        if (last is not None and type(seq_ids) is list and last[0] == seq_ids
-                and len(values) == len(seq_ids)):
-            return last[1]
+        for entry in self.batches:  # steady decoding repeats its batches: skip the lookups
+            if (type(seq_ids) is list and entry[0] == seq_ids
+                    and len(values) == len(seq_ids)):
+                return entry[1]
         try:
             batch = list(map(self.seqs.__getitem__, seq_ids))
         except (KeyError, TypeError):
@@ -191,15 +192,20 @@ class SeqTables:
             if unique:
                 raise ValueError(f"repeated sequence ids in {seq_ids!r}")
         elif type(seq_ids) is list:
-            self.decode_batch = (list(seq_ids), batch, self.rows_of(batch))
+            rows = np.fromiter([seq.row for seq in batch], np.intp, len(batch))
+            self.batches = [(list(seq_ids), batch, rows)] + self.batches[:1]
         return batch
 
     def rows_of(self, batch: list[Seq]) -> np.ndarray:
-        """The token rows of ``batch`` (the last decode batch's, kept)."""
-        last = self.decode_batch
-        if last is not None and last[1] is batch:
-            return last[2]
+        """The token rows of ``batch`` (a remembered batch's, kept)."""
+        for entry in self.batches:
+            if entry[1] is batch:
+                return entry[2]
         return np.fromiter([seq.row for seq in batch], np.intp, len(batch))
+
+    def distinct(self, batch: list[Seq]) -> bool:
+        """Whether ``batch`` is known to hold distinct sequences (a remembered batch)."""
+        return any(entry[1] is batch for entry in self.batches)
 
     # --- creation and removal --------------------------------------------------------------
     def add(self, seq_id, table: list[int], tokens: list[int], hits: list[tuple[int, BlockKey]],
@@ -212,7 +218,7 @@ class SeqTables:
         r = rows.take()
         rows.extend(r, tokens)
         seq = self.seqs[seq_id] = Seq(rows, r, table, computed, [k for _, k in hits], salt)
-        self.decode_batch = None
+        self.batches = []
         self.fast_state(seq)  # the tail block is fresh
         return seq
 
@@ -240,13 +246,13 @@ class SeqTables:
         for b in child.table[child.front:]:
             rc[b] += 1
         self.seqs[child_seq_id] = child
-        self.decode_batch = None
+        self.batches = []
 
     def remove(self, seq_id) -> None:
         """Drops ``seq_id``: its blocks tail first (tail blocks are evicted first) or host slots."""
         seq = self.get(seq_id)
         del self.seqs[seq_id]
-        self.decode_batch = None
+        self.batches = []
         self.note_peak(seq)
         self.rows.release(seq.row)
         if seq.host_table is not None:
@@ -372,14 +378,11 @@ class SeqTables:
         """``append_decode`` of one sequence whose tail ``room`` is known and one valid token id
         (the single-sequence fast path of ``append_slots``)."""
         rows, r = self.rows, seq.row
-        if room:
-            rows.room[r] = room - 1
-        else:  # the tail is full: a fresh block
+        if not room:  # the tail is full: a fresh block
             pool = self.pool
             if not (pool.free or pool.lru):
                 return None
             seq.table.append(pool.take(1)[0])
-            rows.room[r] = self.block_size - 1
             if pool.died:  # an evicted cached block: report it now
                 pool.flush()
         n = int(rows.n[r])
@@ -406,20 +409,18 @@ class SeqTables:
             return self._append_decode_checked(batch, token_ids)
         rows = self.rows
         R = self.rows_of(batch)
-        room = rows.room[R]
-        if len(room) and room.min() < 0:  # a tail off the fast path (or a swapped sequence)
+        if not rows.fast[R].all():  # a tail off the fast path (or a swapped sequence)
             return self._append_decode_checked(batch, token_ids)
-        start = room == 0  # full tails: these sequences start a fresh block
+        n = rows.n[R]
+        start = n % self.block_size == 0  # full tails: these sequences start a fresh block
         k = int(np.count_nonzero(start))
         pool = self.pool
         if k > len(pool.free) + len(pool.lru):
             return None
-        n = rows.n[R]
         if len(n) and n.max() >= rows.width:
             rows.fit(int(n.max()) + 1)
         rows.tok[R, n] = T
         rows.n[R] = n + 1
-        rows.room[R] = np.where(start, self.block_size - 1, room - 1)
         unknown = T == UNKNOWN_ID
         if unknown.any():
             rows.unknown[R] += unknown

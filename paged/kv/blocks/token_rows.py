@@ -7,7 +7,8 @@ compaction makes differ from slots). A `paged.kv.blocks.tables.Seq` holds a row 
 lookahead slot without a draft or a decode slot whose sampled token has not reached the host).
 The per-row counters the decode step reads live beside it as arrays, so a batch of rows is
 appended, counted and keyed with array operations: ``computed`` (slots whose KV is on device),
-``room`` (free slots of an exclusive, unkeyed, clean tail block; -1 = not known), ``key_at``
+``fast`` (the tail block is known to be exclusive, unkeyed and clean: the next ``-n % block_size``
+slots go into it in place, then a fresh block; the decode fast path), ``key_at``
 (``mark_computed`` has nothing to key below it; -1 forces the checked path) and ``unknown``
 (slots holding ``UNKNOWN_ID``). A block's key bytes are ``tok[row, a:b].tobytes()``: int64
 little-endian, the bytes ``paged.kv.blocks.prefix_index.pack_tokens`` makes.
@@ -27,11 +28,12 @@ NEVER = 2**63 - 1  # a ``key_at`` no count reaches (prefix caching off, or a com
 class TokenRows:
     """Rows of token ids and their counters (module docstring)."""
 
-    def __init__(self, capacity: int = 16, width: int = 256):
+    def __init__(self, block_size: int, capacity: int = 16, width: int = 256):
+        self.block_size = block_size
         self.tok = np.full((capacity, width), UNKNOWN_ID, DTYPE)
         self.n = np.zeros(capacity, np.int64)
         self.computed = np.zeros(capacity, np.int64)
-        self.room = np.full(capacity, -1, np.int64)
+        self.fast = np.zeros(capacity, bool)
         self.key_at = np.full(capacity, -1, np.int64)
         self.unknown = np.zeros(capacity, np.int64)
         self.free = list(range(capacity - 1, -1, -1))  # a stack: the lowest row first
@@ -52,17 +54,18 @@ class TokenRows:
 
     def release(self, r: int) -> None:
         self.n[r] = self.computed[r] = self.unknown[r] = 0
-        self.room[r] = self.key_at[r] = -1
+        self.fast[r] = False
+        self.key_at[r] = -1
         self.free.append(r)
 
     def _grow_rows(self) -> None:
         cap = self.capacity
-        for name in ("tok", "n", "computed", "room", "key_at", "unknown"):
+        for name in ("tok", "n", "computed", "fast", "key_at", "unknown"):
             a = getattr(self, name)
             b = np.full((2 * cap,) + a.shape[1:], UNKNOWN_ID if name == "tok" else 0, a.dtype)
             b[:cap] = a
             setattr(self, name, b)
-        self.room[cap:] = self.key_at[cap:] = -1
+        self.key_at[cap:] = -1
         self.free.extend(range(2 * cap - 1, cap - 1, -1))
 
     def fit(self, length: int) -> None:
@@ -97,7 +100,7 @@ class TokenRows:
     def copy_row(self, src: int, dst: int) -> None:
         n = int(self.n[src])
         self.tok[dst, :n] = self.tok[src, :n]
-        for a in (self.n, self.computed, self.room, self.key_at, self.unknown):
+        for a in (self.n, self.computed, self.fast, self.key_at, self.unknown):
             a[dst] = a[src]
 
     # --- reads ---------------------------------------------------------------------------
@@ -109,10 +112,6 @@ class TokenRows:
         if self.unknown[r] and UNKNOWN_ID in out:
             out = [None if t == UNKNOWN_ID else t for t in out]
         return out
-
-
-_INTS = {int}
-_INTS_NONE = {int, type(None)}
 
 
 def id_array(token_ids) -> np.ndarray | None:
@@ -130,14 +129,18 @@ def id_array(token_ids) -> np.ndarray | None:
             token_ids = list(token_ids)
         except TypeError:
             return None
-    types = set(map(type, token_ids))
-    if types <= _INTS:
-        if token_ids and (min(token_ids) < 0 or max(token_ids) >= 2**63):
-            return None
-        return np.array(token_ids, DTYPE)
-    if types <= _INTS_NONE:
-        known = [t for t in token_ids if t is not None]
-        if known and (min(known) < 0 or max(known) >= 2**63):
-            return None
-        return np.array([UNKNOWN_ID if t is None else t for t in token_ids], DTYPE)
-    return None
+    m = len(token_ids)
+    if m and token_ids[0] is None and token_ids.count(None) == m:  # all unknown
+        return np.full(m, UNKNOWN_ID, DTYPE)
+    a = np.array(token_ids)  # int64 only when every value is an int (or bool) below 2**63
+    if a.dtype is DTYPE and a.ndim == 1:
+        return None if m and a.min() < 0 else a
+    if a.dtype.kind != "O" or a.ndim != 1:
+        return None
+    unknown = token_ids.count(None)
+    if not unknown:
+        return None
+    a = np.array([UNKNOWN_ID if t is None else t for t in token_ids])
+    if a.dtype is not DTYPE or a.min() < UNKNOWN_ID or np.count_nonzero(a == UNKNOWN_ID) != unknown:
+        return None  # a value that is no int, a negative id, or a -1 that was no None
+    return a
