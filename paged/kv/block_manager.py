@@ -283,13 +283,15 @@ class BlockManager(ManagerQueries, OffloadCalls, PolicyCalls):
             self.check_invariants()
         return pairs
 
-    def append_decode_slots(self, seq_ids: Sequence, token_ids: Sequence[int | None]
-                            ) -> list[tuple[int, int]] | None:
+    def append_decode_slots(self, seq_ids: Sequence, token_ids: Sequence[int | None],
+                            unknown=None) -> list[tuple[int, int]] | None:
         """``append_slots(seq_ids[i], [token_ids[i]])`` for every i, in one call (the decode step).
 
         All or nothing: if the pool cannot supply every block (copies included), returns ``None``
         and nothing changed; the caller can fall back to per-sequence ``append_slots`` and preempt.
-        ``None`` token ids are allowed as in ``append_slots``.
+        ``None`` token ids are allowed as in ``append_slots``. Token ids may be an integer
+        ndarray (no Python loop over it); ``unknown``, a bool array as long, marks the slots whose
+        token id is not known yet (the ndarray's values there are ignored; the engine's rows).
 
         Returns:
           The copy-on-write pairs of all sequences, or ``None``.
@@ -298,7 +300,8 @@ class BlockManager(ManagerQueries, OffloadCalls, PolicyCalls):
           ValueError: unknown, swapped-out or repeated sequence ids, bad token ids, or lengths
             that differ (before any state change).
         """
-        pairs = self._tables.append_decode(self._tables.lookup(seq_ids, token_ids), token_ids)
+        pairs = self._tables.append_decode(self._tables.lookup(seq_ids, token_ids), token_ids,
+                                           unknown)
         if self.debug:
             self.check_invariants()
         return pairs

@@ -15,7 +15,6 @@ counts them; everything here that walks a table starts at ``front``.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -23,11 +22,18 @@ import numpy as np
 from paged.kv.blocks.fence import StepFence
 from paged.kv.blocks.pool import BlockPool
 from paged.kv.blocks.prefix_index import BlockKey, PrefixCacheIndex
-from paged.kv.blocks.token_rows import NEVER, UNKNOWN_ID, TokenRows, id_array
+from paged.kv.blocks.token_rows import (  # (count_arg, token_list: imported from here too)
+    NEVER,
+    TOKEN_LIMIT,
+    UNKNOWN_ID,
+    TokenRows,
+    count_arg,
+    id_array,
+    masked_ids,
+    token_list,
+    unknown_as_none,
+)
 from paged.kv.paging import NULL_PAGE
-
-TOKEN_LIMIT = 2**63  # token ids are hashed as int64
-_INT = {int}
 
 
 class Seq:
@@ -97,40 +103,6 @@ class Seq:
     def unknown(self) -> int:
         """Slots whose token id is not known yet."""
         return int(self.rows.unknown[self.row])
-
-
-def count_arg(n, what: str) -> int:
-    """``n`` as a non-negative int, or ValueError."""
-    if type(n) is not int:
-        try:
-            n = operator.index(n)
-        except TypeError:
-            raise ValueError(f"{what}={n!r} must be an int") from None
-    if n < 0:
-        raise ValueError(f"{what}={n} must be >= 0")
-    return n
-
-
-def token_list(token_ids: Sequence, what: str, *, unknown_ok: bool = False) -> list:
-    """A new list of validated token ids (non-negative ints below 2**63; ``None`` too if
-    ``unknown_ok``), or ValueError."""
-    try:
-        out = list(token_ids)
-    except TypeError:
-        raise ValueError(f"{what}={token_ids!r} must be a sequence of ints") from None
-    if not out or set(map(type, out)) == _INT and min(out) >= 0 and max(out) < TOKEN_LIMIT:
-        return out
-    for i, t in enumerate(out):
-        if t is None and unknown_ok:
-            continue
-        if type(t) is not int:
-            try:
-                t = out[i] = operator.index(t)
-            except TypeError:
-                raise ValueError(f"{what}[{i}]={t!r} is not an int") from None
-        if not 0 <= t < TOKEN_LIMIT:
-            raise ValueError(f"{what}[{i}]={t} must be a non-negative token id below 2**63")
-    return out
 
 
 class SeqTables:
@@ -396,21 +368,25 @@ class SeqTables:
         rows.n[r] = n + 1
         return []
 
-    def append_decode(self, batch: Sequence[Seq], token_ids: Sequence
+    def append_decode(self, batch: Sequence[Seq], token_ids: Sequence, unknown=None
                       ) -> list[tuple[int, int]] | None:
         """The decode append: one slot per sequence of ``batch`` (distinct; as many as
         ``token_ids``: ints, ``None`` for unknown, or an integer ndarray), all or nothing.
 
         Array operations over the batch's rows when every tail's ``room`` is known and every
-        token id valid; the checked path otherwise.
+        token id valid; the checked path otherwise. ``unknown``: a bool mask of the slots whose
+        token id is not known yet (``token_ids`` an integer ndarray; its values there ignored).
         """
-        T = id_array(token_ids)
+        T = id_array(token_ids) if unknown is None else masked_ids(token_ids, unknown)
         if T is None or len(T) != len(batch):
+            if unknown is not None:
+                token_ids = unknown_as_none(token_ids, unknown)
             return self._append_decode_checked(batch, token_ids)
         rows = self.rows
         R = self.rows_of(batch)
         if not rows.fast[R].all():  # a tail off the fast path (or a swapped sequence)
-            return self._append_decode_checked(batch, token_ids)
+            return self._append_decode_checked(batch, token_ids if unknown is None else
+                                               unknown_as_none(token_ids, unknown))
         n = rows.n[R]
         start = n % self.block_size == 0  # full tails: these sequences start a fresh block
         k = int(np.count_nonzero(start))

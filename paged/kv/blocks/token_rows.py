@@ -18,10 +18,15 @@ Rows and width grow by doubling; a released row is reused by the next sequence.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
+
 import numpy as np
 
 UNKNOWN_ID = -1  # a slot whose token id is not known yet (``None`` in the public API)
 DTYPE = np.dtype("<i8")  # int64 little-endian: the key bytes
+TOKEN_LIMIT = 2**63  # token ids are hashed as int64
+_INT = {int}
 NEVER = 2**63 - 1  # a ``key_at`` no count reaches (prefix caching off, or a compacted sequence)
 
 
@@ -121,7 +126,8 @@ def id_array(token_ids) -> np.ndarray | None:
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
             return None
-        if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= 2**63):
+        if token_ids.size and (token_ids.min() < 0 if token_ids.dtype.kind == "i"
+                               else token_ids.max() >= 2**63):
             return None
         return token_ids.astype(DTYPE, copy=False)
     if type(token_ids) is not list:
@@ -144,3 +150,58 @@ def id_array(token_ids) -> np.ndarray | None:
     if a.dtype is not DTYPE or a.min() < UNKNOWN_ID or np.count_nonzero(a == UNKNOWN_ID) != unknown:
         return None  # a value that is no int, a negative id, or a -1 that was no None
     return a
+
+
+def masked_ids(token_ids, unknown) -> np.ndarray | None:
+    """``id_array`` of an integer ndarray whose ``unknown`` (a bool mask) entries are not known
+    yet (their values ignored), or ``None`` when a known value needs the checked path."""
+    unknown = np.asarray(unknown, bool)
+    if not (isinstance(token_ids, np.ndarray) and token_ids.dtype.kind in "iu"
+            and token_ids.shape == unknown.shape and token_ids.ndim == 1):
+        return None
+    a = token_ids.astype(DTYPE)  # a copy
+    a[unknown] = 0
+    if a.size and (a.min() < 0 or token_ids.dtype.kind == "u" and token_ids.max() >= 2**63):
+        return None
+    a[unknown] = UNKNOWN_ID
+    return a
+
+
+def unknown_as_none(token_ids, unknown) -> list:
+    """``token_ids`` as a list with ``None`` where ``unknown`` is true (the public form)."""
+    return [None if u else t for t, u in zip(list(token_ids), np.asarray(unknown, bool).tolist(),
+                                             strict=True)]
+
+
+def count_arg(n, what: str) -> int:
+    """``n`` as a non-negative int, or ValueError."""
+    if type(n) is not int:
+        try:
+            n = operator.index(n)
+        except TypeError:
+            raise ValueError(f"{what}={n!r} must be an int") from None
+    if n < 0:
+        raise ValueError(f"{what}={n} must be >= 0")
+    return n
+
+
+def token_list(token_ids: Sequence, what: str, *, unknown_ok: bool = False) -> list:
+    """A new list of validated token ids (non-negative ints below 2**63; ``None`` too if
+    ``unknown_ok``), or ValueError."""
+    try:
+        out = list(token_ids)
+    except TypeError:
+        raise ValueError(f"{what}={token_ids!r} must be a sequence of ints") from None
+    if not out or set(map(type, out)) == _INT and min(out) >= 0 and max(out) < TOKEN_LIMIT:
+        return out
+    for i, t in enumerate(out):
+        if t is None and unknown_ok:
+            continue
+        if type(t) is not int:
+            try:
+                t = out[i] = operator.index(t)
+            except TypeError:
+                raise ValueError(f"{what}[{i}]={t!r} is not an int") from None
+        if not 0 <= t < TOKEN_LIMIT:
+            raise ValueError(f"{what}[{i}]={t} must be a non-negative token id below 2**63")
+    return out
