@@ -9,7 +9,8 @@ the facade over the parts in `paged.kv.blocks`:
   reusable, see below).
 * **Sequences** (`paged.kv.blocks.tables`). Each has a block table, its token ids (``None`` for a
   slot whose token id is not known yet), the number of slots whose KV is on device, and the
-  prefix-cache keys of its full computed blocks.
+  prefix-cache keys of its full computed blocks; token ids and counters are rows of one int64
+  array (`paged.kv.blocks.token_rows`), so the decode calls take the engine's arrays.
 * **All or nothing.** When the pool cannot satisfy a request the method returns ``None`` (or
   ``False``) and nothing changed, so the scheduler can preempt or wait. Misuse (unknown or
   duplicate sequence id, bad arguments) raises ``ValueError`` before any state changes.

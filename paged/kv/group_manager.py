@@ -288,10 +288,8 @@ class GroupedBlockManager:
 
     def append_decode_slots(self, seq_ids: Sequence, token_ids: Sequence[int | None],
                             unknown=None) -> list[tuple[int, int]] | None:
-        """One decode slot per sequence in every group, all or nothing (``unknown``: as
-        `BlockManager.append_decode_slots`)."""
-        seq_ids = list(seq_ids)
-        token_ids = list(token_ids) if unknown is None else unknown_as_none(token_ids, unknown)
+        """One decode slot per sequence in every group, all or nothing."""
+        seq_ids, token_ids = list(seq_ids), unknown_as_none(token_ids, unknown)
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError("repeated sequence ids in the decode batch")
         need = sum(g.num_slots_needed(s, 1) for g in self.groups for s in seq_ids)

@@ -4,7 +4,9 @@ rollback, fork, free.
 Each sequence has a block table, its token ids (``None`` for a slot whose token id is not known
 yet: a lookahead slot without a draft, or a decode slot scheduled before its sampled token reached
 the host), the number of slots whose KV is on device and the prefix-cache keys of its full computed
-blocks. A writer never writes into a shared block (refcount > 1): appending into a shared partial
+blocks. The token ids and the decode counters are one row of the tables' `TokenRows`
+(`paged.kv.blocks.token_rows`, owned here): the decode append of a batch is array operations
+over its rows. A writer never writes into a shared block (refcount > 1): appending into a shared partial
 block takes a fresh block and returns a ``(src, dst)`` page copy. A block whose keyed content is
 about to be rewritten in place leaves the index and changes version.
 

@@ -168,7 +168,10 @@ def masked_ids(token_ids, unknown) -> np.ndarray | None:
 
 
 def unknown_as_none(token_ids, unknown) -> list:
-    """``token_ids`` as a list with ``None`` where ``unknown`` is true (the public form)."""
+    """``token_ids`` as a list with ``None`` where ``unknown`` is true (the public form; all of
+    them when ``unknown`` is None)."""
+    if unknown is None:
+        return list(token_ids)
     return [None if u else t for t, u in zip(list(token_ids), np.asarray(unknown, bool).tolist(),
                                              strict=True)]
 
