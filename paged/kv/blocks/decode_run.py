@@ -103,16 +103,10 @@ def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, ba
         return
     B = tables.block_size
     pool, keyer = tables.pool, progress.keyer
-    starts: dict[int, list[int]] = {}  # step -> rows whose slot starts a block (row order)
-    fills: dict[int, list[int]] = {}  # step -> rows whose slot completes a block
-    need = 0
     n = rows.n[R]
-    for r, room in enumerate((-n % B).tolist()):
-        for j in range(room, m, B):
-            starts.setdefault(j, []).append(r)
-            need += 1
-        for j in range((room - 1) % B, m, B):
-            fills.setdefault(j, []).append(r)
+    room = -n % B
+    starts, need = _by_step(room, m, B)  # step -> rows whose slot starts a block (row order)
+    fills, _ = _by_step((room - 1) % B, m, B)  # step -> rows whose slot completes a block
     if len(n) and n.max() + m > rows.width:
         rows.fit(int(n.max()) + m)
     rows.tok[R[:, None], n[:, None] + np.arange(m)] = ids
@@ -142,6 +136,22 @@ def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, ba
             _key_filled(keyer, batch, f, n0, e)
         j = e + 1
     _steps(fence, pool, owed + m - j)
+
+
+def _by_step(first: np.ndarray, m: int, B: int) -> tuple[dict[int, list[int]], int]:
+    """``{step: rows}`` of the steps ``first[r] + i * B < m`` of each row ``r`` (rows ascending
+    within a step), and how many (row, step) pairs there are."""
+    cnt = np.where(first < m, (m - 1 - first) // B + 1, 0)
+    total = int(cnt.sum())
+    if not total:
+        return {}, 0
+    rr = np.repeat(np.arange(len(first)), cnt)
+    jj = np.repeat(first, cnt) + B * (np.arange(total) - np.repeat(np.cumsum(cnt) - cnt, cnt))
+    order = np.argsort(jj, kind="stable")  # rows stay ascending within a step
+    jj, rr = jj[order], rr[order]
+    cuts = np.flatnonzero(np.diff(jj)) + 1
+    steps = jj[np.r_[0, cuts]].tolist()
+    return dict(zip(steps, (g.tolist() for g in np.split(rr, cuts)))), total
 
 
 def _run_quiet(fence: StepFence, pool, keyer, batch: list[Seq], m: int, starts: dict,
