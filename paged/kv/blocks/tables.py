@@ -380,6 +380,7 @@ class SeqTables:
         token id is not known yet (``token_ids`` an integer ndarray; its values there ignored).
         """
         T = id_array(token_ids) if unknown is None else masked_ids(token_ids, unknown)
+        mixed = unknown is not None or not isinstance(token_ids, np.ndarray)  # may hold None
         if T is None or len(T) != len(batch):
             if unknown is not None:
                 token_ids = unknown_as_none(token_ids, unknown)
@@ -399,9 +400,8 @@ class SeqTables:
             rows.fit(int(n.max()) + 1)
         rows.tok[R, n] = T
         rows.n[R] = n + 1
-        unknown = T == UNKNOWN_ID
-        if unknown.any():
-            rows.unknown[R] += unknown
+        if mixed:  # some token ids may be unknown: count them
+            rows.unknown[R] += T == UNKNOWN_ID
         if k:
             for i, b in zip(np.flatnonzero(start).tolist(), pool.take(k)):
                 batch[i].table.append(b)
