@@ -371,7 +371,7 @@ class PrefixKeyer:
             hits.append((b, parent))
         return hits
 
-    def key_computed(self, seqs: Iterable, rs=None) -> None:
+    def key_computed(self, seqs: Iterable, rs=None, computed=None) -> None:
         """Keys the full computed blocks of each of ``seqs`` that have no key yet, indexing each
         unless an equal key is indexed already (then the sequence adopts that key, so chains keep
         comparing by identity). Sets each sequence's ``key_at`` (the computed count below which
@@ -381,7 +381,8 @@ class PrefixKeyer:
         The counters are read and ``key_at`` written for all of ``seqs`` at once; each block is
         one slice of its token row (``tobytes``: int64 little-endian, the bytes of
         ``pack_tokens``), one digest and one ``intern``. ``rs``: the token rows of ``seqs`` when
-        the caller has them (then ``seqs`` is a list of distinct sequences).
+        the caller has them (then ``seqs`` is a list of distinct sequences), ``computed`` their
+        computed counts (a list) when it has those too.
         """
         if not self.enabled:
             return
@@ -397,8 +398,9 @@ class PrefixKeyer:
         copying = fence.copy_step > done  # some block may have a copy pending
         rows = seqs[0].rows  # one manager's sequences: one store
         tok = rows.tok
-        for seq, r, c, unknown in zip(seqs, rs, rows.computed[rs].tolist(),
-                                      rows.unknown[rs].tolist()):
+        if computed is None:
+            computed = rows.computed[rs].tolist()
+        for seq, r, c, unknown in zip(seqs, rs, computed, rows.unknown[rs].tolist()):
             keys = seq.keys
             i = len(keys)
             upto = c // B if not seq.nokey else 0  # compacted: never keyed

@@ -15,6 +15,9 @@ from paged.kv.blocks.prefix_index import PrefixKeyer
 from paged.kv.blocks.tables import TOKEN_LIMIT, Seq, SeqTables, count_arg
 from paged.kv.blocks.token_rows import DTYPE, UNKNOWN_ID
 
+_FEW = 32  # batches up to this size are marked by a Python pass (`Progress._mark_few`)
+_INT = {int}
+
 
 class Progress:
     """``mark_computed``, ``mark_computed_many`` and ``set_tokens`` over the sequence tables."""
@@ -43,7 +46,12 @@ class Progress:
         tables = self.tables
         batch = tables.lookup(seq_ids, num_computed_tokens)
         counts = num_computed_tokens
-        C = _count_array(counts)
+        if len(batch) <= _FEW:
+            if self._mark_few(batch, counts):
+                return
+            C = None
+        else:
+            C = _count_array(counts)
         if C is not None:  # array operations over the batch's rows
             rows = tables.rows
             R = tables.rows_of(batch)
@@ -60,6 +68,31 @@ class Progress:
         for seq, c in zip(batch, counts, strict=True):
             seq.num_computed = c
         self.keyer.key_computed([seq for seq, c in zip(batch, counts) if c >= seq.key_at])
+
+    def _mark_few(self, batch: list[Seq], counts) -> bool:
+        """``mark_computed_many`` of a few sequences (a readback's filled blocks): one gather
+        per counter and a Python pass, cheaper than array operations at this size. ``False``
+        (nothing changed) when a count needs the checked path."""
+        if isinstance(counts, np.ndarray) and counts.ndim == 1 and counts.dtype.kind in "iu":
+            counts = counts.tolist()
+        if type(counts) is not list or not set(map(type, counts)) <= _INT:
+            return False
+        rows = self.tables.rows
+        R = self.tables.rows_of(batch)
+        keying, kcs = [], []
+        for seq, c, nc, n, ka in zip(batch, counts, rows.computed[R].tolist(),
+                                     rows.n[R].tolist(), rows.key_at[R].tolist()):
+            if not nc <= c <= n:
+                return False
+            if c >= ka:
+                if seq.host_table is not None:
+                    return False
+                keying.append(seq)
+                kcs.append(c)
+        rows.computed[R] = counts
+        if keying:
+            self.keyer.key_computed(keying, [seq.row for seq in keying], kcs)
+        return True
 
     def _check_computed(self, seq_id, seq: Seq, c) -> int:
         if seq.host_table is not None:
