@@ -103,18 +103,25 @@ def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, ba
         return
     B = tables.block_size
     pool, keyer = tables.pool, progress.keyer
+    starts: dict[int, list[int]] = {}  # step -> rows whose slot starts a block (row order)
+    fills: dict[int, list[int]] = {}  # step -> rows whose slot completes a block
+    need = 0
     n = rows.n[R]
-    room = -n % B
-    starts, need = _by_step(room, m, B)  # step -> rows whose slot starts a block (row order)
-    fills, _ = _by_step((room - 1) % B, m, B)  # step -> rows whose slot completes a block
+    for r, room in enumerate((-n % B).tolist()):
+        for j in range(room, m, B):
+            starts.setdefault(j, []).append(r)
+            need += 1
+        for j in range((room - 1) % B, m, B):
+            fills.setdefault(j, []).append(r)
     if len(n) and n.max() + m > rows.width:
         rows.fit(int(n.max()) + m)
     rows.tok[R[:, None], n[:, None] + np.arange(m)] = ids
     rows.n[R] = n + m
-    n0 = n.tolist()
+    filled = _Filled(keyer, batch, n.tolist(), rows.key_at[R].tolist())
     if not (fence.held or fence.host_held) and fence.copy_step <= fence.last_completed \
             and len(pool.free) >= need:
-        _run_quiet(fence, pool, keyer, batch, m, starts, fills, n0, need)
+        _run_quiet(fence, pool, filled, batch, m, starts, fills, need)
+        filled.counts_to(rows, R)
         return
     owed = 0  # steps up to here not begun / completed yet (nothing happened in them)
     j = 0
@@ -133,29 +140,14 @@ def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, ba
         if f is not None:  # its readback keys the blocks it filled, after it completed
             _steps(fence, pool, owed)
             owed = 0
-            _key_filled(keyer, batch, f, n0, e)
+            filled.step(f, e)
         j = e + 1
     _steps(fence, pool, owed + m - j)
+    filled.counts_to(rows, R)
 
 
-def _by_step(first: np.ndarray, m: int, B: int) -> tuple[dict[int, list[int]], int]:
-    """``{step: rows}`` of the steps ``first[r] + i * B < m`` of each row ``r`` (rows ascending
-    within a step), and how many (row, step) pairs there are."""
-    cnt = np.where(first < m, (m - 1 - first) // B + 1, 0)
-    total = int(cnt.sum())
-    if not total:
-        return {}, 0
-    rr = np.repeat(np.arange(len(first)), cnt)
-    jj = np.repeat(first, cnt) + B * (np.arange(total) - np.repeat(np.cumsum(cnt) - cnt, cnt))
-    order = np.argsort(jj, kind="stable")  # rows stay ascending within a step
-    jj, rr = jj[order], rr[order]
-    cuts = np.flatnonzero(np.diff(jj)) + 1
-    steps = jj[np.r_[0, cuts]].tolist()
-    return dict(zip(steps, (g.tolist() for g in np.split(rr, cuts)))), total
-
-
-def _run_quiet(fence: StepFence, pool, keyer, batch: list[Seq], m: int, starts: dict,
-               fills: dict, n0: list[int], need: int) -> None:
+def _run_quiet(fence: StepFence, pool, filled: _Filled, batch: list[Seq], m: int, starts: dict,
+               fills: dict, need: int) -> None:
     """The steps when nothing waits on a step (no quarantine, no pending copy) and the free
     queue holds every block they start: each step's ``take`` pops the queue's head and nothing
     else touches the queue, so one ``take`` of all of them, dealt out in step order, leaves the
@@ -168,22 +160,42 @@ def _run_quiet(fence: StepFence, pool, keyer, batch: list[Seq], m: int, starts: 
         if pool.died:
             pool.flush()
     for e in sorted(fills):  # each step's readback keys in step order (equal keys: first wins)
-        _key_filled(keyer, batch, fills[e], n0, e)
+        filled.step(fills[e], e)
     _steps(fence, pool, m)
 
 
-def _key_filled(keyer, batch: list[Seq], rows: list[int], n0: list[int], e: int) -> None:
-    """Step ``e``'s readback: ``rows`` filled a block; their computed counts move on and those
-    with something to key are keyed."""
-    keying = []
-    for r in rows:
-        seq = batch[r]
-        c = n0[r] + e + 1
-        if c >= seq.key_at:
-            keying.append(seq)
-        seq.num_computed = c
-    if keying:
-        keyer.key_computed(keying)
+class _Filled:
+    """The readbacks of a run's steps: the rows whose block a step filled get their computed
+    count and, past their keying threshold, their keys (as ``mark_computed_many`` would); the
+    thresholds are kept as a list through the run and the counts written to the rows once at
+    its end (nothing reads them meanwhile: keying is handed the counts)."""
+
+    def __init__(self, keyer, batch: list[Seq], n0: list[int], key_at: list[int]):
+        self.keyer, self.batch, self.n0, self.key_at = keyer, batch, n0, key_at
+        self.last: dict[int, int] = {}  # batch index -> count after its last filled block
+
+    def step(self, rows: list[int], e: int) -> None:
+        """Step ``e``'s readback: ``rows`` (batch indices) filled a block."""
+        batch, n0, key_at, last = self.batch, self.n0, self.key_at, self.last
+        keyed, counts = [], []
+        for r in rows:
+            c = last[r] = n0[r] + e + 1
+            if c >= key_at[r]:
+                keyed.append(r)
+                counts.append(c)
+        if keyed:
+            seqs = [batch[r] for r in keyed]
+            rs = [seq.row for seq in seqs]
+            self.keyer.key_computed(seqs, rs, counts)
+            now = seqs[0].rows.key_at
+            for r, row in zip(keyed, rs):
+                key_at[r] = int(now[row])
+
+    def counts_to(self, rows, R: np.ndarray) -> None:
+        """Writes the computed counts of every row that filled a block."""
+        if self.last:
+            idx = list(self.last)
+            rows.computed[R[idx]] = [self.last[r] for r in idx]
 
 
 def _steps(fence: StepFence, pool, k: int) -> None:

@@ -378,8 +378,8 @@ class PrefixKeyer:
         there is nothing to key).
 
         Stops at a block whose copy has not run yet or that holds a slot of unknown token id.
-        The counters are read and ``key_at`` written for all of ``seqs`` at once; each block is
-        one slice of its token row (``tobytes``: int64 little-endian, the bytes of
+        The computed counts are read at once (or handed over); each block is one slice of its
+        token row (``tobytes``: int64 little-endian, the bytes of
         ``pack_tokens``), one digest and one ``intern``. ``rs``: the token rows of ``seqs`` when
         the caller has them (then ``seqs`` is a list of distinct sequences), ``computed`` their
         computed counts (a list) when it has those too.
@@ -397,16 +397,19 @@ class PrefixKeyer:
         busy, done = fence.busy_until, fence.last_completed
         copying = fence.copy_step > done  # some block may have a copy pending
         rows = seqs[0].rows  # one manager's sequences: one store
-        tok = rows.tok
+        tok, unk, key_at = rows.tok, rows.unknown, rows.key_at
         if computed is None:
-            computed = rows.computed[rs].tolist()
-        for seq, r, c, unknown in zip(seqs, rs, computed, rows.unknown[rs].tolist()):
+            computed = rows.computed[rs].tolist() if len(rs) > 8 else [
+                int(rows.computed[r]) for r in rs]
+        keep = not self.debug  # debug: every sequence stays on the checked path (key_at -1)
+        for seq, r, c in zip(seqs, rs, computed):
             keys = seq.keys
             i = len(keys)
             upto = c // B if not seq.nokey else 0  # compacted: never keyed
             if upto > i:
                 table, salt = seq.table, seq.salt
                 parent = keys[-1] if i else None
+                unknown = unk[r]
                 while i < upto:
                     b = table[i]
                     if copying and busy[b] > done or i < seq.front:
@@ -420,6 +423,5 @@ class PrefixKeyer:
                                     versions)
                     keys.append(parent)
                     i += 1
-        if not self.debug:
-            rows.key_at[rs] = [(len(seq.keys) + 1) * B if not seq.nokey else 2**63 - 1
-                               for seq in seqs]
+            if keep:
+                key_at[r] = (i + 1) * B if not seq.nokey else 2**63 - 1
