@@ -21,7 +21,7 @@ import numpy as np
 from paged.kv.blocks.fence import StepFence
 from paged.kv.blocks.progress import Progress
 from paged.kv.blocks.tables import TOKEN_LIMIT, Seq, SeqTables
-from paged.kv.blocks.token_rows import DTYPE
+from paged.kv.blocks.token_rows import DTYPE, NEVER
 
 _INT = {int}
 
@@ -82,11 +82,14 @@ def blocks_needed(tables: SeqTables, batch: list[Seq], m: int) -> int | None:
     """Fresh blocks ``m`` decode steps take, or ``None`` when some tail is shared and partly
     filled (its first append would copy it: not a steady decode)."""
     B, rc = tables.block_size, tables.pool.rc
-    room = -tables.rows.n[tables.rows_of(batch)] % B
-    for i in np.flatnonzero(room).tolist():
-        if rc[batch[i].table[-1]] > 1:
+    need = 0
+    for seq, n in zip(batch, tables.rows.n[tables.rows_of(batch)].tolist()):
+        room = -n % B
+        if room and rc[seq.table[-1]] > 1:
             return None
-    return int((-(-np.maximum(m - room, 0) // B)).sum())
+        if m > room:
+            need += -(-(m - room) // B)
+    return need
 
 
 def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, batch: list[Seq],
@@ -176,20 +179,19 @@ class _Filled:
 
     def step(self, rows: list[int], e: int) -> None:
         """Step ``e``'s readback: ``rows`` (batch indices) filled a block."""
-        batch, n0, key_at, last = self.batch, self.n0, self.key_at, self.last
-        keyed, counts = [], []
+        n0, key_at, last = self.n0, self.key_at, self.last
+        keyed = []
         for r in rows:
             c = last[r] = n0[r] + e + 1
             if c >= key_at[r]:
                 keyed.append(r)
-                counts.append(c)
         if keyed:
-            seqs = [batch[r] for r in keyed]
+            seqs = [self.batch[r] for r in keyed]
             rs = [seq.row for seq in seqs]
-            self.keyer.key_computed(seqs, rs, counts)
-            now = seqs[0].rows.key_at
-            for r, row in zip(keyed, rs):
-                key_at[r] = int(now[row])
+            self.keyer.key_computed(seqs, rs, [last[r] for r in keyed])
+            B = self.keyer.block_size
+            for r, seq in zip(keyed, seqs):  # as key_computed set it (never debug here)
+                key_at[r] = (len(seq.keys) + 1) * B if not seq.nokey else NEVER
 
     def counts_to(self, rows, R: np.ndarray) -> None:
         """Writes the computed counts of every row that filled a block."""
