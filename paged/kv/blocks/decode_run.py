@@ -37,13 +37,14 @@ def run(tables: SeqTables, progress: Progress, fence: StepFence, seq_ids: Sequen
         before any state change.
     """
     batch, rows = check_run(tables, seq_ids, token_ids)
-    need = blocks_needed(tables, batch, rows.shape[1])
+    R = tables.rows_of(batch)  # their token rows
+    need = blocks_needed(tables, batch, rows.shape[1], R)
     if need is None:
         raise ValueError("a sequence's partly filled tail block is shared: its next append "
                          "copies it (use append_decode_slots)")
     if need > tables.pool.num_allocatable:
         return False
-    run_decode_steps(tables, progress, fence, batch, rows)
+    run_decode_steps(tables, progress, fence, batch, rows, R)
     return True
 
 
@@ -78,12 +79,13 @@ def check_run(tables: SeqTables, seq_ids: Sequence, token_ids: Sequence
     return batch, np.array(rows, DTYPE).reshape(len(rows), m)
 
 
-def blocks_needed(tables: SeqTables, batch: list[Seq], m: int) -> int | None:
+def blocks_needed(tables: SeqTables, batch: list[Seq], m: int, R=None) -> int | None:
     """Fresh blocks ``m`` decode steps take, or ``None`` when some tail is shared and partly
-    filled (its first append would copy it: not a steady decode)."""
+    filled (its first append would copy it: not a steady decode). ``R``: the batch's rows."""
     B, rc = tables.block_size, tables.pool.rc
     need = 0
-    for seq, n in zip(batch, tables.rows.n[tables.rows_of(batch)].tolist()):
+    R = tables.rows_of(batch) if R is None else R
+    for seq, n in zip(batch, tables.rows.n[R].tolist()):
         room = -n % B
         if room and rc[seq.table[-1]] > 1:
             return None
@@ -93,14 +95,14 @@ def blocks_needed(tables: SeqTables, batch: list[Seq], m: int) -> int | None:
 
 
 def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, batch: list[Seq],
-                     ids: np.ndarray) -> None:
+                     ids: np.ndarray, R=None) -> None:
     """Runs the steps (module docstring); the caller checked the arguments and the pool.
-    ``ids``: the token ids, one row per sequence of ``batch``."""
+    ``ids``: the token ids, one row per sequence of ``batch``; ``R``: their token rows."""
     m = ids.shape[1]
     if m == 0:
         return
     rows = tables.rows
-    R = tables.rows_of(batch)
+    R = tables.rows_of(batch) if R is None else R
     if not rows.fast[R].all():  # off the fast path (debug, fork, rollback, swap)
         _stepwise(tables, progress, fence, batch, ids)
         return
