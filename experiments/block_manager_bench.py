@@ -122,7 +122,7 @@ class _Replay:
             self.tokens[sid] = len(self.trace[sid][0])
         running = self.running
         new = [self.sampled[(sid + self.tokens[sid]) & 4095] for sid in running]
-        prep = self._prepare(running)  # the harness's own lists: not timed
+        prep = self._prepare(running, new)  # the harness's own lists: not timed
         w0, c0 = wall(), time.thread_time()
         ok = self._decode(running, new, prep)
         w1, c1 = wall(), time.thread_time()
@@ -205,16 +205,22 @@ class _Ours(_Replay):
         for sid in admitted:  # after the step that ran their prompts: keys the full blocks
             mark(sid, tokens[sid])
 
-    def _prepare(self, running):
+    def _prepare(self, running, new):
+        """The decode calls' arguments: ids as a list, token ids, counts and positions as int64
+        arrays (the engine's input batch holds them as arrays and passes them through)."""
         tokens, B = self.tokens, self.c.block_size
         counts = [tokens[sid] + 1 for sid in running]
         full = [(sid, n) for sid, n in zip(running, counts) if n % B == 0]
-        return (counts, [tokens[sid] for sid in running], [sid for sid, _ in full],
-                [n for _, n in full])
+        if self.api == "per_seq":
+            return (counts, [tokens[sid] for sid in running], [sid for sid, _ in full],
+                    [n for _, n in full], new)
+        return (np.array(counts, np.int64), np.array([tokens[sid] for sid in running], np.int64),
+                [sid for sid, _ in full], np.array([n for _, n in full], np.int64),
+                np.array(new, np.int64))
 
     def _decode(self, running, new, prep):
         bm, api = self.bm, self.api
-        counts, positions, full_ids, full_counts = prep
+        counts, positions, full_ids, full_counts, new = prep
         if api == "per_seq":
             append, mark = bm.append_slots, bm.mark_computed
             results = [append(sid, [t]) for sid, t in zip(running, new, strict=True)]
@@ -335,7 +341,7 @@ class _NanoVllm(_Replay):
             self._seq(sid)
         super().step()
 
-    def _prepare(self, running):
+    def _prepare(self, running, new):
         seqs = self.seqs
         return [seqs[sid] for sid in running]  # its scheduler iterates Sequence objects
 

@@ -9,7 +9,8 @@ the facade over the parts in `paged.kv.blocks`:
   reusable, see below).
 * **Sequences** (`paged.kv.blocks.tables`). Each has a block table, its token ids (``None`` for a
   slot whose token id is not known yet), the number of slots whose KV is on device, and the
-  prefix-cache keys of its full computed blocks.
+  prefix-cache keys of its full computed blocks; token ids and counters are rows of one int64
+  array (`paged.kv.blocks.token_rows`), so the decode calls take the engine's arrays.
 * **All or nothing.** When the pool cannot satisfy a request the method returns ``None`` (or
   ``False``) and nothing changed, so the scheduler can preempt or wait. Misuse (unknown or
   duplicate sequence id, bad arguments) raises ``ValueError`` before any state changes.
@@ -283,13 +284,15 @@ class BlockManager(ManagerQueries, OffloadCalls, PolicyCalls):
             self.check_invariants()
         return pairs
 
-    def append_decode_slots(self, seq_ids: Sequence, token_ids: Sequence[int | None]
-                            ) -> list[tuple[int, int]] | None:
+    def append_decode_slots(self, seq_ids: Sequence, token_ids: Sequence[int | None],
+                            unknown=None) -> list[tuple[int, int]] | None:
         """``append_slots(seq_ids[i], [token_ids[i]])`` for every i, in one call (the decode step).
 
         All or nothing: if the pool cannot supply every block (copies included), returns ``None``
         and nothing changed; the caller can fall back to per-sequence ``append_slots`` and preempt.
-        ``None`` token ids are allowed as in ``append_slots``.
+        ``None`` token ids are allowed as in ``append_slots``. Token ids may be an integer
+        ndarray (no Python loop over it); ``unknown``, a bool array as long, marks the slots whose
+        token id is not known yet (the ndarray's values there are ignored; the engine's rows).
 
         Returns:
           The copy-on-write pairs of all sequences, or ``None``.
@@ -298,7 +301,8 @@ class BlockManager(ManagerQueries, OffloadCalls, PolicyCalls):
           ValueError: unknown, swapped-out or repeated sequence ids, bad token ids, or lengths
             that differ (before any state change).
         """
-        pairs = self._tables.append_decode(self._tables.lookup(seq_ids, token_ids), token_ids)
+        pairs = self._tables.append_decode(self._tables.lookup(seq_ids, token_ids), token_ids,
+                                           unknown)
         if self.debug:
             self.check_invariants()
         return pairs

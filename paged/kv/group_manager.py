@@ -42,6 +42,7 @@ from paged.kv.blocks.admission import as_salt
 from paged.kv.blocks.invariants import check_invariants
 from paged.kv.blocks.shared import SharedParts
 from paged.kv.blocks.tables import count_arg, token_list
+from paged.kv.blocks.token_rows import unknown_as_none
 from paged.kv.paging import NULL_PAGE
 
 
@@ -285,10 +286,10 @@ class GroupedBlockManager:
         self._end_call()
         return pairs
 
-    def append_decode_slots(self, seq_ids: Sequence, token_ids: Sequence[int | None]
-                            ) -> list[tuple[int, int]] | None:
+    def append_decode_slots(self, seq_ids: Sequence, token_ids: Sequence[int | None],
+                            unknown=None) -> list[tuple[int, int]] | None:
         """One decode slot per sequence in every group, all or nothing."""
-        seq_ids, token_ids = list(seq_ids), list(token_ids)
+        seq_ids, token_ids = list(seq_ids), unknown_as_none(token_ids, unknown)
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError("repeated sequence ids in the decode batch")
         need = sum(g.num_slots_needed(s, 1) for g in self.groups for s in seq_ids)

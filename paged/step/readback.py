@@ -90,10 +90,10 @@ class StepReader:
                     q.first_token_time = now
         if nxt is not None and nxt.fed:  # the next step's input tokens that were unknown
             # Nothing came or went since ``nxt`` was built, so its rows hold.
-            known = ib.tokens[nxt.fed_rows, nxt.fed_pos].tolist()
+            known = ib.tokens[nxt.fed_rows, nxt.fed_pos]
             fed_slots = nxt.fed_pos
             if self.kv_offsets:  # a KV policy's compacted rows: slot = position - dropped
-                fed_slots = (np.asarray(fed_slots) - ib.dropped[nxt.fed_rows]).tolist()
+                fed_slots = np.asarray(fed_slots) - ib.dropped[nxt.fed_rows]
             bm.set_tokens(nxt.fed, fed_slots, known)
         self._mark_computed(batch, rows, live)
         lps = None if extras is None else extras.get("logprobs")
@@ -136,7 +136,7 @@ class StepReader:
         if len(full):
             if live:
                 ids = [self.ib.ids[r] for r in rows[full].tolist()]
-                counts = pos[full].tolist()
+                counts = pos[full]
             else:
                 pairs = [(batch.decode[i].seq_id, int(pos[i])) for i in full.tolist()
                          if batch.decode[i].row >= 0]

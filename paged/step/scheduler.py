@@ -236,11 +236,9 @@ class Scheduler:
         if not n or n > budget.seqs or n > budget.tokens:
             return False
         ids = ib.ids if n == ib.num_rows else [ib.ids[r] for r in rows.tolist()]
-        toks = ib.tokens[rows, ib.num_computed[rows]]
-        tokens = toks.tolist()
-        if (toks == UNKNOWN).any():  # sampled by the step in flight: not known yet
-            tokens = [None if t == UNKNOWN else t for t in tokens]
-        copies = self.bm.append_decode_slots(ids, tokens)
+        toks = ib.tokens[rows, ib.num_computed[rows]]  # the rows pass through as arrays
+        unknown = toks == UNKNOWN  # sampled by the step in flight: not known yet
+        copies = self.bm.append_decode_slots(ids, toks, unknown if unknown.any() else None)
         if copies is None:  # the pool runs dry: the per-sequence loop preempts
             return False
         ib.num_slots[rows] += 1

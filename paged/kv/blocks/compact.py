@@ -40,7 +40,7 @@ def compact(tables: SeqTables, seq_id, keep: int) -> Compaction | None:
     orders the compaction after those steps). Returns ``None`` (nothing changed) when nothing
     would be dropped, a slot's token id is unknown yet, or it has no private block."""
     seq = tables.resident(seq_id)
-    n, B = len(seq.tokens), tables.block_size
+    n, B = seq.num_tokens, tables.block_size
     if seq.unknown or seq.front:
         return None
     rc, table = tables.pool.rc, seq.table
@@ -65,12 +65,12 @@ def compact(tables: SeqTables, seq_id, keep: int) -> Compaction | None:
         version[b] += 1
     freed = table[new_blocks:]
     del table[new_blocks:]
-    del seq.tokens[new_n:]
+    tables.rows.truncate(seq.row, new_n)
     del seq.keys[first:]
     seq.num_computed = new_n
     seq.nokey = True
     seq.dirty_tail = False
-    tables.decode_batch = None
+    tables.batches = []
     tables.fast_state(seq)
     tables.fence.release(reversed(freed))
     return Compaction(region, first, n - s0, kept, len(freed))

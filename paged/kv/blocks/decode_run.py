@@ -21,6 +21,7 @@ import numpy as np
 from paged.kv.blocks.fence import StepFence
 from paged.kv.blocks.progress import Progress
 from paged.kv.blocks.tables import TOKEN_LIMIT, Seq, SeqTables
+from paged.kv.blocks.token_rows import DTYPE, NEVER
 
 _INT = {int}
 
@@ -36,18 +37,21 @@ def run(tables: SeqTables, progress: Progress, fence: StepFence, seq_ids: Sequen
         before any state change.
     """
     batch, rows = check_run(tables, seq_ids, token_ids)
-    need = blocks_needed(tables, batch, len(rows[0]) if rows else 0)
+    R = tables.rows_of(batch)  # their token rows
+    need = blocks_needed(tables, batch, rows.shape[1], R)
     if need is None:
         raise ValueError("a sequence's partly filled tail block is shared: its next append "
                          "copies it (use append_decode_slots)")
     if need > tables.pool.num_allocatable:
         return False
-    run_decode_steps(tables, progress, fence, batch, rows)
+    run_decode_steps(tables, progress, fence, batch, rows, R)
     return True
 
 
-def check_run(tables: SeqTables, seq_ids: Sequence, token_ids: Sequence) -> tuple[list[Seq], list]:
-    """The Seqs and the token rows as lists, or ValueError (no state touched)."""
+def check_run(tables: SeqTables, seq_ids: Sequence, token_ids: Sequence
+              ) -> tuple[list[Seq], np.ndarray]:
+    """The Seqs and the token ids as an int64 ``[len(seq_ids), m]`` array, or ValueError (no
+    state touched)."""
     if not isinstance(seq_ids, list | tuple):
         raise ValueError(f"seq_ids must be a list of sequence ids, got {type(seq_ids).__name__}")
     batch = [tables.resident(s) for s in seq_ids]  # raises for unknown or swapped-out ids
@@ -57,7 +61,7 @@ def check_run(tables: SeqTables, seq_ids: Sequence, token_ids: Sequence) -> tupl
             and token_ids.dtype.kind in "iu" and token_ids.shape[0] == len(batch):
         if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= TOKEN_LIMIT):
             raise ValueError("token ids must be ints in [0, 2**63)")
-        return batch, token_ids.tolist()  # (checked in bulk)
+        return batch, token_ids.astype(DTYPE, copy=False)  # (checked in bulk)
     try:
         rows = [list(r) for r in token_ids]
     except TypeError:
@@ -72,16 +76,16 @@ def check_run(tables: SeqTables, seq_ids: Sequence, token_ids: Sequence) -> tupl
         if row and not (set(map(type, row)) <= _INT and min(row) >= 0 and max(row) < TOKEN_LIMIT):
             raise ValueError(f"token ids {row!r} of sequence {sid!r} must be ints in [0, 2**63) "
                              "(a decode run appends known token ids)")
-    return batch, rows
+    return batch, np.array(rows, DTYPE).reshape(len(rows), m)
 
 
-def blocks_needed(tables: SeqTables, batch: list[Seq], m: int) -> int | None:
+def blocks_needed(tables: SeqTables, batch: list[Seq], m: int, R=None) -> int | None:
     """Fresh blocks ``m`` decode steps take, or ``None`` when some tail is shared and partly
-    filled (its first append would copy it: not a steady decode)."""
+    filled (its first append would copy it: not a steady decode). ``R``: the batch's rows."""
     B, rc = tables.block_size, tables.pool.rc
     need = 0
-    for seq in batch:
-        n = len(seq.tokens)
+    R = tables.rows_of(batch) if R is None else R
+    for seq, n in zip(batch, tables.rows.n[R].tolist()):
         room = -n % B
         if room and rc[seq.table[-1]] > 1:
             return None
@@ -91,34 +95,38 @@ def blocks_needed(tables: SeqTables, batch: list[Seq], m: int) -> int | None:
 
 
 def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, batch: list[Seq],
-                     rows: list[list[int]]) -> None:
-    """Runs the steps (module docstring); the caller checked the arguments and the pool."""
-    m = len(rows[0]) if rows else 0
+                     ids: np.ndarray, R=None) -> None:
+    """Runs the steps (module docstring); the caller checked the arguments and the pool.
+    ``ids``: the token ids, one row per sequence of ``batch``; ``R``: their token rows."""
+    m = ids.shape[1]
     if m == 0:
         return
-    if any(seq.room is None for seq in batch):  # off the fast path (debug, fork, rollback, swap)
-        _stepwise(tables, progress, fence, batch, rows)
+    rows = tables.rows
+    R = tables.rows_of(batch) if R is None else R
+    if not rows.fast[R].all():  # off the fast path (debug, fork, rollback, swap)
+        _stepwise(tables, progress, fence, batch, ids)
         return
     B = tables.block_size
     pool, keyer = tables.pool, progress.keyer
     starts: dict[int, list[int]] = {}  # step -> rows whose slot starts a block (row order)
     fills: dict[int, list[int]] = {}  # step -> rows whose slot completes a block
-    n0 = []
     need = 0
-    for r, seq in enumerate(batch):
-        room = seq.room
+    n = rows.n[R]
+    for r, room in enumerate((-n % B).tolist()):
         for j in range(room, m, B):
             starts.setdefault(j, []).append(r)
             need += 1
         for j in range((room - 1) % B, m, B):
             fills.setdefault(j, []).append(r)
-        tokens = seq.tokens
-        n0.append(len(tokens))
-        tokens.extend(rows[r])
-        seq.room = (room - m) % B
+    if len(n) and n.max() + m > rows.width:
+        rows.fit(int(n.max()) + m)
+    rows.tok[R[:, None], n[:, None] + np.arange(m)] = ids
+    rows.n[R] = n + m
+    filled = _Filled(keyer, batch, n.tolist(), rows.key_at[R].tolist())
     if not (fence.held or fence.host_held) and fence.copy_step <= fence.last_completed \
             and len(pool.free) >= need:
-        _run_quiet(fence, pool, keyer, batch, m, starts, fills, n0, need)
+        _run_quiet(fence, pool, filled, batch, m, starts, fills, need)
+        filled.counts_to(rows, R)
         return
     owed = 0  # steps up to here not begun / completed yet (nothing happened in them)
     j = 0
@@ -137,13 +145,14 @@ def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, ba
         if f is not None:  # its readback keys the blocks it filled, after it completed
             _steps(fence, pool, owed)
             owed = 0
-            _key_filled(keyer, batch, f, n0, e)
+            filled.step(f, e)
         j = e + 1
     _steps(fence, pool, owed + m - j)
+    filled.counts_to(rows, R)
 
 
-def _run_quiet(fence: StepFence, pool, keyer, batch: list[Seq], m: int, starts: dict,
-               fills: dict, n0: list[int], need: int) -> None:
+def _run_quiet(fence: StepFence, pool, filled: _Filled, batch: list[Seq], m: int, starts: dict,
+               fills: dict, need: int) -> None:
     """The steps when nothing waits on a step (no quarantine, no pending copy) and the free
     queue holds every block they start: each step's ``take`` pops the queue's head and nothing
     else touches the queue, so one ``take`` of all of them, dealt out in step order, leaves the
@@ -156,22 +165,41 @@ def _run_quiet(fence: StepFence, pool, keyer, batch: list[Seq], m: int, starts: 
         if pool.died:
             pool.flush()
     for e in sorted(fills):  # each step's readback keys in step order (equal keys: first wins)
-        _key_filled(keyer, batch, fills[e], n0, e)
+        filled.step(fills[e], e)
     _steps(fence, pool, m)
 
 
-def _key_filled(keyer, batch: list[Seq], rows: list[int], n0: list[int], e: int) -> None:
-    """Step ``e``'s readback: ``rows`` filled a block; their computed counts move on and those
-    with something to key are keyed."""
-    keying = []
-    for r in rows:
-        seq = batch[r]
-        c = n0[r] + e + 1
-        if c >= seq.key_at:
-            keying.append(seq)
-        seq.num_computed = c
-    if keying:
-        keyer.key_computed(keying)
+class _Filled:
+    """The readbacks of a run's steps: the rows whose block a step filled get their computed
+    count and, past their keying threshold, their keys (as ``mark_computed_many`` would); the
+    thresholds are kept as a list through the run and the counts written to the rows once at
+    its end (nothing reads them meanwhile: keying is handed the counts)."""
+
+    def __init__(self, keyer, batch: list[Seq], n0: list[int], key_at: list[int]):
+        self.keyer, self.batch, self.n0, self.key_at = keyer, batch, n0, key_at
+        self.last: dict[int, int] = {}  # batch index -> count after its last filled block
+
+    def step(self, rows: list[int], e: int) -> None:
+        """Step ``e``'s readback: ``rows`` (batch indices) filled a block."""
+        n0, key_at, last = self.n0, self.key_at, self.last
+        keyed = []
+        for r in rows:
+            c = last[r] = n0[r] + e + 1
+            if c >= key_at[r]:
+                keyed.append(r)
+        if keyed:
+            seqs = [self.batch[r] for r in keyed]
+            rs = [seq.row for seq in seqs]
+            self.keyer.key_computed(seqs, rs, [last[r] for r in keyed])
+            B = self.keyer.block_size
+            for r, seq in zip(keyed, seqs):  # as key_computed set it (never debug here)
+                key_at[r] = (len(seq.keys) + 1) * B if not seq.nokey else NEVER
+
+    def counts_to(self, rows, R: np.ndarray) -> None:
+        """Writes the computed counts of every row that filled a block."""
+        if self.last:
+            idx = list(self.last)
+            rows.computed[R[idx]] = [self.last[r] for r in idx]
 
 
 def _steps(fence: StepFence, pool, k: int) -> None:
@@ -188,16 +216,16 @@ def _steps(fence: StepFence, pool, k: int) -> None:
 
 
 def _stepwise(tables: SeqTables, progress: Progress, fence: StepFence, batch: list[Seq],
-              rows: list[list[int]]) -> None:
+              ids: np.ndarray) -> None:
     """The same steps through the per-step calls (sequences whose fast-path state is unknown)."""
     B = tables.block_size
     pool = tables.pool
-    for j in range(len(rows[0])):
-        if tables.append_decode(batch, [row[j] for row in rows]) != []:
+    for j in range(ids.shape[1]):
+        if tables.append_decode(batch, ids[:, j]) != []:
             raise AssertionError("a checked decode run needed blocks or copies")
         _steps(fence, pool, 1)
-        full = [seq for seq in batch if len(seq.tokens) % B == 0]
+        full = [seq for seq in batch if seq.num_tokens % B == 0]
         if full:
             for seq in full:
-                seq.num_computed = len(seq.tokens)
+                seq.num_computed = seq.num_tokens
             progress.keyer.key_computed(full)

@@ -16,6 +16,7 @@ from paged.kv.blocks.pool import (
 )
 from paged.kv.blocks.prefix_index import PrefixCacheIndex, keys_equal
 from paged.kv.blocks.tables import SeqTables
+from paged.kv.blocks.token_rows import UNKNOWN_ID
 from paged.kv.paging import NULL_PAGE
 
 
@@ -43,21 +44,28 @@ def _check_seqs(pool: BlockPool, index: PrefixCacheIndex, tables: SeqTables) -> 
     """Checks every sequence; returns the table references of every block."""
     nb, B = pool.num_blocks, tables.block_size
     refs = [0] * nb
+    rows = tables.rows
+    live = {seq.row for seq in tables.seqs.values()}
+    if len(live) != len(tables.seqs) or live & set(rows.free) or (
+            len(live) + len(rows.free) != rows.capacity):
+        fail(f"token rows: {len(tables.seqs)} sequences hold rows {sorted(live)}, free "
+             f"{sorted(rows.free)} of {rows.capacity}")
     for sid, seq in tables.seqs.items():
-        if seq.num_computed > len(seq.tokens) or len(seq.keys) > seq.num_computed // B:
+        tokens = seq.tokens
+        if seq.num_computed > len(tokens) or len(seq.keys) > seq.num_computed // B:
             fail(f"seq {sid!r}: computed={seq.num_computed} keys={len(seq.keys)} "
-                 f"tokens={len(seq.tokens)}")
-        if seq.unknown != seq.tokens.count(None):
-            fail(f"seq {sid!r} counts {seq.unknown} slots of unknown token id, "
-                 f"holds {seq.tokens.count(None)}")
+                 f"tokens={len(tokens)}")
+        held = int((rows.tok[seq.row, :len(tokens)] == UNKNOWN_ID).sum())
+        if seq.unknown != held:
+            fail(f"seq {sid!r} counts {seq.unknown} slots of unknown token id, holds {held}")
         if seq.host_table is not None:
-            if seq.table or len(seq.host_table) != -(-len(seq.tokens) // B) - seq.front:
+            if seq.table or len(seq.host_table) != -(-len(tokens) // B) - seq.front:
                 fail(f"swapped seq {sid!r} table={seq.table} host={seq.host_table}")
             continue
-        if len(seq.table) != -(-len(seq.tokens) // B):
-            fail(f"seq {sid!r} has {len(seq.table)} blocks for {len(seq.tokens)} tokens")
+        if len(seq.table) != -(-len(tokens) // B):
+            fail(f"seq {sid!r} has {len(seq.table)} blocks for {len(tokens)} tokens")
         if seq.room is not None and (
-                seq.room != -len(seq.tokens) % B or seq.room and (
+                seq.room != -len(tokens) % B or seq.room and (
                     pool.rc[seq.table[-1]] != 1 or seq.dirty_tail
                     or index.key[seq.table[-1]] is not None)):
             fail(f"seq {sid!r} may append {seq.room} slots in place into a tail block that is "
@@ -73,7 +81,7 @@ def _check_seqs(pool: BlockPool, index: PrefixCacheIndex, tables: SeqTables) -> 
                 fail(f"seq {sid!r} references block {b} in state {STATE_NAMES[pool.state[b]]}")
             refs[b] += 1
         for i, key in enumerate(seq.keys):
-            if key.token_ids != tuple(seq.tokens[i * B:(i + 1) * B]) or key.salt != seq.salt:
+            if key.token_ids != tuple(tokens[i * B:(i + 1) * B]) or key.salt != seq.salt:
                 fail(f"seq {sid!r} key {i} does not match its tokens")
             if not keys_equal(key.parent, seq.keys[i - 1] if i else None):
                 fail(f"seq {sid!r} key {i} has the wrong parent")

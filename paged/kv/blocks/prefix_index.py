@@ -371,40 +371,57 @@ class PrefixKeyer:
             hits.append((b, parent))
         return hits
 
-    def key_computed(self, seqs: Iterable) -> None:
+    def key_computed(self, seqs: Iterable, rs=None, computed=None) -> None:
         """Keys the full computed blocks of each of ``seqs`` that have no key yet, indexing each
         unless an equal key is indexed already (then the sequence adopts that key, so chains keep
         comparing by identity). Sets each sequence's ``key_at`` (the computed count below which
         there is nothing to key).
 
         Stops at a block whose copy has not run yet or that holds a slot of unknown token id.
+        The computed counts are read at once (or handed over); each block is one slice of its
+        token row (``tobytes``: int64 little-endian, the bytes of
+        ``pack_tokens``), one digest and one ``intern``. ``rs``: the token rows of ``seqs`` when
+        the caller has them (then ``seqs`` is a list of distinct sequences), ``computed`` their
+        computed counts (a list) when it has those too.
         """
         if not self.enabled:
             return
+        if rs is None:
+            seqs = list(dict.fromkeys(seqs))  # each once
+            rs = [seq.row for seq in seqs]
+        if not seqs:
+            return
         B, versions, digest, intern = self.block_size, self.versions, self.digest, \
             self.index.intern
-        pack, fence = self.pack, self.fence
+        fence = self.fence
         busy, done = fence.busy_until, fence.last_completed
         copying = fence.copy_step > done  # some block may have a copy pending
-        for seq in seqs:
+        rows = seqs[0].rows  # one manager's sequences: one store
+        tok, unk, key_at = rows.tok, rows.unknown, rows.key_at
+        if computed is None:
+            computed = rows.computed[rs].tolist() if len(rs) > 8 else [
+                int(rows.computed[r]) for r in rs]
+        keep = not self.debug  # debug: every sequence stays on the checked path (key_at -1)
+        for seq, r, c in zip(seqs, rs, computed):
             keys = seq.keys
             i = len(keys)
-            upto = seq.num_computed // B if not seq.nokey else 0  # compacted: never keyed
+            upto = c // B if not seq.nokey else 0  # compacted: never keyed
             if upto > i:
-                tokens, table, salt = seq.tokens, seq.table, seq.salt
+                table, salt = seq.table, seq.salt
                 parent = keys[-1] if i else None
+                unknown = unk[r]
                 while i < upto:
                     b = table[i]
                     if copying and busy[b] > done or i < seq.front:
                         break  # its copy has not run yet, or it was recycled unkeyed
-                    ids = tokens[i * B:(i + 1) * B]
-                    if seq.unknown and None in ids:  # a slot of unknown token id: stop here
+                    ids = tok[r, i * B:(i + 1) * B]
+                    if unknown and (ids < 0).any():  # a slot of unknown token id: stop here
                         break
-                    data = pack(*ids)
+                    data = ids.tobytes()
                     parent = intern(b, parent, data, salt,
                                     digest(None if parent is None else parent.digest, data, salt),
                                     versions)
                     keys.append(parent)
                     i += 1
-            if not self.debug:
-                seq.key_at = (i + 1) * B if not seq.nokey else 2**63
+            if keep:
+                key_at[r] = (i + 1) * B if not seq.nokey else 2**63 - 1

@@ -77,7 +77,7 @@ class ManagerQueries:
 
     def num_tokens(self, seq_id) -> int:
         """Slots of ``seq_id``: prompt, appended and lookahead tokens."""
-        return len(self._tables.get(seq_id).tokens)
+        return self._tables.get(seq_id).num_tokens
 
     def num_computed_tokens(self, seq_id) -> int:
         return self._tables.get(seq_id).num_computed

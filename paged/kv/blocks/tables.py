@@ -4,7 +4,9 @@ rollback, fork, free.
 Each sequence has a block table, its token ids (``None`` for a slot whose token id is not known
 yet: a lookahead slot without a draft, or a decode slot scheduled before its sampled token reached
 the host), the number of slots whose KV is on device and the prefix-cache keys of its full computed
-blocks. A writer never writes into a shared block (refcount > 1): appending into a shared partial
+blocks. The token ids and the decode counters are one row of the tables' `TokenRows`
+(`paged.kv.blocks.token_rows`, owned here): the decode append of a batch is array operations
+over its rows. A writer never writes into a shared block (refcount > 1): appending into a shared partial
 block takes a fresh block and returns a ``(src, dst)`` page copy. A block whose keyed content is
 about to be rewritten in place leaves the index and changes version.
 
@@ -15,82 +17,94 @@ counts them; everything here that walks a table starts at ``front``.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Hashable, Sequence
+
+import numpy as np
 
 from paged.kv.blocks.fence import StepFence
 from paged.kv.blocks.pool import BlockPool
 from paged.kv.blocks.prefix_index import BlockKey, PrefixCacheIndex
+from paged.kv.blocks.token_rows import (  # (count_arg, token_list: imported from here too)
+    NEVER,
+    TOKEN_LIMIT,
+    UNKNOWN_ID,
+    TokenRows,
+    count_arg,
+    id_array,
+    masked_ids,
+    token_list,
+    unknown_as_none,
+)
 from paged.kv.paging import NULL_PAGE
-
-TOKEN_LIMIT = 2**63  # token ids are hashed as int64
-_INT = {int}
 
 
 class Seq:
-    """One sequence's host state."""
+    """One sequence's host state; its token ids and decode counters are row ``row`` of the
+    tables' `TokenRows` (the properties below read and write it)."""
 
-    # The decode step reads the first four: declared first, they share the object's cache lines.
-    __slots__ = ("room", "tokens", "num_computed", "key_at", "table", "keys", "salt",  # noqa: RUF023
-                 "host_table", "dirty_tail", "swap_in_step", "swap_out_step", "unknown", "front",
-                 "nokey")
+    __slots__ = ("dirty_tail", "front", "host_table", "keys", "nokey", "row", "rows", "salt",
+                 "swap_in_step", "swap_out_step", "table")
 
-    def __init__(self, table: list[int], tokens: list, num_computed: int, keys: list[BlockKey],
-                 salt: bytes):
+    def __init__(self, rows: TokenRows, row: int, table: list[int], num_computed: int,
+                 keys: list[BlockKey], salt: bytes):
+        self.rows, self.row = rows, row
         self.table = table  # physical blocks; empty while swapped out
-        self.tokens = tokens  # one per slot; None = token id not known yet
-        self.num_computed = num_computed  # tokens whose KV is on device
+        rows.computed[row] = num_computed  # tokens whose KV is on device
         self.keys = keys  # prefix-cache keys of blocks 0 .. len(keys) - 1
         self.salt = salt
         self.host_table: list[int] | None = None  # host slots while swapped out
         self.dirty_tail = False  # tail block holds rolled-back slots that the next append rewrites
         self.swap_in_step = -1  # step that performs this sequence's latest swap-in copy
         self.swap_out_step = -1  # step that performs its latest swap-out copy
-        # Fast-path state for decode. ``room`` is the exact number of free slots in the tail block
-        # when that block is known to be exclusive, unkeyed and clean (0: the tail is full, the
-        # next token takes a fresh block), or None when not known (fork, rollback, swap, debug).
-        self.room: int | None = None
-        # mark_computed may skip keying below this count; -1 forces the checked path.
-        self.key_at = -1
-        self.unknown = 0  # slots whose token id is None
         self.front = 0  # leading table entries recycled (NULL_PAGE): behind the sliding window
         # Compacted by a KV policy (`paged.kv.blocks.compact`): its slots no longer hold one
         # position each, so none of its blocks is keyed from now on.
         self.nokey = False
 
+    @property
+    def num_tokens(self) -> int:
+        """Slots (token ids, known or not)."""
+        return int(self.rows.n[self.row])
 
-def count_arg(n, what: str) -> int:
-    """``n`` as a non-negative int, or ValueError."""
-    if type(n) is not int:
-        try:
-            n = operator.index(n)
-        except TypeError:
-            raise ValueError(f"{what}={n!r} must be an int") from None
-    if n < 0:
-        raise ValueError(f"{what}={n} must be >= 0")
-    return n
+    @property
+    def tokens(self) -> list:
+        """A copy of the token ids, ``None`` for a slot whose token id is not known yet."""
+        return self.rows.ids(self.row)
 
+    @property
+    def num_computed(self) -> int:
+        return int(self.rows.computed[self.row])
 
-def token_list(token_ids: Sequence, what: str, *, unknown_ok: bool = False) -> list:
-    """A new list of validated token ids (non-negative ints below 2**63; ``None`` too if
-    ``unknown_ok``), or ValueError."""
-    try:
-        out = list(token_ids)
-    except TypeError:
-        raise ValueError(f"{what}={token_ids!r} must be a sequence of ints") from None
-    if not out or set(map(type, out)) == _INT and min(out) >= 0 and max(out) < TOKEN_LIMIT:
-        return out
-    for i, t in enumerate(out):
-        if t is None and unknown_ok:
-            continue
-        if type(t) is not int:
-            try:
-                t = out[i] = operator.index(t)
-            except TypeError:
-                raise ValueError(f"{what}[{i}]={t!r} is not an int") from None
-        if not 0 <= t < TOKEN_LIMIT:
-            raise ValueError(f"{what}[{i}]={t} must be a non-negative token id below 2**63")
-    return out
+    @num_computed.setter
+    def num_computed(self, c: int) -> None:
+        self.rows.computed[self.row] = c
+
+    @property
+    def room(self) -> int | None:
+        """The exact number of free slots in the tail block when that block is known to be
+        exclusive, unkeyed and clean (0: the tail is full, the next token takes a fresh block),
+        or None when not known (fork, rollback, swap, debug): the decode fast path's state."""
+        rows, r = self.rows, self.row
+        return -int(rows.n[r]) % rows.block_size if rows.fast[r] else None
+
+    @room.setter
+    def room(self, room: int | None) -> None:
+        """None: off the fast path; else the tail's free slots (``-num_tokens % block_size``)."""
+        self.rows.fast[self.row] = room is not None
+
+    @property
+    def key_at(self) -> int:
+        """mark_computed may skip keying below this count; -1 forces the checked path."""
+        return int(self.rows.key_at[self.row])
+
+    @key_at.setter
+    def key_at(self, k: int) -> None:
+        self.rows.key_at[self.row] = k
+
+    @property
+    def unknown(self) -> int:
+        """Slots whose token id is not known yet."""
+        return int(self.rows.unknown[self.row])
 
 
 class SeqTables:
@@ -110,8 +124,10 @@ class SeqTables:
         self.caching = enable_prefix_caching
         self.debug = debug
         self.seqs: dict[Hashable, Seq] = {}
-        # The last decode batch: (a copy of its ids, their Seqs); dropped when seqs changes.
-        self.decode_batch: tuple[list, list[Seq]] | None = None
+        self.rows = TokenRows(block_size)  # every sequence's token ids and decode counters
+        # The last two distinct batches (decode appends, the readback's marks): (a copy of
+        # their ids, their Seqs, their rows), newest first; forgotten when seqs changes.
+        self.batches: list[tuple[list, list[Seq], np.ndarray]] = []
         self.cow_copies = 0
         self.peak_blocks = 0  # most live blocks a sequence held when it left (see max_blocks)
 
@@ -129,15 +145,15 @@ class SeqTables:
         return seq
 
     def lookup(self, seq_ids: Sequence, values: Sequence, *, unique: bool = True) -> list[Seq]:
-        """The Seqs of ``seq_ids`` (one per value); the last decode batch's when the ids repeat it.
+        """The Seqs of ``seq_ids`` (one per value); a remembered batch's when the ids repeat it.
 
         Raises:
           ValueError: unknown ids, lengths that differ, or repeated ids when ``unique``.
         """
-        last = self.decode_batch  # steady decoding repeats the batch: skip the lookups
-        if (last is not None and type(seq_ids) is list and last[0] == seq_ids
-                and len(values) == len(seq_ids)):
-            return last[1]
+        for entry in self.batches:  # steady decoding repeats its batches: skip the lookups
+            if (type(seq_ids) is list and entry[0] == seq_ids
+                    and len(values) == len(seq_ids)):
+                return entry[1]
         try:
             batch = list(map(self.seqs.__getitem__, seq_ids))
         except (KeyError, TypeError):
@@ -150,8 +166,20 @@ class SeqTables:
             if unique:
                 raise ValueError(f"repeated sequence ids in {seq_ids!r}")
         elif type(seq_ids) is list:
-            self.decode_batch = (list(seq_ids), batch)
+            rows = np.fromiter([seq.row for seq in batch], np.intp, len(batch))
+            self.batches = [(list(seq_ids), batch, rows)] + self.batches[:1]
         return batch
+
+    def rows_of(self, batch: list[Seq]) -> np.ndarray:
+        """The token rows of ``batch`` (a remembered batch's, kept)."""
+        for entry in self.batches:
+            if entry[1] is batch:
+                return entry[2]
+        return np.fromiter([seq.row for seq in batch], np.intp, len(batch))
+
+    def distinct(self, batch: list[Seq]) -> bool:
+        """Whether ``batch`` is known to hold distinct sequences (a remembered batch)."""
+        return any(entry[1] is batch for entry in self.batches)
 
     # --- creation and removal --------------------------------------------------------------
     def add(self, seq_id, table: list[int], tokens: list[int], hits: list[tuple[int, BlockKey]],
@@ -160,8 +188,11 @@ class SeqTables:
         (``num_computed``: more computed tokens, in blocks loaded from the host tier, keyed once
         their copy ran)."""
         computed = len(hits) * self.block_size if num_computed is None else num_computed
-        seq = self.seqs[seq_id] = Seq(table, tokens, computed, [k for _, k in hits], salt)
-        self.decode_batch = None
+        rows = self.rows
+        r = rows.take()
+        rows.extend(r, tokens)
+        seq = self.seqs[seq_id] = Seq(rows, r, table, computed, [k for _, k in hits], salt)
+        self.batches = []
         self.fast_state(seq)  # the tail block is fresh
         return seq
 
@@ -169,14 +200,17 @@ class SeqTables:
         parent = self.resident(parent_seq_id)
         if child_seq_id in self.seqs:
             raise ValueError(f"sequence {child_seq_id!r} already exists")
-        if parent.num_computed != len(parent.tokens):
+        if parent.num_computed != parent.num_tokens:
             raise ValueError(
-                f"cannot fork {parent_seq_id!r}: {len(parent.tokens) - parent.num_computed} of its "
+                f"cannot fork {parent_seq_id!r}: {parent.num_tokens - parent.num_computed} of its "
                 f"slots are not computed yet; fork after the step that writes them")
-        child = Seq(list(parent.table), list(parent.tokens), parent.num_computed,
-                    list(parent.keys), parent.salt)
+        rows = self.rows
+        r = rows.take()
+        rows.copy_row(parent.row, r)  # token ids, counts (unknown slots included)
+        child = Seq(rows, r, list(parent.table), parent.num_computed, list(parent.keys),
+                    parent.salt)
+        child.room = None
         child.dirty_tail = parent.dirty_tail
-        child.unknown = parent.unknown
         child.swap_in_step = parent.swap_in_step
         child.front = parent.front
         child.nokey = parent.nokey
@@ -186,14 +220,15 @@ class SeqTables:
         for b in child.table[child.front:]:
             rc[b] += 1
         self.seqs[child_seq_id] = child
-        self.decode_batch = None
+        self.batches = []
 
     def remove(self, seq_id) -> None:
         """Drops ``seq_id``: its blocks tail first (tail blocks are evicted first) or host slots."""
         seq = self.get(seq_id)
         del self.seqs[seq_id]
-        self.decode_batch = None
+        self.batches = []
         self.note_peak(seq)
+        self.rows.release(seq.row)
         if seq.host_table is not None:
             self.fence.release_host(seq.host_table)
         else:
@@ -227,7 +262,7 @@ class SeqTables:
             for b in table[seq.front:-1]:
                 filled[b] = B
             last = table[-1]
-            n = len(seq.tokens) - (len(table) - 1) * B
+            n = seq.num_tokens - (len(table) - 1) * B
             if filled.get(last, 0) < n:
                 filled[last] = n
         return [(self.pool.rc[b], filled[b]) for b in sorted(filled)]
@@ -242,7 +277,7 @@ class SeqTables:
     # --- fast-path state -------------------------------------------------------------------
     def fast_state(self, seq: Seq) -> None:
         """Sets the decode fast-path state after the tail block was made exclusive and clean."""
-        seq.room = None if self.debug else -len(seq.tokens) % self.block_size
+        seq.room = None if self.debug else -seq.num_tokens % self.block_size
         self.set_key_at(seq)
 
     def set_key_at(self, seq: Seq) -> None:
@@ -251,14 +286,14 @@ class SeqTables:
         elif self.caching and not seq.nokey:
             seq.key_at = (len(seq.keys) + 1) * self.block_size
         else:
-            seq.key_at = TOKEN_LIMIT
+            seq.key_at = NEVER
 
     # --- growth ----------------------------------------------------------------------------
     def grow_need(self, seq: Seq, m: int) -> int:
         """Fresh blocks ``m`` more slots take, a copy-on-write of a shared tail included."""
         if m == 0:
             return 0
-        n = len(seq.tokens)
+        n = seq.num_tokens
         cow = n % self.block_size != 0 and self.pool.rc[seq.table[-1]] > 1
         return -(-(n + m) // self.block_size) - len(seq.table) + cow
 
@@ -273,7 +308,7 @@ class SeqTables:
             return None
         fresh = pool.take(need) if need else []  # take(0) changes nothing
         pairs = []
-        if len(seq.tokens) % self.block_size:
+        if seq.num_tokens % self.block_size:
             last = seq.table[-1]
             key = self.index.key[last]
             if pool.rc[last] > 1:  # copy-on-write: never write into a shared block
@@ -291,9 +326,7 @@ class SeqTables:
                 pool.version[last] += 1
         seq.dirty_tail = False
         seq.table.extend(fresh)
-        seq.tokens.extend(new)
-        if None in new:
-            seq.unknown += new.count(None)
+        self.rows.extend(seq.row, new)
         self.fast_state(seq)
         return pairs
 
@@ -318,67 +351,63 @@ class SeqTables:
     def _append_one(self, seq: Seq, t: int | None, room: int) -> list | None:
         """``append_decode`` of one sequence whose tail ``room`` is known and one valid token id
         (the single-sequence fast path of ``append_slots``)."""
-        if room:
-            seq.room = room - 1
-        else:  # the tail is full: a fresh block
+        rows, r = self.rows, seq.row
+        if not room:  # the tail is full: a fresh block
             pool = self.pool
             if not (pool.free or pool.lru):
                 return None
             seq.table.append(pool.take(1)[0])
-            seq.room = self.block_size - 1
             if pool.died:  # an evicted cached block: report it now
                 pool.flush()
-        seq.tokens.append(t)
+        n = int(rows.n[r])
+        if n >= rows.width:
+            rows.fit(n + 1)
         if t is None:
-            seq.unknown += 1
+            rows.tok[r, n] = UNKNOWN_ID
+            rows.unknown[r] += 1
+        else:
+            rows.tok[r, n] = t
+        rows.n[r] = n + 1
         return []
 
-    def append_decode(self, batch: Sequence[Seq], token_ids: Sequence
+    def append_decode(self, batch: Sequence[Seq], token_ids: Sequence, unknown=None
                       ) -> list[tuple[int, int]] | None:
         """The decode append: one slot per sequence of ``batch`` (distinct; as many as
-        ``token_ids``), all or nothing.
+        ``token_ids``: ints, ``None`` for unknown, or an integer ndarray), all or nothing.
 
-        One pass in the common case (every tail's ``room`` known, every token id an int or
-        ``None``), undone if a sequence needs the checked path or the pool runs short.
+        Array operations over the batch's rows when every tail's ``room`` is known and every
+        token id valid; the checked path otherwise. ``unknown``: a bool mask of the slots whose
+        token id is not known yet (``token_ids`` an integer ndarray; its values there ignored).
         """
-        limit = TOKEN_LIMIT
-        starting = []  # full tails: these sequences start a fresh block
-        for seq, t in zip(batch, token_ids):
-            room = seq.room
-            if room is None or type(t) is not int or not 0 <= t < limit:
-                if room is None or t is not None:
-                    self._undo_decode(batch, seq, starting)
-                    return self._append_decode_checked(batch, token_ids)
-                seq.unknown += 1
-            seq.tokens.append(t)
-            if room:
-                seq.room = room - 1
-            else:
-                starting.append(seq)
+        T = id_array(token_ids) if unknown is None else masked_ids(token_ids, unknown)
+        mixed = unknown is not None or not isinstance(token_ids, np.ndarray)  # may hold None
+        if T is None or len(T) != len(batch):
+            if unknown is not None:
+                token_ids = unknown_as_none(token_ids, unknown)
+            return self._append_decode_checked(batch, token_ids)
+        rows = self.rows
+        R = self.rows_of(batch)
+        if not rows.fast[R].all():  # a tail off the fast path (or a swapped sequence)
+            return self._append_decode_checked(batch, token_ids if unknown is None else
+                                               unknown_as_none(token_ids, unknown))
+        n = rows.n[R]
+        start = n % self.block_size == 0  # full tails: these sequences start a fresh block
+        k = int(np.count_nonzero(start))
         pool = self.pool
-        if starting:
-            if len(starting) > len(pool.free) + len(pool.lru):
-                self._undo_decode(batch, None, starting)
-                return None
-            B1 = self.block_size - 1
-            for seq, b in zip(starting, pool.take(len(starting))):
-                seq.table.append(b)
-                seq.room = B1
+        if k > len(pool.free) + len(pool.lru):
+            return None
+        if len(n) and n.max() >= rows.width:
+            rows.fit(int(n.max()) + 1)
+        rows.tok[R, n] = T
+        rows.n[R] = n + 1
+        if mixed:  # some token ids may be unknown: count them
+            rows.unknown[R] += T == UNKNOWN_ID
+        if k:
+            for i, b in zip(np.flatnonzero(start).tolist(), pool.take(k)):
+                batch[i].table.append(b)
             if pool.died:  # evicted cached blocks: report them now
                 pool.flush()
         return []
-
-    @staticmethod
-    def _undo_decode(batch: Sequence[Seq], stop: Seq | None, starting: list[Seq]) -> None:
-        """Reverts ``append_decode``'s pass over ``batch`` up to ``stop`` (exclusive)."""
-        starting = set(starting)
-        for seq in batch:
-            if seq is stop:
-                break
-            if seq.tokens.pop() is None:
-                seq.unknown -= 1
-            if seq not in starting:
-                seq.room += 1
 
     def _append_decode_checked(self, batch: Sequence[Seq], token_ids: Sequence
                                ) -> list[tuple[int, int]] | None:
@@ -392,7 +421,7 @@ class SeqTables:
         for seq in batch:
             if seq.host_table is not None:
                 raise ValueError("a sequence of the decode batch is swapped out")
-            if len(seq.tokens) % B:
+            if seq.num_tokens % B:
                 tail = seq.table[-1]
                 k = copied.get(tail, 0)
                 if rc[tail] - k > 1:  # the last sharer to write keeps the block
@@ -424,7 +453,7 @@ class SeqTables:
     def rollback(self, seq_id, r: int) -> None:
         seq = self.resident(seq_id)
         r = count_arg(r, "r")
-        n = len(seq.tokens)
+        n = seq.num_tokens
         if r > n:
             raise ValueError(f"cannot roll back r={r} of {n} slots of sequence {seq_id!r}")
         if r == 0:
@@ -436,12 +465,10 @@ class SeqTables:
         seq.front = min(seq.front, keep)  # (rollback never reaches behind a window in practice)
         dropped = [b for b in seq.table[keep:] if b != NULL_PAGE]
         del seq.table[keep:]
-        del seq.tokens[new_n:]
+        self.rows.truncate(seq.row, new_n)
         seq.num_computed = min(seq.num_computed, new_n)
         del seq.keys[new_n // B:]
         seq.dirty_tail = new_n % B != 0
-        if seq.unknown:
-            seq.unknown = seq.tokens.count(None)
         seq.room = None
         self.set_key_at(seq)
         self.fence.release(reversed(dropped))
