@@ -7,7 +7,11 @@
 #
 #   bash experiments/build_compiled_tree.sh OUT_DIR [REVISION]      # REVISION defaults to HEAD
 #   PYTHON=/path/to/python MYPY_VERSION=2.4.1 bash experiments/build_compiled_tree.sh /tmp/c
+#   PATCH=experiments/results/sim_speed/mypyc/patched/patched.diff \
+#       bash experiments/build_compiled_tree.sh /tmp/p 00e84d6     # the "patched" tree
 #
+# PATCH: a diff applied to the exported copy before building (the "patched" runs: small
+# Python-equivalent edits that let more modules compile), which also adds PATCHED_MODULES.
 # MODULES below are the ones that compiled and ran the pinned simulator records and the block
 # manager tests at 00e84d6 under this lenient configuration (mypy's type errors are switched off
 # by code: mypyc refuses any error). Which modules were left out, and why, is in
@@ -30,11 +34,19 @@ paged/sim/batches.py paged/sim/event_loop.py paged/sim/host_link.py paged/sim/me
 paged/sim/records.py paged/sim/roofline.py paged/sim/simulator.py paged/sim/specs.py
 paged/sim/step_model.py paged/sim/stretch.py
 ${EXTRA_MODULES:-}"
+PATCHED_MODULES="
+paged/kv/blocks/prefix_index.py paged/kv/blocks/tables.py paged/kv/blocks/admission.py
+paged/kv/blocks/probe.py paged/step/readback.py paged/step/input_batch.py paged/sim/replica.py"
 
 mkdir -p "$OUT"
 [ -z "$(ls -A "$OUT")" ] || { echo "$OUT is not empty" >&2; exit 1; }
 git -C "$REPO" archive "$REV" | tar -x -C "$OUT"
 git -C "$REPO" rev-parse "$REV" > "$OUT/REVISION"
+if [ -n "${PATCH:-}" ]; then
+  (cd "$OUT" && patch -s -p1) < "$PATCH"
+  echo "with $(basename "$PATCH") applied" >> "$OUT/REVISION"
+  MODULES="$MODULES $PATCHED_MODULES"
+fi
 DEPS="$OUT/.mypyc_build/pydeps"
 mkdir -p "$DEPS"
 "$PY" -m pip install --quiet --target "$DEPS" "mypy==$MYPY_VERSION"
