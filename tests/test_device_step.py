@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 from engine_utils import small_model
+from jit_utils import jit_call
 
 import pallas_kernels as pk
 from paged.engine.device_step import make_forward, make_step_fn, sample_trace_count
@@ -70,14 +71,18 @@ def test_stacked_layer_read_equals_slice(op):
     if op == "paged":
         q = rng.standard_normal((2, 4, d)).astype(np.float32)
         call = lambda kp, vp, **kw: pk.paged_attention(q, kp, vp, lens, table, impl="xla", **kw)
+        jitted = lambda kp, vp, **kw: jit_call(pk.paged_attention, q, kp, vp, lens, table,
+                                               impl="xla", **kw)
     else:
         q = rng.standard_normal((5, 4, d)).astype(np.float32)
         cu = np.array([0, 3, 5], np.int32)
         call = lambda kp, vp, **kw: pk.ragged_paged_attention(q, kp, vp, lens, table, cu, 2,
                                                               impl="xla", **kw)
-    for layer in range(L):
-        np.testing.assert_array_equal(np.asarray(call(k, v, layer=layer)),
-                                      np.asarray(call(k[layer], v[layer])))
+        jitted = lambda kp, vp, **kw: jit_call(pk.ragged_paged_attention, q, kp, vp, lens, table,
+                                               cu, num_seqs=2, impl="xla", **kw)
+    for layer in range(L):  # jitted: one compile per layer, not one per eager operation
+        np.testing.assert_array_equal(np.asarray(jitted(k, v, layer=layer)),
+                                      np.asarray(jitted(k[layer], v[layer])))
     with pytest.raises(ValueError, match="layer=3"):
         call(k, v, layer=3)
     with pytest.raises(ValueError, match="stacked cache"):

@@ -409,8 +409,8 @@ def test_sliding_window_capacity_smoke(tmp_path):
     full, win = payload["arms"]
     assert (full["sliding_window"], win["sliding_window"]) == (None, 8)  # 0.25 x 32
     for arm in (full, win):
-        assert [p["rate"] for p in arm["points"]] == [2.0, 4.0]
-        assert arm["capacity_rps"] == 4.0  # the smoke's SLO is loose: both rates meet it
+        assert [p["rate"] for p in arm["points"]] == [8.0, 16.0]
+        assert arm["capacity_rps"] == 16.0  # the smoke's SLO is loose: both rates meet it
     for p in win["points"]:
         assert p["kv"]["recycled_blocks"] > 0 and p["kv"]["recycled_bytes"] > 0
         assert p["kv"]["max_blocks_per_sequence"] <= 8 // 4 + 1 + 1  # + 1: async stepping

@@ -12,6 +12,7 @@ Unused storage is NaN, so a read past a length or of a stale scale spoils the ou
 
 import numpy as np
 import pytest
+from jit_utils import jit_call
 from tolerances import tol
 
 import pallas_kernels as pk
@@ -41,13 +42,13 @@ PPS = 3
 
 def _quantize(case, name, granularity):
     dtype = quant.storage_dtype(name)
-    kq, vq = (quant.quantize_pool(np.asarray(x), dtype, granularity)
+    kq, vq = (jit_call(quant.quantize_pool, np.asarray(x), dtype=dtype, granularity=granularity)
               for x in (case.k_pages, case.v_pages))
     return kq, vq
 
 
 def _bound(q, case, kq, vq, sm_scale):
-    k_hat, v_hat = (np.asarray(quant.dequantize(x), np.float64) for x in (kq, vq))
+    k_hat, v_hat = (np.asarray(jit_call(quant.dequantize, x), np.float64) for x in (kq, vq))
     k, v = (np.asarray(x, np.float64) for x in (case.k_pages, case.v_pages))
     dk, dv = np.nanmax(np.abs(k_hat - k)), np.nanmax(np.abs(v_hat - v))
     delta = sm_scale * np.abs(np.asarray(q, np.float64)).sum(-1).max() * dk
@@ -76,10 +77,10 @@ def test_paged_decode(impl, name, granularity, page, hq, hkv):
     q = testing.random_q(rng, (len(lengths), hq, D))
     kq, vq = _quantize(case, name, granularity)
     sm_scale = D**-0.5
-    out = pk.paged_attention(q, kq, vq, case.lengths, case.page_indices, sm_scale=sm_scale,
-                             impl=impl, config=IMPLS[impl])
+    out = jit_call(pk.paged_attention, q, kq, vq, case.lengths, case.page_indices,
+                   sm_scale=sm_scale, impl=impl, config=IMPLS[impl])
     assert out.dtype == q.dtype
-    deq = [np.asarray(quant.dequantize(x)) for x in (kq, vq)]
+    deq = [np.asarray(jit_call(quant.dequantize, x)) for x in (kq, vq)]
     want = testing.paged_attention_np(q, *deq, case.lengths, case.page_indices, sm_scale=sm_scale)
     exact = testing.paged_attention_np(q, case.k_pages, case.v_pages, case.lengths,
                                        case.page_indices, sm_scale=sm_scale)
@@ -96,9 +97,9 @@ def test_ragged_prefill_decode_verify(impl, name, granularity, page, hq, hkv):
     kq, vq = _quantize(case, name, granularity)
     sm_scale = D**-0.5
     args = (case.lengths, case.page_indices, cu, n)
-    out = pk.ragged_paged_attention(q, kq, vq, *args, sm_scale=sm_scale, soft_cap=20.0,
-                                    impl=impl, config=IMPLS[impl])
-    deq = [np.asarray(quant.dequantize(x)) for x in (kq, vq)]
+    out = jit_call(pk.ragged_paged_attention, q, kq, vq, *args, sm_scale=sm_scale,
+                   soft_cap=20.0, impl=impl, config=IMPLS[impl])
+    deq = [np.asarray(jit_call(quant.dequantize, x)) for x in (kq, vq)]
     want = testing.ragged_paged_attention_np(q, *deq, *args, sm_scale=sm_scale, soft_cap=20.0)
     exact = testing.ragged_paged_attention_np(q, case.k_pages, case.v_pages, *args,
                                               sm_scale=sm_scale, soft_cap=20.0)
@@ -117,8 +118,8 @@ def test_a_scale_is_read_where_it_belongs():
     pages = quant.QuantizedPages(values, scales)
     q = np.zeros((1, 1, 64), np.float32)  # equal scores: the output is the mean of the values
     for impl in IMPLS:
-        out = pk.paged_attention(q, pages, pages, np.array([2], np.int32),
-                                 np.array([[1, 0]], np.int32), impl=impl, config=IMPLS[impl])
+        out = jit_call(pk.paged_attention, q, pages, pages, np.array([2], np.int32),
+                       np.array([[1, 0]], np.int32), impl=impl, config=IMPLS[impl])
         np.testing.assert_allclose(np.asarray(out)[0, 0, 0], 3.0, rtol=1e-6)
         np.testing.assert_allclose(np.asarray(out)[0, 0, 1:], 0.0)
 

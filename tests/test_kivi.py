@@ -6,6 +6,7 @@ settings refused at construction."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jit_utils import jit_call
 from tolerances import tol
 
 from paged.accounting.formulas import ModelSpec, kv_bytes
@@ -20,9 +21,9 @@ PPS = 3  # pages per sequence
 def test_pack_unpack_round_trip_exact(bits):
     rng = np.random.default_rng(bits)
     codes = rng.integers(0, 1 << bits, (3, 5, 32)).astype(np.uint8)
-    values = np.asarray(packed.pack(jnp.asarray(codes), bits))
+    values = np.asarray(jit_call(packed.pack, codes, bits=bits))
     assert values.shape == (3, 5, 32 * bits // 8) and values.dtype == np.uint8
-    np.testing.assert_array_equal(np.asarray(packed.unpack(jnp.asarray(values), bits)), codes)
+    np.testing.assert_array_equal(np.asarray(jit_call(packed.unpack, values, bits=bits)), codes)
     np.testing.assert_array_equal(kivi.unpack_np(values, bits), codes)  # independent numpy unpack
     # low bits first: channel 0 of the first byte
     np.testing.assert_array_equal(values[..., 0] & ((1 << bits) - 1), codes[..., 0])
@@ -33,16 +34,17 @@ def test_quantize_error_within_half_a_step(bits, per):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 3, 8, D)).astype(np.float32) * 3
     x[0, 0, :, 1] = 0.7  # a constant channel
-    pages = packed.quantize_pages(jnp.asarray(x), bits, per)
+    pages = jit_call(packed.quantize_pages, x, bits=bits, per=per)
     width = D if per == "channel" else 8
     assert pages.scale.shape == (2, 3, width) and pages.scale.dtype == jnp.float16
-    err = np.abs(np.asarray(packed.dequantize(pages)) - x)
+    deq = np.asarray(jit_call(packed.dequantize, pages))
+    err = np.abs(deq - x)
     step = np.asarray(pages.scale, np.float32)
     step = step[..., None, :] if per == "channel" else step[..., None]
     # half a step, plus float16 rounding of the zero point and of the scale
     assert np.all(err <= step * 0.5 + 2e-3 * (np.abs(x) + step * (1 << bits)))
     if per == "channel":
-        assert np.abs(np.asarray(packed.dequantize(pages))[0, 0, :, 1] - 0.7).max() < 1e-3
+        assert np.abs(deq[0, 0, :, 1] - 0.7).max() < 1e-3
 
 
 def _case(rng, bits, page, hq, hkv, batch=3, num_pages=10):
@@ -50,8 +52,8 @@ def _case(rng, bits, page, hq, hkv, batch=3, num_pages=10):
     tokens; lengths cover an empty sequence, a page boundary and a partial open page."""
     kf = rng.normal(size=(hkv, num_pages, page, D)).astype(np.float32)
     vf = rng.normal(size=(hkv, num_pages, page, D)).astype(np.float32)
-    kp = packed.quantize_pages(jnp.asarray(kf), bits, "channel")
-    vp = packed.quantize_pages(jnp.asarray(vf), bits, "token")
+    kp = jit_call(packed.quantize_pages, kf, bits=bits, per="channel")
+    vp = jit_call(packed.quantize_pages, vf, bits=bits, per="token")
     lengths = np.array([0, 2 * page, 2 * page + page // 2 + 1][:batch], np.int32)
     table = np.zeros((batch, PPS), np.int32)
     table[1, :2] = [3, 7]
@@ -80,9 +82,8 @@ def test_decode_matches_float64_oracle(impl, bits, page, hq, hkv):
     rng = np.random.default_rng(page + hq)
     q, kp, vp, ok, ov, lengths, table = _case(rng, bits, page, hq, hkv)
     want = kivi.attention_np(q, kp, vp, ok, ov, lengths, table, sm_scale=D**-0.5, soft_cap=5.0)
-    got = kivi.paged_attention(*map(jnp.asarray, (q,)), kp, vp, jnp.asarray(ok), jnp.asarray(ov),
-                               jnp.asarray(lengths), jnp.asarray(table), sm_scale=D**-0.5,
-                               soft_cap=5.0, impl=impl, block_tokens=page)
+    got = jit_call(kivi.paged_attention, q, kp, vp, ok, ov, lengths, table, sm_scale=D**-0.5,
+                   soft_cap=5.0, impl=impl, block_tokens=page)
     assert np.all(np.isfinite(np.asarray(got)))
     np.testing.assert_allclose(np.asarray(got), want, **tol("float32"))
     np.testing.assert_array_equal(np.asarray(got)[0], 0.0)  # an empty sequence reads nothing
@@ -101,10 +102,11 @@ def test_ragged_rows_match_float64_oracle(bits, page, hq, hkv):
     unused = [p for p in range(10) if p not in (3, 7, 5, 2, 6, 8)]
 
     def pool(per):
-        p = packed.quantize_pages(jnp.asarray(rng.normal(size=(hkv, 10, page, D)), jnp.float32),
-                                  bits, per)
-        return packed.PackedPages(p.values, p.scale.at[:, jnp.asarray(unused)].set(jnp.nan),
-                                  p.zero, p.bits, p.per)
+        p = jit_call(packed.quantize_pages,
+                     rng.normal(size=(hkv, 10, page, D)).astype(np.float32), bits=bits, per=per)
+        scale = np.array(p.scale)
+        scale[:, unused] = np.nan
+        return packed.PackedPages(p.values, jnp.asarray(scale), p.zero, p.bits, p.per)
 
     kp, vp = pool("channel"), pool("token")
     row_len = [2 * page - 2, 2 * page - 1, 2 * page, 2 * page + 1, 3 * page - 1,  # sequence 0
@@ -122,13 +124,13 @@ def test_ragged_rows_match_float64_oracle(bits, page, hq, hkv):
                              soft_cap=5.0)
     args = (jnp.asarray(ok), jnp.asarray(ov), jnp.asarray(row_len, jnp.int32),
             jnp.asarray(row_seq, jnp.int32), jnp.asarray(tables), jnp.asarray(cu))
-    got = kivi.ragged_paged_attention(jnp.asarray(q), kp, vp, *args, sm_scale=D**-0.5,
-                                      soft_cap=5.0, impl="interpret_tpu", block_rows=4)
+    got = jit_call(kivi.ragged_paged_attention, q, kp, vp, *args, sm_scale=D**-0.5,
+                   soft_cap=5.0, impl="interpret_tpu", block_rows=4)
     assert np.all(np.isfinite(np.asarray(got)))
     np.testing.assert_allclose(np.asarray(got), want, **tol("float32"))
     np.testing.assert_array_equal(np.asarray(got)[8:], 0.0)  # padding rows read nothing
-    xla = kivi.ragged_paged_attention(jnp.asarray(q), kp, vp, *args, sm_scale=D**-0.5,
-                                      soft_cap=5.0, impl="xla")
+    xla = jit_call(kivi.ragged_paged_attention, q, kp, vp, *args, sm_scale=D**-0.5,
+                   soft_cap=5.0, impl="xla")
     np.testing.assert_allclose(np.asarray(xla), want, **tol("float32"))
 
 
@@ -138,8 +140,8 @@ def test_decode_reads_a_stacked_layer():
     stack = [packed.PackedPages(*(jnp.stack([x * 0, x]) for x in (p.values, p.scale, p.zero)),
                                 p.bits, p.per) for p in (kp, vp)]
     args = (jnp.asarray(ok), jnp.asarray(ov), jnp.asarray(lengths), jnp.asarray(table))
-    want = kivi.paged_attention(jnp.asarray(q), kp, vp, *args, sm_scale=0.3)
-    got = kivi.paged_attention(jnp.asarray(q), *stack, *args, sm_scale=0.3, layer=1)
+    want = jit_call(kivi.paged_attention, q, kp, vp, *args, sm_scale=0.3)
+    got = jit_call(kivi.paged_attention, q, *stack, *args, sm_scale=0.3, layer=1)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
@@ -161,16 +163,16 @@ def test_paged_decode_equals_dense_on_fill_reference(bits, page, hq, hkv):
     q = rng.normal(size=(1, t, hq, D)).astype(np.float32)
     k = rng.normal(size=(1, t, hkv, D)).astype(np.float32)
     v = rng.normal(size=(1, t, hkv, D)).astype(np.float32)
-    dense = np.asarray(kivi.dense_on_fill(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                          bits=bits, page_size=page, sm_scale=0.25))
+    dense = np.asarray(jit_call(kivi.dense_on_fill, q, k, v, bits=bits, page_size=page,
+                                sm_scale=0.25))
     pool = np.zeros((2, hkv, PPS + 1, page, D), np.float32)  # [K/V, Hkv, P, page, D]; page 0 null
     for p in range(PPS):
         for i, x in enumerate((k, v)):
             chunk = x[0, p * page:(p + 1) * page]
             pool[i, :, p + 1, :len(chunk)] = np.moveaxis(chunk, 0, 1)
-    kp = packed.quantize_pages(jnp.asarray(pool[0]), bits, "channel")
-    vp = packed.quantize_pages(jnp.asarray(pool[1]), bits, "token")
-    table = jnp.arange(1, PPS + 1, dtype=jnp.int32)[None]
+    kp = jit_call(packed.quantize_pages, pool[0], bits=bits, per="channel")
+    vp = jit_call(packed.quantize_pages, pool[1], bits=bits, per="token")
+    table = np.arange(1, PPS + 1, dtype=np.int32)[None]
     for pos in (page - 2, page - 1, page, t - 1):  # before, at and after a page fills
         n = pos + 1
         start = (n // page) * page
@@ -178,8 +180,8 @@ def test_paged_decode_equals_dense_on_fill_reference(bits, page, hq, hkv):
         open_v = np.zeros((1, hkv, page, D), np.float32)
         open_k[0, :, :n - start] = np.moveaxis(k[0, start:n], 0, 1)
         open_v[0, :, :n - start] = np.moveaxis(v[0, start:n], 0, 1)
-        got = kivi.paged_attention(jnp.asarray(q[:, pos]), kp, vp, jnp.asarray(open_k),
-                                   jnp.asarray(open_v), jnp.array([n]), table, sm_scale=0.25)
+        got = jit_call(kivi.paged_attention, q[:, pos], kp, vp, open_k, open_v,
+                       np.array([n], np.int32), table, sm_scale=0.25)
         np.testing.assert_allclose(np.asarray(got)[0], dense[0, pos], rtol=2e-5, atol=2e-5)
 
 
@@ -187,9 +189,10 @@ def test_paged_decode_equals_dense_on_fill_reference(bits, page, hq, hkv):
 def test_packed_pages_survive_cow_swap_tier_and_handover(dtype):
     rng = np.random.default_rng(3)
     cache = kvc.KVCache.create(2, 2, 8, 8, D, kv_cache_dtype=dtype)
-    full = jnp.asarray(rng.normal(size=(2, 2, 3, 8, D)).astype(np.float32))
-    cache = cache.replace(k_pages=packed.close_pages(cache.k_pages, full, jnp.array([1, 2, 3])),
-                          v_pages=packed.close_pages(cache.v_pages, full * 2, jnp.array([1, 2, 3])))
+    full = rng.normal(size=(2, 2, 3, 8, D)).astype(np.float32)
+    ids = np.array([1, 2, 3], np.int32)
+    cache = cache.replace(k_pages=jit_call(packed.close_pages, cache.k_pages, full, ids),
+                          v_pages=jit_call(packed.close_pages, cache.v_pages, full * 2, ids))
     want_k, want_v = kvc.swap_out(cache, [1, 2, 3])
     cache = kvc.copy_pages(cache, [1], [4])  # copy-on-write
     # swap / host tier: out to host slots, back into other pages (a preempted, swapped sequence)
@@ -210,7 +213,8 @@ def test_packed_pages_survive_cow_swap_tier_and_handover(dtype):
     k_other, _ = kvc.swap_out(other, [3, 4, 6])
     np.testing.assert_array_equal(np.asarray(k_other.values), np.asarray(want_k.values))
     k_seq, _ = kvc.gather(cache, [5, 6], 16)
-    fq = np.asarray(packed.fake_quantize_page(full[:, :, :2], packed.bits_of(dtype), "channel"))
+    fq = np.asarray(jit_call(packed.fake_quantize_page, full[:, :, :2],
+                             bits=packed.bits_of(dtype), per="channel"))
     np.testing.assert_array_equal(k_seq, np.moveaxis(fq, 1, 3).reshape(2, 16, 2, D))
 
 
@@ -294,7 +298,9 @@ def test_dense_model_reference_with_kivi_pages():
 
     cfg, params = small_model()
     tokens = jax.numpy.asarray([[256, 5, 9, 77, 3, 120, 42, 8, 19, 200, 7]], jax.numpy.int32)
-    fn = lambda kvq: np.asarray(Llama(cfg).apply(params, tokens, method="dense", kv_quant=kvq))
+    dense = jax.jit(lambda p, t, kvq: Llama(cfg).apply(p, t, method="dense", kv_quant=kvq),
+                    static_argnums=2)  # one compile per kv_quant, not one per eager operation
+    fn = lambda kvq: np.asarray(dense(params, tokens, kvq))
     exact = fn(None)
     np.testing.assert_allclose(fn(("int4", "kivi", 16)), exact, rtol=2e-5, atol=2e-4)
     quantized = fn(("int2", "kivi", 4))

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from engine_utils import greedy_reference, prompts, small_model
+from jit_utils import jit_call
 
 from paged import Engine, EngineConfig, SamplingParams
 from paged.accounting.formulas import ModelSpec
@@ -152,8 +153,8 @@ def test_one_layer_closes_pages_bit_exact_and_keeps_the_open_page_exact(bits):
     for s, n in lens.items():
         for side, (pool, per, x) in enumerate(zip(pools, ("channel", "token"), qkv[s][1:])):
             for j in range(n // p):  # closed pages: exactly the quantized exact page
-                want = packed.quantize_pages(jnp.swapaxes(jnp.asarray(x[j * p:(j + 1) * p]), 0, 1),
-                                             bits, per)
+                want = jit_call(packed.quantize_pages, np.swapaxes(x[j * p:(j + 1) * p], 0, 1),
+                                bits=bits, per=per)
                 page = tables[s][j]
                 for got, w in ((pool.values, want.values), (pool.scale, want.scale),
                                (pool.zero, want.zero)):

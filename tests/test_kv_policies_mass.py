@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from jit_utils import jit_call
 
 import pallas_kernels as pk
 from paged.config.kv_policy import KVPolicyConfig
@@ -55,10 +56,11 @@ def _mass64(q, k, kv_lens, q_lens, cu, tables, w, holes=None):
 def test_ragged_mass_equals_float64(impl):
     q, k, v, kv_lens, q_lens, cu, tables, w = _batch()
     args = (q, k, v, kv_lens, tables, cu, np.array([3], np.int32))
-    out, mass = pk.ragged_paged_attention(*args, sm_scale=SCALE, impl=impl, mass_weight=w)
+    out, mass = jit_call(pk.ragged_paged_attention, *args, sm_scale=SCALE, impl=impl,
+                         mass_weight=w)
     np.testing.assert_allclose(mass, _mass64(q, k, kv_lens, q_lens, cu, tables, w), atol=2e-6)
     # The default call is unchanged: the same output, and no mass.
-    plain = pk.ragged_paged_attention(*args, sm_scale=SCALE, impl=impl)
+    plain = jit_call(pk.ragged_paged_attention, *args, sm_scale=SCALE, impl=impl)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(plain))
     # Every query's probabilities sum to 1: a sequence's mass is its rows' weights x Hq.
     np.testing.assert_allclose(np.asarray(mass).sum(axis=(1, 2))[:3],
@@ -71,9 +73,10 @@ def test_mass_from_the_stacked_cache_and_in_blocks_of_one_page():
     q, k, v, kv_lens, q_lens, cu, tables, w = _batch(seed=1)
     k[:, 4, 3] = np.nan  # slot 15 of sequence 0: past its 9 keys
     stacked = np.stack([np.zeros_like(k), k]), np.stack([np.zeros_like(v), v])
-    out, mass = pk.ragged_paged_attention(
-        q, *stacked, kv_lens, tables, cu, np.array([3], np.int32), sm_scale=SCALE, impl="xla",
-        layer=1, mass_weight=w, config=pk.XlaConfig(block_tokens=B, items_per_group=1))
+    out, mass = jit_call(
+        pk.ragged_paged_attention, q, *stacked, kv_lens, tables, cu, np.array([3], np.int32),
+        sm_scale=SCALE, impl="xla", layer=1, mass_weight=w,
+        config=pk.XlaConfig(block_tokens=B, items_per_group=1))
     np.testing.assert_allclose(mass, _mass64(q, k, kv_lens, q_lens, cu, tables, w), atol=2e-6)
     assert np.isfinite(np.asarray(out)).all()
 
@@ -82,10 +85,8 @@ def test_mass_from_the_stacked_cache_and_in_blocks_of_one_page():
 def test_decode_mass_equals_float64(impl):
     q, k, v, kv_lens, _, _, tables, w = _batch(seed=2)
     lens = np.array([9, 5, 13, 1], np.int32)
-    out, mass = pk.paged_attention(q[:4], k, v, lens, tables, sm_scale=SCALE, impl=impl,
-                                   mass_weight=w[:4]) if impl == "xla" else \
-        pk.paged_attention(q[:4], k, v, lens, tables, sm_scale=SCALE, impl=impl,
-                           mass_weight=w[:4])
+    out, mass = jit_call(pk.paged_attention, q[:4], k, v, lens, tables, sm_scale=SCALE,
+                         impl=impl, mass_weight=w[:4])
     ones, cu = np.ones(4, int), np.arange(5)
     np.testing.assert_allclose(mass, _mass64(q[:4], k, lens, ones, cu, tables, w[:4]),
                                atol=2e-6)
@@ -97,9 +98,9 @@ def test_holes_hide_exactly_their_slots(impl):
     slots only (a float64 softmax), and their mass is 0."""
     q, k, v, kv_lens, q_lens, cu, tables, w = _batch(seed=3)
     holes = np.array([[2, 5], [1, 1], [4, 9], [0, 0]], np.int32)
-    out, mass = pk.ragged_paged_attention(
-        q, k, v, kv_lens, tables, cu, np.array([3], np.int32), sm_scale=SCALE, impl=impl,
-        mass_weight=w, kv_holes=holes)
+    out, mass = jit_call(
+        pk.ragged_paged_attention, q, k, v, kv_lens, tables, cu, np.array([3], np.int32),
+        sm_scale=SCALE, impl=impl, mass_weight=w, kv_holes=holes)
     np.testing.assert_allclose(mass, _mass64(q, k, kv_lens, q_lens, cu, tables, w, holes),
                                atol=2e-6)
     s, i = 2, 5  # the chunk's last row: position 12, sees 0..3 and 9..12

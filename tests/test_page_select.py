@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jit_utils import jit_call
 from tolerances import tol
 
 import pallas_kernels as pk
@@ -107,8 +108,8 @@ def test_recent_pages_are_kept_inside_the_budget():
         keys = np.zeros((1, 11, 1, 2), np.float32)
         for logical, phys in enumerate(table[0]):
             keys[0, 2 * logical:2 * logical + 2, 0] = bounds[0, phys, 0] if phys else 0
-        m = page_select.dense_selection_mask(q.reshape(1, 1, 1, 2), keys, page_size=2,
-                                             budget=budget, gqa=gqa, recent=recent)
+        m = jit_call(page_select.dense_selection_mask, q.reshape(1, 1, 1, 2), keys, page_size=2,
+                     budget=budget, gqa=gqa, recent=recent)
         pages = np.asarray(m)[0, 0, 0].reshape(-1)[::2][:6]
         assert [int(table[0, p]) for p in np.flatnonzero(pages)] == want, (gqa, budget, recent)
 
@@ -192,11 +193,12 @@ def test_selected_pages_against_float64_with_the_rest_poisoned(impl, op, hq, hkv
         k_pages[h, drop] = np.nan
         v_pages[h, drop] = np.nan
     assert (sel[active] < case.lengths[active, None]).any()  # the budget drops pages
-    out = page_select.sparse_paged_attention(
-        q, k_pages, v_pages, bounds, case.lengths, case.page_indices, active, budget=3,
-        sm_scale=0.125, impl=impl, op=op, gqa=gqa)
-    qf, ft, fl = page_select.flatten_selection(jnp.asarray(q), table, sel, k_pages.shape[1])
-    flat = lambda x: np.asarray(page_select.heads_as_pages(x))  # noqa: E731
+    out = jit_call(
+        page_select.sparse_paged_attention, q, k_pages, v_pages, bounds, case.lengths,
+        case.page_indices, active, budget=3, sm_scale=0.125, impl=impl, op=op, gqa=gqa)
+    qf, ft, fl = jit_call(page_select.flatten_selection, q, table, sel,
+                          num_pages=k_pages.shape[1])
+    flat = lambda x: np.asarray(jit_call(page_select.heads_as_pages, x))  # noqa: E731
     want = testing.paged_attention_np(qf, flat(k_pages), flat(v_pages), fl, ft, sm_scale=0.125)
     np.testing.assert_allclose(np.asarray(out, np.float64), want.reshape(q.shape),
                                **tol("float32"))
@@ -208,11 +210,12 @@ def test_covering_budget_is_dense_decode(budget, gqa, recent):
     q, case, bounds, active, table, sel = _selected_case(3, hq=4, hkv=2, page=8, budget=budget,
                                                          gqa=gqa, recent=recent)
     np.testing.assert_array_equal(sel, np.broadcast_to(case.lengths[:, None], sel.shape))
-    out = page_select.sparse_paged_attention(
-        q, case.k_pages, case.v_pages, bounds, case.lengths, case.page_indices, active,
-        budget=budget, sm_scale=0.125, impl="xla", gqa=gqa, recent=recent)
-    dense = pk.paged_attention(q, case.k_pages, case.v_pages, case.lengths, case.page_indices,
-                               sm_scale=0.125, impl="xla")
+    out = jit_call(
+        page_select.sparse_paged_attention, q, case.k_pages, case.v_pages, bounds, case.lengths,
+        case.page_indices, active, budget=budget, sm_scale=0.125, impl="xla", gqa=gqa,
+        recent=recent)
+    dense = jit_call(pk.paged_attention, q, case.k_pages, case.v_pages, case.lengths,
+                     case.page_indices, sm_scale=0.125, impl="xla")
     np.testing.assert_allclose(np.asarray(out), np.asarray(dense), rtol=1e-6, atol=1e-6)
 
 
@@ -224,19 +227,19 @@ def test_quantized_pages_bounds_and_selected_decode(impl, granularity):
     from pallas_kernels import quant
 
     q, case, _, active, _, _ = _selected_case(5, hq=4, hkv=2, page=8, budget=3)
-    x = jnp.asarray(np.nan_to_num(np.asarray(case.k_pages)))
-    pool = quant.quantize_pool(x, jnp.int8, granularity)
-    deq = np.asarray(quant.dequantize(pool))
+    x = np.nan_to_num(np.asarray(case.k_pages))
+    pool = jit_call(quant.quantize_pool, x, dtype=jnp.int8, granularity=granularity)
+    deq = np.asarray(jit_call(quant.dequantize, pool))
     slots = np.concatenate([row[j // 8] * 8 + j % 8 + np.zeros(1, np.int32)
                             for n, row in zip(case.lengths, case.page_indices) for j in range(n)])
     empty = page_select.init_bounds((1, 2, pool.shape[1], 2, 64), jnp.float32)
     layered = quant.QuantizedPages(pool.values[None], pool.scales[None])
-    got = np.asarray(page_select.update_bounds(empty, layered, jnp.asarray(slots)))[0]
+    got = np.asarray(jit_call(page_select.update_bounds, empty, layered, slots))[0]
     want = _bounds_np(deq, case.lengths, case.page_indices, 8)
     used = np.isfinite(want[:, :, 0, 0])
     np.testing.assert_array_equal(got[used], want[used])
-    v = quant.quantize_pool(jnp.asarray(np.nan_to_num(np.asarray(case.v_pages))), jnp.int8,
-                            granularity)
+    v = jit_call(quant.quantize_pool, np.nan_to_num(np.asarray(case.v_pages)), dtype=jnp.int8,
+                 granularity=granularity)
     qs = np.asarray(q, np.float32).reshape(len(case.lengths), 2, 2, 64)
     table, sel = page_select.select_pages_jit(qs, got, case.lengths, case.page_indices, active,
                                               page_size=8, budget=3)
@@ -247,14 +250,15 @@ def test_quantized_pages_bounds_and_selected_decode(impl, granularity):
         drop = [p for p in range(1, pool.shape[1]) if p not in set(table[:, h].ravel().tolist())]
         k_scales[h, drop] = np.nan
         v_scales[h, drop] = np.nan
-    out = page_select.sparse_paged_attention(
-        q, quant.QuantizedPages(pool.values, jnp.asarray(k_scales)),
+    out = jit_call(
+        page_select.sparse_paged_attention, q,
+        quant.QuantizedPages(pool.values, jnp.asarray(k_scales)),
         quant.QuantizedPages(v.values, jnp.asarray(v_scales)), got, case.lengths,
         case.page_indices, active, budget=3, sm_scale=0.125, impl=impl)
-    qf, ft, fl = page_select.flatten_selection(jnp.asarray(q), table, sel, pool.shape[1])
-    flat = lambda x: np.asarray(page_select.heads_as_pages(x))  # noqa: E731
-    want_out = testing.paged_attention_np(qf, flat(deq), flat(np.asarray(quant.dequantize(v))),
-                                          fl, ft, sm_scale=0.125)
+    qf, ft, fl = jit_call(page_select.flatten_selection, q, table, sel, num_pages=pool.shape[1])
+    flat = lambda x: np.asarray(jit_call(page_select.heads_as_pages, x))  # noqa: E731
+    want_out = testing.paged_attention_np(
+        qf, flat(deq), flat(np.asarray(jit_call(quant.dequantize, v))), fl, ft, sm_scale=0.125)
     np.testing.assert_allclose(np.asarray(out, np.float64), want_out.reshape(q.shape),
                                **tol("float32"))
 
@@ -264,7 +268,8 @@ def test_reference_mask_of_the_last_queries_is_the_full_masks_tail(gqa):
     rng = np.random.default_rng(7)
     q = jnp.asarray(rng.standard_normal((1, 40, 4, 8)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((1, 40, 2, 8)), jnp.float32)
-    full = page_select.dense_selection_mask(q, k, page_size=4, budget=0.25, gqa=gqa)
-    tail = page_select.dense_selection_mask(q[:, 33:], k, page_size=4, budget=0.25, gqa=gqa)
+    full = jit_call(page_select.dense_selection_mask, q, k, page_size=4, budget=0.25, gqa=gqa)
+    tail = jit_call(page_select.dense_selection_mask, q[:, 33:], k, page_size=4, budget=0.25,
+                    gqa=gqa)
     np.testing.assert_array_equal(np.asarray(tail), np.asarray(full)[:, :, 33:])
     assert not np.asarray(tail)[0, :, -1].all()  # the budget drops keys

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jit_utils import jit_call
 from tolerances import tol
 
 import pallas_kernels as pk
@@ -36,7 +37,7 @@ def test_paged_attention_hand_case(impl):
     q = jnp.asarray([[[1.0, 0.0]], [[1.0, 0.0]], [[5.0, 5.0]]])  # [B=3, Hq=1, D=2]
     lengths = jnp.asarray([2, 1, 0], jnp.int32)
     table = jnp.asarray([[2, 0], [2, 1], [1, 1]], jnp.int32)  # entries past a length point at NaN
-    out = pk.paged_attention(q, k, v, lengths, table, sm_scale=LN3, impl=impl)
+    out = jit_call(pk.paged_attention, q, k, v, lengths, table, sm_scale=LN3, impl=impl)
     want = np.asarray([[[0.75, 0.5]], [[1.0, 0.0]], [[0.0, 0.0]]])
     np.testing.assert_allclose(np.asarray(out), want, atol=1e-6)
 
@@ -45,9 +46,10 @@ def test_paged_attention_hand_case(impl):
 def test_paged_attention_hand_soft_cap(impl):
     k, v = _hand_pages()
     q = jnp.asarray([[[1.0, 0.0]]])
-    out = pk.paged_attention(
-        q, k, v, jnp.asarray([2]), jnp.asarray([[2, 0]]), sm_scale=LN3, soft_cap=0.5, impl=impl
-    )
+    out = jit_call(
+        pk.paged_attention, q, k, v, jnp.asarray([2]), jnp.asarray([[2, 0]]), sm_scale=LN3,
+        soft_cap=0.5, impl=impl,
+    )  # fmt: skip
     s0 = 0.5 * math.tanh(LN3 / 0.5)  # capped logit of k0; k1's is tanh(0) = 0
     p0 = math.exp(s0) / (math.exp(s0) + 1.0)
     np.testing.assert_allclose(np.asarray(out)[0, 0], [p0, 2 * (1 - p0)], atol=1e-6)
@@ -58,8 +60,8 @@ def test_ragged_hand_case(impl):
     """Sequence 0 verifies 2 tokens (positions 0 and 1); slot 1 is empty; row 2 is padding."""
     k, v = _hand_pages()
     q = jnp.asarray([[[1.0, 0.0]], [[1.0, 0.0]], [[7.0, 7.0]]])  # [T=3, Hq=1, D=2]
-    out = pk.ragged_paged_attention(
-        q, k, v,
+    out = jit_call(
+        pk.ragged_paged_attention, q, k, v,
         jnp.asarray([2, 0], jnp.int32),  # kv_lens
         jnp.asarray([[2, 0], [0, 0]], jnp.int32),  # page_indices
         jnp.asarray([0, 2, 2], jnp.int32),  # cu_q_lens
@@ -76,9 +78,10 @@ def test_flash_hand_case(impl):
     v = jnp.asarray([[[[1.0, 0.0]], [[0.0, 2.0]], [[NAN, NAN]]]])
     q = jnp.asarray([[[[1.0, 0.0]], [[1.0, 0.0]]]])  # [B=1, Tq=2, Hq=1, D=2]
     kv_lens = jnp.asarray([2], jnp.int32)
-    out = pk.flash_attention(q, k, v, kv_lens=kv_lens, sm_scale=LN3, impl=impl)
+    out = jit_call(pk.flash_attention, q, k, v, kv_lens=kv_lens, sm_scale=LN3, impl=impl)
     np.testing.assert_allclose(np.asarray(out)[0, :, 0], [[1.0, 0.0], [0.75, 0.5]], atol=1e-6)
-    out = pk.flash_attention(q, k, v, kv_lens=kv_lens, causal=False, sm_scale=LN3, impl=impl)
+    out = jit_call(pk.flash_attention, q, k, v, kv_lens=kv_lens, causal=False, sm_scale=LN3,
+                   impl=impl)
     np.testing.assert_allclose(np.asarray(out)[0, :, 0], [[0.75, 0.5], [0.75, 0.5]], atol=1e-6)
 
 
@@ -158,9 +161,10 @@ def test_xla_blocks_match_reference():
     )
     q = testing.random_q(rng, (4, 4, 64))
     args = (q, case.k_pages, case.v_pages, case.lengths, case.page_indices)
-    want = reference.paged_attention(*args)
+    want = jit_call(reference.paged_attention, *args)
     for block in (1, 16, 24, 1000):
-        got = pk.paged_attention(*args, impl="xla", config=pk.XlaConfig(block_tokens=block))
+        got = jit_call(pk.paged_attention, *args, impl="xla",
+                       config=pk.XlaConfig(block_tokens=block))
         np.testing.assert_allclose(got, want, **tol("float32"))
 
 
@@ -229,7 +233,7 @@ def test_reference_is_the_numpy_ground_truth_on_mqa_large_page():
     args = (q, case.k_pages, case.v_pages, case.lengths, case.page_indices)
     want = testing.paged_attention_np(*args, sm_scale=128**-0.5)
     for impl in ("reference", "xla"):
-        out = pk.paged_attention(*args, sm_scale=128**-0.5, impl=impl)
+        out = jit_call(pk.paged_attention, *args, sm_scale=128**-0.5, impl=impl)
         np.testing.assert_allclose(np.asarray(out, np.float64), want, **tol("float32"))
 
 
@@ -255,7 +259,7 @@ def test_ragged_with_no_live_sequences_is_zero(impl):
         rng, [(5, 2)], num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=8, pages_per_seq=1
     )
     args = (q, case.k_pages, case.v_pages, case.lengths, case.page_indices, cu)
-    out = pk.ragged_paged_attention(*args, 0, impl=impl)
+    out = jit_call(pk.ragged_paged_attention, *args, num_seqs=0, impl=impl)
     assert not np.any(np.asarray(out))
 
 
@@ -265,6 +269,6 @@ def test_flash_prefill_default_kv_lens(impl):
     rng = np.random.default_rng(8)
     q = testing.random_q(rng, (2, 12, 4, 64))
     k, v = testing.random_q(rng, (2, 12, 2, 64)), testing.random_q(rng, (2, 12, 2, 64))
-    out = pk.flash_attention(q, k, v, sm_scale=0.125, impl=impl)
+    out = jit_call(pk.flash_attention, q, k, v, sm_scale=0.125, impl=impl)
     want = testing.flash_attention_np(q, k, v, sm_scale=0.125)
     np.testing.assert_allclose(np.asarray(out, np.float64), want, **tol("float32"))

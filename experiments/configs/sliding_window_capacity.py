@@ -32,8 +32,8 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.stop_after_failures = 1  # an arm stops at its first miss (capacity is fixed by it)
     if arg == "smoke":
         c.window_fractions = (0.25,)
-        c.rates = (2.0, 4.0)
-        c.duration_s = 0.5  # two requests per point (at least two, `rate * duration_s`)
+        c.rates = (8.0, 16.0)  # two requests per point (at least two, `rate * duration_s`),
+        c.duration_s = 0.125  # arriving within ~0.25 s: the points do not wait on the clock
         c.ttft_slo_ms = 10000.0
         c.tpot_slo_ms = 2000.0
         c.max_drain_s = 20.0
