@@ -21,7 +21,7 @@ import numpy as np
 from paged.kv.blocks.fence import StepFence
 from paged.kv.blocks.progress import Progress
 from paged.kv.blocks.tables import TOKEN_LIMIT, Seq, SeqTables
-from paged.kv.blocks.token_rows import DTYPE, NEVER
+from paged.kv.blocks.token_rows import DTYPE
 
 _INT = {int}
 
@@ -38,13 +38,14 @@ def run(tables: SeqTables, progress: Progress, fence: StepFence, seq_ids: Sequen
     """
     batch, rows = check_run(tables, seq_ids, token_ids)
     R = tables.rows_of(batch)  # their token rows
-    need = blocks_needed(tables, batch, rows.shape[1], R)
+    n0 = tables.rows.n[R].tolist()  # their lengths, read once
+    need = blocks_needed(tables, batch, rows.shape[1], R, n0)
     if need is None:
         raise ValueError("a sequence's partly filled tail block is shared: its next append "
                          "copies it (use append_decode_slots)")
     if need > tables.pool.num_allocatable:
         return False
-    run_decode_steps(tables, progress, fence, batch, rows, R)
+    run_decode_steps(tables, progress, fence, batch, rows, R, n0)
     return True
 
 
@@ -54,14 +55,18 @@ def check_run(tables: SeqTables, seq_ids: Sequence, token_ids: Sequence
     state touched)."""
     if not isinstance(seq_ids, list | tuple):
         raise ValueError(f"seq_ids must be a list of sequence ids, got {type(seq_ids).__name__}")
-    batch = [tables.resident(s) for s in seq_ids]  # raises for unknown or swapped-out ids
-    if len(set(map(id, batch))) != len(batch):
-        raise ValueError(f"repeated sequence ids in {list(seq_ids)!r}")
+    # A repeated batch is remembered (its rows too); raises for unknown or repeated ids.
+    batch = tables.lookup(seq_ids, seq_ids)
+    if any(seq.host_table is not None for seq in batch):
+        for s in seq_ids:
+            tables.resident(s)  # raises for the first swapped-out id
     if isinstance(token_ids, np.ndarray) and token_ids.ndim == 2 \
             and token_ids.dtype.kind in "iu" and token_ids.shape[0] == len(batch):
-        if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= TOKEN_LIMIT):
+        # (checked in bulk; a signed 64-bit id is below 2**63, an unsigned one is not negative)
+        if token_ids.size and (token_ids.min() < 0 if token_ids.dtype.kind == "i"
+                               else token_ids.max() >= TOKEN_LIMIT):
             raise ValueError("token ids must be ints in [0, 2**63)")
-        return batch, token_ids.astype(DTYPE, copy=False)  # (checked in bulk)
+        return batch, token_ids.astype(DTYPE, copy=False)
     try:
         rows = [list(r) for r in token_ids]
     except TypeError:
@@ -79,13 +84,15 @@ def check_run(tables: SeqTables, seq_ids: Sequence, token_ids: Sequence
     return batch, np.array(rows, DTYPE).reshape(len(rows), m)
 
 
-def blocks_needed(tables: SeqTables, batch: list[Seq], m: int, R=None) -> int | None:
+def blocks_needed(tables: SeqTables, batch: list[Seq], m: int, R=None, n0=None) -> int | None:
     """Fresh blocks ``m`` decode steps take, or ``None`` when some tail is shared and partly
-    filled (its first append would copy it: not a steady decode). ``R``: the batch's rows."""
+    filled (its first append would copy it: not a steady decode). ``R``: the batch's rows,
+    ``n0``: their lengths (a list)."""
     B, rc = tables.block_size, tables.pool.rc
     need = 0
-    R = tables.rows_of(batch) if R is None else R
-    for seq, n in zip(batch, tables.rows.n[R].tolist()):
+    if n0 is None:
+        n0 = tables.rows.n[tables.rows_of(batch) if R is None else R].tolist()
+    for seq, n in zip(batch, n0):
         room = -n % B
         if room and rc[seq.table[-1]] > 1:
             return None
@@ -95,34 +102,41 @@ def blocks_needed(tables: SeqTables, batch: list[Seq], m: int, R=None) -> int | 
 
 
 def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, batch: list[Seq],
-                     ids: np.ndarray, R=None) -> None:
+                     ids: np.ndarray, R=None, n0=None) -> None:
     """Runs the steps (module docstring); the caller checked the arguments and the pool.
-    ``ids``: the token ids, one row per sequence of ``batch``; ``R``: their token rows."""
+    ``ids``: the token ids, one row per sequence of ``batch``; ``R``: their token rows, ``n0``:
+    their lengths (a list).
+
+    The rows' counters are read once (a gather each), the steps' bookkeeping is done on Python
+    lists, and the counters are written once at the end (a scatter each)."""
     m = ids.shape[1]
     if m == 0:
         return
     rows = tables.rows
     R = tables.rows_of(batch) if R is None else R
-    if not rows.fast[R].all():  # off the fast path (debug, fork, rollback, swap)
+    if not all(rows.fast[R].tolist()):  # off the fast path (debug, fork, rollback, swap)
         _stepwise(tables, progress, fence, batch, ids)
         return
     B = tables.block_size
     pool, keyer = tables.pool, progress.keyer
+    if n0 is None:
+        n0 = rows.n[R].tolist()
     starts: dict[int, list[int]] = {}  # step -> rows whose slot starts a block (row order)
     fills: dict[int, list[int]] = {}  # step -> rows whose slot completes a block
     need = 0
-    n = rows.n[R]
-    for r, room in enumerate((-n % B).tolist()):
+    for r, n in enumerate(n0):
+        room = -n % B
         for j in range(room, m, B):
             starts.setdefault(j, []).append(r)
             need += 1
         for j in range((room - 1) % B, m, B):
             fills.setdefault(j, []).append(r)
-    if len(n) and n.max() + m > rows.width:
-        rows.fit(int(n.max()) + m)
+    if n0 and max(n0) + m > rows.width:
+        rows.fit(max(n0) + m)
+    n = rows.n[R]
     rows.tok[R[:, None], n[:, None] + np.arange(m)] = ids
     rows.n[R] = n + m
-    filled = _Filled(keyer, batch, n.tolist(), rows.key_at[R].tolist())
+    filled = _Filled(keyer, batch, R, n0, rows)
     if not (fence.held or fence.host_held) and fence.copy_step <= fence.last_completed \
             and len(pool.free) >= need:
         _run_quiet(fence, pool, filled, batch, m, starts, fills, need)
@@ -145,7 +159,7 @@ def run_decode_steps(tables: SeqTables, progress: Progress, fence: StepFence, ba
         if f is not None:  # its readback keys the blocks it filled, after it completed
             _steps(fence, pool, owed)
             owed = 0
-            filled.step(f, e)
+            filled.steps({e: f})
         j = e + 1
     _steps(fence, pool, owed + m - j)
     filled.counts_to(rows, R)
@@ -156,7 +170,8 @@ def _run_quiet(fence: StepFence, pool, filled: _Filled, batch: list[Seq], m: int
     """The steps when nothing waits on a step (no quarantine, no pending copy) and the free
     queue holds every block they start: each step's ``take`` pops the queue's head and nothing
     else touches the queue, so one ``take`` of all of them, dealt out in step order, leaves the
-    same tables; keying reads no step id (no copy pends), so only the ids move, once."""
+    same tables; keying reads no step id (no copy pends), so only the ids move, once, and the
+    readbacks are keyed in one call."""
     if need:
         taken = iter(pool.take(need))
         for e in sorted(starts):
@@ -164,42 +179,38 @@ def _run_quiet(fence: StepFence, pool, filled: _Filled, batch: list[Seq], m: int
                 batch[r].table.append(next(taken))
         if pool.died:
             pool.flush()
-    for e in sorted(fills):  # each step's readback keys in step order (equal keys: first wins)
-        filled.step(fills[e], e)
+    filled.steps(fills)  # each step's readback keys in step order (equal keys: first wins)
     _steps(fence, pool, m)
 
 
 class _Filled:
     """The readbacks of a run's steps: the rows whose block a step filled get their computed
-    count and, past their keying threshold, their keys (as ``mark_computed_many`` would); the
-    thresholds are kept as a list through the run and the counts written to the rows once at
-    its end (nothing reads them meanwhile: keying is handed the counts)."""
+    count and, past their keying threshold, their keys (as ``mark_computed_many`` would). The
+    computed counts and thresholds are read from the rows once, kept as lists through the run
+    and written back once at its end (nothing reads them meanwhile: keying is handed them)."""
 
-    def __init__(self, keyer, batch: list[Seq], n0: list[int], key_at: list[int]):
-        self.keyer, self.batch, self.n0, self.key_at = keyer, batch, n0, key_at
-        self.last: dict[int, int] = {}  # batch index -> count after its last filled block
+    def __init__(self, keyer, batch: list[Seq], R: np.ndarray, n0: list[int], rows):
+        self.keyer, self.batch, self.n0 = keyer, batch, n0
+        self.rs = R.tolist()
+        self.computed = rows.computed[R].tolist()
+        self.key_at = rows.key_at[R].tolist()
 
-    def step(self, rows: list[int], e: int) -> None:
-        """Step ``e``'s readback: ``rows`` (batch indices) filled a block."""
-        n0, key_at, last = self.n0, self.key_at, self.last
-        keyed = []
-        for r in rows:
-            c = last[r] = n0[r] + e + 1
-            if c >= key_at[r]:
-                keyed.append(r)
-        if keyed:
-            seqs = [self.batch[r] for r in keyed]
-            rs = [seq.row for seq in seqs]
-            self.keyer.key_computed(seqs, rs, [last[r] for r in keyed])
-            B = self.keyer.block_size
-            for r, seq in zip(keyed, seqs):  # as key_computed set it (never debug here)
-                key_at[r] = (len(seq.keys) + 1) * B if not seq.nokey else NEVER
+    def steps(self, fills: dict[int, list[int]]) -> None:
+        """The readbacks of steps ``fills`` (step -> batch indices that filled a block then),
+        in step order."""
+        n0, computed = self.n0, self.computed
+        events = []
+        for e in sorted(fills):
+            for r in fills[e]:
+                c = computed[r] = n0[r] + e + 1
+                events.append((r, c))
+        self.keyer.key_run(self.batch, self.rs, events, self.key_at)
 
     def counts_to(self, rows, R: np.ndarray) -> None:
-        """Writes the computed counts of every row that filled a block."""
-        if self.last:
-            idx = list(self.last)
-            rows.computed[R[idx]] = [self.last[r] for r in idx]
+        """Writes the computed counts and keying thresholds back to the rows."""
+        rows.computed[R] = self.computed
+        if not self.keyer.debug:  # (never here: debug rows are off the fast path)
+            rows.key_at[R] = self.key_at
 
 
 def _steps(fence: StepFence, pool, k: int) -> None:

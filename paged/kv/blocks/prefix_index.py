@@ -425,3 +425,47 @@ class PrefixKeyer:
                     i += 1
             if keep:
                 key_at[r] = (i + 1) * B if not seq.nokey else 2**63 - 1
+
+    def key_run(self, seqs: list, rs: list[int], events: list[tuple[int, int]],
+                key_at: list[int]) -> None:
+        """``key_computed`` for the readbacks of a decode run (`paged.kv.blocks.decode_run`),
+        in one call: ``events`` lists ``(k, c)`` in readback order, sequence ``seqs[k]`` (token
+        row ``rs[k]``) having ``c`` slots computed now. It is keyed only when ``c >= key_at[k]``
+        (a list of the sequences' keying thresholds, which the caller writes back to the rows),
+        and its new threshold goes to ``key_at[k]``. The same keys, in the same order, as one
+        ``key_computed`` per event."""
+        if not self.enabled:
+            return
+        B, versions, digest, intern = self.block_size, self.versions, self.digest, \
+            self.index.intern
+        fence = self.fence
+        busy, done = fence.busy_until, fence.last_completed
+        copying = fence.copy_step > done  # some block may have a copy pending
+        rows = seqs[0].rows if seqs else None
+        for k, c in events:
+            if c < key_at[k]:
+                continue
+            seq = seqs[k]
+            keys = seq.keys
+            i = len(keys)
+            nokey = seq.nokey
+            upto = c // B if not nokey else 0  # compacted: never keyed
+            if upto > i:
+                r = rs[k]
+                table, salt, front, tok = seq.table, seq.salt, seq.front, rows.tok
+                parent = keys[-1] if i else None
+                unknown = rows.unknown[r]
+                while i < upto:
+                    b = table[i]
+                    if copying and busy[b] > done or i < front:
+                        break  # its copy has not run yet, or it was recycled unkeyed
+                    ids = tok[r, i * B:(i + 1) * B]
+                    if unknown and (ids < 0).any():  # a slot of unknown token id: stop here
+                        break
+                    data = ids.tobytes()
+                    parent = intern(b, parent, data, salt,
+                                    digest(None if parent is None else parent.digest, data, salt),
+                                    versions)
+                    keys.append(parent)
+                    i += 1
+            key_at[k] = (i + 1) * B if not nokey else 2**63 - 1
