@@ -391,40 +391,20 @@ class PrefixKeyer:
             rs = [seq.row for seq in seqs]
         if not seqs:
             return
-        B, versions, digest, intern = self.block_size, self.versions, self.digest, \
-            self.index.intern
+        B = self.block_size
         fence = self.fence
-        busy, done = fence.busy_until, fence.last_completed
-        copying = fence.copy_step > done  # some block may have a copy pending
+        copying = fence.copy_step > fence.last_completed  # some block may have a copy pending
         rows = seqs[0].rows  # one manager's sequences: one store
-        tok, unk, key_at = rows.tok, rows.unknown, rows.key_at
+        key_at = rows.key_at
         if computed is None:
             computed = rows.computed[rs].tolist() if len(rs) > 8 else [
                 int(rows.computed[r]) for r in rs]
         keep = not self.debug  # debug: every sequence stays on the checked path (key_at -1)
         for seq, r, c in zip(seqs, rs, computed):
-            keys = seq.keys
-            i = len(keys)
-            upto = c // B if not seq.nokey else 0  # compacted: never keyed
-            if upto > i:
-                table, salt = seq.table, seq.salt
-                parent = keys[-1] if i else None
-                unknown = unk[r]
-                while i < upto:
-                    b = table[i]
-                    if copying and busy[b] > done or i < seq.front:
-                        break  # its copy has not run yet, or it was recycled unkeyed
-                    ids = tok[r, i * B:(i + 1) * B]
-                    if unknown and (ids < 0).any():  # a slot of unknown token id: stop here
-                        break
-                    data = ids.tobytes()
-                    parent = intern(b, parent, data, salt,
-                                    digest(None if parent is None else parent.digest, data, salt),
-                                    versions)
-                    keys.append(parent)
-                    i += 1
+            nokey = seq.nokey
+            i = self._key_blocks(seq, r, rows, c // B if not nokey else 0, copying)
             if keep:
-                key_at[r] = (i + 1) * B if not seq.nokey else 2**63 - 1
+                key_at[r] = (i + 1) * B if not nokey else 2**63 - 1
 
     def key_run(self, seqs: list, rs: list[int], events: list[tuple[int, int]],
                 key_at: list[int]) -> None:
@@ -436,36 +416,44 @@ class PrefixKeyer:
         ``key_computed`` per event."""
         if not self.enabled:
             return
-        B, versions, digest, intern = self.block_size, self.versions, self.digest, \
-            self.index.intern
+        B = self.block_size
         fence = self.fence
-        busy, done = fence.busy_until, fence.last_completed
-        copying = fence.copy_step > done  # some block may have a copy pending
+        copying = fence.copy_step > fence.last_completed  # some block may have a copy pending
         rows = seqs[0].rows if seqs else None
         for k, c in events:
             if c < key_at[k]:
                 continue
             seq = seqs[k]
-            keys = seq.keys
-            i = len(keys)
             nokey = seq.nokey
-            upto = c // B if not nokey else 0  # compacted: never keyed
-            if upto > i:
-                r = rs[k]
-                table, salt, front, tok = seq.table, seq.salt, seq.front, rows.tok
-                parent = keys[-1] if i else None
-                unknown = rows.unknown[r]
-                while i < upto:
-                    b = table[i]
-                    if copying and busy[b] > done or i < front:
-                        break  # its copy has not run yet, or it was recycled unkeyed
-                    ids = tok[r, i * B:(i + 1) * B]
-                    if unknown and (ids < 0).any():  # a slot of unknown token id: stop here
-                        break
-                    data = ids.tobytes()
-                    parent = intern(b, parent, data, salt,
-                                    digest(None if parent is None else parent.digest, data, salt),
-                                    versions)
-                    keys.append(parent)
-                    i += 1
+            i = self._key_blocks(seq, rs[k], rows, c // B if not nokey else 0, copying)
             key_at[k] = (i + 1) * B if not nokey else 2**63 - 1
+
+    def _key_blocks(self, seq, r: int, rows, upto: int, copying: bool) -> int:
+        """Keys ``seq``'s blocks from its first unkeyed one up to block ``upto`` (exclusive;
+        token row ``r`` of ``rows``), stopping at a block whose copy has not run yet, that was
+        recycled unkeyed or that holds a slot of unknown token id; returns how many of its
+        blocks are keyed now."""
+        keys = seq.keys
+        i = len(keys)
+        if upto <= i:
+            return i
+        B, versions, digest, intern = self.block_size, self.versions, self.digest, \
+            self.index.intern
+        busy, done = self.fence.busy_until, self.fence.last_completed
+        table, salt, front, tok = seq.table, seq.salt, seq.front, rows.tok
+        parent = keys[-1] if i else None
+        unknown = rows.unknown[r]
+        while i < upto:
+            b = table[i]
+            if copying and busy[b] > done or i < front:
+                break  # its copy has not run yet, or it was recycled unkeyed
+            ids = tok[r, i * B:(i + 1) * B]
+            if unknown and (ids < 0).any():  # a slot of unknown token id: stop here
+                break
+            data = ids.tobytes()
+            parent = intern(b, parent, data, salt,
+                            digest(None if parent is None else parent.digest, data, salt),
+                            versions)
+            keys.append(parent)
+            i += 1
+        return i
