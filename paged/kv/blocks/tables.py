@@ -25,11 +25,13 @@ from paged.kv.blocks.fence import StepFence
 from paged.kv.blocks.pool import BlockPool
 from paged.kv.blocks.prefix_index import BlockKey, PrefixCacheIndex
 from paged.kv.blocks.token_rows import (  # (count_arg, token_list: imported from here too)
+    FEW,
     NEVER,
     TOKEN_LIMIT,
     UNKNOWN_ID,
     TokenRows,
     count_arg,
+    few_ids,
     id_array,
     masked_ids,
     token_list,
@@ -379,31 +381,34 @@ class SeqTables:
         token id valid; the checked path otherwise. ``unknown``: a bool mask of the slots whose
         token id is not known yet (``token_ids`` an integer ndarray; its values there ignored).
         """
-        T = id_array(token_ids) if unknown is None else masked_ids(token_ids, unknown)
-        mixed = unknown is not None or not isinstance(token_ids, np.ndarray)  # may hold None
-        if T is None or len(T) != len(batch):
-            if unknown is not None:
-                token_ids = unknown_as_none(token_ids, unknown)
-            return self._append_decode_checked(batch, token_ids)
+        few = few_ids(token_ids, unknown, len(batch)) if len(batch) <= FEW else None
+        if few is None:  # the array path (or the checked path)
+            T = id_array(token_ids) if unknown is None else masked_ids(token_ids, unknown)
+            if T is None or len(T) != len(batch):
+                if unknown is not None:
+                    token_ids = unknown_as_none(token_ids, unknown)
+                return self._append_decode_checked(batch, token_ids)
         rows = self.rows
         R = self.rows_of(batch)
         if not rows.fast[R].all():  # a tail off the fast path (or a swapped sequence)
             return self._append_decode_checked(batch, token_ids if unknown is None else
                                                unknown_as_none(token_ids, unknown))
-        n = rows.n[R]
-        start = n % self.block_size == 0  # full tails: these sequences start a fresh block
-        k = int(np.count_nonzero(start))
+        B = self.block_size
+        if few is None:
+            n = rows.n[R]
+            start = np.flatnonzero(n % B == 0).tolist()  # full tails: these take a fresh block
+        else:
+            ns = rows.n[R].tolist()
+            start = [i for i, k in enumerate(ns) if not k % B]
         pool = self.pool
-        if k > len(pool.free) + len(pool.lru):
+        if len(start) > len(pool.free) + len(pool.lru):
             return None
-        if len(n) and n.max() >= rows.width:
-            rows.fit(int(n.max()) + 1)
-        rows.tok[R, n] = T
-        rows.n[R] = n + 1
-        if mixed:  # some token ids may be unknown: count them
-            rows.unknown[R] += T == UNKNOWN_ID
-        if k:
-            for i, b in zip(np.flatnonzero(start).tolist(), pool.take(k)):
+        if few is None:  # (``unknown`` or a list: some token ids may be unknown)
+            rows.put_each(R, n, T, unknown is not None or not isinstance(token_ids, np.ndarray))
+        else:
+            rows.put_few(R, ns, *few)
+        if start:
+            for i, b in zip(start, pool.take(len(start))):
                 batch[i].table.append(b)
             if pool.died:  # evicted cached blocks: report them now
                 pool.flush()
