@@ -186,13 +186,13 @@ class SeqTables:
     # --- creation and removal --------------------------------------------------------------
     def add(self, seq_id, table: list[int], tokens: list[int], hits: list[tuple[int, BlockKey]],
             salt: bytes, num_computed: int | None = None) -> Seq:
-        """Creates ``seq_id`` over ``table`` whose first ``len(hits)`` blocks are computed hits
-        (``num_computed``: more computed tokens, in blocks loaded from the host tier, keyed once
-        their copy ran)."""
+        """Creates ``seq_id`` over ``table`` (``tokens``: validated ids, none unknown) whose first
+        ``len(hits)`` blocks are computed hits (``num_computed``: more computed tokens, in blocks
+        loaded from the host tier, keyed once their copy ran)."""
         computed = len(hits) * self.block_size if num_computed is None else num_computed
         rows = self.rows
         r = rows.take()
-        rows.extend(r, tokens)
+        rows.extend(r, tokens, known=True)  # (validated: no unknown id)
         seq = self.seqs[seq_id] = Seq(rows, r, table, computed, [k for _, k in hits], salt)
         self.batches = []
         self.fast_state(seq)  # the tail block is fresh

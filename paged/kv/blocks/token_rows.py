@@ -85,16 +85,16 @@ class TokenRows:
             self.tok = tok
 
     # --- per-row writes (validated ids: ints in [0, 2**63) or None) ------------------------
-    def extend(self, r: int, ids: list) -> None:
-        """Appends ``ids`` (``None`` = unknown) to row ``r``."""
+    def extend(self, r: int, ids: list, *, known: bool = False) -> None:
+        """Appends ``ids`` (``None`` = unknown; ``known``: none is, not scanned) to row ``r``."""
         n = int(self.n[r])
         m = len(ids)
         if n + m > self.width:
             self.fit(n + m)
-        if None in ids:
+        if not known and None in ids:
             self.unknown[r] += ids.count(None)
             ids = [UNKNOWN_ID if t is None else t for t in ids]
-        self.tok[r, n:n + m] = ids
+        self.tok[r, n:n + m] = np.fromiter(ids, DTYPE, m)
         self.n[r] = n + m
 
     def put_each(self, R: np.ndarray, n: np.ndarray, T: np.ndarray, mixed: bool) -> None:
