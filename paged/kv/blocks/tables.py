@@ -377,8 +377,9 @@ class SeqTables:
         """The decode append: one slot per sequence of ``batch`` (distinct; as many as
         ``token_ids``: ints, ``None`` for unknown, or an integer ndarray), all or nothing.
 
-        Array operations over the batch's rows when every tail's ``room`` is known and every
-        token id valid; the checked path otherwise. ``unknown``: a bool mask of the slots whose
+        Array operations over the batch's rows (a Python pass of scalar writes for up to
+        ``FEW`` rows: the same state, cheaper at that size) when every tail's ``room`` is known
+        and every token id valid; the checked path otherwise. ``unknown``: a bool mask of the slots whose
         token id is not known yet (``token_ids`` an integer ndarray; its values there ignored).
         """
         few = few_ids(token_ids, unknown, len(batch)) if len(batch) <= FEW else None
@@ -390,7 +391,8 @@ class SeqTables:
                 return self._append_decode_checked(batch, token_ids)
         rows = self.rows
         R = self.rows_of(batch)
-        if not rows.fast[R].all():  # a tail off the fast path (or a swapped sequence)
+        fast = rows.fast[R]
+        if not (fast.all() if few is None else all(fast.tolist())):  # a tail off the fast path
             return self._append_decode_checked(batch, token_ids if unknown is None else
                                                unknown_as_none(token_ids, unknown))
         B = self.block_size
