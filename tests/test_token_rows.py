@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from paged.kv.block_manager import BlockManager
+from paged.kv.blocks import tables
 from paged.kv.blocks.prefix_index import pack_tokens
 
 B = 4
@@ -101,4 +102,63 @@ def test_bad_token_ids_raise_before_any_change(bad):
         bm.append_slots("a", [-1])
     with pytest.raises(ValueError):
         bm.run_decode_steps(["a", "b"], np.array([[1], [-1]]))
+    assert _state(bm, ["a", "b"]) == before
+
+
+def _fast_run(seed: int, num_seqs: int) -> tuple:
+    """Decode steps on the fast path (debug off, prefix caching on; some ids unknown, arrays
+    and lists alternating), filled blocks marked and keyed, some sequences leaving and coming."""
+    rng = random.Random(seed)
+    bm = BlockManager(60 * num_seqs, B, enable_prefix_caching=True)
+    ids = [f"s{i}" for i in range(num_seqs)]
+    for s in ids:
+        p = [rng.randrange(1, 9) for _ in range(rng.randint(1, 11))]
+        bm.allocate(s, p)
+        bm.mark_computed(s, len(p))
+    for j in range(24):
+        n0 = [bm.num_tokens(s) for s in ids]
+        new = [rng.randrange(9) for _ in ids]
+        unknown = [rng.random() < 0.2 for _ in ids]
+        if j % 3 == 0:
+            assert bm.append_decode_slots(ids, np.array(new, np.int32), np.array(unknown)) == []
+        elif j % 3 == 1:
+            assert bm.append_decode_slots(ids, [None if u else t for t, u in
+                                                zip(new, unknown)]) == []
+        else:
+            unknown = [False] * len(ids)
+            assert bm.append_decode_slots(ids, np.array(new)) == []
+        late = [i for i, u in enumerate(unknown) if u]
+        if late:
+            bm.set_tokens([ids[i] for i in late], [n0[i] for i in late], [new[i] for i in late])
+        bm.step_completed(bm.begin_step())
+        bm.mark_computed_many(ids, [n + 1 for n in n0])
+        if j % 7 == 6:  # one leaves, a new one comes (a released row reused)
+            bm.free(ids.pop(0))
+            ids.append(f"n{j}")
+            bm.allocate(ids[-1], [rng.randrange(1, 9) for _ in range(rng.randint(1, 6))])
+            bm.mark_computed(ids[-1], bm.num_tokens(ids[-1]))
+    rows = bm._tables.rows
+    return _state(bm, ids), [bm._tables.get(s).unknown for s in ids], rows.n.tolist(), \
+        [bm._tables.get(s).room for s in ids]
+
+
+@pytest.mark.parametrize("seed,num_seqs", [(0, 3), (1, 12), (2, 16), (3, 5)])
+def test_small_batches_give_the_state_the_array_path_gives(seed, num_seqs, monkeypatch):
+    few = _fast_run(seed, num_seqs)  # batches of at most FEW rows: the Python pass
+    monkeypatch.setattr(tables, "FEW", 0)  # every batch on the array path
+    assert _fast_run(seed, num_seqs) == few
+
+
+@pytest.mark.parametrize("bad", [[-1, 2], np.array([-1, 2]), [1.0, 2], [2**63, 1],
+                                 np.array([2**63, 1], np.uint64), [1, 2, 3]])
+def test_small_batch_bad_ids_raise_before_any_change(bad):
+    bm = BlockManager(64, B, enable_prefix_caching=True)  # on the fast path
+    for s in ("a", "b"):
+        bm.allocate(s, [1, 2, 3])
+        bm.mark_computed(s, 3)
+    before = _state(bm, ["a", "b"])
+    with pytest.raises(ValueError):
+        bm.append_decode_slots(["a", "b"], bad)
+    with pytest.raises(ValueError):
+        bm.append_decode_slots(["a", "b"], np.array([5, -1]), np.array([True, False]))
     assert _state(bm, ["a", "b"]) == before

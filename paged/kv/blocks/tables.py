@@ -25,11 +25,13 @@ from paged.kv.blocks.fence import StepFence
 from paged.kv.blocks.pool import BlockPool
 from paged.kv.blocks.prefix_index import BlockKey, PrefixCacheIndex
 from paged.kv.blocks.token_rows import (  # (count_arg, token_list: imported from here too)
+    FEW,
     NEVER,
     TOKEN_LIMIT,
     UNKNOWN_ID,
     TokenRows,
     count_arg,
+    few_ids,
     id_array,
     masked_ids,
     token_list,
@@ -184,13 +186,13 @@ class SeqTables:
     # --- creation and removal --------------------------------------------------------------
     def add(self, seq_id, table: list[int], tokens: list[int], hits: list[tuple[int, BlockKey]],
             salt: bytes, num_computed: int | None = None) -> Seq:
-        """Creates ``seq_id`` over ``table`` whose first ``len(hits)`` blocks are computed hits
-        (``num_computed``: more computed tokens, in blocks loaded from the host tier, keyed once
-        their copy ran)."""
+        """Creates ``seq_id`` over ``table`` (``tokens``: validated ids, none unknown) whose first
+        ``len(hits)`` blocks are computed hits (``num_computed``: more computed tokens, in blocks
+        loaded from the host tier, keyed once their copy ran)."""
         computed = len(hits) * self.block_size if num_computed is None else num_computed
         rows = self.rows
         r = rows.take()
-        rows.extend(r, tokens)
+        rows.extend(r, tokens, known=True)  # (validated: no unknown id)
         seq = self.seqs[seq_id] = Seq(rows, r, table, computed, [k for _, k in hits], salt)
         self.batches = []
         self.fast_state(seq)  # the tail block is fresh
@@ -375,35 +377,40 @@ class SeqTables:
         """The decode append: one slot per sequence of ``batch`` (distinct; as many as
         ``token_ids``: ints, ``None`` for unknown, or an integer ndarray), all or nothing.
 
-        Array operations over the batch's rows when every tail's ``room`` is known and every
-        token id valid; the checked path otherwise. ``unknown``: a bool mask of the slots whose
+        Array operations over the batch's rows (a Python pass of scalar writes for up to
+        ``FEW`` rows: the same state, cheaper at that size) when every tail's ``room`` is known
+        and every token id valid; the checked path otherwise. ``unknown``: a bool mask of the slots whose
         token id is not known yet (``token_ids`` an integer ndarray; its values there ignored).
         """
-        T = id_array(token_ids) if unknown is None else masked_ids(token_ids, unknown)
-        mixed = unknown is not None or not isinstance(token_ids, np.ndarray)  # may hold None
-        if T is None or len(T) != len(batch):
-            if unknown is not None:
-                token_ids = unknown_as_none(token_ids, unknown)
-            return self._append_decode_checked(batch, token_ids)
+        few = few_ids(token_ids, unknown, len(batch)) if len(batch) <= FEW else None
+        if few is None:  # the array path (or the checked path)
+            T = id_array(token_ids) if unknown is None else masked_ids(token_ids, unknown)
+            if T is None or len(T) != len(batch):
+                if unknown is not None:
+                    token_ids = unknown_as_none(token_ids, unknown)
+                return self._append_decode_checked(batch, token_ids)
         rows = self.rows
         R = self.rows_of(batch)
-        if not rows.fast[R].all():  # a tail off the fast path (or a swapped sequence)
+        fast = rows.fast[R]
+        if not (fast.all() if few is None else all(fast.tolist())):  # a tail off the fast path
             return self._append_decode_checked(batch, token_ids if unknown is None else
                                                unknown_as_none(token_ids, unknown))
-        n = rows.n[R]
-        start = n % self.block_size == 0  # full tails: these sequences start a fresh block
-        k = int(np.count_nonzero(start))
+        B = self.block_size
+        if few is None:
+            n = rows.n[R]
+            start = np.flatnonzero(n % B == 0).tolist()  # full tails: these take a fresh block
+        else:
+            ns = rows.n[R].tolist()
+            start = [i for i, k in enumerate(ns) if not k % B]
         pool = self.pool
-        if k > len(pool.free) + len(pool.lru):
+        if len(start) > len(pool.free) + len(pool.lru):
             return None
-        if len(n) and n.max() >= rows.width:
-            rows.fit(int(n.max()) + 1)
-        rows.tok[R, n] = T
-        rows.n[R] = n + 1
-        if mixed:  # some token ids may be unknown: count them
-            rows.unknown[R] += T == UNKNOWN_ID
-        if k:
-            for i, b in zip(np.flatnonzero(start).tolist(), pool.take(k)):
+        if few is None:  # (``unknown`` or a list: some token ids may be unknown)
+            rows.put_each(R, n, T, unknown is not None or not isinstance(token_ids, np.ndarray))
+        else:
+            rows.put_few(R, ns, *few)
+        if start:
+            for i, b in zip(start, pool.take(len(start))):
                 batch[i].table.append(b)
             if pool.died:  # evicted cached blocks: report them now
                 pool.flush()

@@ -28,6 +28,7 @@ DTYPE = np.dtype("<i8")  # int64 little-endian: the key bytes
 TOKEN_LIMIT = 2**63  # token ids are hashed as int64
 _INT = {int}
 NEVER = 2**63 - 1  # a ``key_at`` no count reaches (prefix caching off, or a compacted sequence)
+FEW = 16  # decode batches up to this size take the Python pass (`few_ids`, `TokenRows.put_few`)
 
 
 class TokenRows:
@@ -84,17 +85,39 @@ class TokenRows:
             self.tok = tok
 
     # --- per-row writes (validated ids: ints in [0, 2**63) or None) ------------------------
-    def extend(self, r: int, ids: list) -> None:
-        """Appends ``ids`` (``None`` = unknown) to row ``r``."""
+    def extend(self, r: int, ids: list, *, known: bool = False) -> None:
+        """Appends ``ids`` (``None`` = unknown; ``known``: none is, not scanned) to row ``r``."""
         n = int(self.n[r])
         m = len(ids)
         if n + m > self.width:
             self.fit(n + m)
-        if None in ids:
+        if not known and None in ids:
             self.unknown[r] += ids.count(None)
             ids = [UNKNOWN_ID if t is None else t for t in ids]
-        self.tok[r, n:n + m] = ids
+        self.tok[r, n:n + m] = np.fromiter(ids, DTYPE, m)
         self.n[r] = n + m
+
+    def put_each(self, R: np.ndarray, n: np.ndarray, T: np.ndarray, mixed: bool) -> None:
+        """Appends ``T[i]`` to row ``R[i]`` (distinct rows of lengths ``n``; ``mixed``: ``T`` may
+        hold ``UNKNOWN_ID``): the decode append's array path."""
+        if len(n) and n.max() >= self.width:
+            self.fit(int(n.max()) + 1)
+        self.tok[R, n] = T
+        self.n[R] = n + 1
+        if mixed:  # some token ids may be unknown: count them
+            self.unknown[R] += T == UNKNOWN_ID
+
+    def put_few(self, R: np.ndarray, ns: list, ids: list, unknown: list | None) -> None:
+        """`put_each` of a few rows by scalar writes (``ns``, ``ids`` lists; ``unknown``: which
+        ids are ``UNKNOWN_ID``, or None when none is): the same state, cheaper at this size."""
+        if ns and max(ns) >= self.width:
+            self.fit(max(ns) + 1)
+        tok, n = self.tok, self.n
+        for r, k, t in zip(R.tolist(), ns, ids):
+            tok[r, k] = t
+            n[r] = k + 1
+        if unknown is not None:
+            self.unknown[R] += unknown
 
     def truncate(self, r: int, n: int) -> None:
         """Drops row ``r``'s slots from ``n`` on (recounting its unknown slots)."""
@@ -150,6 +173,40 @@ def id_array(token_ids) -> np.ndarray | None:
     if a.dtype is not DTYPE or a.min() < UNKNOWN_ID or np.count_nonzero(a == UNKNOWN_ID) != unknown:
         return None  # a value that is no int, a negative id, or a -1 that was no None
     return a
+
+
+def few_ids(token_ids, unknown, m: int) -> tuple[list, list | None] | None:
+    """A small decode batch's ``m`` token ids (a list, ``None`` for unknown, or an integer
+    ndarray with an optional bool mask ``unknown`` as in `masked_ids`) as a list of ints
+    (``UNKNOWN_ID`` for unknown) and the unknown flags (None when none is unknown), or ``None``
+    when something needs the array or the checked path (a bad id, a length that differs)."""
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+            return None
+        ids = token_ids.tolist()
+    elif type(token_ids) is list:
+        ids = token_ids
+    else:
+        return None
+    if len(ids) != m:
+        return None
+    if unknown is not None:
+        u = np.asarray(unknown, bool)
+        if u.shape != (m,):
+            return None
+        flags = u.tolist()
+        known = [t for t, f in zip(ids, flags) if not f]
+    elif None in ids:
+        flags = [t is None for t in ids]
+        known = [t for t in ids if t is not None]
+    else:
+        flags, known = None, ids
+    if known and not (set(map(type, known)) <= _INT and min(known) >= 0
+                      and max(known) < TOKEN_LIMIT):
+        return None
+    if flags is None:
+        return ids, None
+    return [UNKNOWN_ID if f else t for t, f in zip(ids, flags)], flags
 
 
 def masked_ids(token_ids, unknown) -> np.ndarray | None:
