@@ -21,15 +21,21 @@ def _state(bm: BlockManager, ids) -> tuple:
             [bm._tables.get(s).tokens for s in ids], bm.stats())
 
 
+def _prompts(bm: BlockManager, rng: random.Random, num_seqs: int, vocab: int) -> list[str]:
+    """``num_seqs`` sequences with random computed prompts of 1-11 tokens below ``vocab``."""
+    ids = [f"s{i}" for i in range(num_seqs)]
+    for s in ids:
+        p = [rng.randrange(1, vocab) for _ in range(rng.randint(1, 11))]
+        bm.allocate(s, p)
+        bm.mark_computed(s, len(p))
+    return ids
+
+
 def _run(arrays: bool, seed: int) -> tuple:
     """Random decode steps (some token ids unknown, filled in later), as lists or as arrays."""
     rng = random.Random(seed)
     bm = BlockManager(400, B, debug=True)
-    ids = [f"s{i}" for i in range(9)]
-    for s in ids:
-        p = [rng.randrange(1, 60) for _ in range(rng.randint(1, 11))]
-        bm.allocate(s, p)
-        bm.mark_computed(s, len(p))
+    ids = _prompts(bm, rng, 9, 60)
     for _ in range(30):
         n0 = [bm.num_tokens(s) for s in ids]
         new = [rng.randrange(60) for _ in ids]
@@ -110,11 +116,7 @@ def _fast_run(seed: int, num_seqs: int) -> tuple:
     and lists alternating), filled blocks marked and keyed, some sequences leaving and coming."""
     rng = random.Random(seed)
     bm = BlockManager(60 * num_seqs, B, enable_prefix_caching=True)
-    ids = [f"s{i}" for i in range(num_seqs)]
-    for s in ids:
-        p = [rng.randrange(1, 9) for _ in range(rng.randint(1, 11))]
-        bm.allocate(s, p)
-        bm.mark_computed(s, len(p))
+    ids = _prompts(bm, rng, num_seqs, 9)
     for j in range(24):
         n0 = [bm.num_tokens(s) for s in ids]
         new = [rng.randrange(9) for _ in ids]
