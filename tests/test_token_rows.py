@@ -94,13 +94,18 @@ def test_rows_grow_and_are_reused():
     assert {s: bm._tables.get(s).tokens for s in want} == want
 
 
-@pytest.mark.parametrize("bad", [[-1, 2], np.array([-1, 2]), [1.0, 2], [2**63, 1]])
-def test_bad_token_ids_raise_before_any_change(bad):
-    bm = BlockManager(64, B, debug=True)
+def _two_seqs(**kw) -> tuple[BlockManager, tuple]:
+    """A manager holding sequences "a" and "b" (3 computed tokens each), and its state."""
+    bm = BlockManager(64, B, **kw)
     for s in ("a", "b"):
         bm.allocate(s, [1, 2, 3])
         bm.mark_computed(s, 3)
-    before = _state(bm, ["a", "b"])
+    return bm, _state(bm, ["a", "b"])
+
+
+@pytest.mark.parametrize("bad", [[-1, 2], np.array([-1, 2]), [1.0, 2], [2**63, 1]])
+def test_bad_token_ids_raise_before_any_change(bad):
+    bm, before = _two_seqs(debug=True)
     with pytest.raises(ValueError):
         bm.append_decode_slots(["a", "b"], bad)
     assert _state(bm, ["a", "b"]) == before
@@ -154,11 +159,7 @@ def test_small_batches_give_the_state_the_array_path_gives(seed, num_seqs, monke
 @pytest.mark.parametrize("bad", [[-1, 2], np.array([-1, 2]), [1.0, 2], [2**63, 1],
                                  np.array([2**63, 1], np.uint64), [1, 2, 3]])
 def test_small_batch_bad_ids_raise_before_any_change(bad):
-    bm = BlockManager(64, B, enable_prefix_caching=True)  # on the fast path
-    for s in ("a", "b"):
-        bm.allocate(s, [1, 2, 3])
-        bm.mark_computed(s, 3)
-    before = _state(bm, ["a", "b"])
+    bm, before = _two_seqs(enable_prefix_caching=True)  # on the fast path
     with pytest.raises(ValueError):
         bm.append_decode_slots(["a", "b"], bad)
     with pytest.raises(ValueError):
