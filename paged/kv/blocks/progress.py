@@ -13,7 +13,7 @@ import numpy as np
 
 from paged.kv.blocks.prefix_index import PrefixKeyer
 from paged.kv.blocks.tables import TOKEN_LIMIT, Seq, SeqTables, count_arg
-from paged.kv.blocks.token_rows import DTYPE, UNKNOWN_ID
+from paged.kv.blocks.token_rows import UNKNOWN_ID, int_array
 
 _FEW = 32  # batches up to this size are marked by a Python pass (`Progress._mark_few`)
 _INT = {int}
@@ -51,7 +51,7 @@ class Progress:
                 return
             C = None
         else:
-            C = _count_array(counts)
+            C = int_array(counts)
         if C is not None:  # array operations over the batch's rows
             rows = tables.rows
             R = tables.rows_of(batch)
@@ -114,7 +114,7 @@ class Progress:
             raise ValueError(f"{len(batch)} sequence ids but {len(token_ids)} token ids")
         rows = tables.rows
         R = tables.rows_of(batch)
-        P, T = _count_array(positions), _count_array(token_ids)
+        P, T = int_array(positions), int_array(token_ids)
         if P is None or T is None or len(R) and not (
                 (P < rows.n[R]).all() and (rows.tok[R, P] == UNKNOWN_ID).all()
                 and (tables.distinct(batch) or len(np.unique(R * rows.width + P)) == len(R))):
@@ -146,22 +146,3 @@ class Progress:
                 raise ValueError(f"token id {t} for sequence {sid!r} must be below 2**63")
             seen.add((id(seq), p))
         return np.array(positions, np.int64), np.array(token_ids, np.int64)
-
-
-def _count_array(values) -> np.ndarray | None:
-    """Non-negative int64 values of a list of ints or an integer ndarray, or ``None`` when one
-    needs checking."""
-    if isinstance(values, np.ndarray):
-        if values.ndim == 1 and values.dtype.kind in "iu" and (not values.size or (
-                values.min() >= 0 if values.dtype.kind == "i" else values.max() < TOKEN_LIMIT)):
-            return values.astype(np.int64, copy=False)
-        return None
-    if type(values) is not list:
-        try:
-            values = list(values)
-        except TypeError:
-            return None
-    a = np.array(values)  # int64 only when every value is an int (or bool) below 2**63
-    if a.dtype is DTYPE and a.ndim == 1:
-        return None if len(a) and a.min() < 0 else a
-    return np.zeros(0, DTYPE) if not values else None

@@ -385,14 +385,10 @@ class SeqTables:
         few = few_ids(token_ids, unknown, len(batch)) if len(batch) <= FEW else None
         if few is None:  # the array path (or the checked path)
             T = id_array(token_ids) if unknown is None else masked_ids(token_ids, unknown)
-            if T is None or len(T) != len(batch):
-                if unknown is not None:
-                    token_ids = unknown_as_none(token_ids, unknown)
-                return self._append_decode_checked(batch, token_ids)
         rows = self.rows
         R = self.rows_of(batch)
-        fast = rows.fast[R]
-        if not (fast.all() if few is None else all(fast.tolist())):  # a tail off the fast path
+        if (few is None and (T is None or len(T) != len(batch))  # an id needs checking
+                or not (rows.fast[R].all() if few is None else all(rows.fast[R].tolist()))):
             return self._append_decode_checked(batch, token_ids if unknown is None else
                                                unknown_as_none(token_ids, unknown))
         B = self.block_size

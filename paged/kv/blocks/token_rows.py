@@ -142,17 +142,35 @@ class TokenRows:
         return out
 
 
+def int_array(values) -> np.ndarray | None:
+    """Non-negative int64 values below 2**63 of a list of ints or a 1-D integer ndarray (passed
+    through without a Python loop), or ``None`` when one needs the checked path."""
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            return None
+        if values.size and (values.min() < 0 if values.dtype.kind == "i"
+                            else values.max() >= TOKEN_LIMIT):
+            return None
+        return values.astype(DTYPE, copy=False)
+    if type(values) is not list:
+        try:
+            values = list(values)
+        except TypeError:
+            return None
+    if not values:
+        return np.zeros(0, DTYPE)
+    a = np.array(values)  # int64 only when every value is an int (or bool) below 2**63
+    if a.dtype is DTYPE and a.ndim == 1:
+        return None if a.min() < 0 else a
+    return None
+
+
 def id_array(token_ids) -> np.ndarray | None:
     """``token_ids`` as an int64 array (``UNKNOWN_ID`` for ``None``), or ``None`` when some value
     needs the checked path (not an int, negative, 2**63 or more; a ``-1`` is never accepted as
     unknown: ``None`` is). An integer ndarray passes through without a Python loop."""
     if isinstance(token_ids, np.ndarray):
-        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
-            return None
-        if token_ids.size and (token_ids.min() < 0 if token_ids.dtype.kind == "i"
-                               else token_ids.max() >= 2**63):
-            return None
-        return token_ids.astype(DTYPE, copy=False)
+        return int_array(token_ids)
     if type(token_ids) is not list:
         try:
             token_ids = list(token_ids)
