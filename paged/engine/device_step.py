@@ -21,6 +21,7 @@ from paged.models.config import LlamaConfig
 from paged.models.kivi_attention import KiviPages
 from paged.models.llama import Llama, attention_mass
 from paged.models.sparse_attention import SparseDecode
+from paged.step.sampling_rows import SamplingView
 
 
 def device_cache(spec, num_pages: int, page_size: int, sharding=None,
@@ -206,14 +207,15 @@ def make_sample_fn(out_size: int, with_logprobs: bool, with_verify: bool):
     @jax.jit
     def step_sample(logits, smp, smp_f, q=None, q_index=None):
         _SAMPLE_TRACES[0] += 1  # runs at trace time only
-        args = (logits, smp_f[0], smp[1], smp_f[1], smp[2], smp[3], smp[4])
+        s = SamplingView(smp, smp_f)
+        args = (logits, s.temperature, s.top_k, s.top_p, s.seed, s.sample_index, s.sample_pos)
         extras = {}
         if with_verify:
-            tokens, extras["accept"] = sampling.verify(*args, smp[6], q, q_index)
+            tokens, extras["accept"] = sampling.verify(*args, s.draft, q, q_index)
         else:
             tokens = sampling.sample(*args)
         if with_logprobs:
-            target = jnp.where(smp[5] >= 0, smp[5], tokens)
+            target = jnp.where(s.target >= 0, s.target, tokens)
             extras["logprobs"] = sampling.logprobs(logits, target)
         if tokens.shape[0] < out_size:
             tokens = jnp.pad(tokens, (0, out_size - tokens.shape[0]))

@@ -22,12 +22,13 @@ from paged.kv.paging import NULL_PAGE, next_pow2
 from paged.models.attention import AttentionMetadata
 from paged.request.sequence import UNKNOWN, Sequence
 from paged.step.input_batch import HAS_STOP_IDS, LIMIT, LOGPROBS, InputBatch
+from paged.step.sampling_rows import SamplingRows
 
 MIN_TOKENS = 8  # smallest token bucket: tiny batches share one compilation
 
 
 @flax.struct.dataclass
-class DeviceBatch:
+class DeviceBatch(SamplingRows):
     """Everything the jitted step reads; shapes are bucketed.
 
     Packed into five arrays, one per length (each is one host fill and one transfer); the named
@@ -37,8 +38,8 @@ class DeviceBatch:
     tok: jax.Array  # i32[4, T]: token ids, positions, slot mapping, feed (-1: the id is given)
     seq: jax.Array  # i32[2, S + 1]: kv_lens then num_seqs; cu_q_lens
     page_indices: jax.Array  # i32[S, pages_per_seq]
-    smp: jax.Array  # i32[7, N]: sample_rows, top_k, seed, sample_index, sample_pos, target, draft
-    smp_f: jax.Array  # f32[2, N]: temperature, top_p
+    smp: jax.Array  # i32[7, N] and f32[2, N]: the sampling rows (`paged.step.sampling_rows`)
+    smp_f: jax.Array
     # i32[G, S + 1] shared-prefix groups of a decode-only step (paged.step.cascade_plan), or None.
     casc: jax.Array | None = None
     # i32[G - 1, T] slot mappings of KV-cache groups 1 .. G-1 (``page_indices`` then
@@ -57,15 +58,6 @@ class DeviceBatch:
     tokens = property(lambda self: self.tok[0])  # i32[T]
     positions = property(lambda self: self.tok[1])  # i32[T]
     feed = property(lambda self: self.tok[3])  # i32[T]: previous step's sample slot, or -1
-    sample_rows = property(lambda self: self.smp[0])  # i32[N]: token row each sample slot reads
-    top_k = property(lambda self: self.smp[1])  # i32[N]
-    seed = property(lambda self: self.smp[2])  # i32[N]
-    sample_index = property(lambda self: self.smp[3])  # i32[N]
-    sample_pos = property(lambda self: self.smp[4])  # i32[N]: position of the sampled token
-    target = property(lambda self: self.smp[5])  # i32[N]: token to score (-1: the sampled one)
-    draft = property(lambda self: self.smp[6])  # i32[N]: proposed token to verify (-1: none)
-    temperature = property(lambda self: self.smp_f[0])  # f32[N]
-    top_p = property(lambda self: self.smp_f[1])  # f32[N]
 
     @property
     def md(self) -> AttentionMetadata:
